@@ -1,0 +1,1 @@
+"""``isocost bench``: the load generator against any OpenAI-compatible endpoint."""

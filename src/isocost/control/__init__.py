@@ -1,0 +1,1 @@
+"""Autoscaler: pure decision logic plus actuators."""

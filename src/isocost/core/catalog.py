@@ -1,0 +1,182 @@
+"""Catalog of GPUs and models: built-ins plus user additions, looked up ignoring case.
+
+User catalogs are YAML (``--catalog my.yaml``); unknown keys are rejected and every error
+names the file and the key path::
+
+    gpus:
+      - id: mi300x-192g            # new GPU
+        memory_gib: 192
+        hbm_bandwidth_gb_s: 5300
+        bf16_tflops: 1307
+        fp8_tflops: 2615
+        interconnect: nvlink       # nvlink | pcie
+        interconnect_gb_s: 448
+        usd_per_hour: 3.0
+    models:
+      - id: my-13b
+        num_layers: 40
+        hidden_size: 5120
+        num_attention_heads: 40
+        num_kv_heads: 40
+        intermediate_size: 13824
+        vocab_size: 32000
+        max_context_tokens: 4096
+    prices:                        # override built-in $/GPU-hour
+      a100-80g: 1.2
+
+Parsing takes text, not paths: reading files is the caller's job (``isocost.files``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import msgspec
+
+from isocost.core.errors import ConfigError, UnknownEntryError
+from isocost.core.hardware import BUILTIN_GPUS, GpuSpec, Interconnect
+from isocost.core.models import BUILTIN_MODELS, ModelSpec
+
+__all__ = ["Catalog", "parse_catalog_yaml"]
+
+_GB = 1e9
+_GIB = 1024**3
+
+
+@dataclass(frozen=True, slots=True)
+class Catalog:
+    """GPUs and models by lowercase id."""
+
+    gpus: dict[str, GpuSpec] = field(default_factory=dict)
+    models: dict[str, ModelSpec] = field(default_factory=dict)
+
+    @classmethod
+    def builtin(cls) -> Catalog:
+        return cls({g.id: g for g in BUILTIN_GPUS}, {m.id: m for m in BUILTIN_MODELS})
+
+    def gpu(self, name: str) -> GpuSpec:
+        found = self.gpus.get(name.strip().lower())
+        if found is None:
+            raise UnknownEntryError("GPU", name, self.gpus)
+        return found
+
+    def model(self, name: str) -> ModelSpec:
+        found = self.models.get(name.strip().lower())
+        if found is None:
+            raise UnknownEntryError("model", name, self.models)
+        return found
+
+    def with_models(self, models: Iterable[ModelSpec]) -> Catalog:
+        return Catalog(dict(self.gpus), {**self.models, **{m.id: m for m in models}})
+
+    def merged(self, text: str, source: str) -> Catalog:
+        """This catalog plus the YAML ``text`` read from ``source``."""
+        extra = parse_catalog_yaml(text, source)
+        gpus = dict(self.gpus)
+        for entry in extra.gpus:
+            gpus[entry.id.lower()] = entry.to_spec()
+        for gpu_id, price in extra.prices.items():
+            key = gpu_id.lower()
+            if key not in gpus:
+                raise ConfigError(
+                    source, f"price for unknown GPU {gpu_id!r}", key=f"prices.{gpu_id}"
+                )
+            gpus[key] = gpus[key].with_price(price)
+        return Catalog(gpus, dict(self.models)).with_models(e.to_spec() for e in extra.models)
+
+
+class _GpuEntry(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    id: str
+    memory_gib: float
+    hbm_bandwidth_gb_s: float
+    bf16_tflops: float
+    usd_per_hour: float
+    fp8_tflops: float | None = None
+    name: str | None = None
+    interconnect: str = "pcie"
+    interconnect_gb_s: float = 25.0
+    interconnect_latency_us: float = 20.0
+    max_gpus_per_node: int = 8
+    mfu_prefill: float = 0.5
+    mbu_decode: float = 0.72
+    step_overhead_ms: float = 2.0
+    prefill_overhead_ms: float = 3.0
+
+    def to_spec(self) -> GpuSpec:
+        return GpuSpec(
+            id=self.id.lower(),
+            name=self.name or self.id,
+            memory_bytes=int(self.memory_gib * _GIB),
+            hbm_bandwidth_bytes_per_s=self.hbm_bandwidth_gb_s * _GB,
+            bf16_flops=self.bf16_tflops * 1e12,
+            fp8_flops=None if self.fp8_tflops is None else self.fp8_tflops * 1e12,
+            interconnect=Interconnect(
+                self.interconnect,
+                self.interconnect_gb_s * _GB,
+                self.interconnect_latency_us * 1e-6,
+            ),
+            usd_per_hour=self.usd_per_hour,
+            max_gpus_per_node=self.max_gpus_per_node,
+            mfu_prefill=self.mfu_prefill,
+            mbu_decode=self.mbu_decode,
+            step_overhead_s=self.step_overhead_ms / 1000,
+            prefill_overhead_s=self.prefill_overhead_ms / 1000,
+        )
+
+
+class _ModelEntry(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    id: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    intermediate_size: int
+    vocab_size: int
+    max_context_tokens: int = 4096
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    default_weight_dtype: str = "bf16"
+
+    def to_spec(self) -> ModelSpec:
+        return ModelSpec(
+            id=self.id.lower(),
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads,
+            num_kv_heads=self.num_kv_heads or self.num_attention_heads,
+            head_dim=self.head_dim or self.hidden_size // self.num_attention_heads,
+            intermediate_size=self.intermediate_size,
+            vocab_size=self.vocab_size,
+            max_context_tokens=self.max_context_tokens,
+            tie_word_embeddings=self.tie_word_embeddings,
+            attention_bias=self.attention_bias,
+            default_weight_dtype=self.default_weight_dtype,
+        )
+
+
+class _CatalogFile(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    gpus: list[_GpuEntry] = []
+    models: list[_ModelEntry] = []
+    prices: dict[str, float] = {}
+
+
+def parse_catalog_yaml(text: str, source: str) -> _CatalogFile:
+    try:
+        parsed = msgspec.yaml.decode(text or "{}", type=_CatalogFile)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(source, str(exc)) from exc
+    except msgspec.DecodeError as exc:
+        raise ConfigError(source, f"not valid YAML: {exc}") from exc
+    for i, gpu in enumerate(parsed.gpus):
+        for key in ("memory_gib", "hbm_bandwidth_gb_s", "bf16_tflops"):
+            if getattr(gpu, key) <= 0:
+                raise ConfigError(source, "must be positive", key=f"gpus[{i}].{key}")
+        if gpu.interconnect not in ("nvlink", "pcie"):
+            raise ConfigError(source, "must be nvlink or pcie", key=f"gpus[{i}].interconnect")
+    for i, model in enumerate(parsed.models):
+        for key in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size"):
+            if getattr(model, key) <= 0:
+                raise ConfigError(source, "must be positive", key=f"models[{i}].{key}")
+    return parsed

@@ -1,0 +1,1 @@
+"""The engine model (pure, clock passed in) and the ``isocost engine`` HTTP server."""

@@ -1,0 +1,48 @@
+"""The file-reading edge under the pure layers: catalogs, model configs, traces.
+
+The pure layers parse text; this module is where paths become text, so that errors name
+the file. Everything above (engine, sim, gateway, bench, cli) reads files through here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from isocost.core.catalog import Catalog
+from isocost.core.errors import ConfigError
+from isocost.core.models import ModelSpec, model_from_hf_config
+
+__all__ = ["load_catalog", "read_text", "resolve_model"]
+
+
+def read_text(path: str | Path) -> str:
+    """The file's text, or a ConfigError naming it (missing, unreadable, not UTF-8)."""
+    p = Path(path)
+    try:
+        return p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(str(p), "no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(str(p), "is a directory, expected a file") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(str(p), f"not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise ConfigError(str(p), exc.strerror or "cannot be read") from None
+
+
+def load_catalog(paths: list[str] | None = None) -> Catalog:
+    """The built-in catalog merged with each user YAML catalog in ``paths``, in order."""
+    catalog = Catalog.builtin()
+    for path in paths or []:
+        catalog = catalog.merged(read_text(path), path)
+    return catalog
+
+
+def resolve_model(name: str, catalog: Catalog) -> ModelSpec:
+    """A catalog id, or a local Hugging Face model folder / ``config.json`` path."""
+    p = Path(name)
+    if p.is_dir() or p.suffix == ".json" or name.startswith((".", "/")):
+        config = p / "config.json" if p.is_dir() or not p.suffix else p
+        model_id = (p if p.is_dir() or not p.suffix else p.parent).name or str(p)
+        return model_from_hf_config(read_text(config), str(config), model_id)
+    return catalog.model(name)

@@ -1,0 +1,1 @@
+"""``isocost serve``: the OpenAI-compatible gateway that routes by equal cost."""

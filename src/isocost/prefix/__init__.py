@@ -1,0 +1,1 @@
+"""Pure: chained block hashes and the per-replica prefix index."""

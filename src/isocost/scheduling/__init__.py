@@ -1,0 +1,1 @@
+"""Pure: the scheduling framework (filters -> weighted scorers -> picker), policies, admission."""

@@ -1,0 +1,1 @@
+"""Pure: arrival processes x length distributions x trace loaders."""
