@@ -15,8 +15,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+# Until the live demo lands: size a sample fleet with the planner.
 demo: venv
-	$(BIN)/isocost demo
+	$(BIN)/isocost plan --model llama-3.1-8b --gpu a100-80g --qps 20 --context 4096 --output-tokens 512 --ttft-slo-ms 1000 --tpot-slo-ms 50
+	$(BIN)/isocost plan --model llama-3.1-70b --gpu h100-80g --concurrency 128 --context 8192 --output-tokens 512
+	$(BIN)/isocost plan --model mixtral-8x7b --gpu l40s-48g --qps 5 --explain
 
 lint: venv
 	$(BIN)/ruff check src tests benchmarks

@@ -1,0 +1,99 @@
+"""The planner's answers for the cases an engineer checks by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from isocost.core.catalog import Catalog
+from isocost.core.errors import DoesNotFitError
+from isocost.core.planner import PlanRequest, explain, plan
+
+CATALOG = Catalog.builtin()
+
+
+def request(model: str, gpu: str, **kw: object) -> PlanRequest:
+    return PlanRequest(CATALOG.model(model), CATALOG.gpu(gpu), **kw)  # type: ignore[arg-type]
+
+
+def test_seven_b_fp16_on_a100_at_4k_context() -> None:
+    result = plan(request("llama-2-7b", "a100-80g", weight_dtype="fp16", context_tokens=4000))
+    doc = result.as_dict()
+    assert doc["kv_cache_bytes_per_token"] == 524_288
+    assert doc["kv_cache_bytes_per_request"] == 524_288 * 4000
+    assert 20 <= doc["max_concurrency_per_replica"] <= 45  # type: ignore[operator]
+    assert doc["recommended_tensor_parallel"] == 1
+    assert doc["min_tensor_parallel"] == 1
+
+
+def test_seventy_b_needs_tp_two_and_recommendation_counts_kv() -> None:
+    small = plan(request("llama-2-70b", "a100-80g", weight_dtype="fp16", concurrency=2))
+    assert small.min_tensor_parallel >= 2
+    assert small.recommended.tensor_parallel == 2
+    busy = plan(request("llama-2-70b", "a100-80g", weight_dtype="fp16", concurrency=64))
+    assert busy.min_tensor_parallel >= 2
+    # TP 2 leaves ~5 GiB of KV per GPU: 64 concurrent requests need wider TP or many replicas.
+    assert busy.recommended.tensor_parallel >= 4
+    assert busy.recommended.max_concurrency * busy.recommended.replicas_needed >= 64
+    assert busy.recommended.gpus_needed <= min(o.gpus_needed for o in busy.options if o.meets_slos)
+
+
+def test_model_too_large_for_a_node_suggests_pipeline_parallelism() -> None:
+    with pytest.raises(DoesNotFitError, match=r"pipeline parallelism.*TP 8 x PP \d"):
+        plan(request("llama-3.1-405b", "a100-80g", weight_dtype="bf16"))
+    # fp8 halves it: 405 GB over four H200s (126 GiB usable each) leaves room for KV.
+    assert plan(request("llama-3.1-405b", "h200-141g", weight_dtype="fp8")).min_tensor_parallel == 4
+
+
+def test_qps_target_sizes_replicas_under_slos() -> None:
+    result = plan(request("llama-3.1-8b", "h100-80g", qps=40, ttft_slo_s=0.5, tpot_slo_s=0.05))
+    rec = result.recommended
+    assert rec.tpot_s <= 0.05 and rec.ttft_s <= 0.5
+    assert rec.replicas_needed * rec.requests_per_s >= 40
+    assert (rec.replicas_needed - 1) * rec.requests_per_s < 40
+    assert result.as_dict()["gpus_needed"] == rec.replicas_needed * rec.tensor_parallel
+
+
+def test_tighter_tpot_slo_lowers_batch_and_raises_replicas() -> None:
+    loose = plan(request("llama-3.1-8b", "a100-80g", qps=20, tpot_slo_s=0.08)).recommended
+    tight = plan(request("llama-3.1-8b", "a100-80g", qps=20, tpot_slo_s=0.03)).recommended
+    assert tight.batch_size < loose.batch_size
+    assert tight.gpus_needed > loose.gpus_needed
+    assert tight.limited_by == "tpot"
+
+
+def test_unreachable_slo_is_reported_not_hidden() -> None:
+    result = plan(request("llama-3.1-70b", "l20-48g", context_tokens=8000, ttft_slo_s=0.01))
+    assert not result.recommended.meets_slos
+    assert any("SLO" in note for note in result.notes)
+
+
+def test_json_carries_every_documented_key() -> None:
+    doc = plan(request("qwen2.5-7b", "l40s-48g", qps=5)).as_dict()
+    for key in (
+        "kv_cache_bytes_per_token", "kv_cache_bytes_per_request", "weights_bytes_per_gpu",
+        "max_concurrency_per_replica", "min_tensor_parallel", "recommended_tensor_parallel",
+        "replicas_needed", "gpus_needed", "decode_tokens_per_s_per_replica",
+        "usd_per_million_output_tokens",
+    ):  # fmt: skip
+        assert key in doc
+
+
+def test_explain_covers_each_headline_figure() -> None:
+    rows = explain(plan(request("mixtral-8x7b", "h100-80g")))
+    names = {name for name, _, _ in rows}
+    assert {"weights", "KV per token", "KV pool", "max concurrency", "decode step"} <= names
+    assert all(value and derivation for _, value, derivation in rows)
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"output_tokens": 4096, "context_tokens": 2048}, "must be below --context"),
+        ({"gpu_memory_utilization": 1.5}, "gpu-mem-util"),
+        ({"headroom": 1.0}, "headroom"),
+        ({"qps": -1.0}, "qps"),
+    ],
+)
+def test_bad_requests_are_rejected(kw: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        request("llama-2-7b", "a100-80g", **kw)
