@@ -1,1 +1,59 @@
-"""Pure: arrival processes x length distributions x trace loaders."""
+"""Pure: arrival processes x length distributions x trace loaders.
+
+Shared by the cluster simulator and the load generator. Parsers take text lines and a
+source name for errors; nothing here opens a file, reads a clock or uses the global RNG.
+"""
+
+from isocost.workload._arrivals import (
+    gamma_arrivals,
+    mean_rate_rps,
+    poisson_arrivals,
+    scale_to_rate,
+    speedup,
+    with_arrivals,
+)
+from isocost.workload._render import TextRenderer
+from isocost.workload._request import (
+    TRACE_BLOCK_TOKENS,
+    Segment,
+    WorkloadRequest,
+    prefix_block_keys,
+    segments_for_blocks,
+)
+from isocost.workload._synthetic import (
+    SCENARIO_MIX,
+    ScenarioClass,
+    multi_turn,
+    scenario_mix,
+    shared_prefix,
+)
+from isocost.workload._traces import (
+    TRACE_FORMATS,
+    TraceFormat,
+    detect_trace_format,
+    parse_trace,
+)
+
+__all__ = [
+    "SCENARIO_MIX",
+    "TRACE_BLOCK_TOKENS",
+    "TRACE_FORMATS",
+    "ScenarioClass",
+    "Segment",
+    "TextRenderer",
+    "TraceFormat",
+    "WorkloadRequest",
+    "detect_trace_format",
+    "gamma_arrivals",
+    "mean_rate_rps",
+    "multi_turn",
+    "parse_trace",
+    "poisson_arrivals",
+    "prefix_block_keys",
+    "scale_to_rate",
+    "scenario_mix",
+    "segments_for_blocks",
+    "shared_prefix",
+    "speedup",
+    "with_arrivals",
+]
