@@ -1,0 +1,166 @@
+"""Per-replica approximate prefix index: which prompt blocks were routed to which replica.
+
+The gateway cannot see an engine's prefix cache, so it remembers what it sent: every
+dispatched request's chained block hashes (``isocost.prefix.hashing``) are inserted for the
+replica that got it, and each replica's set is bounded, least recently used first, by the
+number of blocks its KV cache holds. Like SGLang's approximate radix tree and Dynamo's
+approximate KV indexer, it over-reports after the engine evicted on its own and is corrected
+only by capacity; that is the price of needing no engine cooperation.
+
+Layout, chosen so that a lookup costs time in the request's blocks, not in replicas:
+
+* ``holders[h]``: the replicas holding block hash ``h`` (a set, and a lazily rebuilt sorted
+  numpy array of it, invalidated when the set changes);
+* ``lru[r]``: replica ``r``'s blocks in recency order, capacity ``capacity[r]`` blocks.
+
+Insertion touches a request's blocks deepest-first, so a prefix's first block is the most
+recently used and eviction (from the cold end) removes deep blocks before shallow ones;
+the held set thus stays prefix-closed in practice. ``match`` walks the chain from block 0
+and keeps, per replica, the length of the *contiguous* run of held blocks from the start,
+stopping at the first block nobody holds: at most ``len(block_hashes)`` steps of numpy
+work over the holders of each matched block. A reported match is never longer than what
+was inserted (and not yet evicted) for that replica.
+
+Replicas are small non-negative ints (the caller's dense slot numbers), so results can fill
+numpy arrays indexed by slot directly.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["PrefixIndex"]
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+class PrefixIndex:
+    """Block hashes held per replica, LRU-bounded by each replica's KV capacity in blocks."""
+
+    __slots__ = ("_arrays", "_capacity", "_depth", "_holders", "_lru")
+
+    def __init__(self) -> None:
+        self._holders: dict[int, set[int]] = {}
+        self._arrays: dict[int, npt.NDArray[np.int64]] = {}
+        self._lru: dict[int, OrderedDict[int, None]] = {}
+        self._capacity: dict[int, int] = {}
+        self._depth = np.zeros(16, dtype=np.int64)  # scratch for match, all zero between calls
+
+    def add_replica(self, replica: int, capacity_blocks: int) -> None:
+        """Start tracking ``replica`` (a dense non-negative int) with room for that many blocks."""
+        if replica < 0:
+            raise ValueError("replica must be a non-negative int")
+        if capacity_blocks < 0:
+            raise ValueError("capacity_blocks must be >= 0")
+        self._lru.setdefault(replica, OrderedDict())
+        self._capacity[replica] = capacity_blocks
+        if replica >= self._depth.size:
+            grown = np.zeros(max(replica + 1, 2 * self._depth.size), dtype=np.int64)
+            self._depth = grown
+        self.evict(replica, len(self._lru[replica]) - capacity_blocks)
+
+    def has_replica(self, replica: int) -> bool:
+        return replica in self._lru
+
+    def num_blocks(self, replica: int) -> int:
+        lru = self._lru.get(replica)
+        return len(lru) if lru is not None else 0
+
+    def capacity_blocks(self, replica: int) -> int:
+        return self._capacity.get(replica, 0)
+
+    def insert(self, replica: int, block_hashes: Sequence[int]) -> None:
+        """Record that ``replica`` now caches these blocks (a prompt's chained hashes)."""
+        lru = self._lru[replica]
+        for block in reversed(block_hashes):
+            if block in lru:
+                lru.move_to_end(block)
+                continue
+            lru[block] = None
+            self._holders.setdefault(block, set()).add(replica)
+            self._arrays.pop(block, None)
+        self.evict(replica, len(lru) - self._capacity[replica])
+
+    def evict(self, replica: int, num_blocks: int) -> int:
+        """Forget the ``num_blocks`` least recently used blocks of ``replica``; returns how many."""
+        lru = self._lru.get(replica)
+        if lru is None or num_blocks <= 0:
+            return 0
+        evicted = 0
+        while evicted < num_blocks and lru:
+            block, _ = lru.popitem(last=False)
+            self._drop_holder(block, replica)
+            evicted += 1
+        return evicted
+
+    def remove_replica(self, replica: int) -> None:
+        """Forget everything about ``replica`` (it left the fleet or restarted)."""
+        lru = self._lru.pop(replica, None)
+        self._capacity.pop(replica, None)
+        if lru is None:
+            return
+        for block in lru:
+            self._drop_holder(block, replica)
+
+    def match(
+        self, block_hashes: Sequence[int]
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """Replicas holding at least the first block, and their contiguous matched blocks.
+
+        Returns ``(replicas, matched_blocks)``, two aligned arrays; replicas absent from
+        ``replicas`` match nothing.
+        """
+        if not block_hashes:
+            return _EMPTY, _EMPTY
+        first = self._holders_array(block_hashes[0])
+        if first.size == 0:
+            return _EMPTY, _EMPTY
+        depth = self._depth
+        depth[first] = 1
+        for i in range(1, len(block_hashes)):
+            holders = self._holders_array(block_hashes[i])
+            if holders.size == 0:
+                break
+            extended = holders[depth[holders] == i]
+            if extended.size == 0:
+                break
+            depth[extended] = i + 1
+        matched = depth[first].copy()
+        depth[first] = 0
+        return first, matched
+
+    def match_replica(self, replica: int, block_hashes: Sequence[int]) -> int:
+        """Contiguous blocks of ``block_hashes`` that ``replica`` holds, from the start."""
+        lru = self._lru.get(replica)
+        if lru is None:
+            return 0
+        matched = 0
+        for block in block_hashes:
+            if block not in lru:
+                break
+            matched += 1
+        return matched
+
+    def _holders_array(self, block: int) -> npt.NDArray[np.int64]:
+        cached = self._arrays.get(block)
+        if cached is not None:
+            return cached
+        holders = self._holders.get(block)
+        if not holders:
+            return _EMPTY
+        array = np.fromiter(sorted(holders), dtype=np.int64, count=len(holders))
+        self._arrays[block] = array
+        return array
+
+    def _drop_holder(self, block: int, replica: int) -> None:
+        holders = self._holders.get(block)
+        if holders is None:
+            return
+        holders.discard(replica)
+        if not holders:
+            del self._holders[block]
+        self._arrays.pop(block, None)

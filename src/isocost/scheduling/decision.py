@@ -1,0 +1,85 @@
+"""What ``Policy.schedule`` returns: an outcome value with its explanation.
+
+Outcomes (``Outcome``) and how the gateway answers them:
+
+* ``ADMIT``: send the request to ``replica_id`` now, then call ``ReplicaSet.on_dispatch``.
+* ``QUEUE``: every eligible replica is at its queue cap; hold the request in a bounded
+  ``admission.RequestQueue`` and schedule it again when a replica frees (late binding).
+* ``REJECT``: answer now; ``reason`` (``RejectReason``) says why and ``retry_after_s`` when
+  to retry. Suggested HTTP mapping: ``NO_REPLICA`` 404 (no replica serves the model),
+  ``UNAVAILABLE`` and ``SHED`` 503, ``DEADLINE`` and ``QUEUE_FULL`` 429, all with
+  ``Retry-After`` where ``retry_after_s`` is set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["Decision", "Explanation", "Outcome", "RejectReason"]
+
+
+class Outcome(StrEnum):
+    ADMIT = "admit"
+    QUEUE = "queue"
+    REJECT = "reject"
+
+
+class RejectReason(StrEnum):
+    NO_REPLICA = "no_replica"  # no replica serves this model / route class
+    UNAVAILABLE = "unavailable"  # replicas exist but none is healthy and not draining
+    SHED = "shed"  # too few replicas available: global load shedding
+    DEADLINE = "deadline"  # predicted TTFT is past the request's deadline
+    QUEUE_FULL = "queue_full"  # the gateway queue is full (set by admission.RequestQueue)
+
+
+@dataclass(frozen=True, slots=True)
+class Explanation:
+    """Why a replica was chosen: every plugin's scores for every eligible replica.
+
+    ``replica_ids[i]`` pairs with ``scores[plugin][i]`` and ``total[i]``; scores are the
+    clamped [0, 1] values each scorer returned, ``total`` their weighted sum.
+    """
+
+    replica_ids: tuple[str, ...]
+    scores: Mapping[str, npt.NDArray[np.float64]]
+    weights: Mapping[str, float]
+    total: npt.NDArray[np.float64]
+    notes: Mapping[str, str] = field(default_factory=dict)  # e.g. the route tier used
+
+    def top(self, n: int = 5) -> list[dict[str, float | str]]:
+        """The ``n`` best replicas with their per-plugin scores, best first."""
+        order = np.argsort(-self.total, kind="stable")[:n]
+        rows: list[dict[str, float | str]] = []
+        for i in order:
+            row: dict[str, float | str] = {"replica_id": self.replica_ids[i]}
+            for name, values in self.scores.items():
+                row[name] = float(values[i])
+            row["total"] = float(self.total[i])
+            rows.append(row)
+        return rows
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """One scheduling outcome; predictions refer to the chosen (or best) replica."""
+
+    outcome: Outcome
+    policy: str
+    replica_id: str | None = None
+    reason: RejectReason | None = None
+    retry_after_s: float | None = None
+    route_class: str = ""
+    predicted_ttft_s: float | None = None
+    predicted_e2e_s: float | None = None
+    predicted_output_tokens: int | None = None
+    cached_tokens: int = 0  # predicted prefix-cache hit on the chosen replica
+    explanation: Explanation | None = None
+
+    @property
+    def admitted(self) -> bool:
+        return self.outcome is Outcome.ADMIT

@@ -1,0 +1,649 @@
+"""The scheduling contract: request view, replica view, shadow state and its hooks.
+
+Who calls what (the gateway and the cluster simulator do exactly the same)::
+
+    replicas = ReplicaSet(block_tokens=16)          # one per gateway / simulated cluster
+    replicas.add(ReplicaSpec("r0", "llama-3.1-8b", CostModel(...), groups={"a100"}))
+    policy = build_policy("equal_cost", rng=random.Random(seed))   # scheduling.policies
+    replicas.add_listener(policy)                   # stateful plugins see every hook
+
+    request = RequestView("req-1", "llama-3.1-8b", prompt_tokens=812,
+                          block_hashes=token_block_hashes(ids, 16), max_tokens=256,
+                          session_key="user-7", deadline_s=now + 2.0, arrival_s=now)
+    decision = policy.schedule(request, replicas, now)     # a value, never raises
+    if decision.outcome is Outcome.ADMIT:
+        replicas.on_dispatch(request, decision.replica_id, now)
+        ...  replicas.on_first_token("req-1", t1)           # first streamed token
+        ...  replicas.on_tokens("req-1", 8, t2)             # optional: progress while streaming
+        ...  replicas.on_complete("req-1", t3, ok=True, output_tokens=201)
+    elif decision.outcome is Outcome.QUEUE:   # every eligible replica is at its queue cap
+        ...  keep it in an admission.RequestQueue, schedule again when a replica frees
+    else:                                     # Outcome.REJECT: decision.reason, .retry_after_s
+
+    replicas.apply_scrape("r0", EngineMetrics(num_running=12, num_waiting=3, kv_usage=0.41), now)
+    replicas.set_health("r0", False); replicas.set_draining("r0", True); replicas.remove("r0")
+
+Time is the caller's clock in seconds (``now``; the simulator's virtual time, the gateway's
+monotonic clock); deadlines are absolute on the same clock. Hooks for an unknown request
+id (already completed, or its replica removed) are ignored and return ``False``.
+
+Shadow state. Per replica the set keeps what this caller sent and has seen streamed
+(exact and instant: requests waiting for their first token with their uncached prompt
+tokens, running requests with their context, expected remaining output), plus the latest
+engine scrape (``EngineMetrics``) which reveals traffic from other gateways: the engine's
+counts above the local ones at scrape time are "foreign" load, weighted by freshness
+``exp(-age / staleness_tau_s)`` so that a stale scrape fades out. Learned per replica:
+``ttft_factor`` and ``itl_factor``, EWMAs of observed / predicted TTFT and inter-token
+time (1.0 = the cost model is right; 2.0 = this replica is twice as slow as its spec).
+Expected output lengths come from an online estimator per (model, route class), fed by
+``on_complete``.
+
+Dynamic per-replica quantities live in numpy arrays indexed by a dense *slot* and are
+updated incrementally by the hooks, so that a policy can price a thousand replicas with a
+few vector operations; ``ReplicaState`` is a per-replica read view over them. The prefix
+index (``isocost.prefix.index``) receives each dispatched request's block hashes.
+
+Block hashes: every ``RequestView.block_hashes`` must be chained hashes of blocks of
+``ReplicaSet.block_tokens`` tokens (``token_block_hashes(ids, block_tokens)``), or of text
+blocks of about that many tokens when no tokenizer is at hand (``text_block_hashes(text,
+4 * block_tokens)``); a trace's ``hash_ids`` work as they are with ``block_tokens`` equal to
+the trace's block size (Mooncake: 512).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from isocost.core.costmodel import CostModel
+from isocost.core.errors import UnknownEntryError
+from isocost.prefix.index import PrefixIndex
+from isocost.scheduling.estimate import OutputLengthEstimator
+from isocost.scheduling.predict import IndexArray, Load, predict
+from isocost.scheduling.timing import CoefficientArrays, FloatArray, StepCoefficients
+
+__all__ = [
+    "EngineMetrics",
+    "InFlight",
+    "ReplicaSet",
+    "ReplicaSpec",
+    "ReplicaState",
+    "RequestView",
+    "ShadowListener",
+    "stable_hash64",
+]
+
+_FACTOR_MIN, _FACTOR_MAX = 0.05, 20.0  # bounds of one observed/predicted ratio
+_BoolArray = npt.NDArray[np.bool_]
+
+
+def stable_hash64(text: str) -> int:
+    """A 64-bit hash of ``text`` that is the same in every process (unlike ``hash``)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+@dataclass(frozen=True, slots=True)
+class RequestView:
+    """What the scheduler knows about one request."""
+
+    request_id: str
+    model: str  # the model name the client asked for
+    prompt_tokens: int  # exact count, or an estimate (prompt_tokens_exact=False)
+    block_hashes: tuple[int, ...] = ()  # chained prompt block hashes (see module docstring)
+    max_tokens: int | None = None
+    session_key: str | None = None  # affinity key: x-session-id, else the user field
+    priority: int = 0  # higher is served first
+    deadline_s: float | None = None  # absolute, caller's clock: first token wanted by then
+    route_class: str | None = None  # None: classified by the policy's route table
+    stream: bool = False
+    arrival_s: float = 0.0
+    prompt_tokens_exact: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSpec:
+    """Static description of one replica."""
+
+    replica_id: str
+    model: str  # the model name it serves
+    cost_model: CostModel  # its model on its GPUs with its tensor parallelism
+    weight: float = 1.0  # static preference / traffic share (> 0)
+    usd_per_hour: float | None = None  # None: GPU list price times tensor parallelism
+    max_queue: int = 128  # waiting requests beyond which it takes no new work
+    groups: frozenset[str] = frozenset()  # route groups it belongs to
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.weight <= 0:
+            raise ValueError(f"replica {self.replica_id}: weight must be > 0")
+        if self.max_queue < 0:
+            raise ValueError(f"replica {self.replica_id}: max_queue must be >= 0")
+
+    @property
+    def price_usd_per_hour(self) -> float:
+        if self.usd_per_hour is not None:
+            return self.usd_per_hour
+        return self.cost_model.gpu.usd_per_hour * self.cost_model.tensor_parallel
+
+
+@dataclass(frozen=True, slots=True)
+class EngineMetrics:
+    """Engine-neutral scrape of one replica (the gateway maps vLLM/SGLang names into it)."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # fraction of the KV pool in use, 0..1
+    prefix_cache_queries: int = 0  # cumulative counters, tokens
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0  # cumulative
+
+
+@dataclass(slots=True)
+class InFlight:
+    """One dispatched, unfinished request on a replica (mutable: it advances as it streams)."""
+
+    request_id: str
+    replica_id: str
+    slot: int
+    model: str
+    route_class: str
+    prompt_tokens: int
+    cached_tokens: int  # predicted prefix-cache hit at dispatch
+    expected_output_tokens: int
+    dispatch_s: float
+    predicted_ttft_s: float  # uncorrected cost-model prediction at dispatch
+    predicted_step_s: float  # uncorrected decode step with it in the batch, at dispatch
+    generated_tokens: int = 0
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+
+    @property
+    def remaining_tokens(self) -> int:
+        return max(self.expected_output_tokens - self.generated_tokens, 0)
+
+
+class ShadowListener(Protocol):
+    """Receives every shadow-state hook after the set has applied it (stateful plugins)."""
+
+    def on_dispatch(self, record: InFlight, now: float) -> None: ...
+
+    def on_first_token(self, record: InFlight, now: float) -> None: ...
+
+    def on_complete(self, record: InFlight, now: float, ok: bool) -> None: ...
+
+
+class ReplicaState:
+    """Read view of one replica: its spec, in-flight requests and shadow numbers."""
+
+    __slots__ = ("_set", "in_flight", "metrics", "scrape_s", "slot", "spec")
+
+    def __init__(self, replica_set: ReplicaSet, spec: ReplicaSpec, slot: int) -> None:
+        self._set = replica_set
+        self.spec = spec
+        self.slot = slot
+        self.in_flight: dict[str, InFlight] = {}
+        self.metrics: EngineMetrics | None = None  # latest scrape
+        self.scrape_s: float | None = None  # when it was taken
+
+    @property
+    def replica_id(self) -> str:
+        return self.spec.replica_id
+
+    @property
+    def healthy(self) -> bool:
+        return bool(self._set.healthy[self.slot])
+
+    @property
+    def draining(self) -> bool:
+        return bool(self._set.draining[self.slot])
+
+    @property
+    def num_waiting(self) -> int:
+        """Local requests dispatched here still waiting for their first token."""
+        return int(self._set.local_waiting[self.slot])
+
+    @property
+    def num_running(self) -> int:
+        """Local requests streaming output here."""
+        return int(self._set.local_running[self.slot])
+
+    @property
+    def ttft_factor(self) -> float:
+        return float(self._set.ttft_factor[self.slot])
+
+    @property
+    def itl_factor(self) -> float:
+        return float(self._set.itl_factor[self.slot])
+
+    def staleness_s(self, now: float) -> float | None:
+        """Age of the latest scrape, None before the first one."""
+        return None if self.scrape_s is None else now - self.scrape_s
+
+
+_ARRAYS_FLOAT = (
+    "weight",
+    "usd_per_hour",
+    "num_gpus",
+    "kv_capacity_tokens",
+    "max_queue",
+    "max_num_seqs",
+    "local_waiting",
+    "local_running",
+    "local_queued_prefill_tokens",
+    "local_context_tokens",
+    "local_kv_tokens",
+    "local_remaining_tokens",
+    "foreign_waiting",
+    "foreign_running",
+    "scraped_kv_usage",
+    "scrape_s",
+    "ttft_factor",
+    "itl_factor",
+)
+_ARRAYS_BOOL = ("active", "healthy", "draining")
+
+
+class ReplicaSet:
+    """All replicas one scheduler sees, with their shadow state (see the module docstring).
+
+    Parameters: ``block_tokens`` (>= 1) tokens per hashed prompt block; ``staleness_tau_s``
+    (> 0, default 2 s) how fast a scrape's foreign load fades; ``factor_alpha`` (0..1,
+    default 0.1) EWMA weight of a new TTFT/ITL observation; ``estimator`` the output-length
+    estimator; ``prior_prompt_tokens`` the mean prompt assumed for foreign requests until
+    prompts have been seen.
+    """
+
+    def __init__(
+        self,
+        *,
+        block_tokens: int = 16,
+        staleness_tau_s: float = 2.0,
+        factor_alpha: float = 0.1,
+        estimator: OutputLengthEstimator | None = None,
+        prior_prompt_tokens: float = 1024.0,
+    ) -> None:
+        if block_tokens < 1:
+            raise ValueError("block_tokens must be >= 1")
+        if staleness_tau_s <= 0:
+            raise ValueError("staleness_tau_s must be > 0")
+        if not 0.0 <= factor_alpha <= 1.0:
+            raise ValueError("factor_alpha must be in [0, 1]")
+        self.block_tokens = block_tokens
+        self.staleness_tau_s = staleness_tau_s
+        self.factor_alpha = factor_alpha
+        self.estimator = estimator or OutputLengthEstimator()
+        self.prefix = PrefixIndex()
+        self.mean_prompt_tokens = prior_prompt_tokens
+        self.mean_output_tokens = self.estimator.prior_tokens
+        self.version = 0  # bumped on membership, health and draining changes
+        self._capacity = 0
+        self._states: list[ReplicaState | None] = []
+        self._by_id: dict[str, ReplicaState] = {}
+        self._free_slots: list[int] = []
+        self._requests: dict[str, InFlight] = {}
+        self._listeners: list[ShadowListener] = []
+        self._model_masks: dict[str, _BoolArray] = {}
+        self._group_masks: dict[str, _BoolArray] = {}
+        self.salt = np.zeros(0, dtype=np.uint64)
+        self.coef = CoefficientArrays.zeros(0)
+        self.ids = np.zeros(0, dtype=object)
+        for name in _ARRAYS_FLOAT:
+            setattr(self, name, np.zeros(0))
+        for name in _ARRAYS_BOOL:
+            setattr(self, name, np.zeros(0, dtype=bool))
+        self._grow(8)
+
+    # The arrays, declared for the type checker (set in _grow).
+    weight: FloatArray
+    usd_per_hour: FloatArray
+    num_gpus: FloatArray
+    kv_capacity_tokens: FloatArray
+    max_queue: FloatArray
+    max_num_seqs: FloatArray
+    local_waiting: FloatArray
+    local_running: FloatArray
+    local_queued_prefill_tokens: FloatArray
+    local_context_tokens: FloatArray
+    local_kv_tokens: FloatArray
+    local_remaining_tokens: FloatArray
+    foreign_waiting: FloatArray
+    foreign_running: FloatArray
+    scraped_kv_usage: FloatArray
+    scrape_s: FloatArray
+    ttft_factor: FloatArray
+    itl_factor: FloatArray
+    active: _BoolArray
+    healthy: _BoolArray
+    draining: _BoolArray
+
+    # -- membership ------------------------------------------------------------------
+
+    def add(self, spec: ReplicaSpec) -> ReplicaState:
+        """Add a replica (healthy, not draining, empty); its id must be new."""
+        if spec.replica_id in self._by_id:
+            raise ValueError(f"replica {spec.replica_id!r} already exists")
+        if not self._free_slots:
+            self._grow(2 * self._capacity)
+        slot = min(self._free_slots)
+        self._free_slots.remove(slot)
+        state = ReplicaState(self, spec, slot)
+        self._states[slot] = state
+        self._by_id[spec.replica_id] = state
+        cm = spec.cost_model
+        self.coef.set(slot, StepCoefficients.fit(cm))
+        self.salt[slot] = np.uint64(stable_hash64(spec.replica_id))
+        self.ids[slot] = spec.replica_id
+        for name in _ARRAYS_FLOAT:
+            getattr(self, name)[slot] = 0.0
+        self.weight[slot] = spec.weight
+        self.usd_per_hour[slot] = spec.price_usd_per_hour
+        self.num_gpus[slot] = cm.tensor_parallel
+        self.kv_capacity_tokens[slot] = cm.kv_capacity_tokens
+        self.max_queue[slot] = spec.max_queue
+        self.max_num_seqs[slot] = cm.limits.max_num_seqs
+        self.scrape_s[slot] = -math.inf
+        self.ttft_factor[slot] = 1.0
+        self.itl_factor[slot] = 1.0
+        self.active[slot] = True
+        self.healthy[slot] = True
+        self.draining[slot] = False
+        self._mask(self._model_masks, spec.model)[slot] = True
+        for group in spec.groups:
+            self._mask(self._group_masks, group)[slot] = True
+        self.prefix.add_replica(slot, cm.kv_capacity_tokens // self.block_tokens)
+        self.version += 1
+        return state
+
+    def remove(self, replica_id: str) -> None:
+        """Remove a replica; its in-flight requests are forgotten (their hooks become no-ops)."""
+        state = self.get(replica_id)
+        slot = state.slot
+        for request_id in list(state.in_flight):
+            del self._requests[request_id]
+        self.active[slot] = self.healthy[slot] = self.draining[slot] = False
+        for masks in (self._model_masks, self._group_masks):
+            for mask in masks.values():
+                mask[slot] = False
+        self.ids[slot] = None
+        self.prefix.remove_replica(slot)
+        self._states[slot] = None
+        del self._by_id[replica_id]
+        self._free_slots.append(slot)
+        self.version += 1
+
+    def get(self, replica_id: str) -> ReplicaState:
+        state = self._by_id.get(replica_id)
+        if state is None:
+            raise UnknownEntryError("replica", replica_id, self._by_id)
+        return state
+
+    def state_at(self, slot: int) -> ReplicaState:
+        state = self._states[slot]
+        if state is None:
+            raise KeyError(f"slot {slot} is empty")
+        return state
+
+    def __contains__(self, replica_id: object) -> bool:
+        return replica_id in self._by_id
+
+    def __iter__(self) -> Iterator[ReplicaState]:
+        return (s for s in self._states if s is not None)
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    @property
+    def capacity(self) -> int:
+        """Length of every per-slot array."""
+        return self._capacity
+
+    def set_health(self, replica_id: str, healthy: bool) -> None:
+        self.healthy[self.get(replica_id).slot] = healthy
+        self.version += 1
+
+    def set_draining(self, replica_id: str, draining: bool) -> None:
+        self.draining[self.get(replica_id).slot] = draining
+        self.version += 1
+
+    def add_listener(self, listener: ShadowListener) -> None:
+        self._listeners.append(listener)
+
+    def model_mask(self, model: str) -> _BoolArray:
+        """Slots serving ``model`` (all False for an unknown model); do not modify."""
+        mask = self._model_masks.get(model)
+        return mask if mask is not None else np.zeros(self._capacity, dtype=bool)
+
+    def group_mask(self, groups: frozenset[str]) -> _BoolArray:
+        """Slots in any of ``groups``."""
+        out = np.zeros(self._capacity, dtype=bool)
+        for group in groups:
+            mask = self._group_masks.get(group)
+            if mask is not None:
+                out |= mask
+        return out
+
+    @property
+    def models(self) -> list[str]:
+        return sorted(m for m, mask in self._model_masks.items() if mask.any())
+
+    def request(self, request_id: str) -> InFlight | None:
+        return self._requests.get(request_id)
+
+    # -- hooks -----------------------------------------------------------------------
+
+    def on_dispatch(self, request: RequestView, replica_id: str, now: float) -> InFlight:
+        """``request`` was sent to ``replica_id`` at ``now``."""
+        state = self.get(replica_id)
+        if request.request_id in self._requests:
+            raise ValueError(f"request {request.request_id!r} is already in flight")
+        slot = state.slot
+        route_class = request.route_class or ""
+        expected = self.estimator.expected_tokens(request.model, route_class, request.max_tokens)
+        cached = min(
+            self.prefix.match_replica(slot, request.block_hashes) * self.block_tokens,
+            request.prompt_tokens,
+        )
+        idx = np.array([slot], dtype=np.int64)
+        prediction = predict(
+            self.coef,
+            self.load(now, idx),
+            request.prompt_tokens,
+            np.array([float(cached)]),
+            expected,
+            np.ones(1),
+            np.ones(1),
+        )
+        record = InFlight(
+            request_id=request.request_id,
+            replica_id=replica_id,
+            slot=slot,
+            model=request.model,
+            route_class=route_class,
+            prompt_tokens=request.prompt_tokens,
+            cached_tokens=cached,
+            expected_output_tokens=expected,
+            dispatch_s=now,
+            predicted_ttft_s=float(prediction.ttft_s[0]),
+            predicted_step_s=float(prediction.step_s[0]),
+        )
+        self._requests[request.request_id] = record
+        state.in_flight[request.request_id] = record
+        self.local_waiting[slot] += 1
+        self.local_queued_prefill_tokens[slot] += request.prompt_tokens - cached
+        self.local_kv_tokens[slot] += request.prompt_tokens
+        self.local_remaining_tokens[slot] += record.remaining_tokens
+        self.prefix.insert(slot, request.block_hashes)
+        self.mean_prompt_tokens += 0.05 * (request.prompt_tokens - self.mean_prompt_tokens)
+        for listener in self._listeners:
+            listener.on_dispatch(record, now)
+        return record
+
+    def on_first_token(self, request_id: str, now: float) -> bool:
+        """The first output token of ``request_id`` arrived (learns the TTFT factor)."""
+        record = self._requests.get(request_id)
+        if record is None or record.first_token_s is not None:
+            return False
+        self._start_running(record, now)
+        self._learn(self.ttft_factor, record.slot, now - record.dispatch_s, record.predicted_ttft_s)
+        self._advance(record, 1, now)
+        for listener in self._listeners:
+            listener.on_first_token(record, now)
+        return True
+
+    def on_tokens(self, request_id: str, num_tokens: int, now: float) -> bool:
+        """``num_tokens`` more output tokens of ``request_id`` arrived (learns the ITL factor)."""
+        record = self._requests.get(request_id)
+        if record is None or num_tokens <= 0:
+            return False
+        if record.first_token_s is None:
+            self.on_first_token(request_id, now)
+            num_tokens -= 1
+            if num_tokens == 0:
+                return True
+        if record.last_token_s is not None and now > record.last_token_s:
+            self._learn(
+                self.itl_factor,
+                record.slot,
+                (now - record.last_token_s) / num_tokens,
+                record.predicted_step_s,
+            )
+        self._advance(record, num_tokens, now)
+        return True
+
+    def on_complete(
+        self, request_id: str, now: float, *, ok: bool = True, output_tokens: int | None = None
+    ) -> bool:
+        """``request_id`` finished (``ok``) or failed; ``output_tokens`` from the usage."""
+        record = self._requests.pop(request_id, None)
+        if record is None:
+            return False
+        slot = record.slot
+        state = self.state_at(slot)
+        del state.in_flight[request_id]
+        generated = output_tokens if output_tokens is not None else record.generated_tokens
+        if ok and generated > 0:
+            self._learn_from_completion(record, generated, now)
+            self.estimator.observe(record.model, record.route_class, generated)
+            self.mean_output_tokens += 0.05 * (generated - self.mean_output_tokens)
+        self.local_remaining_tokens[slot] -= record.remaining_tokens
+        self.local_kv_tokens[slot] -= record.prompt_tokens + record.generated_tokens
+        if record.first_token_s is None:
+            self.local_waiting[slot] -= 1
+            self.local_queued_prefill_tokens[slot] -= record.prompt_tokens - record.cached_tokens
+        else:
+            self.local_running[slot] -= 1
+            self.local_context_tokens[slot] -= record.prompt_tokens + record.generated_tokens
+        for listener in self._listeners:
+            listener.on_complete(record, now, ok)
+        return True
+
+    def apply_scrape(self, replica_id: str, metrics: EngineMetrics, now: float) -> None:
+        """Engine truth for ``replica_id`` at ``now``: load beyond ours is other gateways'."""
+        state = self.get(replica_id)
+        slot = state.slot
+        local_waiting = self.local_waiting[slot]
+        local_total = local_waiting + self.local_running[slot]
+        foreign_waiting = max(metrics.num_waiting - local_waiting, 0.0)
+        engine_total = metrics.num_running + metrics.num_waiting
+        self.foreign_waiting[slot] = foreign_waiting
+        self.foreign_running[slot] = max(engine_total - local_total - foreign_waiting, 0.0)
+        self.scraped_kv_usage[slot] = min(max(metrics.kv_usage, 0.0), 1.0)
+        self.scrape_s[slot] = now
+        state.metrics = metrics
+        state.scrape_s = now
+
+    # -- derived load ----------------------------------------------------------------
+
+    def load(self, now: float, idx: IndexArray) -> Load:
+        """Effective load of the slots ``idx`` at ``now`` (local state plus fresh scrapes)."""
+        age = np.maximum(now - self.scrape_s[idx], 0.0)
+        fresh = np.exp(-age / self.staleness_tau_s)
+        foreign_waiting = fresh * self.foreign_waiting[idx]
+        foreign_running = fresh * self.foreign_running[idx]
+        capacity = self.kv_capacity_tokens[idx]
+        mean_out = self.mean_output_tokens
+        return Load(
+            idx=idx,
+            waiting=self.local_waiting[idx] + foreign_waiting,
+            running=self.local_running[idx] + foreign_running,
+            queued_prefill_tokens=self.local_queued_prefill_tokens[idx]
+            + foreign_waiting * self.mean_prompt_tokens,
+            context_tokens=self.local_context_tokens[idx]
+            + foreign_running * (self.mean_prompt_tokens + mean_out / 2.0),
+            remaining_decode_tokens=self.local_remaining_tokens[idx]
+            + (foreign_running + foreign_waiting) * mean_out / 2.0,
+            kv_used_tokens=np.maximum(
+                self.local_kv_tokens[idx], fresh * self.scraped_kv_usage[idx] * capacity
+            ),
+            kv_capacity_tokens=capacity,
+        )
+
+    # -- internals -------------------------------------------------------------------
+
+    def _start_running(self, record: InFlight, now: float) -> None:
+        slot = record.slot
+        record.first_token_s = now
+        self.local_waiting[slot] -= 1
+        self.local_queued_prefill_tokens[slot] -= record.prompt_tokens - record.cached_tokens
+        self.local_running[slot] += 1
+        self.local_context_tokens[slot] += record.prompt_tokens + record.generated_tokens
+
+    def _advance(self, record: InFlight, num_tokens: int, now: float) -> None:
+        slot = record.slot
+        before = record.remaining_tokens
+        record.generated_tokens += num_tokens
+        record.last_token_s = now
+        self.local_remaining_tokens[slot] += record.remaining_tokens - before
+        self.local_context_tokens[slot] += num_tokens
+        self.local_kv_tokens[slot] += num_tokens
+
+    def _learn(self, factors: FloatArray, slot: int, observed_s: float, predicted_s: float) -> None:
+        if predicted_s <= 0.0 or observed_s < 0.0:
+            return
+        ratio = min(max(observed_s / predicted_s, _FACTOR_MIN), _FACTOR_MAX)
+        factors[slot] += self.factor_alpha * (ratio - factors[slot])
+
+    def _learn_from_completion(self, record: InFlight, generated: int, now: float) -> None:
+        slot = record.slot
+        if record.first_token_s is None:
+            # Not streamed: only the end-to-end time is known; it informs both factors.
+            predicted = record.predicted_ttft_s + generated * record.predicted_step_s
+            self._learn(self.ttft_factor, slot, now - record.dispatch_s, predicted)
+            self._learn(self.itl_factor, slot, now - record.dispatch_s, predicted)
+        elif record.last_token_s == record.first_token_s and generated > 1:
+            # Streamed without progress hooks: the mean inter-token time since the first.
+            itl = (now - record.first_token_s) / (generated - 1)
+            self._learn(self.itl_factor, slot, itl, record.predicted_step_s)
+
+    def _mask(self, masks: dict[str, _BoolArray], key: str) -> _BoolArray:
+        mask = masks.get(key)
+        if mask is None:
+            mask = masks[key] = np.zeros(self._capacity, dtype=bool)
+        return mask
+
+    def _grow(self, size: int) -> None:
+        old = self._capacity
+        size = max(size, 8)
+
+        def grown(a: npt.NDArray[np.generic]) -> npt.NDArray[np.generic]:
+            out = np.zeros(size, dtype=a.dtype)
+            out[:old] = a
+            return out
+
+        for name in (*_ARRAYS_FLOAT, *_ARRAYS_BOOL):
+            setattr(self, name, grown(getattr(self, name)))
+        self.salt = np.asarray(grown(self.salt), dtype=np.uint64)
+        self.ids = grown(self.ids)
+        self.coef = self.coef.grown(size)
+        for masks in (self._model_masks, self._group_masks):
+            for key in masks:
+                masks[key] = np.asarray(grown(masks[key]), dtype=bool)
+        self._states.extend([None] * (size - old))
+        self._free_slots.extend(range(old, size))
+        self._capacity = size

@@ -1,0 +1,165 @@
+"""The cost model in a form numpy can evaluate for a thousand replicas at once.
+
+``CostModel.step_time_s`` is a roofline with a ``max`` and per-chunk loops: exact, but a
+Python call per replica. A scheduler that prices every replica for every request needs
+the same numbers as array arithmetic, so each replica's cost model is reduced, once when
+the replica joins, to a handful of coefficients fitted at sample points of the real
+``CostModel``:
+
+* prefill of ``n`` new tokens after ``c`` cached ones, in chunks of ``C`` tokens::
+
+      T_pre(n, c) = ceil(n / C) * a + beta * n + gamma * n * (c + n / 2)
+
+  (``a`` fixed cost per chunk, ``beta`` per token, ``gamma`` per attention pair; the pair
+  term sums exactly over chunks);
+* one decode step of ``b`` sequences holding ``K`` context tokens::
+
+      T_step(b, K) = max(m0 + mk * K + mb * b,  c0 + cb * b)
+
+  (the memory line: weights plus KV read, the compute line: matmul FLOPs).
+
+Both lines include the host and tensor-parallel overheads. The fit is exact at its sample
+points and within a few percent elsewhere for dense models (tested); for MoE models the
+memory line is linear in ``b`` where the true expert-read fraction is concave, so it
+over-prices large memory-bound batches slightly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from isocost.core.costmodel import CostModel
+
+__all__ = ["CoefficientArrays", "StepCoefficients", "decode_step_s", "prefill_s"]
+
+FloatArray = npt.NDArray[np.float64]
+
+_P1, _P2, _PC = 1024, 2048, 8192  # prefill sample points: new tokens, cached context
+_KB = 1_000_000  # decode sample: context tokens
+_BM = 16  # decode sample: a memory-bound batch
+_BC1, _BC2 = 4096, 8192  # decode samples: compute-bound batches
+
+
+@dataclass(frozen=True, slots=True)
+class StepCoefficients:
+    """Fitted timing coefficients of one replica (seconds; see the module docstring)."""
+
+    prefill_chunk_tokens: int
+    prefill_per_chunk_s: float
+    prefill_per_token_s: float
+    prefill_per_pair_s: float
+    decode_fixed_s: float  # m0
+    decode_per_context_token_s: float  # mk
+    decode_per_seq_memory_s: float  # mb
+    decode_compute_fixed_s: float  # c0
+    decode_per_seq_compute_s: float  # cb
+
+    @classmethod
+    def fit(cls, cost_model: CostModel) -> StepCoefficients:
+        step = cost_model.step_time_s
+        s1, s2, s3 = step(_P1), step(_P2), step(_P1, _PC)
+        gamma = max((s3 - s1) / (_P1 * _PC), 0.0)
+        pairs1, pairs2 = _P1 * _P1 / 2, _P2 * _P2 / 2
+        beta = max((s2 - s1 - gamma * (pairs2 - pairs1)) / (_P2 - _P1), 0.0)
+        a = max(s1 - beta * _P1 - gamma * pairs1, 0.0)
+        d1 = step(decode_seqs=1)
+        mk = max((step(decode_seqs=1, decode_context_tokens=_KB) - d1) / _KB, 0.0)
+        mb = max((step(decode_seqs=_BM) - d1) / (_BM - 1), 0.0)
+        m0 = d1 - mb
+        c1, c2 = step(decode_seqs=_BC1), step(decode_seqs=_BC2)
+        cb = max((c2 - c1) / (_BC2 - _BC1), 0.0)
+        return cls(
+            prefill_chunk_tokens=cost_model.limits.max_num_batched_tokens,
+            prefill_per_chunk_s=a,
+            prefill_per_token_s=beta,
+            prefill_per_pair_s=gamma,
+            decode_fixed_s=m0,
+            decode_per_context_token_s=mk,
+            decode_per_seq_memory_s=mb,
+            decode_compute_fixed_s=c1 - cb * _BC1,
+            decode_per_seq_compute_s=cb,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class CoefficientArrays:
+    """The coefficients of many replicas, one array per field (indexed by replica slot)."""
+
+    chunk_tokens: FloatArray
+    per_chunk_s: FloatArray
+    per_token_s: FloatArray
+    per_pair_s: FloatArray
+    decode_fixed_s: FloatArray
+    per_context_token_s: FloatArray
+    per_seq_memory_s: FloatArray
+    compute_fixed_s: FloatArray
+    per_seq_compute_s: FloatArray
+
+    @classmethod
+    def zeros(cls, size: int) -> CoefficientArrays:
+        return cls(*(np.zeros(size) for _ in range(9)))
+
+    def grown(self, size: int) -> CoefficientArrays:
+        def grow(a: FloatArray) -> FloatArray:
+            out = np.zeros(size)
+            out[: a.size] = a
+            return out
+
+        return CoefficientArrays(
+            grow(self.chunk_tokens),
+            grow(self.per_chunk_s),
+            grow(self.per_token_s),
+            grow(self.per_pair_s),
+            grow(self.decode_fixed_s),
+            grow(self.per_context_token_s),
+            grow(self.per_seq_memory_s),
+            grow(self.compute_fixed_s),
+            grow(self.per_seq_compute_s),
+        )
+
+    def set(self, slot: int, c: StepCoefficients) -> None:
+        self.chunk_tokens[slot] = max(c.prefill_chunk_tokens, 1)
+        self.per_chunk_s[slot] = c.prefill_per_chunk_s
+        self.per_token_s[slot] = c.prefill_per_token_s
+        self.per_pair_s[slot] = c.prefill_per_pair_s
+        self.decode_fixed_s[slot] = c.decode_fixed_s
+        self.per_context_token_s[slot] = c.decode_per_context_token_s
+        self.per_seq_memory_s[slot] = c.decode_per_seq_memory_s
+        self.compute_fixed_s[slot] = c.decode_compute_fixed_s
+        self.per_seq_compute_s[slot] = c.decode_per_seq_compute_s
+
+
+def prefill_s(
+    coef: CoefficientArrays,
+    new_tokens: FloatArray | float,
+    cached_tokens: FloatArray | float,
+    idx: npt.NDArray[np.int64] | slice = slice(None),
+) -> FloatArray:
+    """``T_pre`` per replica in ``idx`` (0 where there is nothing new to prefill)."""
+    n = np.maximum(new_tokens, 0.0)
+    chunks = np.ceil(n / coef.chunk_tokens[idx])
+    return np.asarray(
+        chunks * coef.per_chunk_s[idx]
+        + n * coef.per_token_s[idx]
+        + n * (cached_tokens + n / 2.0) * coef.per_pair_s[idx],
+        dtype=np.float64,
+    )
+
+
+def decode_step_s(
+    coef: CoefficientArrays,
+    batch: FloatArray | float,
+    context_tokens: FloatArray | float,
+    idx: npt.NDArray[np.int64] | slice = slice(None),
+) -> FloatArray:
+    """``T_step`` per replica in ``idx`` (callers pass ``batch >= 1``)."""
+    memory = (
+        coef.decode_fixed_s[idx]
+        + context_tokens * coef.per_context_token_s[idx]
+        + batch * coef.per_seq_memory_s[idx]
+    )
+    compute = coef.compute_fixed_s[idx] + batch * coef.per_seq_compute_s[idx]
+    return np.asarray(np.maximum(memory, compute), dtype=np.float64)
