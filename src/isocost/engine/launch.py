@@ -1,0 +1,50 @@
+"""From ``isocost engine`` flags to serving replicas: validation, specs, ports."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from isocost.core.costmodel import EngineLimits
+from isocost.core.errors import ConfigError
+from isocost.engine.config import ReplicaSpec, resolve_replicas
+from isocost.engine.server import OUTPUT_DISTRIBUTIONS, Replica, ServeOptions, run_engine
+from isocost.files import load_catalog, read_text
+
+__all__ = ["launch"]
+
+
+def launch(
+    *,
+    default: ReplicaSpec,
+    replicas: int,
+    spec_strings: list[str],
+    replicas_file: str | None,
+    port: int,
+    catalog_paths: list[str],
+    limits: EngineLimits,
+    options: ServeOptions,
+    on_ready: Callable[[list[tuple[Replica, str]]], None],
+) -> None:
+    """Serve the replicas on ``port``, ``port + 1``, ... (all OS-chosen when ``port`` is
+    0) until SIGINT/SIGTERM. Bad flags raise ``ConfigError`` before any port opens."""
+    checks = (
+        ("--time-scale", options.time_scale > 0, "must be > 0"),
+        ("--stream-interval", options.stream_interval >= 1, "must be >= 1"),
+        ("--replicas", replicas >= 1, "must be >= 1"),
+        ("--tp", default.tp >= 1, "must be >= 1"),
+        ("--port", 0 <= port <= 65535, "must be a TCP port"),
+        ("--output-dist", options.output_dist in OUTPUT_DISTRIBUTIONS, "unknown distribution"),
+        ("--output-mean-tokens", options.output_mean_tokens >= 1, "must be >= 1"),
+    )
+    for flag, ok, message in checks:
+        if not ok:
+            raise ConfigError(flag, message)
+    problem = default.faults.problem()
+    if problem:
+        raise ConfigError(f"--{problem[0].replace('_', '-')}", problem[1])
+    file_text = read_text(replicas_file) if replicas_file else None
+    specs = resolve_replicas(default, replicas, spec_strings, file_text, replicas_file or "")
+    if port and port + len(specs) - 1 > 65535:
+        raise ConfigError("--port", f"{len(specs)} replicas from port {port} overflow 65535")
+    ports = [port + i if port else 0 for i in range(len(specs))]
+    run_engine(specs, load_catalog(catalog_paths), limits, options, ports, on_ready)

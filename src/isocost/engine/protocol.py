@@ -1,0 +1,108 @@
+"""OpenAI wire format for the engine simulator: request structs, responses, errors.
+
+Requests decode with msgspec; fields the simulator does not use (temperature, top_p, ...)
+are accepted and ignored, as engines do. Every error is OpenAI's JSON shape
+``{"error": {"message", "type", "param", "code"}}`` carried by ``ApiError``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, TypeVar
+
+import msgspec
+
+__all__ = [
+    "ApiError",
+    "ChatRequest",
+    "CompletionRequest",
+    "chunk_bytes",
+    "decode_body",
+]
+
+
+class ApiError(Exception):
+    """An OpenAI-style error response: HTTP status plus the error object's fields."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class StreamOptions(msgspec.Struct, frozen=True):
+    include_usage: bool = False
+
+
+class _Common(msgspec.Struct, frozen=True, kw_only=True):
+    model: str
+    max_tokens: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    n: int = 1
+
+
+class CompletionRequest(_Common, frozen=True, kw_only=True):
+    prompt: str | list[str | int]
+
+
+class ContentPart(msgspec.Struct, frozen=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct, frozen=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class ChatRequest(_Common, frozen=True, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+
+
+_T = TypeVar("_T")
+_PATH = re.compile(r"at `\$\.?([^`]*)`")
+
+
+def decode_body(body: bytes, kind: type[_T]) -> _T:
+    """The request body as ``kind``, or a 400 ApiError naming the offending field."""
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        found = _PATH.search(str(exc))
+        param = found.group(1) if found and found.group(1) else None
+        raise ApiError(400, str(exc), param=param, code="invalid_value") from None
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+_ENCODER = msgspec.json.Encoder()
+
+
+def chunk_bytes(payload: dict[str, Any] | str) -> bytes:
+    """One server-sent event: ``data: <json>`` (or a literal like ``[DONE]``)."""
+    data = payload.encode() if isinstance(payload, str) else _ENCODER.encode(payload)
+    return b"data: " + data + b"\n\n"

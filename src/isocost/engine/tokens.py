@@ -1,0 +1,88 @@
+"""Prompt tokens, chat rendering and filler output for the engine simulator.
+
+Without a tokenizer, text is cut by one regular expression into word-piece-like tokens:
+an optional leading space plus up to 4 letters, up to 3 digits, a run of punctuation, or a
+run of whitespace (roughly 4 characters of English per token, like BPE vocabularies).
+Each piece maps to an id by CRC-32 modulo the vocabulary size. The split is prefix-stable:
+two texts that share a prefix share every token up to the last piece boundary inside it,
+so shared text prefixes give shared token blocks and hit the prefix cache. With
+``--tokenizer tokenizer.json`` the Hugging Face ``tokenizers`` library counts exactly.
+
+Chat messages render to one prompt string, one ``<|role|>`` header per message and a
+trailing ``<|assistant|>``, so identical conversation prefixes render to identical text
+prefixes. Generated text is filler: output token i is the i-th word of a fixed cycle, each
+word one approximate token.
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from collections.abc import Sequence
+from functools import lru_cache
+from typing import Protocol
+
+from isocost.files import read_text
+
+__all__ = [
+    "ApproxTokenizer",
+    "HfTokenizer",
+    "Tokenizer",
+    "filler_text",
+    "load_tokenizer",
+    "render_chat",
+]
+
+_PIECE = re.compile(r" ?[^\W\d_]{1,4}| ?\d{1,3}| ?(?:[^\s\w]|_)+|\s+")
+_FILLER = (" the", " of", " and", " to", " in", " is", " that", " for", " it", " as", " with")
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+
+class ApproxTokenizer:
+    """The deterministic, prefix-stable approximation described in the module docstring."""
+
+    def __init__(self, vocab_size: int) -> None:
+        if vocab_size < 1:
+            raise ValueError("vocab_size must be positive")
+        self.vocab_size = vocab_size
+        self._piece_id = lru_cache(maxsize=1 << 16)(self._hash_piece)
+
+    def _hash_piece(self, piece: str) -> int:
+        return zlib.crc32(piece.encode("utf-8", "surrogatepass")) % self.vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        piece_id = self._piece_id
+        return [piece_id(piece) for piece in _PIECE.findall(text)]
+
+
+class HfTokenizer:
+    """An exact tokenizer from a local ``tokenizer.json``, without special tokens."""
+
+    def __init__(self, path: str) -> None:
+        from tokenizers import Tokenizer as _Tokenizer  # optional dependency
+
+        self._tokenizer = _Tokenizer.from_str(read_text(path))
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False).ids
+        return ids
+
+
+def load_tokenizer(path: str | None, vocab_size: int) -> Tokenizer:
+    """``HfTokenizer(path)`` when a path is given, else the approximation."""
+    return HfTokenizer(path) if path else ApproxTokenizer(vocab_size)
+
+
+def render_chat(messages: Sequence[tuple[str, str]]) -> str:
+    """One prompt string for ``(role, content)`` messages, ready for the assistant."""
+    parts = [f"<|{role}|>\n{content}\n" for role, content in messages]
+    parts.append("<|assistant|>\n")
+    return "".join(parts)
+
+
+def filler_text(start: int, count: int) -> str:
+    """Output tokens ``start .. start+count-1`` of the filler answer."""
+    return "".join(_FILLER[i % len(_FILLER)] for i in range(start, start + count))
