@@ -163,3 +163,110 @@ def plan(
         planview.print_json(result)
     else:
         planview.print_tables(console, result, explain=explain)
+
+
+bench_app = typer.Typer(
+    help="Load generator against any OpenAI-compatible endpoint; `bench compare` for runs.",
+    invoke_without_command=True,
+    no_args_is_help=True,
+)
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.callback()
+def bench(
+    ctx: typer.Context,
+    url: str | None = typer.Option(None, "--url", help="Endpoint base URL, e.g. http://h:8000."),
+    trace: str | None = typer.Option(None, "--trace", help="Trace file to replay."),
+    trace_format: str | None = typer.Option(
+        None, "--trace-format", help="mooncake|azure|burstgpt|lengths (default: detected)."
+    ),
+    workload: str | None = typer.Option(None, "--workload", help="mix|shared-prefix|multi-turn."),
+    rate: float | None = typer.Option(None, "--rate", help="Poisson arrivals at this req/s."),
+    burstiness: float = typer.Option(1.0, "--burstiness", help="Gap CV with --rate (>1 bursty)."),
+    speedup: float = typer.Option(1.0, "--speedup", help="Compress trace time by this factor."),
+    concurrency: int | None = typer.Option(None, "--concurrency", help="Closed loop: workers."),
+    max_requests: int | None = typer.Option(None, "--max-requests", help="Stop after N."),
+    duration: float | None = typer.Option(None, "--duration", help="No new request after s."),
+    model: str | None = typer.Option(None, "--model", help="Default: first of /v1/models."),
+    chat: bool = typer.Option(False, "--chat", help="Use /v1/chat/completions."),
+    stream: bool = typer.Option(True, "--stream/--no-stream", help="Stream with SSE."),
+    max_tokens: int | None = typer.Option(None, "--max-tokens", help="Fix every output length."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Ask for exactly max_tokens."),
+    slo_ttft_ms: float | None = typer.Option(None, "--slo-ttft-ms", help="TTFT SLO (goodput)."),
+    slo_tpot_ms: float | None = typer.Option(None, "--slo-tpot-ms", help="TPOT SLO (goodput)."),
+    timeout: float = typer.Option(600.0, "--timeout", help="Per-request timeout, s."),
+    seed: int = typer.Option(0, "--seed", help="Seed of synthetic workloads and arrivals."),
+    text_salt: int = typer.Option(0, "--text-salt", help="New prompt text (cold cache)."),
+    groups: int = typer.Option(8, "--groups", help="shared-prefix: groups."),
+    prompts_per_group: int = typer.Option(16, "--prompts-per-group", help="shared-prefix."),
+    sessions: int = typer.Option(16, "--sessions", help="multi-turn: sessions."),
+    turns: int = typer.Option(4, "--turns", help="multi-turn: turns per session."),
+    think_time: float = typer.Option(5.0, "--think-time", help="multi-turn: mean think s."),
+    system_tokens: int = typer.Option(2048, "--system-tokens", help="Shared system prompt."),
+    question_tokens: int = typer.Option(128, "--question-tokens", help="Question/user turn."),
+    output_tokens: int = typer.Option(128, "--output-tokens", help="Synthetic output length."),
+    label: str = typer.Option("bench", "--label", help="Name of this run in comparisons."),
+    api_key: str | None = typer.Option(None, "--api-key", help="Bearer token to send."),
+    records: str | None = typer.Option(None, "--records", help="Per-request JSONL output."),
+    json_out: str | None = typer.Option(None, "--json", help="Summary JSON output."),
+) -> None:
+    """Replay a trace or a synthetic workload against URL; print TTFT/TPOT/E2E and goodput."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from isocost.bench import TRACE_FORMATS, WORKLOADS, BenchOptions, WorkloadSpec, bench_command
+
+    if url is None:
+        fail("give the endpoint with --url")
+    if trace_format is not None and trace_format not in TRACE_FORMATS:
+        fail(f"unknown trace format {trace_format!r}; valid: {', '.join(TRACE_FORMATS)}")
+    if workload is not None and workload not in WORKLOADS:
+        fail(f"unknown workload {workload!r}; valid: {', '.join(WORKLOADS)}")
+    spec = WorkloadSpec(
+        trace=trace,
+        trace_format=trace_format,  # type: ignore[arg-type]  # checked above
+        workload=workload,  # type: ignore[arg-type]  # checked above
+        rate_rps=rate,
+        burstiness=burstiness,
+        speedup=speedup,
+        seed=seed,
+        num_groups=groups,
+        prompts_per_group=prompts_per_group,
+        sessions=sessions,
+        turns=turns,
+        system_tokens=system_tokens,
+        question_tokens=question_tokens,
+        output_tokens=output_tokens,
+        think_time_s=think_time,
+    )
+    options = BenchOptions(
+        model=model,
+        api="chat" if chat else "completions",
+        stream=stream,
+        max_tokens=max_tokens,
+        ignore_eos=ignore_eos,
+        concurrency=concurrency,
+        max_requests=max_requests,
+        duration_s=duration,
+        timeout_s=timeout,
+        slo_ttft_ms=slo_ttft_ms,
+        slo_tpot_ms=slo_tpot_ms,
+        text_salt=text_salt,
+        api_key=api_key,
+        label=label,
+    )
+    try:
+        bench_command(url, spec, options, console, records_path=records, json_path=json_out)
+    except ValueError as exc:
+        fail(str(exc))
+
+
+@bench_app.command("compare")
+def bench_compare(
+    files: list[str] = typer.Argument(..., help="Summary JSON files of `isocost bench --json`."),
+    plot: str | None = typer.Option(None, "--plot", help="Write latency CDFs + goodput PNG."),
+) -> None:
+    """Compare bench runs side by side."""
+    from isocost.bench import compare_command
+
+    compare_command(files, console, plot)

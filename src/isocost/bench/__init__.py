@@ -1,1 +1,40 @@
-"""``isocost bench``: the load generator against any OpenAI-compatible endpoint."""
+"""``isocost bench``: the load generator against any OpenAI-compatible endpoint.
+
+Talks HTTP only, so it measures an engine, the gateway, vLLM or another router alike. Use
+``run_bench`` from Python (the demo and drills do); the CLI wraps it with a live view.
+"""
+
+from isocost.bench._main import bench_command, compare_command
+from isocost.bench._records import BenchSummary, RequestRecord, meets_slo, summarize
+from isocost.bench._report import load_summary
+from isocost.bench._runner import (
+    BenchOptions,
+    BenchProgress,
+    BenchResult,
+    EndpointError,
+    normalize_url,
+    run_bench,
+)
+from isocost.bench._workloads import WORKLOADS, WorkloadName, WorkloadSpec, build_workload
+from isocost.workload import TRACE_FORMATS
+
+__all__ = [
+    "TRACE_FORMATS",
+    "WORKLOADS",
+    "BenchOptions",
+    "BenchProgress",
+    "BenchResult",
+    "BenchSummary",
+    "EndpointError",
+    "RequestRecord",
+    "WorkloadName",
+    "WorkloadSpec",
+    "bench_command",
+    "build_workload",
+    "compare_command",
+    "load_summary",
+    "meets_slo",
+    "normalize_url",
+    "run_bench",
+    "summarize",
+]

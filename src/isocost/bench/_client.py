@@ -1,0 +1,150 @@
+"""One OpenAI request over HTTP, timed chunk by chunk; every failure becomes an error kind.
+
+Error kinds (``RequestRecord.error_kind``):
+
+- ``connect``: no connection (refused, reset before a response, DNS).
+- ``timeout``: no complete answer within the per-request timeout.
+- ``http_<status>``: a response other than 200 (``http_429``, ``http_503``...).
+- ``bad_json``: a body or an SSE event that is not the JSON an OpenAI server sends.
+- ``bad_sse``: a line in the stream that is not SSE (``data:``, ``event:``, ``id:``, ``:``).
+- ``stream_error``: an ``{"error": ...}`` event inside a stream.
+- ``truncated``: the stream ended without ``data: [DONE]`` (or the server hung up).
+- ``empty``: a 200 answer that carried no generated text at all.
+
+A request is recorded whatever happens, so a misbehaving server never stops a run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from isocost.bench._records import RequestRecord
+
+__all__ = ["send_request"]
+
+_json = msgspec.json.Decoder()
+
+
+class _Garbage(Exception):
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+async def send_request(
+    session: aiohttp.ClientSession,
+    url: str,
+    payload: dict[str, Any],
+    headers: dict[str, str],
+    clock: Callable[[], float],
+    record: RequestRecord,
+    timeout_s: float,
+) -> RequestRecord:
+    """POST ``payload`` to ``url`` and fill ``record`` with its timeline and outcome."""
+    record.sent_s = clock()
+    try:
+        async with asyncio.timeout(timeout_s):
+            async with session.post(url, json=payload, headers=headers) as response:
+                record.status = response.status
+                if response.status != 200:
+                    body = (await response.text(errors="replace"))[:200]
+                    raise _Garbage(f"http_{response.status}", body.strip())
+                if payload.get("stream"):
+                    await _read_stream(response, clock, record)
+                else:
+                    _read_body(await response.read(), clock, record)
+    except _Garbage as exc:
+        record.error_kind, record.error = exc.kind, str(exc)
+    except TimeoutError:
+        record.error_kind, record.error = "timeout", f"no complete answer in {timeout_s:g} s"
+    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
+        record.error_kind, record.error = "truncated", str(exc) or type(exc).__name__
+    except aiohttp.ClientError as exc:
+        record.error_kind, record.error = "connect", str(exc) or type(exc).__name__
+    except ValueError as exc:  # aiohttp's reader refuses an endless line
+        record.error_kind, record.error = "bad_sse", str(exc)
+    if record.error_kind is None and record.first_token_s is None:
+        record.error_kind, record.error = "empty", "the answer carried no generated text"
+    if record.error_kind is not None:
+        record.end_s = None
+    return record
+
+
+def _decode(data: bytes) -> dict[str, Any]:
+    try:
+        value = _json.decode(data)
+    except msgspec.DecodeError as exc:
+        raise _Garbage("bad_json", f"{exc}: {data[:80]!r}") from None
+    if not isinstance(value, dict):
+        raise _Garbage("bad_json", f"expected a JSON object: {data[:80]!r}")
+    return value
+
+
+def _text(event: dict[str, Any]) -> str:
+    """The generated text in a completion or chat (chunk) object."""
+    choices = event.get("choices")
+    if not isinstance(choices, list) or not choices:
+        return ""
+    choice = choices[0]
+    if not isinstance(choice, dict):
+        raise _Garbage("bad_json", "a choice that is not an object")
+    text = choice.get("text")
+    if text is None:
+        part = choice.get("delta") or choice.get("message") or {}
+        text = part.get("content") if isinstance(part, dict) else None
+    return text if isinstance(text, str) else ""
+
+
+def _usage(event: dict[str, Any], record: RequestRecord) -> None:
+    usage = event.get("usage")
+    if isinstance(usage, dict):
+        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        if isinstance(prompt, int):
+            record.usage_prompt_tokens = prompt
+        if isinstance(completion, int):
+            record.output_tokens = completion
+
+
+async def _read_stream(
+    response: aiohttp.ClientResponse, clock: Callable[[], float], record: RequestRecord
+) -> None:
+    chunks = 0
+    async for raw in response.content:
+        line = raw.strip()
+        if not line or line.startswith((b":", b"event:", b"id:", b"retry:")):
+            continue
+        if not line.startswith(b"data:"):
+            raise _Garbage("bad_sse", f"not an SSE line: {line[:80]!r}")
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            record.end_s = clock()
+            if record.output_tokens == 0:
+                record.output_tokens = chunks
+            return
+        event = _decode(data)
+        if "error" in event:
+            raise _Garbage("stream_error", str(event["error"])[:200])
+        if _text(event):
+            now = clock()
+            if record.first_token_s is None:
+                record.first_token_s = now
+            record.chunk_times_s.append(now)
+            chunks += 1
+        _usage(event, record)
+    raise _Garbage("truncated", "the stream ended without data: [DONE]")
+
+
+def _read_body(body: bytes, clock: Callable[[], float], record: RequestRecord) -> None:
+    now = clock()
+    event = _decode(body)
+    _usage(event, record)
+    if _text(event):
+        record.first_token_s = record.end_s = now
+        record.chunk_times_s.append(now)
+        if record.output_tokens == 0:
+            record.output_tokens = 1

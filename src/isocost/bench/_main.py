@@ -1,0 +1,64 @@
+"""The two commands behind ``isocost bench``: a run, and a comparison of runs."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+from rich.console import Console
+from rich.live import Live
+
+from isocost.bench._report import (
+    compare_table,
+    live_table,
+    load_summary,
+    plot_comparison,
+    summary_table,
+)
+from isocost.bench._runner import BenchOptions, BenchProgress, BenchResult, run_bench
+from isocost.bench._workloads import WorkloadSpec, build_workload
+from isocost.core.errors import ConfigError
+
+__all__ = ["bench_command", "compare_command"]
+
+
+def bench_command(
+    url: str,
+    spec: WorkloadSpec,
+    options: BenchOptions,
+    console: Console,
+    records_path: str | None = None,
+    json_path: str | None = None,
+) -> BenchResult:
+    """Run, with a live view; print the summary and write ``--records`` / ``--json``."""
+    endless = spec.workload == "mix"
+    if endless and options.max_requests is None and options.duration_s is None:
+        raise ConfigError("bench", "--workload mix is endless: give --max-requests or --duration")
+    requests = build_workload(spec, closed_loop=options.concurrency is not None)
+    progress = BenchProgress()
+    with Live(
+        get_renderable=lambda: live_table(progress),
+        console=console,
+        refresh_per_second=4,
+        transient=True,
+    ):
+        result = asyncio.run(run_bench(url, requests, options, progress))
+    console.print(summary_table(result.summary))
+    if records_path is not None:
+        encoder = msgspec.json.Encoder()
+        lines = b"".join(encoder.encode(r) + b"\n" for r in result.records)
+        Path(records_path).write_bytes(lines)
+    if json_path is not None:
+        Path(json_path).write_bytes(msgspec.json.format(msgspec.json.encode(result.summary)))
+    return result
+
+
+def compare_command(paths: Sequence[str], console: Console, plot_path: str | None) -> None:
+    """Runs side by side; ``plot_path`` also gets latency CDFs and goodput bars."""
+    summaries = [load_summary(p) for p in paths]
+    console.print(compare_table(summaries))
+    if plot_path is not None:
+        plot_comparison(summaries, plot_path)
+        console.print(f"plot written to {plot_path}")

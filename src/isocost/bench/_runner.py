@@ -1,0 +1,293 @@
+"""The load generator's engine: send a workload to one OpenAI endpoint and time it.
+
+Open loop (default): requests are sent at their arrival times, measured from the start of
+the run on the event loop's monotonic clock. The scheduler renders a request's prompt,
+sleeps until its absolute due time, starts it as its own task and moves on; it never waits
+for answers, so a slow server cannot slow the offered load (no coordinated omission), and
+latencies count from the due time (see ``_records``).
+
+Closed loop (``concurrency``): that many workers each send the next request as soon as
+their previous one ends; the due time is the moment a worker takes the request.
+
+Sessions: a turn of a multi-turn session waits for its previous turn to end, as a person
+cannot reply before reading; its due time is the later of its arrival and that end. Each
+turn carries its session id in ``x-session-id``.
+
+Only ``url`` is contacted: ``GET /v1/models`` once before the run (reachability, and the
+default model), then ``POST /v1/completions`` or ``/v1/chat/completions``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import aiohttp
+import msgspec
+import numpy as np
+
+from isocost.bench._client import send_request
+from isocost.bench._records import BenchSummary, RequestRecord, summarize
+from isocost.core.errors import IsocostError
+from isocost.workload import TextRenderer, WorkloadRequest
+
+__all__ = [
+    "BenchOptions",
+    "BenchProgress",
+    "BenchResult",
+    "EndpointError",
+    "normalize_url",
+    "run_bench",
+]
+
+Api = Literal["completions", "chat"]
+
+
+class EndpointError(IsocostError):
+    """The endpoint cannot be used at all: bad URL, unreachable, or no model to name."""
+
+
+@dataclass(frozen=True, slots=True)
+class BenchOptions:
+    """How to send: API, streaming, output lengths, loop mode, bounds and SLOs."""
+
+    model: str | None = None  # None: the first model the endpoint lists
+    api: Api = "completions"
+    stream: bool = True
+    max_tokens: int | None = None  # None: each request's own output length
+    ignore_eos: bool = False  # vLLM/SGLang extension: generate exactly max_tokens
+    concurrency: int | None = None  # closed loop with this many workers; None: open loop
+    max_requests: int | None = None
+    duration_s: float | None = None  # no new request after this many seconds
+    timeout_s: float = 600.0  # per request
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    text_salt: int = 0  # a new salt gives new prompt text (a cold prefix cache)
+    api_key: str | None = None
+    label: str = "bench"
+
+
+@dataclass(slots=True)
+class BenchProgress:
+    """Live counters for a progress view; the runner updates them as requests go."""
+
+    sent: int = 0
+    done: int = 0
+    errors: int = 0
+    ttft_s: list[float] = field(default_factory=list)
+    e2e_s: list[float] = field(default_factory=list)
+
+    def add(self, record: RequestRecord) -> None:
+        if record.ok:
+            self.done += 1
+            if record.ttft_s is not None:
+                self.ttft_s.append(record.ttft_s)
+            if record.e2e_s is not None:
+                self.e2e_s.append(record.e2e_s)
+        else:
+            self.errors += 1
+
+    @staticmethod
+    def p99(values: list[float]) -> float | None:
+        return float(np.percentile(values, 99)) if values else None
+
+
+@dataclass(frozen=True, slots=True)
+class BenchResult:
+    records: list[RequestRecord]
+    summary: BenchSummary
+
+
+def normalize_url(url: str) -> str:
+    """The server's base URL (``http://host:port``), accepting a trailing ``/v1``."""
+    base = url.strip().rstrip("/")
+    if not base.startswith(("http://", "https://")):
+        raise EndpointError(f"{url!r} is not an http:// or https:// URL")
+    return base.removesuffix("/v1")
+
+
+async def _resolve_model(
+    session: aiohttp.ClientSession, base: str, model: str | None, timeout_s: float
+) -> str:
+    """Check that the endpoint answers; the model to use (given, else the first listed)."""
+    url = f"{base}/v1/models"
+    try:
+        async with asyncio.timeout(timeout_s), session.get(url) as response:
+            body = await response.read()
+            status = response.status
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        reason = str(exc) or type(exc).__name__
+        raise EndpointError(f"cannot reach {base}: {reason}") from None
+    if model is not None:
+        return model
+    try:
+        listing = msgspec.json.decode(body)
+        return str(listing["data"][0]["id"])
+    except (msgspec.DecodeError, KeyError, IndexError, TypeError):
+        raise EndpointError(f"{url} answered {status} without a model list; pass --model") from None
+
+
+def _payload(
+    request: WorkloadRequest, text: str, model: str, options: BenchOptions
+) -> dict[str, Any]:
+    payload: dict[str, Any] = {
+        "model": model,
+        "max_tokens": options.max_tokens or request.output_tokens,
+        "stream": options.stream,
+    }
+    if options.api == "chat":
+        payload["messages"] = [{"role": "user", "content": text}]
+    else:
+        payload["prompt"] = text
+    if options.stream:
+        payload["stream_options"] = {"include_usage": True}
+    if options.ignore_eos:
+        payload["ignore_eos"] = True
+    return payload
+
+
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    request: WorkloadRequest
+    payload: dict[str, Any]
+    previous_end: asyncio.Future[float] | None  # end of the session's previous turn
+    own_end: asyncio.Future[float] | None  # set when this turn ends
+
+
+class _Run:
+    """State of one run: the clock, the session chains, the records."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        base: str,
+        model: str,
+        options: BenchOptions,
+        progress: BenchProgress,
+    ) -> None:
+        self.session = session
+        self.model = model
+        self.options = options
+        self.progress = progress
+        self.endpoint = (
+            f"{base}/v1/{'chat/completions' if options.api == 'chat' else 'completions'}"
+        )
+        self.renderer = TextRenderer(salt=options.text_salt)
+        self.records: list[RequestRecord] = []
+        self.session_ends: dict[str, asyncio.Future[float]] = {}
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        self.clock: Callable[[], float] = lambda: loop.time() - start
+
+    def prepare(self, request: WorkloadRequest) -> _Prepared:
+        """The request's payload and, in a session, the previous turn's end and its own."""
+        text = self.renderer.render_request(request)
+        payload = _payload(request, text, self.model, self.options)
+        if request.session_id is None:
+            return _Prepared(request, payload, None, None)
+        own_end = asyncio.get_running_loop().create_future()
+        previous_end = self.session_ends.get(request.session_id)
+        self.session_ends[request.session_id] = own_end
+        return _Prepared(request, payload, previous_end, own_end)
+
+    async def send(self, prepared: _Prepared, due_s: float) -> None:
+        request = prepared.request
+        if prepared.previous_end is not None:
+            due_s = max(due_s, await prepared.previous_end)
+            await asyncio.sleep(max(0.0, due_s - self.clock()))
+        headers = {}
+        if request.session_id is not None:
+            headers["x-session-id"] = request.session_id
+        if self.options.api_key:
+            headers["authorization"] = f"Bearer {self.options.api_key}"
+        record = RequestRecord(
+            request_id=request.request_id,
+            session_id=request.session_id,
+            turn_index=request.turn_index,
+            prompt_tokens=request.prompt_tokens,
+            max_tokens=int(prepared.payload["max_tokens"]),
+            intended_s=due_s,
+            sent_s=due_s,
+        )
+        self.progress.sent += 1
+        try:
+            await send_request(
+                self.session,
+                self.endpoint,
+                prepared.payload,
+                headers,
+                self.clock,
+                record,
+                self.options.timeout_s,
+            )
+        finally:
+            self.records.append(record)
+            self.progress.add(record)
+            if prepared.own_end is not None:
+                # a failed turn ends too: the session goes on with its next turn
+                end_s = record.end_s if record.end_s is not None else self.clock()
+                prepared.own_end.set_result(end_s)
+
+    def _bounded(self, requests: Iterable[WorkloadRequest]) -> Iterator[WorkloadRequest]:
+        return itertools.islice(requests, self.options.max_requests)
+
+    def _over(self, at_s: float) -> bool:
+        return self.options.duration_s is not None and at_s >= self.options.duration_s
+
+    async def open_loop(self, requests: Iterable[WorkloadRequest]) -> None:
+        tasks: list[asyncio.Task[None]] = []
+        for request in self._bounded(requests):
+            if self._over(request.arrival_s):
+                break
+            prepared = self.prepare(request)  # render before sleeping, not after
+            await asyncio.sleep(max(0.0, request.arrival_s - self.clock()))
+            tasks.append(asyncio.create_task(self.send(prepared, request.arrival_s)))
+        await asyncio.gather(*tasks)
+
+    async def closed_loop(self, requests: Iterable[WorkloadRequest], workers: int) -> None:
+        source = self._bounded(requests)
+
+        async def worker() -> None:
+            for request in source:
+                if self._over(self.clock()):
+                    return
+                await self.send(self.prepare(request), self.clock())
+
+        await asyncio.gather(*(worker() for _ in range(workers)))
+
+
+async def run_bench(
+    url: str,
+    requests: Iterable[WorkloadRequest],
+    options: BenchOptions,
+    progress: BenchProgress | None = None,
+) -> BenchResult:
+    """Send ``requests`` (in arrival order) to ``url``; every request's record and a summary.
+
+    Raises ``EndpointError`` before sending anything if the endpoint cannot be reached.
+    """
+    base = normalize_url(url)
+    if options.concurrency is not None and options.concurrency <= 0:
+        raise EndpointError("concurrency must be positive")
+    connector = aiohttp.TCPConnector(limit=0)  # open loop: never queue in the client
+    timeout = aiohttp.ClientTimeout(total=None)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        model = await _resolve_model(session, base, options.model, min(options.timeout_s, 10.0))
+        run = _Run(session, base, model, options, progress or BenchProgress())
+        if options.concurrency is None:
+            await run.open_loop(requests)
+        else:
+            await run.closed_loop(requests, options.concurrency)
+    records = sorted(run.records, key=lambda r: r.request_id)
+    summary = summarize(
+        records,
+        label=options.label,
+        url=base,
+        model=model,
+        slo_ttft_ms=options.slo_ttft_ms,
+        slo_tpot_ms=options.slo_tpot_ms,
+    )
+    return BenchResult(records, summary)

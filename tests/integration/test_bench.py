@@ -1,0 +1,315 @@
+"""`isocost bench` as a real subprocess against a real OpenAI-style SSE server on 127.0.0.1.
+
+The server is this file run as a script (``python test_bench.py MODE``): an aiohttp app
+that streams one chunk per requested token, reports usage, logs what it received, and in
+``garbage`` mode answers in six different broken ways, in turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ISOCOST = ROOT / ".venv" / "bin" / "isocost"
+FIXTURES = ROOT / "tests" / "fixtures" / "traces"
+MODEL = "fake-model"
+SERVICE_S = 0.05  # each answer takes this long, so requests overlap under load
+
+# --------------------------------------------------------------------------- the server
+
+
+def _serve(mode: str) -> None:
+    from aiohttp import web
+
+    seen: list[dict[str, Any]] = []
+    active = {"now": 0, "max": 0}
+    started = time.monotonic()
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    async def log(_: web.Request) -> web.Response:
+        return web.json_response({"requests": seen, "max_active": active["max"]})
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        entry: dict[str, Any] = {
+            "prompt": body.get("prompt") or body["messages"][-1]["content"],
+            "session": request.headers.get("x-session-id"),
+            "max_tokens": body["max_tokens"],
+            "received_s": time.monotonic() - started,
+        }
+        seen.append(entry)
+        index = len(seen) - 1
+        active["now"] += 1
+        active["max"] = max(active["max"], active["now"])
+        try:
+            return await _answer(request, body, entry, mode, index)
+        finally:
+            active["now"] -= 1
+            entry["finished_s"] = time.monotonic() - started
+
+    async def _answer(
+        request: web.Request, body: dict[str, Any], entry: dict[str, Any], mode: str, index: int
+    ) -> web.StreamResponse:
+        fault = index % 6 if mode == "garbage" else 0
+        if fault == 1:
+            return web.json_response({"error": {"message": "boom"}}, status=500)
+        usage = {
+            "prompt_tokens": len(entry["prompt"].split()),
+            "completion_tokens": body["max_tokens"],
+        }
+        await asyncio.sleep(SERVICE_S)
+        if not body.get("stream"):
+            return web.json_response(
+                {"choices": [{"text": " tok" * body["max_tokens"]}], "usage": usage}
+            )
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+
+        async def send(data: str) -> None:
+            await response.write(f"data: {data}\n\n".encode())
+
+        for i in range(body["max_tokens"]):
+            if fault == 2 and i == 1:
+                await response.write(b"<html>proxy error</html>\n")
+                return response
+            if fault == 3 and i == 1:
+                await send("{not json")
+                return response
+            if fault == 4 and i == 1:
+                return response  # hang up: no [DONE]
+            if fault == 5 and i == 1:
+                await send(json.dumps({"error": {"message": "engine died"}}))
+                return response
+            await send(json.dumps({"choices": [{"index": 0, "text": " tok"}]}))
+            await asyncio.sleep(0.002)
+        await send(json.dumps({"choices": [], "usage": usage}))
+        await send("[DONE]")
+        return response
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/log", log)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", completions)
+
+    async def main() -> None:
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        print(port, flush=True)
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+def _start_server(mode: str) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen([sys.executable, __file__, mode], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    port = int(proc.stdout.readline())  # printed once the socket listens
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _running(mode: str) -> Iterator[str]:
+    proc, url = _start_server(mode)
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        assert proc.stdout is not None
+        proc.stdout.close()
+
+
+@pytest.fixture
+def server() -> Iterator[str]:
+    yield from _running("ok")
+
+
+@pytest.fixture
+def garbage_server() -> Iterator[str]:
+    yield from _running("garbage")
+
+
+def _server_log(url: str) -> dict[str, Any]:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/log", timeout=10) as response:
+        return json.loads(response.read())  # type: ignore[no-any-return]
+
+
+def _bench(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(ISOCOST), "bench", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# --------------------------------------------------------------------------- tests
+
+
+def test_trace_replay_keeps_shared_prefixes_end_to_end(server: str, tmp_path: Path) -> None:
+    records, summary = tmp_path / "r.jsonl", tmp_path / "s.json"
+    run = _bench(
+        "--url", server, "--trace", str(FIXTURES / "mooncake_conversation_head.jsonl"),
+        "--speedup", "1000", "--max-requests", "12", "--max-tokens", "5",
+        "--records", str(records), "--json", str(summary),
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    result = json.loads(summary.read_text())
+    assert (result["requests"], result["completed"], result["errors"]) == (12, 12, 0)
+    assert result["model"] == MODEL
+    assert result["output_tokens_per_s"] > 0 and result["goodput_rps"] > 0
+    for key in ("ttft_p50_s", "ttft_p99_s", "tpot_p99_s", "e2e_p99_s"):
+        assert result[key] > 0
+    lines = _records(records)
+    assert [r["request_id"] for r in lines] == list(range(12))
+    for r in lines:
+        assert r["output_tokens"] == 5 and len(r["chunk_times_s"]) == 5
+        assert r["intended_s"] <= r["sent_s"] <= r["first_token_s"] <= r["end_s"]
+        # the server counts one token per word: the rendered prompt has the planned length
+        assert r["usage_prompt_tokens"] == r["prompt_tokens"]
+    prompts = [e["prompt"].split(" ") for e in _server_log(server)["requests"]]
+    by_length = {len(p): p for p in prompts}
+    first, second = by_length[6758], by_length[7322]  # hash_ids [0, 1, ...] and [0, 14, ...]
+    assert first[:512] == second[:512]
+    assert first[512:1024] != second[512:1024]
+
+
+def test_open_loop_does_not_wait_for_answers(server: str, tmp_path: Path) -> None:
+    summary = tmp_path / "s.json"
+    run = _bench(
+        "--url", server, "--workload", "mix", "--rate", "400", "--max-requests", "30",
+        "--max-tokens", "20", "--json", str(summary),
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    # 30 arrivals at 400/s come faster than one answer takes (> 20 x 2 ms + 50 ms)
+    assert _server_log(server)["max_active"] > 5
+    assert json.loads(summary.read_text())["completed"] == 30
+
+
+def test_closed_loop_holds_its_concurrency(server: str, tmp_path: Path) -> None:
+    run = _bench(
+        "--url", server, "--workload", "shared-prefix", "--concurrency", "2",
+        "--groups", "2", "--prompts-per-group", "5", "--system-tokens", "600",
+        "--max-tokens", "3", "--no-stream", "--chat",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    log = _server_log(server)
+    assert log["max_active"] == 2 and len(log["requests"]) == 10
+    systems = {tuple(e["prompt"].split(" ")[:600]) for e in log["requests"]}
+    assert len(systems) == 2, "two groups, two shared system prompts"
+
+
+def test_multi_turn_sends_history_and_session_ids_in_order(server: str, tmp_path: Path) -> None:
+    run = _bench(
+        "--url", server, "--workload", "multi-turn", "--rate", "20", "--sessions", "3",
+        "--turns", "3", "--think-time", "0", "--system-tokens", "64",
+        "--question-tokens", "16", "--output-tokens", "4",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    entries = _server_log(server)["requests"]
+    assert len(entries) == 9
+    for session in {e["session"] for e in entries}:
+        assert session is not None
+        turns = [e for e in entries if e["session"] == session]
+        assert len(turns) == 3
+        for before, after in itertools.pairwise(turns):
+            assert after["prompt"].startswith(before["prompt"])
+            assert after["received_s"] >= before["finished_s"], "a turn waits for the last"
+
+
+def test_garbage_answers_are_counted_by_kind_and_the_run_goes_on(
+    garbage_server: str, tmp_path: Path
+) -> None:
+    summary, records = tmp_path / "s.json", tmp_path / "r.jsonl"
+    run = _bench(
+        "--url", garbage_server, "--workload", "mix", "--concurrency", "1",
+        "--max-requests", "12", "--max-tokens", "4", "--json", str(summary),
+        "--records", str(records),
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    result = json.loads(summary.read_text())
+    assert result["errors_by_kind"] == {
+        "bad_json": 2,
+        "bad_sse": 2,
+        "http_500": 2,
+        "stream_error": 2,
+        "truncated": 2,
+    }
+    assert (result["requests"], result["completed"], result["errors"]) == (12, 2, 10)
+    statuses = {r["error_kind"]: r["status"] for r in _records(records)}
+    assert statuses["http_500"] == 500 and statuses["bad_sse"] == 200
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_unreachable_url_is_one_line_before_the_run(tmp_path: Path) -> None:
+    summary = tmp_path / "s.json"
+    run = _bench(
+        "--url", f"http://127.0.0.1:{_free_port()}", "--workload", "mix", "--rate", "1",
+        "--max-requests", "3", "--json", str(summary),
+    )  # fmt: skip
+    assert run.returncode == 2
+    assert run.stderr.startswith("error: cannot reach http://127.0.0.1:")
+    assert len(run.stderr.strip().splitlines()) == 1
+    assert not summary.exists()
+
+
+def test_unparsable_trace_names_file_and_line(server: str, tmp_path: Path) -> None:
+    trace = tmp_path / "broken.jsonl"
+    good = (FIXTURES / "mooncake_conversation_head.jsonl").read_text().splitlines()[:2]
+    trace.write_text("\n".join([*good, '{"timestamp": 3, "input_length": 12', ""]))
+    run = _bench("--url", server, "--trace", str(trace))
+    assert run.returncode == 2
+    assert f"{trace}:3:" in run.stderr and "Traceback" not in run.stderr
+    assert _server_log(server)["requests"] == []
+
+
+def test_compare_prints_runs_side_by_side_and_plots(server: str, tmp_path: Path) -> None:
+    paths = []
+    for label, tokens in (("short", "2"), ("long", "8")):
+        path = tmp_path / f"{label}.json"
+        run = _bench(
+            "--url", server, "--workload", "mix", "--concurrency", "4", "--max-requests", "8",
+            "--max-tokens", tokens, "--label", label, "--json", str(path),
+        )  # fmt: skip
+        assert run.returncode == 0, run.stderr
+        paths.append(str(path))
+    plot = tmp_path / "cmp.png"
+    run = _bench("compare", *paths, "--plot", str(plot))
+    assert run.returncode == 0, run.stderr
+    assert "short" in run.stdout and "long" in run.stdout and "goodput" in run.stdout
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    run = _bench("compare", str(bad))
+    assert run.returncode == 2 and str(bad) in run.stderr
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1])
