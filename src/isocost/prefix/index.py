@@ -41,7 +41,7 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 class PrefixIndex:
     """Block hashes held per replica, LRU-bounded by each replica's KV capacity in blocks."""
 
-    __slots__ = ("_arrays", "_capacity", "_depth", "_holders", "_lru")
+    __slots__ = ("_arrays", "_capacity", "_counts", "_depth", "_holders", "_lru")
 
     def __init__(self) -> None:
         self._holders: dict[int, set[int]] = {}
@@ -49,6 +49,7 @@ class PrefixIndex:
         self._lru: dict[int, OrderedDict[int, None]] = {}
         self._capacity: dict[int, int] = {}
         self._depth = np.zeros(16, dtype=np.int64)  # scratch for match, all zero between calls
+        self._counts = np.zeros(16, dtype=np.int64)  # blocks held per replica
 
     def add_replica(self, replica: int, capacity_blocks: int) -> None:
         """Start tracking ``replica`` (a dense non-negative int) with room for that many blocks."""
@@ -59,8 +60,11 @@ class PrefixIndex:
         self._lru.setdefault(replica, OrderedDict())
         self._capacity[replica] = capacity_blocks
         if replica >= self._depth.size:
-            grown = np.zeros(max(replica + 1, 2 * self._depth.size), dtype=np.int64)
-            self._depth = grown
+            size = max(replica + 1, 2 * self._depth.size)
+            self._depth = np.zeros(size, dtype=np.int64)
+            counts = np.zeros(size, dtype=np.int64)
+            counts[: self._counts.size] = self._counts
+            self._counts = counts
         self.evict(replica, len(self._lru[replica]) - capacity_blocks)
 
     def has_replica(self, replica: int) -> bool:
@@ -69,6 +73,13 @@ class PrefixIndex:
     def num_blocks(self, replica: int) -> int:
         lru = self._lru.get(replica)
         return len(lru) if lru is not None else 0
+
+    @property
+    def block_counts(self) -> npt.NDArray[np.int64]:
+        """Blocks held per replica, indexed by replica (read-only view; may be longer)."""
+        view = self._counts.view()
+        view.flags.writeable = False
+        return view
 
     def capacity_blocks(self, replica: int) -> int:
         return self._capacity.get(replica, 0)
@@ -81,6 +92,7 @@ class PrefixIndex:
                 lru.move_to_end(block)
                 continue
             lru[block] = None
+            self._counts[replica] += 1
             self._holders.setdefault(block, set()).add(replica)
             self._arrays.pop(block, None)
         self.evict(replica, len(lru) - self._capacity[replica])
@@ -93,6 +105,7 @@ class PrefixIndex:
         evicted = 0
         while evicted < num_blocks and lru:
             block, _ = lru.popitem(last=False)
+            self._counts[replica] -= 1
             self._drop_holder(block, replica)
             evicted += 1
         return evicted
@@ -103,6 +116,7 @@ class PrefixIndex:
         self._capacity.pop(replica, None)
         if lru is None:
             return
+        self._counts[replica] = 0
         for block in lru:
             self._drop_holder(block, replica)
 

@@ -1,1 +1,42 @@
-"""Pure: the scheduling framework (filters -> weighted scorers -> picker), policies, admission."""
+"""Pure: the scheduling framework (filters -> weighted scorers -> picker), policies, admission.
+
+Start with ``scheduling.state`` (the contract the gateway and the simulator code against),
+then ``framework`` (the pipeline), ``policies`` (named profiles, YAML), ``plugins`` (one
+module per plugin, each docstring its reference) and ``admission`` (the gateway queue).
+"""
+
+from isocost.scheduling.decision import Decision, Explanation, Outcome, RejectReason
+from isocost.scheduling.framework import AdmissionSettings, Policy
+from isocost.scheduling.policies import (
+    BUILTIN_POLICIES,
+    SchedulingConfig,
+    build_policy,
+    parse_scheduling_yaml,
+)
+from isocost.scheduling.state import (
+    EngineMetrics,
+    InFlight,
+    ReplicaSet,
+    ReplicaSpec,
+    ReplicaState,
+    RequestView,
+)
+
+__all__ = [
+    "BUILTIN_POLICIES",
+    "AdmissionSettings",
+    "Decision",
+    "EngineMetrics",
+    "Explanation",
+    "InFlight",
+    "Outcome",
+    "Policy",
+    "RejectReason",
+    "ReplicaSet",
+    "ReplicaSpec",
+    "ReplicaState",
+    "RequestView",
+    "SchedulingConfig",
+    "build_policy",
+    "parse_scheduling_yaml",
+]

@@ -1,0 +1,136 @@
+"""``equal-cost-scorer``: predicted completion cost of the request on each replica (DESIGN §4).
+
+For request ``q`` (``n`` prompt tokens, ``m`` expected output tokens: the online
+estimate per (model, route class), capped by ``max_tokens``) and candidate replica ``r``,
+from r's shadow state (``scheduling.predict`` has the timing formulas)::
+
+    own_r     = ttft_r + decode_r
+                ttft_r   = f_ttft_r * (wait_r + T_pre_r(n - c_r, c_r))
+                           wait_r: queued prefill work ahead of q, plus waiting for KV room
+                           c_r: q's prefix blocks the prefix index holds on r
+                decode_r = f_itl_r * m * T_step_r(b_r + 1, K_r + n + m/2)
+    delay_r   = b_r * (prefill_r + f_itl_r * min(m, R_r / b_r) * dstep_r)
+                the slowdown q inflicts on r's b_r running requests: its prefill stalls
+                their steps, then each shared step is dstep_r = T_step(b+1) - T_step(b)
+                longer (R_r: their remaining output tokens)
+    preempt_r = f_ttft_r * T_pre_r(clip(kv_used_r + n + m - kv_cap_r, 0, m), 0)
+                KV pressure: tokens that will not fit once q's decode grows are preempted
+                and recomputed
+    price_r   = mu * busy * occupy_r * usd_r / mean(usd)
+                occupy_r = prefill_r + f_itl_r * m * (T_step(b+1) - T_step(b) if b > 0
+                           else T_step(1)): replica time q consumes beyond what r spends
+                           anyway; busy = mean over candidates of
+                           min(1, max(kv_usage, wait / busy_wait_s)) in [0, 1]
+    cost_r    = (own_r + lambda * delay_r + preempt_r + price_r) / weight_r
+
+``f_ttft_r``, ``f_itl_r`` are r's learned correction factors (EWMA of observed /
+predicted TTFT and inter-token time), so a slow node or an unexpectedly fast GPU is priced
+as measured. ``price_r`` makes cache reuse count under load: on a busy cluster, GPU time
+spent recomputing a prefix that another replica holds is capacity taken from everyone.
+
+Soft affinity: with a session key, the ``affinity_replicas`` candidates with the highest
+rendezvous hash of the key are preferred; a preferred replica that is not overloaded
+(waiting < ``overload_queue_fraction * max_queue`` and KV usage < ``overload_kv_usage``)
+has its cost divided by ``1 + affinity_slack``: it wins unless some replica is cheaper by
+more than that slack. Its cached prefix usually makes it cheapest anyway.
+
+Score: ``min(cost) / cost_r`` in (0, 1]; with the max-score picker the least cost wins,
+ties by a stable hash.
+
+Parameters (range, default): ``lambda_delay`` (0..10, 1.0); ``gpu_price_weight`` mu
+(0..10, 1.0); ``busy_wait_s`` (> 0, 1.0); ``affinity_replicas`` (0..8, 2; 0 disables
+affinity); ``affinity_slack`` (0..10, 0.25); ``overload_queue_fraction`` (0..1, 0.5);
+``overload_kv_usage`` (0..1, 0.95).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import msgspec
+import numpy as np
+
+from isocost.scheduling.framework import Context
+from isocost.scheduling.plugins._base import PluginKind, rendezvous
+from isocost.scheduling.plugins.session_affinity import session_hash
+from isocost.scheduling.timing import FloatArray, prefill_s
+
+TYPE = "equal-cost-scorer"
+
+
+class Params(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    lambda_delay: float = 1.0
+    gpu_price_weight: float = 1.0
+    busy_wait_s: float = 1.0
+    affinity_replicas: int = 2
+    affinity_slack: float = 0.25
+    overload_queue_fraction: float = 0.5
+    overload_kv_usage: float = 0.95
+
+
+def _check(p: Params) -> None:
+    checks = (
+        ("lambda_delay", 0.0 <= p.lambda_delay <= 10.0, "0..10"),
+        ("gpu_price_weight", 0.0 <= p.gpu_price_weight <= 10.0, "0..10"),
+        ("busy_wait_s", p.busy_wait_s > 0.0, "> 0"),
+        ("affinity_replicas", 0 <= p.affinity_replicas <= 8, "0..8"),
+        ("affinity_slack", 0.0 <= p.affinity_slack <= 10.0, "0..10"),
+        ("overload_queue_fraction", 0.0 <= p.overload_queue_fraction <= 1.0, "0..1"),
+        ("overload_kv_usage", 0.0 <= p.overload_kv_usage <= 1.0, "0..1"),
+    )
+    for name, ok, valid in checks:
+        if not ok:
+            raise ValueError(f"{name} must be in {valid}")
+
+
+class EqualCostScorer:
+    type_name: ClassVar[str] = TYPE
+    kind: ClassVar[PluginKind] = "scorer"
+
+    def __init__(self, params: Params | None = None) -> None:
+        self.params = params or Params()
+        _check(self.params)
+
+    def cost_s(self, ctx: Context) -> FloatArray:
+        """``cost_r`` of the module docstring for every candidate, in seconds."""
+        p, replicas, idx = self.params, ctx.replicas, ctx.idx
+        load, pred = ctx.load, ctx.prediction
+        n, m = float(ctx.request.prompt_tokens), pred.output_tokens
+        ttft_factor, itl_factor = replicas.ttft_factor[idx], replicas.itl_factor[idx]
+        b = load.running
+        dstep = pred.step_s - np.where(b > 0, pred.base_step_s, 0.0)
+        own = pred.ttft_s + pred.decode_s
+        shared_steps = np.minimum(m, load.remaining_decode_tokens / np.maximum(b, 1.0))
+        delay = b * (pred.prefill_s + itl_factor * shared_steps * (pred.step_s - pred.base_step_s))
+        overflow = np.clip(load.kv_used_tokens + n + m - load.kv_capacity_tokens, 0.0, m)
+        preempt = ttft_factor * prefill_s(replicas.coef, overflow, 0.0, idx)
+        cost = own + p.lambda_delay * delay + preempt
+        if p.gpu_price_weight > 0.0:
+            busy_r = np.minimum(np.maximum(load.kv_usage, pred.wait_s / p.busy_wait_s), 1.0)
+            usd = replicas.usd_per_hour[idx]
+            occupy = pred.prefill_s + itl_factor * m * dstep
+            mean_usd = float(usd.mean()) or 1.0
+            cost = cost + p.gpu_price_weight * float(busy_r.mean()) * occupy * usd / mean_usd
+        return np.asarray(cost / replicas.weight[idx], dtype=np.float64)
+
+    def score(self, ctx: Context) -> FloatArray:
+        p = self.params
+        cost = self.cost_s(ctx)
+        if ctx.request.session_key is not None and p.affinity_replicas > 0:
+            cost = self._apply_affinity(ctx, cost)
+        best = float(cost.min())
+        if best <= 0.0:
+            return np.asarray(cost <= best, dtype=np.float64)
+        return np.asarray(best / cost, dtype=np.float64)
+
+    def _apply_affinity(self, ctx: Context, cost: FloatArray) -> FloatArray:
+        p, replicas, idx, load = self.params, ctx.replicas, ctx.idx, ctx.load
+        weights = rendezvous(replicas.salt[idx], session_hash(ctx))
+        k = min(p.affinity_replicas, idx.size)
+        preferred = np.argpartition(weights, idx.size - k)[idx.size - k :]
+        fine = (
+            load.waiting[preferred] < p.overload_queue_fraction * replicas.max_queue[idx[preferred]]
+        ) & (load.kv_usage[preferred] < p.overload_kv_usage)
+        adjusted = cost.copy()
+        adjusted[preferred[fine]] /= 1.0 + p.affinity_slack
+        return adjusted
