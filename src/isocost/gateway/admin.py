@@ -1,0 +1,216 @@
+"""The admin API under ``/admin/``, behind the admin token (constant-time comparison).
+
+Routes (token as ``Authorization: Bearer <token>`` or ``X-Admin-Token``):
+
+* ``GET  /admin/replicas``                       replicas with state, load and last scores
+* ``POST /admin/replicas``                       add ``{"model", "url", "gpu"?, ...}``
+* ``DELETE /admin/replicas/{name}``              drain, then remove once idle
+* ``POST /admin/replicas/{name}/drain``          stop new work (in-flight requests finish)
+* ``POST /admin/replicas/{name}/undrain``
+* ``POST /admin/policy``                         ``{"policy", "model"?}`` switch the policy
+* ``GET  /admin/snapshot``                       everything a dashboard polls, one JSON
+
+Without a configured admin token the API answers 403; a missing or wrong token, 401.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import msgspec
+from aiohttp import web
+
+from isocost.core.errors import IsocostError
+from isocost.gateway.auth import bearer_token
+from isocost.gateway.config import ReplicaConfig
+from isocost.gateway.errors import ApiError
+from isocost.gateway.replicas import Replica
+
+if TYPE_CHECKING:
+    from isocost.gateway.app import Gateway
+
+__all__ = ["add_admin_routes", "snapshot"]
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_T = TypeVar("_T")
+
+
+class _AddReplica(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    model: str
+    replica: ReplicaConfig
+
+
+class _SwitchPolicy(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    policy: str
+    model: str | None = None
+
+
+def _json(data: object, status: int = 200) -> web.Response:
+    return web.Response(
+        status=status, body=msgspec.json.encode(data), content_type="application/json"
+    )
+
+
+def _decode(body: bytes, kind: type[_T]) -> _T:
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ApiError(400, str(exc), code="invalid_request") from None
+
+
+def _p50_ms(samples: Any) -> float | None:
+    values = list(samples)
+    return round(statistics.median(values) * 1000, 2) if values else None
+
+
+def replica_row(gateway: Gateway, replica: Replica, now: float) -> dict[str, Any]:
+    """One replica as the admin API and the dashboard show it."""
+    router = gateway.router
+    state = router.replicas.get(replica.name) if replica.name in router.replicas else None
+    scraped = replica.last_scrape
+    config = replica.config
+    return {
+        "name": replica.name,
+        "url": replica.url,
+        "pool": replica.pool,
+        "state": replica.health_state(now),
+        "breaker": replica.breaker.state(now).value,
+        "success_rate": round(replica.breaker.success_rate(), 3),
+        "last_error": replica.breaker.last_error,
+        "gpu": config.gpu,
+        "tensor_parallel": config.tensor_parallel,
+        "weight": config.weight,
+        "usd_per_hour": state.spec.price_usd_per_hour if state else config.usd_per_hour,
+        "in_flight": replica.num_in_flight,
+        "shadow_waiting": state.num_waiting if state else 0,
+        "shadow_running": state.num_running if state else 0,
+        "engine_running": scraped.num_running if scraped else None,
+        "engine_waiting": scraped.num_waiting if scraped else None,
+        "kv_usage": scraped.kv_usage if scraped else None,
+        "scrape_age_s": replica.scrape_age_s(now),
+        "scrape_error": replica.scrape_error,
+        "ttft_factor": round(state.ttft_factor, 4) if state else None,
+        "itl_factor": round(state.itl_factor, 4) if state else None,
+        "recent_ttft_p50_ms": _p50_ms(replica.recent_ttft_s),
+        "recent_itl_p50_ms": _p50_ms(replica.recent_itl_s),
+        "last_ttft_ms": round(replica.recent_ttft_s[-1] * 1000, 2)
+        if replica.recent_ttft_s
+        else None,
+        "last_score": _last_score(gateway, replica.name),
+    }
+
+
+def _last_score(gateway: Gateway, name: str) -> dict[str, Any] | None:
+    for decision in reversed(gateway.router.recent_decisions):
+        for row in decision["scores"]:
+            if row["replica_id"] == name:
+                return dict(row)
+    return None
+
+
+def snapshot(gateway: Gateway) -> dict[str, Any]:
+    """Everything the dashboard shows, in one JSON-able dict."""
+    now = time.monotonic()
+    rows = [replica_row(gateway, r, now) for r in gateway.replicas.values()]
+    pools = []
+    for pool in gateway.pools.values():
+        members = [row for row in rows if row["pool"] == pool.model]
+        pools.append(
+            {
+                "model": pool.model,
+                "policy": pool.policy,
+                "replicas": len(members),
+                "healthy": sum(row["state"] == "healthy" for row in members),
+                "in_flight": sum(row["in_flight"] for row in members),
+                "queue_depth": gateway.router.queue_depth(pool.model),
+            }
+        )
+    return {
+        "time_unix_s": time.time(),
+        "uptime_s": now - gateway.started_at,
+        "pools": pools,
+        "replicas": rows,
+        "decisions": list(gateway.router.recent_decisions),
+        "rejections": dict(gateway.rejections),
+    }
+
+
+def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
+    """Register the ``/admin/`` routes of ``gateway`` on ``app``."""
+
+    def guarded(handler: Handler) -> Handler:
+        async def check(request: web.Request) -> web.StreamResponse:
+            if not gateway.auth.admin_enabled:
+                raise ApiError(
+                    403, "the admin API is disabled: set auth.admin_token", code="admin_disabled"
+                )
+            token = bearer_token(request.headers.get("Authorization")) or request.headers.get(
+                "X-Admin-Token"
+            )
+            if not gateway.auth.is_admin(token):
+                gateway.reject("admin_unauthorized")
+                raise ApiError(401, "missing or invalid admin token", code="invalid_admin_token")
+            return await handler(request)
+
+        return check
+
+    def find(name: str) -> Replica:
+        for replica in gateway.replicas.values():
+            if replica.name == name:
+                return replica
+        raise ApiError(404, f"no replica named {name!r}", code="replica_not_found")
+
+    async def list_replicas(request: web.Request) -> web.StreamResponse:
+        now = time.monotonic()
+        return _json(
+            {"replicas": [replica_row(gateway, r, now) for r in gateway.replicas.values()]}
+        )
+
+    async def add(request: web.Request) -> web.StreamResponse:
+        body = _decode(await request.read(), _AddReplica)
+        try:
+            replica = gateway.add_replica(body.model, body.replica)
+        except (IsocostError, ValueError) as exc:
+            raise ApiError(400, str(exc), code="invalid_replica") from None
+        return _json(replica_row(gateway, replica, time.monotonic()), status=201)
+
+    async def remove(request: web.Request) -> web.StreamResponse:
+        replica = find(request.match_info["name"])
+        gateway.remove_replica(replica.url)
+        return _json({"name": replica.name, "state": replica.health_state(time.monotonic())})
+
+    async def drain(request: web.Request) -> web.StreamResponse:
+        replica = find(request.match_info["name"])
+        gateway.router.set_draining(replica, True)
+        return _json(replica_row(gateway, replica, time.monotonic()))
+
+    async def undrain(request: web.Request) -> web.StreamResponse:
+        replica = find(request.match_info["name"])
+        gateway.router.set_draining(replica, False)
+        return _json(replica_row(gateway, replica, time.monotonic()))
+
+    async def switch_policy(request: web.Request) -> web.StreamResponse:
+        body = _decode(await request.read(), _SwitchPolicy)
+        if body.model is not None and body.model not in gateway.pools:
+            raise ApiError(404, f"no pool for model {body.model!r}", code="model_not_found")
+        pools = [gateway.pools[body.model]] if body.model else list(gateway.pools.values())
+        try:
+            for pool in pools:
+                gateway.router.set_policy(pool, body.policy)
+        except IsocostError as exc:
+            raise ApiError(400, str(exc), code="unknown_policy", param="policy") from None
+        return _json({"pools": {pool.model: pool.policy for pool in pools}})
+
+    async def get_snapshot(request: web.Request) -> web.StreamResponse:
+        return _json(snapshot(gateway))
+
+    app.router.add_get("/admin/replicas", guarded(list_replicas))
+    app.router.add_post("/admin/replicas", guarded(add))
+    app.router.add_delete("/admin/replicas/{name}", guarded(remove))
+    app.router.add_post("/admin/replicas/{name}/drain", guarded(drain))
+    app.router.add_post("/admin/replicas/{name}/undrain", guarded(undrain))
+    app.router.add_post("/admin/policy", guarded(switch_policy))
+    app.router.add_get("/admin/snapshot", guarded(get_snapshot))

@@ -1,0 +1,106 @@
+"""API keys with per-key request and token budgets, and the admin token.
+
+Keys are compared in constant time (``hmac.compare_digest``) against every configured key,
+so neither a wrong key's length nor its prefix shows in the response time, and the key
+itself is never stored anywhere but here: logs and metrics carry the key's ``name``.
+
+Budgets are token buckets refilled continuously: ``requests_per_minute`` buckets hold one
+minute's worth and each request takes one; ``tokens_per_minute`` buckets are charged the
+prompt estimate plus ``max_tokens`` up front. A request that finds its bucket short is
+refused with the seconds until it would fit (``Retry-After``). The clock is passed in.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from dataclasses import dataclass
+
+from isocost.gateway.config import AuthConfig
+
+__all__ = ["ApiKey", "Authenticator", "TokenBucket", "bearer_token"]
+
+
+class TokenBucket:
+    """Capacity ``per_minute``, refilled at ``per_minute / 60`` per second."""
+
+    def __init__(self, per_minute: float, now: float) -> None:
+        self.capacity = per_minute
+        self.rate_per_s = per_minute / 60.0
+        self.level = per_minute
+        self.updated_at = now
+
+    def take(self, amount: float, now: float) -> float:
+        """Take ``amount`` and return 0, or take nothing and return the seconds to wait."""
+        self.level = min(self.capacity, self.level + (now - self.updated_at) * self.rate_per_s)
+        self.updated_at = now
+        need = min(amount, self.capacity)  # a single request larger than the bucket waits once
+        if self.level >= need:
+            self.level -= need
+            return 0.0
+        return (need - self.level) / self.rate_per_s
+
+
+@dataclass(slots=True)
+class ApiKey:
+    name: str
+    secret: bytes
+    requests: TokenBucket | None
+    tokens: TokenBucket | None
+
+
+def bearer_token(header: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header, else None."""
+    if not header:
+        return None
+    scheme, _, token = header.partition(" ")
+    return token.strip() or None if scheme.lower() == "bearer" else None
+
+
+class Authenticator:
+    """Resolves bearer tokens to keys; ``enabled`` is False when no key is configured."""
+
+    def __init__(self, config: AuthConfig, now: float) -> None:
+        self.keys: list[ApiKey] = []
+        for entry in config.api_keys:
+            secret = entry.key if entry.key is not None else os.environ[entry.key_env or ""]
+            self.keys.append(
+                ApiKey(
+                    name=entry.name,
+                    secret=secret.encode(),
+                    requests=None
+                    if entry.requests_per_minute is None
+                    else TokenBucket(entry.requests_per_minute, now),
+                    tokens=None
+                    if entry.tokens_per_minute is None
+                    else TokenBucket(entry.tokens_per_minute, now),
+                )
+            )
+        admin = config.admin_token
+        if admin is None and config.admin_token_env is not None:
+            admin = os.environ[config.admin_token_env]
+        self._admin = admin.encode() if admin else None
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.keys)
+
+    @property
+    def admin_enabled(self) -> bool:
+        return self._admin is not None
+
+    def key_for(self, token: str | None) -> ApiKey | None:
+        """The key whose secret equals ``token``, checking every key in constant time."""
+        if token is None:
+            return None
+        candidate = token.encode()
+        found: ApiKey | None = None
+        for key in self.keys:
+            if hmac.compare_digest(candidate, key.secret):
+                found = key
+        return found
+
+    def is_admin(self, token: str | None) -> bool:
+        if self._admin is None or token is None:
+            return False
+        return hmac.compare_digest(token.encode(), self._admin)

@@ -1,0 +1,238 @@
+"""The gateway's YAML configuration, decoded with msgspec (unknown keys are errors).
+
+A full file, every key optional except ``pools[].model`` and ``replicas[].url``::
+
+    policy: equal_cost                # default policy profile for pools that name none
+    scrape_interval_ms: 200           # replica /metrics scrape period
+    pools:
+      - model: llama-3.1-8b           # the model name clients send
+        policy: equal_cost            # a scheduling policy name
+        replicas:
+          - url: http://10.0.0.5:8000
+            name: a100-0              # defaults to host:port
+            gpu: a100-80g             # catalog GPU id, for the cost model
+            cost_model: llama-3.1-8b  # catalog model id or HF config path (default: pool model)
+            tensor_parallel: 1
+            weight: 1.0               # relative capacity share, > 0
+            usd_per_hour: 1.8         # default: the catalog price x tensor_parallel
+            api_key_env: ENGINE_KEY   # bearer token the replica expects, read from the env
+            groups: [a100]            # route groups it belongs to (see routes)
+            max_queue: 128            # engine-waiting requests beyond which it takes no work
+    scheduling:                       # isocost.scheduling.policies' config: plugin instances,
+      policies:                       # policy profiles (added to the built-ins) and routes
+        - name: cost_with_affinity
+          scorers: [{plugin: equal-cost-scorer, weight: 1.0},
+                    {plugin: session-affinity-scorer, weight: 0.2}]
+          admission: {slo: true}
+      routes:                         # route classes; first match wins, or x-isocost-class
+        - {name: long-context, min_prompt_tokens: 32000, groups: [[h200], []]}
+    limits:
+      max_body_bytes: 4194304
+      max_prompt_tokens: 131072
+      max_tokens: 32768
+      connect_timeout_ms: 1000
+      first_byte_timeout_ms: 30000    # until the replica answers (headers or first chunk)
+      idle_timeout_ms: 60000          # between two chunks of a stream
+      total_timeout_ms: 1800000       # whole request, suits long streams
+      max_retries: 2
+      retry_backoff_ms: 20
+    health:
+      interval_ms: 500
+      timeout_ms: 1000
+      failure_threshold: 3            # consecutive failures that open the circuit
+      min_success_rate: 0.5           # over the last window_size outcomes
+      window_size: 20
+      open_ms: 1000                   # first cool-down; doubles per failed probe, max 30 s
+    auth:
+      admin_token_env: ISOCOST_ADMIN_TOKEN
+      api_keys:
+        - name: team-a                # what logs and metrics show; the key never is
+          key_env: TEAM_A_KEY
+          requests_per_minute: 600
+          tokens_per_minute: 200000
+
+Secrets are read from environment variables (``*_env``) or given inline (``admin_token``,
+``key``) for tests; they never appear in logs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from urllib.parse import urlsplit
+
+import msgspec
+
+from isocost.core.errors import ConfigError
+from isocost.scheduling.policies import SchedulingConfig
+
+__all__ = [
+    "ApiKeyConfig",
+    "AuthConfig",
+    "GatewayConfig",
+    "HealthConfig",
+    "LimitsConfig",
+    "PoolConfig",
+    "ReplicaConfig",
+    "normalize_replica_url",
+    "parse_config",
+]
+
+
+class ReplicaConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    url: str
+    name: str | None = None
+    gpu: str = "a100-80g"
+    cost_model: str | None = None
+    tensor_parallel: int = 1
+    weight: float = 1.0
+    usd_per_hour: float | None = None
+    api_key_env: str | None = None
+    groups: list[str] = []
+    max_queue: int = 128
+
+
+class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    model: str
+    replicas: list[ReplicaConfig] = []
+    policy: str | None = None
+
+
+class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_prompt_tokens: int = 131072
+    max_tokens: int = 32768
+    connect_timeout_ms: float = 1000
+    first_byte_timeout_ms: float = 30000
+    idle_timeout_ms: float = 60000
+    total_timeout_ms: float = 1_800_000
+    max_retries: int = 2
+    retry_backoff_ms: float = 20
+
+
+class HealthConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    interval_ms: float = 500
+    timeout_ms: float = 1000
+    failure_threshold: int = 3
+    min_success_rate: float = 0.5
+    window_size: int = 20
+    open_ms: float = 1000
+
+
+class ApiKeyConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    name: str
+    key: str | None = None
+    key_env: str | None = None
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+
+
+class AuthConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    admin_token: str | None = None
+    admin_token_env: str | None = None
+    api_keys: list[ApiKeyConfig] = []
+
+
+class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    pools: list[PoolConfig] = []
+    policy: str = "equal_cost"
+    scrape_interval_ms: float = 200
+    scheduling: SchedulingConfig = SchedulingConfig()
+    limits: LimitsConfig = LimitsConfig()
+    health: HealthConfig = HealthConfig()
+    auth: AuthConfig = AuthConfig()
+
+
+_PATH_RE = re.compile(r"\$((?:\.[A-Za-z_]\w*|\[\d+\])+)")
+
+
+def _key_of(message: str) -> str | None:
+    """msgspec's ``$.pools[0].replicas[1].gpu`` path as ``pools[0].replicas[1].gpu``."""
+    found = _PATH_RE.search(message)
+    return found.group(1).lstrip(".") if found else None
+
+
+def normalize_replica_url(url: str) -> str:
+    """``http(s)://host:port`` with no path, query or credentials; ValueError otherwise."""
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"{url!r} must start with http:// or https://")
+    if not parts.hostname or parts.username or parts.password:
+        raise ValueError(f"{url!r} must name a host and no credentials")
+    if parts.query or parts.fragment or parts.path not in ("", "/"):
+        raise ValueError(f"{url!r} must be scheme://host:port only, without a path")
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"{url!r} has an invalid port") from None
+    port = port or (443 if parts.scheme == "https" else 80)
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return f"{parts.scheme}://{host}:{port}"
+
+
+def parse_config(text: str, source: str) -> GatewayConfig:
+    """Decode and check ``text``; a ConfigError names ``source`` and the offending key."""
+    try:
+        config = msgspec.yaml.decode(text or "{}", type=GatewayConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(source, str(exc), key=_key_of(str(exc))) from None
+    except msgspec.DecodeError as exc:
+        raise ConfigError(source, f"not valid YAML: {exc}") from None
+    _check(config, source)
+    return config
+
+
+def _check(config: GatewayConfig, source: str) -> None:
+    def bad(key: str, message: str) -> ConfigError:
+        return ConfigError(source, message, key=key)
+
+    seen_models: set[str] = set()
+    seen_urls: set[str] = set()
+    for i, pool in enumerate(config.pools):
+        if pool.model in seen_models:
+            raise bad(f"pools[{i}].model", f"duplicate pool for model {pool.model!r}")
+        seen_models.add(pool.model)
+        for j, replica in enumerate(pool.replicas):
+            key = f"pools[{i}].replicas[{j}]"
+            try:
+                url = normalize_replica_url(replica.url)
+            except ValueError as exc:
+                raise bad(f"{key}.url", str(exc)) from None
+            if url in seen_urls:
+                raise bad(f"{key}.url", f"replica {url} is listed twice")
+            seen_urls.add(url)
+            if replica.tensor_parallel < 1:
+                raise bad(f"{key}.tensor_parallel", "must be >= 1")
+            if replica.weight <= 0:
+                raise bad(f"{key}.weight", "must be > 0")
+            if replica.max_queue < 0:
+                raise bad(f"{key}.max_queue", "must be >= 0")
+            if replica.usd_per_hour is not None and replica.usd_per_hour < 0:
+                raise bad(f"{key}.usd_per_hour", "must be >= 0")
+            if replica.api_key_env is not None and replica.api_key_env not in os.environ:
+                raise bad(f"{key}.api_key_env", f"environment variable {replica.api_key_env} unset")
+    limits = config.limits
+    for field in LimitsConfig.__struct_fields__:
+        if getattr(limits, field) < 0 or (field != "max_retries" and getattr(limits, field) == 0):
+            raise bad(f"limits.{field}", "must be positive")
+    health = config.health
+    if not 0 <= health.min_success_rate <= 1:
+        raise bad("health.min_success_rate", "must be within [0, 1]")
+    for field in ("interval_ms", "timeout_ms", "failure_threshold", "window_size", "open_ms"):
+        if getattr(health, field) <= 0:
+            raise bad(f"health.{field}", "must be positive")
+    if config.scrape_interval_ms <= 0:
+        raise bad("scrape_interval_ms", "must be positive")
+    auth = config.auth
+    if auth.admin_token_env is not None and auth.admin_token_env not in os.environ:
+        raise bad("auth.admin_token_env", f"environment variable {auth.admin_token_env} unset")
+    for i, api_key in enumerate(auth.api_keys):
+        key = f"auth.api_keys[{i}]"
+        if (api_key.key is None) == (api_key.key_env is None):
+            raise bad(key, "give exactly one of key and key_env")
+        if api_key.key_env is not None and api_key.key_env not in os.environ:
+            raise bad(f"{key}.key_env", f"environment variable {api_key.key_env} unset")
+        for field in ("requests_per_minute", "tokens_per_minute"):
+            value = getattr(api_key, field)
+            if value is not None and value <= 0:
+                raise bad(f"{key}.{field}", "must be positive")

@@ -1,0 +1,104 @@
+"""Per-replica health: a circuit breaker fed by active checks and by live traffic.
+
+Algorithm. Every outcome (a proxied request, a ``/health`` probe, a ``/metrics`` scrape)
+is recorded as success or failure at time ``now``; the breaker keeps the consecutive
+failure count and the last ``window_size`` outcomes.
+
+* closed -> open when ``failure_threshold`` failures come in a row, or when the success
+  rate over a full window falls below ``min_success_rate``, or at once on a *hard* failure
+  (connection refused or reset: the process is gone, waiting for more evidence only loses
+  requests). One slow answer among successes therefore never opens it.
+* open: no traffic. After the cool-down (``open_ms``, doubled for each failed probe, at
+  most 30 s) the breaker is half-open.
+* half-open: no live traffic either; the next active probe decides: success closes the
+  breaker and clears the window, failure opens it again with the longer cool-down.
+
+The clock is passed in, so the state machine is tested without waiting.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from enum import StrEnum
+
+__all__ = ["Breaker", "BreakerState"]
+
+_MAX_OPEN_S = 30.0
+
+
+class BreakerState(StrEnum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+class Breaker:
+    """One replica's circuit breaker; see the module docstring for the transitions."""
+
+    def __init__(
+        self,
+        *,
+        failure_threshold: int,
+        min_success_rate: float,
+        window_size: int,
+        open_s: float,
+    ) -> None:
+        self.failure_threshold = failure_threshold
+        self.min_success_rate = min_success_rate
+        self.open_s = open_s
+        self._window: deque[bool] = deque(maxlen=window_size)
+        self._consecutive_failures = 0
+        self._state = BreakerState.CLOSED
+        self._opened_at = 0.0
+        self._cooldown_s = open_s
+        self.last_error: str | None = None
+        self.num_openings = 0
+
+    def state(self, now: float) -> BreakerState:
+        if self._state is BreakerState.OPEN and now - self._opened_at >= self._cooldown_s:
+            self._state = BreakerState.HALF_OPEN
+        return self._state
+
+    def allows_traffic(self, now: float) -> bool:
+        return self.state(now) is BreakerState.CLOSED
+
+    def success_rate(self) -> float:
+        return sum(self._window) / len(self._window) if self._window else 1.0
+
+    def record_success(self, now: float, *, probe: bool = False) -> None:
+        state = self.state(now)
+        if state is BreakerState.OPEN:
+            return  # a late answer from before the opening proves nothing
+        if state is BreakerState.HALF_OPEN:
+            if not probe:
+                return
+            self._state = BreakerState.CLOSED
+            self._cooldown_s = self.open_s
+            self._window.clear()
+        self._consecutive_failures = 0
+        self._window.append(True)
+
+    def record_failure(self, now: float, reason: str, *, hard: bool = False) -> None:
+        self.last_error = reason
+        state = self.state(now)
+        if state is BreakerState.OPEN:
+            return
+        if state is BreakerState.HALF_OPEN:
+            self._open(now, min(self._cooldown_s * 2, _MAX_OPEN_S))
+            return
+        self._consecutive_failures += 1
+        self._window.append(False)
+        window_full = len(self._window) == self._window.maxlen
+        if (
+            hard
+            or self._consecutive_failures >= self.failure_threshold
+            or (window_full and self.success_rate() < self.min_success_rate)
+        ):
+            self._open(now, self.open_s)
+
+    def _open(self, now: float, cooldown_s: float) -> None:
+        self._state = BreakerState.OPEN
+        self._opened_at = now
+        self._cooldown_s = cooldown_s
+        self._consecutive_failures = 0
+        self.num_openings += 1

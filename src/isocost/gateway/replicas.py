@@ -1,0 +1,72 @@
+"""The gateway's live view of its replicas: health, drain state, scrapes, recent latencies.
+
+A ``Replica`` is created from its config entry and lives until it is removed (by a config
+reload or the admin API); removal first drains it, and it leaves its pool once its last
+in-flight request ends, so no request is dropped. Scheduling state (the shadow of what
+runs there) belongs to the brain; this object holds what only the data plane knows.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from isocost.gateway.config import HealthConfig, ReplicaConfig, normalize_replica_url
+from isocost.gateway.health import Breaker, BreakerState
+from isocost.scheduling.state import EngineMetrics
+
+__all__ = ["Pool", "Replica"]
+
+_RECENT = 64  # latency samples kept per replica for the admin snapshot
+
+
+class Replica:
+    """One engine endpoint as the data plane sees it."""
+
+    def __init__(self, config: ReplicaConfig, pool: str, health: HealthConfig) -> None:
+        self.url = normalize_replica_url(config.url)
+        parts = urlsplit(self.url)
+        self.name = config.name or f"{parts.hostname}:{parts.port}"
+        self.pool = pool
+        self.config = config
+        self.breaker = Breaker(
+            failure_threshold=health.failure_threshold,
+            min_success_rate=health.min_success_rate,
+            window_size=health.window_size,
+            open_s=health.open_ms / 1000,
+        )
+        self.drained = False
+        self.removing = False
+        self.num_in_flight = 0
+        self.last_scrape: EngineMetrics | None = None
+        self.scraped_at: float | None = None
+        self.scrape_error: str | None = None
+        self.recent_ttft_s: deque[float] = deque(maxlen=_RECENT)
+        self.recent_itl_s: deque[float] = deque(maxlen=_RECENT)
+        key = os.environ.get(config.api_key_env) if config.api_key_env else None
+        self.upstream_headers = {"Authorization": f"Bearer {key}"} if key else {}
+
+    def routable(self, now: float) -> bool:
+        """May new work be sent here: circuit closed, not drained, not being removed."""
+        return not self.drained and not self.removing and self.breaker.allows_traffic(now)
+
+    def health_state(self, now: float) -> str:
+        if self.removing:
+            return "removing"
+        if self.drained:
+            return "drained"
+        return "healthy" if self.breaker.state(now) is BreakerState.CLOSED else "ejected"
+
+    def scrape_age_s(self, now: float) -> float | None:
+        return None if self.scraped_at is None else now - self.scraped_at
+
+
+@dataclass(slots=True)
+class Pool:
+    """The replicas serving one model name, and the policy that routes among them."""
+
+    model: str
+    policy: str
+    replicas: dict[str, Replica] = field(default_factory=dict)  # by normalized URL

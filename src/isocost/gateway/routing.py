@@ -1,0 +1,388 @@
+"""The gateway's adapter over the scheduling brain (``isocost.scheduling``).
+
+The gateway keeps one ``ReplicaSet`` (the shadow state of every replica of every pool)
+and one ``Policy`` per pool; it never scores replicas itself. For each attempt it builds a
+``RequestView`` and calls ``policy.schedule``; the decision's outcome maps to HTTP:
+
+* ADMIT: ``on_dispatch``, the attempt is forwarded; the forwarder reports the first token,
+  streamed tokens and completion back through ``on_first_token`` / ``on_tokens`` /
+  ``release`` (which calls ``on_complete``).
+* QUEUE: every eligible replica is at its queue cap; the request waits in the pool's
+  ``RequestQueue`` (priority, then deadline, then arrival) and is scheduled again, in that
+  order, when a replica frees a slot or comes back (late binding), until its deadline.
+* REJECT: ``no_replica`` 404, ``unavailable``/``shed`` 503, ``deadline``/``queue_full``
+  429, with ``Retry-After`` from the decision's ``retry_after_s``.
+
+Retries must avoid the replicas already tried; the policy has no exclusion input, so the
+adapter marks them draining for the duration of that one synchronous ``schedule`` call
+(no other coroutine can observe it) and restores them right after.
+
+Circuit-breaker state is mirrored into ``ReplicaSet.set_health`` and drains into
+``set_draining``, so the brain's eligibility is the data plane's health.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from random import Random
+from typing import Any
+
+from aiohttp import web
+
+from isocost.core.catalog import Catalog
+from isocost.core.costmodel import CostModel
+from isocost.core.errors import IsocostError
+from isocost.files import resolve_model
+from isocost.gateway.body import RoutingView
+from isocost.gateway.config import GatewayConfig
+from isocost.gateway.errors import ApiError
+from isocost.gateway.metrics import GatewayMetrics
+from isocost.gateway.replicas import Pool, Replica
+from isocost.scheduling.decision import Decision, Outcome, RejectReason
+from isocost.scheduling.framework import Policy
+from isocost.scheduling.policies import SchedulingConfig, build_policy
+from isocost.scheduling.state import EngineMetrics, InFlight, ReplicaSet, ReplicaSpec, RequestView
+
+__all__ = ["GatewayRequest", "Grant", "Router"]
+
+BLOCK_TOKENS = 16  # prompt block size of the prefix index (vLLM's default KV block)
+_RECENT_DECISIONS = 50
+_REJECT_STATUS = {
+    RejectReason.NO_REPLICA: 404,
+    RejectReason.UNAVAILABLE: 503,
+    RejectReason.SHED: 503,
+    RejectReason.DEADLINE: 429,
+    RejectReason.QUEUE_FULL: 429,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayRequest:
+    """One client request as the gateway routes it."""
+
+    request_id: str  # the client's x-request-id, else generated; for logs
+    view: RoutingView
+    pool: Pool
+    arrived_at: float  # monotonic seconds
+    session_key: str | None  # x-session-id header, else the body's user field
+    priority: int
+    deadline_at: float | None  # monotonic seconds by which the first token is due
+    route_class: str | None  # x-isocost-class, else classified by the policy's routes
+    key_name: str | None
+
+    @classmethod
+    def from_http(
+        cls,
+        http: web.Request,
+        view: RoutingView,
+        pool: Pool,
+        *,
+        arrived_at: float,
+        key_name: str | None,
+    ) -> GatewayRequest:
+        """Read ``x-session-id``, ``x-priority``, ``x-deadline-ms`` and ``x-isocost-class``."""
+        headers = http.headers
+        try:
+            priority = int(headers.get("x-priority", "0"))
+            deadline_ms = float(headers["x-deadline-ms"]) if "x-deadline-ms" in headers else None
+        except ValueError:
+            raise ApiError(
+                400, "x-priority must be an integer and x-deadline-ms a number", code="bad_header"
+            ) from None
+        if deadline_ms is not None and not (deadline_ms > 0 and math.isfinite(deadline_ms)):
+            raise ApiError(400, "x-deadline-ms must be a positive number", code="bad_header")
+        return cls(
+            request_id=headers.get("x-request-id") or uuid.uuid4().hex,
+            view=view,
+            pool=pool,
+            arrived_at=arrived_at,
+            session_key=headers.get("x-session-id") or view.user,
+            priority=priority,
+            deadline_at=None if deadline_ms is None else arrived_at + deadline_ms / 1000,
+            route_class=headers.get("x-isocost-class"),
+            key_name=key_name,
+        )
+
+
+@dataclass(slots=True)
+class Grant:
+    """A replica granted to one attempt of a request."""
+
+    replica: Replica
+    attempt_id: str  # the brain's request id for this attempt
+    decision: Decision
+
+    @property
+    def predicted_ttft_s(self) -> float | None:
+        return self.decision.predicted_ttft_s
+
+
+class Router:
+    """Pools' policies over one shared ``ReplicaSet``; see the module docstring."""
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        metrics: GatewayMetrics,
+        on_idle: Callable[[Replica], None],
+        *,
+        seed: int = 0,
+    ) -> None:
+        self.catalog = catalog
+        self.metrics = metrics
+        self.on_idle = on_idle  # a removed replica's last request ended
+        self.replicas = ReplicaSet(block_tokens=BLOCK_TOKENS)
+        self.block_tokens = BLOCK_TOKENS
+        self.policies: dict[str, Policy] = {}  # by pool model
+        self.replicas.add_listener(_PolicyHooks(self.policies))
+        self.recent_decisions: deque[dict[str, Any]] = deque(maxlen=_RECENT_DECISIONS)
+        self._by_id: dict[str, Replica] = {}
+        self._seed = seed
+        self.scheduling = SchedulingConfig()
+
+    # -- configuration ------------------------------------------------------------------
+
+    def build(self, name: str, scheduling: SchedulingConfig | None = None) -> Policy:
+        return build_policy(
+            name,
+            config=scheduling or self.scheduling,
+            rng=Random(self._seed),
+            source="scheduling",
+        )
+
+    def check_config(self, config: GatewayConfig) -> None:
+        """Raise IsocostError if ``config`` names an unknown policy, plugin or cost model."""
+        names = {p.name for p in config.scheduling.policies} | {config.policy}
+        names.update(pool.policy for pool in config.pools if pool.policy)
+        for name in sorted(names):
+            self.build(name, config.scheduling)
+        for pool in config.pools:
+            for replica in pool.replicas:
+                self.cost_model(replica.cost_model or pool.model, replica.gpu, 1)
+
+    def set_scheduling(self, scheduling: SchedulingConfig) -> None:
+        """New plugin declarations, profiles and routes; rebuilds every pool's policy."""
+        if scheduling != self.scheduling:
+            self.scheduling = scheduling
+            for model in self.policies:
+                self.policies[model] = self.build(self.policies[model].name)
+
+    def cost_model(self, model: str, gpu: str, tensor_parallel: int) -> CostModel:
+        return CostModel(resolve_model(model, self.catalog), self.catalog.gpu(gpu), tensor_parallel)
+
+    def set_policy(self, pool: Pool, name: str) -> None:
+        if pool.model in self.policies and pool.policy == name:
+            return
+        self.policies[pool.model] = self.build(name)
+        pool.policy = name
+
+    def add_replica(self, pool: Pool, replica: Replica) -> None:
+        config = replica.config
+        if replica.name in self._by_id:
+            raise IsocostError(f"a replica named {replica.name!r} already exists")
+        spec = ReplicaSpec(
+            replica_id=replica.name,
+            model=pool.model,
+            cost_model=self.cost_model(
+                config.cost_model or pool.model, config.gpu, config.tensor_parallel
+            ),
+            weight=config.weight,
+            usd_per_hour=config.usd_per_hour,
+            max_queue=config.max_queue,
+            groups=frozenset(config.groups),
+        )
+        self.replicas.add(spec)
+        self._by_id[replica.name] = replica
+
+    def remove_replica(self, replica: Replica) -> None:
+        if self._by_id.get(replica.name) is replica:
+            del self._by_id[replica.name]
+            self.replicas.remove(replica.name)
+
+    def set_draining(self, replica: Replica, draining: bool) -> None:
+        replica.drained = draining
+        self.replicas.set_draining(replica.name, draining or replica.removing)
+
+    def sync_health(self, replica: Replica, now: float) -> None:
+        """Mirror the breaker into the brain's eligibility."""
+        if self._by_id.get(replica.name) is not replica:
+            return
+        healthy = replica.breaker.allows_traffic(now)
+        state = self.replicas.get(replica.name)
+        if state.healthy != healthy:
+            self.replicas.set_health(replica.name, healthy)
+            if healthy:
+                self._wake(replica.pool)
+
+    def apply_scrape(self, replica: Replica, metrics: EngineMetrics, now: float) -> None:
+        if self._by_id.get(replica.name) is replica:
+            self.replicas.apply_scrape(replica.name, metrics, now)
+
+    # -- scheduling ---------------------------------------------------------------------
+
+    def _view(self, request: GatewayRequest, attempt_id: str, now: float) -> RequestView:
+        view = request.view
+        return RequestView(
+            request_id=attempt_id,
+            model=view.model,
+            prompt_tokens=view.prompt_tokens,
+            block_hashes=view.block_hashes,
+            max_tokens=view.max_tokens,
+            session_key=request.session_key,
+            priority=request.priority,
+            deadline_s=request.deadline_at,
+            route_class=request.route_class,
+            stream=view.stream,
+            arrival_s=request.arrived_at,
+            prompt_tokens_exact=view.prompt_tokens_exact,
+        )
+
+    def _schedule(self, request: RequestView, exclude: frozenset[str], now: float) -> Decision:
+        policy = self.policies[request.model]
+        hidden = [
+            name for name in exclude if name in self._by_id and not self.replicas.get(name).draining
+        ]
+        for name in hidden:
+            self.replicas.set_draining(name, True)
+        try:
+            return policy.schedule(request, self.replicas, now)
+        finally:
+            for name in hidden:
+                self.replicas.set_draining(name, False)
+
+    def has_candidate(self, request: GatewayRequest, exclude: frozenset[str]) -> bool:
+        now = time.monotonic()
+        return any(
+            r.routable(now) and r.name not in exclude for r in request.pool.replicas.values()
+        )
+
+    def decide_only(self, request: GatewayRequest) -> dict[str, Any]:
+        """The decision for ``request`` without dispatching it (``POST /v1/route``)."""
+        now = time.monotonic()
+        view = self._view(request, uuid.uuid4().hex, now)
+        decision = self._schedule(view, frozenset(), now)
+        self._record(decision, view, now)
+        body = self._describe(decision)
+        if decision.replica_id is not None:
+            body["replica_url"] = self._by_id[decision.replica_id].url
+        return body
+
+    async def acquire(self, request: GatewayRequest, exclude: frozenset[str]) -> Grant:
+        """A replica for one attempt, waiting in the pool queue if the policy says so."""
+        attempt_id = uuid.uuid4().hex
+        while True:
+            now = time.monotonic()
+            view = self._view(request, attempt_id, now)
+            decision = self._schedule(view, exclude, now)
+            self._record(decision, view, now)
+            if decision.outcome is Outcome.ADMIT:
+                assert decision.replica_id is not None
+                replica = self._by_id[decision.replica_id]
+                self.replicas.on_dispatch(view, replica.name, now)
+                replica.num_in_flight += 1
+                return Grant(replica, attempt_id, decision)
+            if decision.outcome is Outcome.REJECT:
+                raise self._rejection(decision)
+            await self._wait_in_queue(request)
+
+    def _rejection(self, decision: Decision) -> ApiError:
+        reason = decision.reason or RejectReason.UNAVAILABLE
+        self.metrics.rejections.labels(str(reason)).inc()
+        status = _REJECT_STATUS.get(reason, 503)
+        messages = {
+            RejectReason.NO_REPLICA: "no replica serves this model or route class",
+            RejectReason.UNAVAILABLE: "no healthy replica is available",
+            RejectReason.SHED: "too few replicas are available; shedding load",
+            RejectReason.DEADLINE: "the deadline cannot be met at the current load",
+            RejectReason.QUEUE_FULL: "the gateway queue is full",
+        }
+        return ApiError(
+            status,
+            messages.get(reason, str(reason)),
+            code=str(reason),
+            retry_after_s=decision.retry_after_s,
+        )
+
+    async def _wait_in_queue(self, request: GatewayRequest) -> None:
+        raise ApiError(503, "every replica is at its queue cap", code="queue_full", retry_after_s=1)
+
+    def _wake(self, pool: str) -> None:
+        pass
+
+    def queue_depth(self, pool: str) -> int:
+        return 0
+
+    def _record(self, decision: Decision, view: RequestView, now: float) -> None:
+        self.metrics.decisions.labels(decision.policy).inc()
+        entry = self._describe(decision)
+        entry["at_s"] = now
+        entry["prompt_tokens"] = view.prompt_tokens
+        self.recent_decisions.append(entry)
+
+    @staticmethod
+    def _describe(decision: Decision) -> dict[str, Any]:
+        explanation = decision.explanation
+        return {
+            "outcome": str(decision.outcome),
+            "policy": decision.policy,
+            "replica": decision.replica_id,
+            "reason": None if decision.reason is None else str(decision.reason),
+            "retry_after_s": decision.retry_after_s,
+            "route_class": decision.route_class,
+            "predicted_ttft_ms": _ms(decision.predicted_ttft_s),
+            "predicted_e2e_ms": _ms(decision.predicted_e2e_s),
+            "predicted_output_tokens": decision.predicted_output_tokens,
+            "cached_tokens": decision.cached_tokens,
+            "scores": explanation.top() if explanation else [],
+        }
+
+    # -- progress of an admitted attempt ------------------------------------------------
+
+    def on_first_token(self, grant: Grant, now: float) -> None:
+        self.replicas.on_first_token(grant.attempt_id, now)
+
+    def on_tokens(self, grant: Grant, num_tokens: int, now: float) -> None:
+        self.replicas.on_tokens(grant.attempt_id, num_tokens, now)
+
+    def release(self, grant: Grant, now: float, *, ok: bool, output_tokens: int) -> None:
+        """The attempt ended; frees its place and maybe the replica's last hold."""
+        self.replicas.on_complete(
+            grant.attempt_id, now, ok=ok, output_tokens=output_tokens if ok else None
+        )
+        replica = grant.replica
+        replica.num_in_flight -= 1
+        self.sync_health(replica, now)
+        if replica.removing and replica.num_in_flight == 0:
+            self.on_idle(replica)
+        self._wake(replica.pool)
+
+
+class _PolicyHooks:
+    """Passes the brain's shadow hooks on to the policy of the request's pool."""
+
+    def __init__(self, policies: dict[str, Policy]) -> None:
+        self.policies = policies
+
+    def on_dispatch(self, record: InFlight, now: float) -> None:
+        policy = self.policies.get(record.model)
+        if policy is not None:
+            policy.on_dispatch(record, now)
+
+    def on_first_token(self, record: InFlight, now: float) -> None:
+        policy = self.policies.get(record.model)
+        if policy is not None:
+            policy.on_first_token(record, now)
+
+    def on_complete(self, record: InFlight, now: float, ok: bool) -> None:
+        policy = self.policies.get(record.model)
+        if policy is not None:
+            policy.on_complete(record, now, ok)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 2)
