@@ -311,5 +311,21 @@ def test_compare_prints_runs_side_by_side_and_plots(server: str, tmp_path: Path)
     assert run.returncode == 2 and str(bad) in run.stderr
 
 
+def test_python_api_returns_records_and_summary(server: str) -> None:
+    from random import Random
+
+    from isocost.bench import BenchOptions, run_bench
+    from isocost.workload import poisson_arrivals, shared_prefix
+
+    rng = Random(0)
+    requests = shared_prefix(rng, poisson_arrivals(rng, 200.0), 2, 3, 100, 10, 4)
+    options = BenchOptions(stream=True, label="api", slo_ttft_ms=10_000)
+    result = asyncio.run(run_bench(server + "/v1", requests, options))
+    assert [r.request_id for r in result.records] == list(range(6))
+    assert all(r.ok and r.output_tokens == 4 for r in result.records)
+    assert (result.summary.completed, result.summary.model) == (6, MODEL)
+    assert result.summary.goodput_rps == result.summary.throughput_rps > 0
+
+
 if __name__ == "__main__":
     _serve(sys.argv[1])
