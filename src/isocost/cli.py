@@ -250,7 +250,9 @@ def bench(
         None, "--trace-format", help="mooncake|azure|burstgpt|lengths (default: detected)."
     ),
     workload: str | None = typer.Option(None, "--workload", help="mix|shared-prefix|multi-turn."),
-    rate: float | None = typer.Option(None, "--rate", help="Poisson arrivals at this req/s."),
+    rate: float | None = typer.Option(
+        None, "--rate", help="Poisson arrivals at this req/s (multi-turn: sessions/s)."
+    ),
     burstiness: float = typer.Option(1.0, "--burstiness", help="Gap CV with --rate (>1 bursty)."),
     speedup: float = typer.Option(1.0, "--speedup", help="Compress trace time by this factor."),
     concurrency: int | None = typer.Option(None, "--concurrency", help="Closed loop: workers."),
@@ -274,6 +276,9 @@ def bench(
     system_tokens: int = typer.Option(2048, "--system-tokens", help="Shared system prompt."),
     question_tokens: int = typer.Option(128, "--question-tokens", help="Question/user turn."),
     output_tokens: int = typer.Option(128, "--output-tokens", help="Synthetic output length."),
+    max_prompt_tokens: int | None = typer.Option(
+        None, "--max-prompt-tokens", help="mix: cap prompt lengths (model context)."
+    ),
     label: str = typer.Option("bench", "--label", help="Name of this run in comparisons."),
     api_key: str | None = typer.Option(None, "--api-key", help="Bearer token to send."),
     records: str | None = typer.Option(None, "--records", help="Per-request JSONL output."),
@@ -306,6 +311,7 @@ def bench(
         question_tokens=question_tokens,
         output_tokens=output_tokens,
         think_time_s=think_time,
+        max_prompt_tokens=max_prompt_tokens,
     )
     options = BenchOptions(
         model=model,
