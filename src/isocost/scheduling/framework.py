@@ -148,6 +148,19 @@ class Context:
             )
         return self._prediction
 
+    def prediction_at(self, position: int) -> Prediction:
+        """The prediction for one candidate, without pricing all of them if not yet done."""
+        keep = np.zeros(self.idx.size, dtype=bool)
+        keep[position] = True
+        if self._prediction is not None:
+            return _take_prediction(self._prediction, keep)
+        one = Context(
+            self.request, self.replicas, self.now, self.rng, self.idx[keep], self.route_class
+        )
+        if self._cached is not None:
+            one._cached = self._cached[keep]
+        return one.prediction
+
     @property
     def request_hash(self) -> int:
         """A stable 64-bit hash of the request id (deterministic tie-breaks)."""
@@ -270,7 +283,7 @@ class Policy:
         ctx = Context(
             request, replicas, now, self.rng, np.flatnonzero(eligible).astype(np.int64), route.name
         )
-        ctx.narrow(ctx.load.waiting < replicas.max_queue[ctx.idx])
+        ctx.narrow(replicas.waiting(now, ctx.idx) < replicas.max_queue[ctx.idx])
         if ctx.idx.size == 0:
             return Decision(Outcome.QUEUE, self.name, route_class=route.name)
         for plugin in self.filters:
@@ -296,19 +309,25 @@ class Policy:
             weights[label] = weight
             total += weight * clamped
         chosen = self.picker.pick(ctx, total)
-        prediction = ctx.prediction
+        prediction = ctx.prediction_at(chosen)
         ids = replicas.ids[ctx.idx]
         return Decision(
             Outcome.ADMIT,
             self.name,
             replica_id=str(ids[chosen]),
             route_class=route.name,
-            predicted_ttft_s=float(prediction.ttft_s[chosen]),
-            predicted_e2e_s=float(prediction.e2e_s[chosen]),
+            predicted_ttft_s=float(prediction.ttft_s[0]),
+            predicted_e2e_s=float(prediction.e2e_s[0]),
             predicted_output_tokens=ctx.expected_output_tokens,
-            cached_tokens=int(ctx.cached_tokens[chosen]),
+            cached_tokens=int(self._cached_at(ctx, chosen)),
             explanation=Explanation(tuple(ids.tolist()), scores, weights, total, notes),
         )
+
+    @staticmethod
+    def _cached_at(ctx: Context, position: int) -> float:
+        replicas = ctx.replicas
+        matched = replicas.prefix.match_replica(int(ctx.idx[position]), ctx.request.block_hashes)
+        return min(matched * replicas.block_tokens, ctx.request.prompt_tokens)
 
     def _reject(self, reason: RejectReason, route_class: str, retry_after_s: float) -> Decision:
         retry = retry_after_s if math.isfinite(retry_after_s) else self.admission.retry_after_s

@@ -560,10 +560,19 @@ class ReplicaSet:
 
     # -- derived load ----------------------------------------------------------------
 
+    def freshness(self, now: float, idx: IndexArray) -> FloatArray:
+        """Weight of each slot's latest scrape: ``exp(-age / staleness_tau_s)``, 0 if none."""
+        age = np.maximum(now - self.scrape_s[idx], 0.0)
+        return np.asarray(np.exp(-age / self.staleness_tau_s), dtype=np.float64)
+
+    def waiting(self, now: float, idx: IndexArray) -> FloatArray:
+        """Effective waiting requests of the slots ``idx`` (the queue-cap test)."""
+        fresh = self.freshness(now, idx)
+        return np.asarray(self.local_waiting[idx] + fresh * self.foreign_waiting[idx])
+
     def load(self, now: float, idx: IndexArray) -> Load:
         """Effective load of the slots ``idx`` at ``now`` (local state plus fresh scrapes)."""
-        age = np.maximum(now - self.scrape_s[idx], 0.0)
-        fresh = np.exp(-age / self.staleness_tau_s)
+        fresh = self.freshness(now, idx)
         foreign_waiting = fresh * self.foreign_waiting[idx]
         foreign_running = fresh * self.foreign_running[idx]
         capacity = self.kv_capacity_tokens[idx]

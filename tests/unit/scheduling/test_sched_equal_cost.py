@@ -1,0 +1,163 @@
+"""Equal-cost on crafted states: where it disagrees with counting requests, and why."""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from random import Random
+
+from conftest import MODEL, Factory
+
+from isocost.scheduling.framework import Policy
+from isocost.scheduling.policies import build_policy, parse_scheduling_yaml
+from isocost.scheduling.state import ReplicaSet, RequestView
+
+
+def _req(i: int, prompt: int = 1000, **kwargs: object) -> RequestView:
+    return RequestView(f"q{i}", MODEL, prompt, max_tokens=256, **kwargs)  # type: ignore[arg-type]
+
+
+def _running(
+    replicas: ReplicaSet, replica: str, name: str, prompt: int, generated: int, route: str = ""
+) -> None:
+    replicas.on_dispatch(RequestView(name, MODEL, prompt, route_class=route or None), replica, 0.0)
+    replicas.on_first_token(name, 0.0)
+    replicas.on_tokens(name, generated, 0.0)
+
+
+def test_two_long_generations_cost_more_than_twenty_short_ones(make_replicas: Factory) -> None:
+    replicas = make_replicas(["a100-80g", "a100-80g"], factor_alpha=0.0)
+    replicas.estimator.observe(MODEL, "long", 60_000)  # long-form generations run ~60k tokens
+    for i in range(2):  # r0: two generations at 100k tokens of context, 20k more to go
+        _running(replicas, "r0", f"long{i}", prompt=60_000, generated=40_000, route="long")
+    for i in range(20):  # r1: twenty short chats
+        _running(replicas, "r1", f"short{i}", prompt=200, generated=50)
+
+    least = build_policy("least_request").schedule(_req(0), replicas, 0.0)
+    equal = build_policy("equal_cost").schedule(_req(0), replicas, 0.0)
+
+    assert least.replica_id == "r0"  # 2 < 20 requests
+    # r0's every decode step reads 200k tokens of KV: joining it makes q's 256 tokens
+    # ~2.3x slower, which outweighs stalling r1's twenty short chats for one prefill.
+    assert equal.replica_id == "r1"
+    assert equal.explanation is not None
+    scores = dict(zip(equal.explanation.replica_ids, equal.explanation.scores["equal-cost-scorer"]))
+    assert scores["r1"] == 1.0 and scores["r0"] < 0.95
+
+
+def test_heterogeneous_gpus_get_traffic_by_speed(make_replicas: Factory) -> None:
+    counts: dict[str, Counter[str]] = {}
+    for policy_name in ("least_request", "equal_cost"):
+        replicas = make_replicas(["a100-80g", "h100-80g"], factor_alpha=0.0)
+        policy = build_policy(policy_name)
+        chosen: Counter[str] = Counter()
+        for i in range(40):
+            decision = policy.schedule(_req(i), replicas, 0.0)
+            assert decision.replica_id is not None
+            chosen[decision.replica_id] += 1
+            replicas.on_dispatch(_req(i), decision.replica_id, 0.0)
+        counts[policy_name] = chosen
+    assert counts["least_request"]["r0"] == counts["least_request"]["r1"] == 20
+    # The H100 prefills ~3x and decodes ~1.7x faster than the A100: it takes the larger share.
+    assert counts["equal_cost"]["r1"] >= 1.5 * counts["equal_cost"]["r0"]
+
+
+def _run_with_slow_replica(make_replicas: Factory, factor_alpha: float) -> tuple[float, float]:
+    """A small event loop: r3 takes 3x its predicted time. Returns (r3's share, its factor)."""
+    replicas = make_replicas(["a100-80g"] * 4, factor_alpha=factor_alpha)
+    policy = build_policy("equal_cost")
+    slowness = {"r0": 1.0, "r1": 1.0, "r2": 1.0, "r3": 3.0}
+    events: list[tuple[float, int, str, str]] = []  # (time, seq, kind, request id)
+    rng = Random(7)
+    chosen: Counter[str] = Counter()
+    now, seq = 0.0, 0
+    for i in range(600):
+        now += 0.08
+        while events and events[0][0] <= now:
+            t, _, kind, rid = heapq.heappop(events)
+            if kind == "first":
+                replicas.on_first_token(rid, t)
+            else:
+                replicas.on_complete(rid, t, output_tokens=128)
+        request = _req(i, prompt=rng.randint(500, 3000))
+        decision = policy.schedule(request, replicas, now)
+        assert decision.replica_id is not None
+        record = replicas.on_dispatch(request, decision.replica_id, now)
+        slow = slowness[decision.replica_id]
+        first = now + slow * record.predicted_ttft_s
+        done = first + slow * 127 * record.predicted_step_s
+        heapq.heappush(events, (first, seq, "first", request.request_id))
+        heapq.heappush(events, (done, seq + 1, "done", request.request_id))
+        seq += 2
+        if i >= 200:
+            chosen[decision.replica_id] += 1
+    return chosen["r3"] / sum(chosen.values()), replicas.get("r3").ttft_factor
+
+
+def test_slow_replica_learned_factor_lowers_its_share(make_replicas: Factory) -> None:
+    share_blind, factor_blind = _run_with_slow_replica(make_replicas, factor_alpha=0.0)
+    share_learned, factor_learned = _run_with_slow_replica(make_replicas, factor_alpha=0.1)
+    assert factor_blind == 1.0
+    assert factor_learned > 1.5  # it learned that r3 is slower than its spec
+    assert share_learned < 0.8 * share_blind
+    assert share_learned < 0.25  # less than a fair quarter
+
+
+# One preferred replica per session, so that "home" is unambiguous.
+_ONE_HOME = parse_scheduling_yaml(
+    """
+plugins:
+  - {name: sticky-cost, type: equal-cost-scorer, parameters: {affinity_replicas: 1}}
+policies:
+  - {name: sticky, scorers: [{plugin: sticky-cost}]}
+""",
+    "test",
+)
+
+
+def _sticky() -> Policy:
+    return build_policy("sticky", config=_ONE_HOME)
+
+
+def _preferred(make_replicas: Factory, session: str) -> str:
+    replicas = make_replicas(["a100-80g"] * 4, factor_alpha=0.0)
+    decision = _sticky().schedule(_req(0, session_key=session), replicas, 0.0)
+    assert decision.replica_id is not None
+    return decision.replica_id
+
+
+def test_affinity_holds_while_preferred_is_only_a_little_busier(make_replicas: Factory) -> None:
+    home = _preferred(make_replicas, "user-1")
+    replicas = make_replicas(["a100-80g"] * 4, factor_alpha=0.0)
+    _running(replicas, home, "other", prompt=300, generated=10)  # a little busier than idle
+    decision = _sticky().schedule(_req(1, session_key="user-1"), replicas, 0.0)
+    assert decision.replica_id == home
+
+
+def test_affinity_spills_when_preferred_replica_is_overloaded(make_replicas: Factory) -> None:
+    home = _preferred(make_replicas, "user-1")
+    replicas = make_replicas(["a100-80g"] * 4, factor_alpha=0.0, max_queue=8)
+    for i in range(5):  # waiting >= 0.5 * max_queue: overloaded, though under its cap
+        replicas.on_dispatch(RequestView(f"w{i}", MODEL, 50), home, 0.0)
+    decision = _sticky().schedule(_req(1, session_key="user-1"), replicas, 0.0)
+    assert decision.replica_id is not None and decision.replica_id != home
+
+
+def test_affinity_spills_when_preferred_costs_more_than_the_slack(make_replicas: Factory) -> None:
+    home = _preferred(make_replicas, "user-1")
+    replicas = make_replicas(["a100-80g"] * 4, factor_alpha=0.0, max_queue=100)
+    replicas.on_dispatch(RequestView("big", MODEL, 30_000), home, 0.0)  # 1 waiting, long prefill
+    decision = _sticky().schedule(_req(1, session_key="user-1"), replicas, 0.0)
+    assert decision.replica_id is not None and decision.replica_id != home
+
+
+def test_cached_prefix_attracts_the_request(make_replicas: Factory) -> None:
+    replicas = make_replicas(["a100-80g"] * 3, factor_alpha=0.0)
+    blocks = tuple(range(1, 200))  # 199 blocks of 16 tokens
+    replicas.on_dispatch(RequestView("warm", MODEL, 3200, block_hashes=blocks), "r2", 0.0)
+    replicas.on_complete("warm", 1.0, output_tokens=10)
+    decision = build_policy("equal_cost").schedule(
+        RequestView("q", MODEL, 3300, block_hashes=blocks, max_tokens=64), replicas, 2.0
+    )
+    assert decision.replica_id == "r2"
+    assert decision.cached_tokens == 199 * 16
