@@ -84,7 +84,7 @@ class ChatRequest(_Common, frozen=True, kw_only=True):
 
 
 _T = TypeVar("_T")
-_PATH = re.compile(r"at `\$\.?([^`]*)`")
+_PATH = re.compile(r"at `\$\.?([^`]*)`|missing required field `([^`]*)`")
 
 
 def decode_body(body: bytes, kind: type[_T]) -> _T:
@@ -93,7 +93,7 @@ def decode_body(body: bytes, kind: type[_T]) -> _T:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
         found = _PATH.search(str(exc))
-        param = found.group(1) if found and found.group(1) else None
+        param = (found.group(1) or found.group(2) or None) if found else None
         raise ApiError(400, str(exc), param=param, code="invalid_value") from None
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None

@@ -1,0 +1,91 @@
+"""Invariants of the engine model over random workloads and KV-cache sizes."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from isocost.core.catalog import Catalog
+from isocost.core.costmodel import CostModel, EngineLimits
+from isocost.engine.model import EngineEvent, EngineModel, Finished, FirstToken, RequestSpec
+from isocost.prefix.hashing import token_block_hashes
+
+CATALOG = Catalog.builtin()
+
+# (gap to previous arrival s, shared-prefix group, prefix blocks, own prompt tokens, output)
+requests = st.lists(
+    st.tuples(
+        st.sampled_from([0.0, 0.001, 0.02, 0.3]),
+        st.integers(0, 2),
+        st.integers(0, 6),
+        st.integers(1, 150),
+        st.integers(1, 120),
+    ),
+    min_size=1,
+    max_size=25,
+)
+
+
+def _run(
+    workload: list[tuple[float, int, int, int, int]],
+    num_blocks: int,
+    max_num_seqs: int,
+    budget: int,
+    jump: bool,
+) -> tuple[list[EngineEvent], EngineModel]:
+    limits = EngineLimits(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs)
+    cost = CostModel(CATALOG.model("qwen2.5-7b"), CATALOG.gpu("a100-80g"), 1, limits=limits)
+    model = EngineModel(cost, num_blocks=num_blocks, jump=jump)
+    events: list[EngineEvent] = []
+    now = 0.0
+    for i, (gap, group, prefix_blocks, own, output) in enumerate(workload):
+        now += gap
+        events += model.advance_to(now)
+        tokens = [*range(group * 10_000, group * 10_000 + 16 * prefix_blocks)]
+        tokens += range(1_000_000 * (i + 1), 1_000_000 * (i + 1) + own)
+        output = min(output, num_blocks * 16 - len(tokens))
+        hashes = tuple(token_block_hashes(tokens, 16))
+        model.submit(RequestSpec(f"r{i}", len(tokens), output, hashes), now)
+    while (t := model.next_event_time()) is not None:
+        events += model.advance_to(t)
+        assert 0.0 <= model.kv_usage <= 1.0
+    return events, model
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(
+    workload=requests,
+    num_blocks=st.integers(20, 80),
+    max_num_seqs=st.integers(1, 6),
+    budget=st.sampled_from([64, 256, 8192]),
+)
+def test_every_request_finishes_once_with_its_tokens_and_blocks_return(
+    workload: list[tuple[float, int, int, int, int]],
+    num_blocks: int,
+    max_num_seqs: int,
+    budget: int,
+) -> None:
+    events, model = _run(workload, num_blocks, max_num_seqs, budget, jump=True)
+    finished = [e for e in events if isinstance(e, Finished)]
+    first = {e.request_id: e for e in events if isinstance(e, FirstToken)}
+    assert sorted(e.request_id for e in finished) == sorted(f"r{i}" for i in range(len(workload)))
+    assert len(first) == len(finished)
+    for e in finished:
+        assert 0 < first[e.request_id].time_s <= e.time_s
+        assert e.ttft_s <= e.e2e_s
+    assert [e.time_s for e in events] == sorted(e.time_s for e in events)
+    assert model.pool.num_used == 0
+    # preempted requests keep their tokens: recompute generates none twice
+    assert model.counters.num_generation_tokens == sum(e.num_output_tokens for e in finished)
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(workload=requests, num_blocks=st.integers(20, 80), max_num_seqs=st.integers(1, 6))
+def test_jumps_and_single_steps_agree_on_every_event(
+    workload: list[tuple[float, int, int, int, int]], num_blocks: int, max_num_seqs: int
+) -> None:
+    jumped, a = _run(workload, num_blocks, max_num_seqs, 256, jump=True)
+    stepped, b = _run(workload, num_blocks, max_num_seqs, 256, jump=False)
+    assert jumped == stepped
+    assert a.counters.num_steps == b.counters.num_steps
+    assert a.counters.prefix_cache_hits == b.counters.prefix_cache_hits

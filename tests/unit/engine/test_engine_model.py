@@ -1,0 +1,206 @@
+"""The pure engine model: timings against the cost model, prefix caching, KV pressure,
+preemption, aborts, the driving contract, and jumps against single steps."""
+
+from __future__ import annotations
+
+import pytest
+
+from isocost.core.catalog import Catalog
+from isocost.core.costmodel import CostModel, EngineLimits
+from isocost.engine.model import (
+    EngineEvent,
+    EngineModel,
+    Finished,
+    FirstToken,
+    Preempted,
+    RequestSpec,
+)
+from isocost.prefix.hashing import token_block_hashes
+
+CATALOG = Catalog.builtin()
+
+
+def _cost(limits: EngineLimits | None = None) -> CostModel:
+    return CostModel(CATALOG.model("llama-3.1-8b"), CATALOG.gpu("h100-80g"), 1, limits=limits)
+
+
+def _spec(request_id: str, tokens: list[int], output: int) -> RequestSpec:
+    return RequestSpec(request_id, len(tokens), output, tuple(token_block_hashes(tokens, 16)))
+
+
+def _drain(model: EngineModel) -> list[EngineEvent]:
+    events: list[EngineEvent] = []
+    while (t := model.next_event_time()) is not None:
+        events += model.advance_to(t)
+    return events
+
+
+def _times(events: list[EngineEvent]) -> dict[tuple[str, str], float]:
+    return {(type(e).__name__, e.request_id): e.time_s for e in events}
+
+
+def test_single_request_timing_is_the_cost_model_step_by_step() -> None:
+    cost = _cost()
+    model = EngineModel(cost)
+    model.submit(_spec("a", list(range(1000)), 3), 0.0)
+    events = _drain(model)
+    ttft = 0.0 + cost.step_time_s(1000, 0, 0, 0)
+    end = ttft + cost.step_time_s(0, 0, 1, 1000)
+    end = end + cost.step_time_s(0, 0, 1, 1001)
+    assert events == [FirstToken("a", ttft, ttft), Finished("a", end, 1000, 3, ttft, end)]
+
+
+def test_a_batch_is_priced_as_one_step_of_the_cost_model() -> None:
+    cost = _cost()
+    model = EngineModel(cost)
+    model.submit(_spec("a", list(range(300)), 2), 0.0)
+    model.submit(_spec("b", list(range(1000, 1500)), 2), 0.0)
+    times = _times(_drain(model))
+    prefill = cost.step_time_s(800, 0, 0, 0)
+    assert times[("FirstToken", "a")] == times[("FirstToken", "b")] == prefill
+    assert times[("Finished", "a")] == prefill + cost.step_time_s(0, 0, 2, 800)
+
+
+def test_long_prompts_prefill_in_chunks_of_the_token_budget() -> None:
+    cost = _cost(EngineLimits(max_num_batched_tokens=2048))
+    model = EngineModel(cost)
+    model.submit(_spec("a", list(range(5000)), 1), 0.0)
+    (first, finished) = _drain(model)
+    assert model.counters.num_steps == 3  # 2048 + 2048 + 904
+    assert first.time_s == finished.time_s == cost.prefill_time_s(5000)
+
+
+def test_slowdown_stretches_every_step() -> None:
+    cost = _cost()
+    model = EngineModel(cost)
+    model.slowdown = 3.0
+    model.submit(_spec("a", list(range(100)), 1), 0.0)
+    (first, _) = _drain(model)
+    assert first.ttft_s == cost.step_time_s(100) * 3.0
+
+
+def test_shared_prefix_hits_the_cache_and_cuts_ttft() -> None:
+    model = EngineModel(_cost())
+    prefix = list(range(4000))
+    model.submit(_spec("warmup", [*prefix, 1, 2, 3], 1), 0.0)
+    _drain(model)
+    queries, hits = model.counters.prefix_cache_queries, model.counters.prefix_cache_hits
+    model.submit(_spec("warm", [*prefix, 7, 8, 9], 1), model.now_s)
+    (warm, _) = _drain(model)
+    assert model.counters.prefix_cache_queries - queries == 4003
+    assert model.counters.prefix_cache_hits - hits == 4000  # 250 full shared blocks
+    model.submit(_spec("cold", list(range(50_000, 54_003)), 1), model.now_s)
+    (cold, _) = _drain(model)
+    assert isinstance(warm, FirstToken) and isinstance(cold, FirstToken)
+    assert warm.ttft_s < cold.ttft_s / 5
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_token() -> None:
+    model = EngineModel(_cost())
+    prompt = list(range(64))  # exactly four blocks
+    model.submit(_spec("a", prompt, 1), 0.0)
+    _drain(model)
+    model.submit(_spec("b", prompt, 1), model.now_s)
+    _drain(model)
+    assert model.counters.prefix_cache_hits == 48  # three blocks; the fourth is recomputed
+
+
+def test_lru_eviction_keeps_the_recently_used_prefix() -> None:
+    model = EngineModel(_cost(), num_blocks=8)
+    old, new = list(range(64)), list(range(100, 164))
+    for request_id, prompt in (("old", old), ("new", new)):
+        model.submit(_spec(request_id, prompt, 1), model.now_s)
+        _drain(model)
+    model.submit(_spec("filler", list(range(500, 532)), 1), model.now_s)  # evicts 2 blocks
+    _drain(model)
+    hashes_old = token_block_hashes(old, 16)
+    hashes_new = token_block_hashes(new, 16)
+    assert all(model.pool.is_cached(h) for h in hashes_new)
+    assert not model.pool.is_cached(hashes_old[-1])  # tails go first
+    assert model.pool.is_cached(hashes_old[0])
+
+
+def test_full_kv_cache_makes_requests_wait_then_preempts_and_all_finish() -> None:
+    model = EngineModel(_cost(), num_blocks=64)  # 1024 tokens
+    for i in range(8):
+        model.submit(_spec(f"r{i}", list(range(i * 1000, i * 1000 + 200)), 300), 0.0)
+    peak_waiting = peak_usage = 0.0
+    events: list[EngineEvent] = []
+    while (t := model.next_event_time()) is not None:
+        events += model.advance_to(t)
+        peak_waiting = max(peak_waiting, model.num_waiting)
+        peak_usage = max(peak_usage, model.kv_usage)
+    finished = [e for e in events if isinstance(e, Finished)]
+    preempted = [e for e in events if isinstance(e, Preempted)]
+    assert sorted(e.request_id for e in finished) == [f"r{i}" for i in range(8)]
+    assert all(e.num_output_tokens == 300 for e in finished)
+    assert preempted and model.counters.num_preemptions == len(preempted)
+    assert peak_waiting >= 5 and peak_usage == 1.0
+    assert model.pool.num_used == 0 and model.num_running == model.num_waiting == 0
+
+
+def test_preemption_picks_the_newest_running_request() -> None:
+    model = EngineModel(_cost(), num_blocks=20)
+    model.submit(_spec("old", list(range(100)), 200), 0.0)
+    model.advance_to(model.next_event_time() or 0.0)
+    model.submit(_spec("new", list(range(1000, 1100)), 200), model.now_s)
+    preempted = [e for e in _drain(model) if isinstance(e, Preempted)]
+    assert preempted and {e.request_id for e in preempted} == {"new"}
+
+
+def test_abort_frees_the_blocks_of_running_and_waiting_requests() -> None:
+    model = EngineModel(_cost(), num_blocks=40)
+    model.submit(_spec("run", list(range(300)), 300), 0.0)
+    model.submit(_spec("wait", list(range(1000, 1400)), 200), 0.0)
+    model.advance_to(model.next_event_time() or 0.0)
+    assert model.num_running == 1 and model.num_waiting == 1  # 19 + 25 blocks > 40
+    model.abort("wait")
+    model.abort("run")
+    assert model.pool.num_used == 0
+    assert [e for e in _drain(model) if not isinstance(e, FirstToken)] == []
+    assert model.request("run") is None
+
+
+def test_the_driving_contract_refuses_skipped_events_and_impossible_requests() -> None:
+    model = EngineModel(_cost(), num_blocks=10)
+    model.submit(_spec("a", list(range(50)), 5), 1.0)
+    with pytest.raises(ValueError, match="before the model clock"):
+        model.advance_to(0.5)
+    with pytest.raises(ValueError, match="advance_to"):
+        model.submit(_spec("b", list(range(50)), 5), 2.0)
+    with pytest.raises(ValueError, match="exceeds 160"):
+        model.submit(_spec("c", list(range(150)), 11), 1.0)
+    with pytest.raises(ValueError, match="duplicate"):
+        model.submit(_spec("a", list(range(50)), 5), 1.0)
+    with pytest.raises(ValueError, match="at least one"):
+        model.submit(RequestSpec("d", 10, 0), 1.0)
+
+
+def test_requests_submitted_mid_step_wait_for_the_next_step() -> None:
+    cost = _cost()
+    model = EngineModel(cost)
+    model.submit(_spec("a", list(range(2000)), 1), 0.0)
+    model.advance_to(0.0)
+    model.submit(_spec("b", list(range(5000, 5100)), 1), 0.001)
+    times = _times(_drain(model))
+    first_step = cost.step_time_s(2000)
+    assert times[("FirstToken", "a")] == first_step
+    assert times[("FirstToken", "b")] == first_step + cost.step_time_s(100)
+
+
+def _workload(jump: bool, num_blocks: int | None) -> list[EngineEvent]:
+    model = EngineModel(_cost(EngineLimits(max_num_seqs=8)), num_blocks=num_blocks, jump=jump)
+    events: list[EngineEvent] = []
+    for i in range(40):
+        now = i * 0.35
+        events += model.advance_to(now)
+        prompt = [*range(512 * (i % 3)), *range(10_000 * (i + 1), 10_000 * (i + 1) + 40 + i * 7)]
+        model.submit(_spec(f"r{i}", prompt, 20 + (i * 37) % 400), now)
+    return events + _drain(model)
+
+
+@pytest.mark.parametrize("num_blocks", [None, 200])
+def test_jumps_give_the_same_events_as_single_steps(num_blocks: int | None) -> None:
+    stepped = _workload(jump=False, num_blocks=num_blocks)
+    assert _workload(jump=True, num_blocks=num_blocks) == stepped
+    assert len([e for e in stepped if isinstance(e, Finished)]) == 40
