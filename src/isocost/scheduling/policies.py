@@ -246,9 +246,11 @@ def build_policy(
 def _check(config: SchedulingConfig, source: str) -> None:
     """Build every policy once so that bad references fail at load, not at first use."""
     for i, decl in enumerate(config.plugins):
-        if decl.type not in PLUGIN_TYPES:
+        entry = PLUGIN_TYPES.get(decl.type)
+        if entry is None:
             raise UnknownConfigEntryError(
                 "plugin type", decl.type, PLUGIN_TYPES, source, f"plugins[{i}].type"
             )
+        entry.create(decl.parameters, source, f"plugins[{i}].parameters")
     for profile in config.policies:
         build_policy(profile.name, config=config, source=source)

@@ -41,7 +41,10 @@ def test_two_long_generations_cost_more_than_twenty_short_ones(make_replicas: Fa
     # ~2.3x slower, which outweighs stalling r1's twenty short chats for one prefill.
     assert equal.replica_id == "r1"
     assert equal.explanation is not None
-    scores = dict(zip(equal.explanation.replica_ids, equal.explanation.scores["equal-cost-scorer"]))
+    explanation = equal.explanation
+    scores = dict(
+        zip(explanation.replica_ids, explanation.scores["equal-cost-scorer"], strict=True)
+    )
     assert scores["r1"] == 1.0 and scores["r0"] < 0.95
 
 

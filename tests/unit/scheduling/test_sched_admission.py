@@ -1,0 +1,124 @@
+"""Admission: eligibility outcomes, SLO rejection, shedding, route tiers, the gateway queue."""
+
+from __future__ import annotations
+
+from conftest import MODEL, Factory, cost_model
+
+from isocost.scheduling.admission import RequestQueue
+from isocost.scheduling.decision import Outcome, RejectReason
+from isocost.scheduling.policies import build_policy, parse_scheduling_yaml
+from isocost.scheduling.state import ReplicaSet, ReplicaSpec, RequestView
+
+
+def _req(i: int, prompt: int = 500, **kwargs: object) -> RequestView:
+    return RequestView(f"q{i}", MODEL, prompt, max_tokens=64, **kwargs)  # type: ignore[arg-type]
+
+
+def test_unknown_model_unavailable_and_queue_outcomes(make_replicas: Factory) -> None:
+    replicas = make_replicas(["a100-80g"] * 2, max_queue=2)
+    policy = build_policy("least_request")
+    other = policy.schedule(RequestView("x", "other-model", 10), replicas, 0.0)
+    assert (other.outcome, other.reason) == (Outcome.REJECT, RejectReason.NO_REPLICA)
+    for i in range(4):  # fill both queues to their cap
+        decision = policy.schedule(_req(i), replicas, 0.0)
+        assert decision.replica_id is not None
+        replicas.on_dispatch(_req(i), decision.replica_id, 0.0)
+    assert policy.schedule(_req(9), replicas, 0.0).outcome is Outcome.QUEUE
+    replicas.on_first_token("q0", 0.1)  # one leaves the waiting queue: room again
+    assert policy.schedule(_req(9), replicas, 0.1).outcome is Outcome.ADMIT
+    replicas.set_health("r0", False)
+    replicas.set_draining("r1", True)
+    down = policy.schedule(_req(9), replicas, 0.1)
+    assert (down.outcome, down.reason) == (Outcome.REJECT, RejectReason.UNAVAILABLE)
+    assert down.retry_after_s == 1.0
+
+
+def test_slo_admission_rejects_with_a_predicted_retry_after(make_replicas: Factory) -> None:
+    replicas = make_replicas(["a100-80g"], factor_alpha=0.0)
+    policy = build_policy("equal_cost")
+    for i in range(6):  # 6 x 8k-token prompts queued: seconds of prefill ahead
+        replicas.on_dispatch(_req(100 + i, prompt=8000), "r0", 0.0)
+    late = policy.schedule(_req(1, deadline_s=0.5), replicas, 0.0)
+    assert (late.outcome, late.reason) == (Outcome.REJECT, RejectReason.DEADLINE)
+    assert late.retry_after_s is not None and late.retry_after_s > 1.0
+    relaxed = policy.schedule(_req(2, deadline_s=60.0), replicas, 0.0)
+    assert relaxed.outcome is Outcome.ADMIT
+    assert relaxed.predicted_ttft_s is not None and 0.5 < relaxed.predicted_ttft_s < 60.0
+    assert build_policy("least_request").schedule(_req(1, deadline_s=0.5), replicas, 0.0).admitted
+
+
+def test_global_shed_when_too_few_replicas_are_available(make_replicas: Factory) -> None:
+    config = parse_scheduling_yaml(
+        "policies:\n  - name: guarded\n    scorers: [{plugin: least-request-scorer}]\n"
+        "    admission: {min_available_fraction: 0.5, retry_after_s: 3}\n",
+        "test",
+    )
+    replicas = make_replicas(["a100-80g"] * 4)
+    policy = build_policy("guarded", config=config)
+    replicas.set_health("r0", False)
+    assert policy.schedule(_req(0), replicas, 0.0).admitted  # 3 of 4
+    replicas.set_health("r1", False)
+    assert policy.schedule(_req(0), replicas, 0.0).admitted  # 2 of 4
+    replicas.set_health("r2", False)
+    shed = policy.schedule(_req(0), replicas, 0.0)
+    assert (shed.reason, shed.retry_after_s) == (RejectReason.SHED, 3.0)
+
+
+def test_route_classes_use_groups_with_fallback() -> None:
+    replicas = ReplicaSet()
+    replicas.add(ReplicaSpec("big", MODEL, cost_model("h200-141g"), groups=frozenset({"h200"})))
+    replicas.add(ReplicaSpec("small", MODEL, cost_model("l40s-48g"), groups=frozenset({"l40s"})))
+    config = parse_scheduling_yaml(
+        "routes:\n"
+        "  - {name: long-context, min_prompt_tokens: 32000, groups: [[h200], []]}\n"
+        "  - {name: chat, stream: true, groups: [[l40s]]}\n"
+        "policies:\n  - {name: p, picker: round-robin-picker}\n",
+        "test",
+    )
+    policy = build_policy("p", config=config)
+    long_prompt = RequestView("a", MODEL, 40_000)
+    chat = RequestView("b", MODEL, 100, stream=True)
+    for _ in range(3):
+        assert policy.schedule(long_prompt, replicas, 0.0).replica_id == "big"
+        decision = policy.schedule(chat, replicas, 0.0)
+        assert (decision.replica_id, decision.route_class) == ("small", "chat")
+    replicas.set_health("big", False)  # fallback tier: any replica
+    fallback = policy.schedule(long_prompt, replicas, 0.0)
+    assert fallback.replica_id == "small"
+    assert fallback.explanation is not None and fallback.explanation.notes["route_tier"] == "1"
+    replicas.set_health("small", False)
+    assert policy.schedule(chat, replicas, 0.0).reason is RejectReason.UNAVAILABLE
+
+
+def test_queue_orders_by_priority_then_deadline_then_arrival() -> None:
+    queue = RequestQueue(10)
+    queue.push(RequestView("low", MODEL, 1, arrival_s=0.0))
+    queue.push(RequestView("late", MODEL, 1, priority=1, deadline_s=9.0, arrival_s=1.0))
+    queue.push(RequestView("soon", MODEL, 1, priority=1, deadline_s=5.0, arrival_s=2.0))
+    queue.push(RequestView("low2", MODEL, 1, arrival_s=0.5))
+    order = [queue.pop(0.0) for _ in range(5)]
+    assert [r.request_id if r else None for r in order] == ["soon", "late", "low", "low2", None]
+
+
+def test_full_queue_evicts_the_least_urgent_or_rejects_the_newcomer() -> None:
+    queue = RequestQueue(2)
+    assert queue.push(RequestView("a", MODEL, 1, arrival_s=0.0)).rejected is None
+    assert queue.push(RequestView("b", MODEL, 1, arrival_s=1.0)).rejected is None
+    newcomer = queue.push(RequestView("c", MODEL, 1, arrival_s=2.0))
+    assert not newcomer.queued and newcomer.rejected is not None
+    assert newcomer.rejected.request_id == "c"
+    urgent = queue.push(RequestView("d", MODEL, 1, priority=5, arrival_s=3.0))
+    assert urgent.queued and urgent.rejected is not None and urgent.rejected.request_id == "b"
+    assert len(queue) == 2 and "b" not in queue
+
+
+def test_queue_expires_deadlines_and_cancels() -> None:
+    queue = RequestQueue(5)
+    queue.push(RequestView("x", MODEL, 1, deadline_s=1.0))
+    queue.push(RequestView("y", MODEL, 1, deadline_s=10.0))
+    queue.push(RequestView("z", MODEL, 1))
+    assert queue.cancel("z") and not queue.cancel("z")
+    assert [r.request_id for r in queue.expire(2.0)] == ["x"]
+    popped = queue.pop(2.0)
+    assert popped is not None and popped.request_id == "y"
+    assert queue.pop(2.0) is None and len(queue) == 0

@@ -1,0 +1,174 @@
+"""Baseline policies behave as their sources say; YAML profiles fail loudly on bad input."""
+
+from __future__ import annotations
+
+from collections import Counter
+from random import Random
+
+import pytest
+from conftest import MODEL, Factory
+
+from isocost.core.errors import ConfigError, UnknownEntryError
+from isocost.scheduling.plugins import PLUGIN_TYPES
+from isocost.scheduling.policies import (
+    BUILTIN_POLICIES,
+    builtin_config,
+    build_policy,
+    config_to_yaml,
+    parse_scheduling_yaml,
+)
+from isocost.scheduling.state import RequestView
+
+
+def _req(i: int, **kwargs: object) -> RequestView:
+    return RequestView(f"q{i}", MODEL, 500, max_tokens=64, **kwargs)  # type: ignore[arg-type]
+
+
+def test_round_robin_cycles_and_survives_a_missing_replica(make_replicas: Factory) -> None:
+    replicas = make_replicas(["a100-80g"] * 3)
+    policy = build_policy("round_robin")
+    picks = [policy.schedule(_req(i), replicas, 0.0).replica_id for i in range(4)]
+    assert picks == ["r0", "r1", "r2", "r0"]
+    replicas.set_health("r1", False)
+    picks = [policy.schedule(_req(i), replicas, 0.0).replica_id for i in range(3)]
+    assert picks == ["r2", "r0", "r2"]
+
+
+def test_session_policy_is_sticky_and_spreads_sessions(make_replicas: Factory) -> None:
+    replicas = make_replicas(["a100-80g"] * 4)
+    policy = build_policy("session")
+    homes = {
+        s: {
+            policy.schedule(_req(i, session_key=f"s{s}"), replicas, 0.0).replica_id
+            for i in range(5)
+        }
+        for s in range(40)
+    }
+    assert all(len(h) == 1 for h in homes.values())
+    spread = Counter(next(iter(h)) for h in homes.values())
+    assert len(spread) == 4  # 40 sessions land on every replica
+
+
+def test_random_and_power_of_two_are_deterministic_for_a_seed(make_replicas: Factory) -> None:
+    for name in ("random", "power_of_two"):
+        runs = []
+        for _ in range(2):
+            replicas = make_replicas(["a100-80g"] * 5)
+            policy = build_policy(name, rng=Random(42))
+            picks = []
+            for i in range(30):
+                d = policy.schedule(_req(i), replicas, 0.0)
+                assert d.replica_id is not None
+                replicas.on_dispatch(_req(i), d.replica_id, 0.0)
+                picks.append(d.replica_id)
+            runs.append(picks)
+        assert runs[0] == runs[1]
+        assert len(set(runs[0])) > 1
+
+
+def test_sglang_switches_to_shortest_queue_when_imbalanced(make_replicas: Factory) -> None:
+    replicas = make_replicas(["a100-80g"] * 2, max_queue=1000)
+    blocks = tuple(range(1, 11))
+    replicas.on_dispatch(RequestView("warm", MODEL, 160, block_hashes=blocks), "r0", 0.0)
+    policy = build_policy("sglang_cache_aware")
+    hit = RequestView("hit", MODEL, 160, block_hashes=blocks)
+    assert policy.schedule(hit, replicas, 0.0).replica_id == "r0"  # cache match > 0.3
+    cold = RequestView("cold", MODEL, 160, block_hashes=tuple(range(100, 110)))
+    assert policy.schedule(cold, replicas, 0.0).replica_id == "r1"  # smallest tree
+    for i in range(70):  # r0: 71 in flight vs 0 > 64 and > 1.5x: imbalanced
+        replicas.on_dispatch(RequestView(f"x{i}", MODEL, 16), "r0", 0.0)
+    assert policy.schedule(hit, replicas, 0.0).replica_id == "r1"
+
+
+def test_dynamo_trades_overlap_against_active_blocks(make_replicas: Factory) -> None:
+    replicas = make_replicas(["a100-80g"] * 2)
+    blocks = tuple(range(1, 65))  # 64 blocks = 1024 tokens
+    replicas.on_dispatch(RequestView("warm", MODEL, 1024, block_hashes=blocks), "r0", 0.0)
+    policy = build_policy("dynamo_kv")
+    request = RequestView("q", MODEL, 1024, block_hashes=blocks)
+    # r0: 0 new prefill blocks + 64 active + 64; r1: 64 new + 0 active + 64.  Tie -> hash;
+    # one more active block on r0 tips it to r1.
+    replicas.on_dispatch(RequestView("more", MODEL, 16), "r0", 0.0)
+    assert policy.schedule(request, replicas, 0.0).replica_id == "r1"
+    replicas.on_complete("more", 0.0, ok=False)
+    replicas.on_complete("warm", 0.0, ok=False)  # r0 keeps the cached blocks, frees KV
+    assert policy.schedule(request, replicas, 0.0).replica_id == "r0"
+
+
+def test_llmd_weights_prefix_over_queue_and_kv(make_replicas: Factory) -> None:
+    replicas = make_replicas(["a100-80g"] * 2)
+    blocks = tuple(range(1, 21))
+    replicas.on_dispatch(RequestView("warm", MODEL, 320, block_hashes=blocks), "r0", 0.0)
+    decision = build_policy("llmd_default").schedule(
+        RequestView("q", MODEL, 320, block_hashes=blocks), replicas, 0.0
+    )
+    assert decision.replica_id == "r0"  # 3 * 1.0 prefix + 2 * 0 queue > 2 * 1 queue
+    assert decision.explanation is not None
+    assert set(decision.explanation.scores) == {
+        "queue-scorer",
+        "kv-cache-utilization-scorer",
+        "prefix-cache-scorer",
+    }
+
+
+def test_builtin_profiles_round_trip_through_yaml() -> None:
+    text = config_to_yaml(builtin_config())
+    parsed = parse_scheduling_yaml(text, "builtin.yaml")
+    assert [p.name for p in parsed.policies] == list(BUILTIN_POLICIES)
+    assert parsed == builtin_config()
+
+
+def test_unknown_policy_names_the_valid_ones() -> None:
+    with pytest.raises(UnknownEntryError) as err:
+        build_policy("equal-costs")
+    message = str(err.value)
+    assert "'equal-costs'" in message
+    for name in BUILTIN_POLICIES:
+        assert name in message
+
+
+def test_unknown_plugin_type_names_key_and_valid_types() -> None:
+    text = "plugins:\n  - {name: x, type: magic-scorer}\n"
+    with pytest.raises(UnknownEntryError) as err:
+        parse_scheduling_yaml(text, "my.yaml")
+    message = str(err.value)
+    assert message.startswith("my.yaml: plugins[0].type: unknown plugin type 'magic-scorer'")
+    for type_name in PLUGIN_TYPES:
+        assert type_name in message
+
+
+def test_unknown_scorer_reference_names_the_key() -> None:
+    text = "policies:\n  - name: p\n    scorers: [{plugin: queue-scorer}, {plugin: nope}]\n"
+    with pytest.raises(UnknownEntryError, match=r"policies\[0\]\.scorers\[1\]\.plugin"):
+        parse_scheduling_yaml(text, "my.yaml")
+
+
+def test_a_scorer_used_as_picker_is_rejected() -> None:
+    text = "policies:\n  - {name: p, picker: queue-scorer}\n"
+    with pytest.raises(UnknownEntryError, match=r"picker.*max-score-picker"):
+        parse_scheduling_yaml(text, "my.yaml")
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ("policies:\n  - {name: p, colour: red}\n", "colour"),
+        ("plugins:\n  - {name: e, type: equal-cost-scorer, parameters: {lambda: 1}}\n", "lambda"),
+        (
+            "plugins:\n  - {name: e, type: equal-cost-scorer, parameters: {affinity_slack: -1}}\n"
+            "policies:\n  - {name: p, scorers: [{plugin: e}]}\n",
+            "affinity_slack",
+        ),
+        ("routes:\n  - {name: r, min_tokens: 3}\n", "min_tokens"),
+    ],
+)
+def test_bad_keys_and_values_are_config_errors(text: str, key: str) -> None:
+    with pytest.raises(ConfigError, match=key):
+        parse_scheduling_yaml(text, "my.yaml")
+
+
+def test_each_policy_gets_its_own_stateful_plugins(make_replicas: Factory) -> None:
+    replicas = make_replicas(["a100-80g"] * 3)
+    first, second = build_policy("round_robin"), build_policy("round_robin")
+    assert first.schedule(_req(0), replicas, 0.0).replica_id == "r0"
+    assert second.schedule(_req(0), replicas, 0.0).replica_id == "r0"
