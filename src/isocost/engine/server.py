@@ -179,7 +179,7 @@ class Replica:
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            self._advance()
+            self._advance(self.model_now())
             self._wakeup = wakeup = loop.create_future()
             due = self.model.next_event_time()
             timer = None
@@ -190,10 +190,11 @@ class Replica:
             if timer is not None:
                 timer.cancel()
 
-    def _advance(self) -> None:
+    def _advance(self, now: float) -> None:
+        """Advance the model to ``now``: metrics from its events, wake-ups for handlers."""
         model, metrics, scale = self.model, self.metrics, self.options.time_scale
         steps_before = model.counters.num_steps
-        for event in model.advance_to(self.model_now()):
+        for event in model.advance_to(now):
             if isinstance(event, FirstToken):
                 metrics.ttft.observe(event.ttft_s * scale)
             elif isinstance(event, Finished):
@@ -214,8 +215,9 @@ class Replica:
     # -- requests ----------------------------------------------------------------------
 
     def submit(self, spec: RequestSpec, wake_every: int, finish_reason: str) -> _Waiter:
-        self._advance()  # collect events due before now, as the model's contract asks
-        state = self.model.submit(spec, self.model_now())
+        now = self.model_now()
+        self._advance(now)  # collect events due before now, as the model's contract asks
+        state = self.model.submit(spec, now)
         waiter = _Waiter(state, wake_every, finish_reason)
         self._waiters[spec.request_id] = waiter
         if self._wakeup is not None and not self._wakeup.done():
