@@ -8,10 +8,12 @@ the replica joins, to a handful of coefficients fitted at sample points of the r
 
 * prefill of ``n`` new tokens after ``c`` cached ones, in chunks of ``C`` tokens::
 
-      T_pre(n, c) = ceil(n / C) * a + beta * n + gamma * n * (c + n / 2)
+      T_pre(n, c) = max(ceil(n / C) * a + beta * n + gamma * n * (c + n / 2),
+                        ceil(n / C) * floor)
 
-  (``a`` fixed cost per chunk, ``beta`` per token, ``gamma`` per attention pair; the pair
-  term sums exactly over chunks);
+  (``a`` fixed cost per chunk, ``beta`` per token, ``gamma`` per attention pair, the pair
+  term summing exactly over chunks; ``floor`` the memory-bound time of a tiny chunk,
+  which reads all weights however few tokens it computes);
 * one decode step of ``b`` sequences holding ``K`` context tokens::
 
       T_step(b, K) = max(m0 + mk * K + mb * b,  c0 + cb * b)
@@ -51,6 +53,7 @@ class StepCoefficients:
     prefill_per_chunk_s: float
     prefill_per_token_s: float
     prefill_per_pair_s: float
+    prefill_floor_s: float
     decode_fixed_s: float  # m0
     decode_per_context_token_s: float  # mk
     decode_per_seq_memory_s: float  # mb
@@ -76,6 +79,7 @@ class StepCoefficients:
             prefill_per_chunk_s=a,
             prefill_per_token_s=beta,
             prefill_per_pair_s=gamma,
+            prefill_floor_s=step(1),
             decode_fixed_s=m0,
             decode_per_context_token_s=mk,
             decode_per_seq_memory_s=mb,
@@ -92,6 +96,7 @@ class CoefficientArrays:
     per_chunk_s: FloatArray
     per_token_s: FloatArray
     per_pair_s: FloatArray
+    floor_s: FloatArray
     decode_fixed_s: FloatArray
     per_context_token_s: FloatArray
     per_seq_memory_s: FloatArray
@@ -100,7 +105,7 @@ class CoefficientArrays:
 
     @classmethod
     def zeros(cls, size: int) -> CoefficientArrays:
-        return cls(*(np.zeros(size) for _ in range(9)))
+        return cls(*(np.zeros(size) for _ in range(10)))
 
     def grown(self, size: int) -> CoefficientArrays:
         def grow(a: FloatArray) -> FloatArray:
@@ -113,6 +118,7 @@ class CoefficientArrays:
             grow(self.per_chunk_s),
             grow(self.per_token_s),
             grow(self.per_pair_s),
+            grow(self.floor_s),
             grow(self.decode_fixed_s),
             grow(self.per_context_token_s),
             grow(self.per_seq_memory_s),
@@ -125,6 +131,7 @@ class CoefficientArrays:
         self.per_chunk_s[slot] = c.prefill_per_chunk_s
         self.per_token_s[slot] = c.prefill_per_token_s
         self.per_pair_s[slot] = c.prefill_per_pair_s
+        self.floor_s[slot] = c.prefill_floor_s
         self.decode_fixed_s[slot] = c.decode_fixed_s
         self.per_context_token_s[slot] = c.decode_per_context_token_s
         self.per_seq_memory_s[slot] = c.decode_per_seq_memory_s
@@ -141,12 +148,12 @@ def prefill_s(
     """``T_pre`` per replica in ``idx`` (0 where there is nothing new to prefill)."""
     n = np.maximum(new_tokens, 0.0)
     chunks = np.ceil(n / coef.chunk_tokens[idx])
-    return np.asarray(
+    compute = (
         chunks * coef.per_chunk_s[idx]
         + n * coef.per_token_s[idx]
-        + n * (cached_tokens + n / 2.0) * coef.per_pair_s[idx],
-        dtype=np.float64,
+        + n * (cached_tokens + n / 2.0) * coef.per_pair_s[idx]
     )
+    return np.asarray(np.maximum(compute, chunks * coef.floor_s[idx]), dtype=np.float64)
 
 
 def decode_step_s(

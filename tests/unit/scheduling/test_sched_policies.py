@@ -12,8 +12,8 @@ from isocost.core.errors import ConfigError, UnknownEntryError
 from isocost.scheduling.plugins import PLUGIN_TYPES
 from isocost.scheduling.policies import (
     BUILTIN_POLICIES,
-    builtin_config,
     build_policy,
+    builtin_config,
     config_to_yaml,
     parse_scheduling_yaml,
 )

@@ -1,0 +1,101 @@
+"""Shadow state: hooks keep exact counts, scrapes add foreign load that fades, factors learn."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import MODEL, Factory, cost_model
+
+from isocost.scheduling.state import EngineMetrics, ReplicaSpec, RequestView
+from isocost.scheduling.timing import StepCoefficients
+
+
+def test_hooks_keep_counts_exact_and_return_to_zero(make_replicas: Factory) -> None:
+    replicas = make_replicas(["a100-80g"])
+    slot = replicas.get("r0").slot
+    for i in range(3):
+        replicas.on_dispatch(RequestView(f"q{i}", MODEL, 1000, max_tokens=50), "r0", 0.0)
+    assert replicas.get("r0").num_waiting == 3
+    assert replicas.local_queued_prefill_tokens[slot] == 3000
+    replicas.on_first_token("q0", 0.2)
+    replicas.on_tokens("q0", 9, 0.3)
+    state = replicas.get("r0")
+    assert (state.num_waiting, state.num_running) == (2, 1)
+    assert replicas.local_context_tokens[slot] == 1010
+    assert state.in_flight["q0"].generated_tokens == 10
+    replicas.on_complete("q0", 0.5, output_tokens=10)
+    replicas.on_complete("q1", 0.5, ok=False)
+    replicas.on_complete("q2", 0.5)
+    assert not replicas.on_complete("q2", 0.6)  # already done: ignored
+    for name in (
+        "local_waiting",
+        "local_running",
+        "local_queued_prefill_tokens",
+        "local_context_tokens",
+        "local_kv_tokens",
+        "local_remaining_tokens",
+    ):
+        assert getattr(replicas, name)[slot] == 0, name
+
+
+def test_scrape_adds_foreign_load_that_fades(make_replicas: Factory) -> None:
+    replicas = make_replicas(["a100-80g"], staleness_tau_s=2.0)
+    replicas.on_dispatch(RequestView("mine", MODEL, 100), "r0", 0.0)
+    replicas.apply_scrape("r0", EngineMetrics(num_running=10, num_waiting=4, kv_usage=0.5), 0.0)
+    idx = np.array([replicas.get("r0").slot])
+    fresh = replicas.load(0.0, idx)
+    assert fresh.waiting[0] == pytest.approx(4.0)  # mine plus 3 foreign
+    assert fresh.running[0] == pytest.approx(10.0)
+    assert fresh.kv_usage[0] == pytest.approx(0.5)
+    stale = replicas.load(20.0, idx)
+    assert stale.waiting[0] == pytest.approx(1.0, abs=1e-3)  # only mine remains
+    assert replicas.get("r0").staleness_s(20.0) == 20.0
+
+
+def test_ttft_and_itl_factors_learn_observed_over_predicted(make_replicas: Factory) -> None:
+    replicas = make_replicas(["a100-80g"], factor_alpha=0.5)
+    for i in range(12):
+        record = replicas.on_dispatch(RequestView(f"q{i}", MODEL, 2000), "r0", 10.0 * i)
+        first = 10.0 * i + 2.0 * record.predicted_ttft_s
+        replicas.on_first_token(record.request_id, first)
+        replicas.on_complete(
+            record.request_id, first + 3.0 * 99 * record.predicted_step_s, output_tokens=100
+        )
+    state = replicas.get("r0")
+    assert state.ttft_factor == pytest.approx(2.0, rel=0.01)
+    assert state.itl_factor == pytest.approx(3.0, rel=0.01)
+
+
+def test_remove_forgets_requests_and_frees_the_slot(make_replicas: Factory) -> None:
+    replicas = make_replicas(["a100-80g", "a100-80g"])
+    replicas.on_dispatch(RequestView("q", MODEL, 100, block_hashes=(1, 2)), "r0", 0.0)
+    replicas.remove("r0")
+    assert "r0" not in replicas and len(replicas) == 1
+    assert not replicas.on_first_token("q", 1.0)
+    state = replicas.add(ReplicaSpec("r9", MODEL, cost_model("h100-80g")))
+    assert state.slot == 0 and state.num_waiting == 0
+    assert replicas.prefix.num_blocks(0) == 0
+
+
+@pytest.mark.parametrize("gpu", ["a100-80g", "h100-80g", "l40s-48g"])
+def test_fitted_coefficients_track_the_cost_model(gpu: str) -> None:
+    model = cost_model(gpu)
+    coef = StepCoefficients.fit(model)
+    for new, cached in [(100, 0), (1000, 0), (4000, 2000), (20_000, 0)]:
+        chunks = -(-new // coef.prefill_chunk_tokens)
+        fitted = max(
+            chunks * coef.prefill_per_chunk_s
+            + new * coef.prefill_per_token_s
+            + new * (cached + new / 2) * coef.prefill_per_pair_s,
+            chunks * coef.prefill_floor_s,
+        )
+        assert fitted == pytest.approx(model.prefill_time_s(new, cached), rel=0.1)
+    for batch, context in [(1, 1000), (16, 30_000), (64, 200_000), (256, 100_000)]:
+        memory = (
+            coef.decode_fixed_s
+            + context * coef.decode_per_context_token_s
+            + batch * coef.decode_per_seq_memory_s
+        )
+        compute = coef.decode_compute_fixed_s + batch * coef.decode_per_seq_compute_s
+        exact = model.decode_step_time_s(batch, context)
+        assert max(memory, compute) == pytest.approx(exact, rel=0.1)
