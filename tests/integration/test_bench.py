@@ -208,6 +208,18 @@ def test_open_loop_does_not_wait_for_answers(server: str, tmp_path: Path) -> Non
     assert json.loads(summary.read_text())["completed"] == 30
 
 
+def test_duration_bounds_the_arrivals(server: str, tmp_path: Path) -> None:
+    records = tmp_path / "r.jsonl"
+    run = _bench(
+        "--url", server, "--workload", "mix", "--rate", "40", "--duration", "0.5",
+        "--max-tokens", "2", "--records", str(records),
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    lines = _records(records)
+    assert len(lines) > 5 and max(r["intended_s"] for r in lines) < 0.5
+    assert len(_server_log(server)["requests"]) == len(lines)
+
+
 def test_closed_loop_holds_its_concurrency(server: str, tmp_path: Path) -> None:
     run = _bench(
         "--url", server, "--workload", "shared-prefix", "--concurrency", "2",

@@ -4,7 +4,8 @@ Error kinds (``RequestRecord.error_kind``):
 
 - ``connect``: no connection (refused, reset before a response, DNS).
 - ``timeout``: no complete answer within the per-request timeout.
-- ``http_<status>``: a response other than 200 (``http_429``, ``http_503``...).
+- ``http_<status>``: a response other than 200 (``http_429``, ``http_503``...); redirects
+  are not followed, so that no other server is ever contacted.
 - ``bad_json``: a body or an SSE event that is not the JSON an OpenAI server sends.
 - ``bad_sse``: a line in the stream that is not SSE (``data:``, ``event:``, ``id:``, ``:``).
 - ``stream_error``: an ``{"error": ...}`` event inside a stream.
@@ -49,7 +50,9 @@ async def send_request(
     record.sent_s = clock()
     try:
         async with asyncio.timeout(timeout_s):
-            async with session.post(url, json=payload, headers=headers) as response:
+            async with session.post(
+                url, json=payload, headers=headers, allow_redirects=False
+            ) as response:
                 record.status = response.status
                 if response.status != 200:
                     body = (await response.text(errors="replace"))[:200]

@@ -115,7 +115,7 @@ async def _resolve_model(
     """Check that the endpoint answers; the model to use (given, else the first listed)."""
     url = f"{base}/v1/models"
     try:
-        async with asyncio.timeout(timeout_s), session.get(url) as response:
+        async with asyncio.timeout(timeout_s), session.get(url, allow_redirects=False) as response:
             body = await response.read()
             status = response.status
     except (aiohttp.ClientError, TimeoutError) as exc:

@@ -80,6 +80,13 @@ def test_format_detection(header: str, expected: str) -> None:
     assert detect_trace_format(header, "t") == expected
 
 
+def test_a_named_format_skips_detection() -> None:
+    lines = ["Timestamp,Model,Request tokens,Response tokens", "1.5,GPT-4,10,2"]
+    assert parse_trace(lines, "b.csv", "burstgpt")[0].prompt_tokens == 10
+    with pytest.raises(ConfigError, match=r"^b\.csv:2: bad row \(missing column 'TIMESTAMP'"):
+        parse_trace(lines, "b.csv", "azure")
+
+
 def test_broken_jsonl_names_file_and_line() -> None:
     lines = _load("mooncake_conversation_head.jsonl")[:3]
     lines.insert(2, '{"timestamp": 5, "input_length": "many"}')
