@@ -27,7 +27,7 @@ from isocost.core.catalog import Catalog
 from isocost.core.errors import IsocostError
 from isocost.files import read_text
 from isocost.gateway.admin import add_admin_routes
-from isocost.gateway.auth import Authenticator, bearer_token
+from isocost.gateway.auth import ApiKey, Authenticator, bearer_token
 from isocost.gateway.body import BodyError, decode_body
 from isocost.gateway.config import GatewayConfig, ReplicaConfig, normalize_replica_url, parse_config
 from isocost.gateway.errors import ApiError, error_body, error_response
@@ -60,7 +60,13 @@ class Gateway:
         self.pools: dict[str, Pool] = {}
         self.replicas: dict[str, Replica] = {}
         self.rejections: Counter[str] = Counter()
-        self.router = Router(catalog, self.metrics, self.finalize_removal)
+        self.router = Router(
+            catalog,
+            self.metrics,
+            self.finalize_removal,
+            queue_size=config.limits.max_queue,
+            queue_timeout_s=config.limits.queue_timeout_ms / 1000,
+        )
         self.started_at = time.monotonic()
         self._monitors: dict[str, asyncio.Task[None]] = {}
         self._watcher: asyncio.Task[None] | None = None
@@ -110,6 +116,8 @@ class Gateway:
         """Make the live pools match ``config``; removed replicas drain, then leave."""
         self.config = config
         self.router.set_scheduling(config.scheduling)
+        self.router.queue_size = config.limits.max_queue
+        self.router.queue_timeout_s = config.limits.queue_timeout_ms / 1000
         wanted: dict[str, tuple[str, ReplicaConfig]] = {}
         for pool_config in config.pools:
             pool = self.pools.get(pool_config.model)
@@ -200,6 +208,7 @@ class Gateway:
                 await self._probe(replica, timeout)
             await self._scrape(replica, timeout)
             self.router.sync_health(replica, time.monotonic())
+            self.router.wake_all()
             self._publish(replica)
             await asyncio.sleep(self.config.scrape_interval_ms / 1000)
 
@@ -256,27 +265,32 @@ class Gateway:
         self.rejections[reason] += 1
         self.metrics.rejections.labels(reason).inc()
 
+    def authenticate(self, http: web.Request) -> ApiKey | None:
+        """The caller's API key; None when keys are off; 401 when missing or wrong."""
+        if not self.auth.enabled:
+            return None
+        token = bearer_token(http.headers.get("Authorization"))
+        key = self.auth.key_for(token)
+        if key is None:
+            self.reject("unauthorized")
+            message = "missing API key" if token is None else "invalid API key"
+            raise ApiError(401, message, code="invalid_api_key")
+        return key
+
     async def prepare(self, http: web.Request, *, chat: bool) -> tuple[bytes, GatewayRequest]:
         """Auth, limits and the routing view; ApiError for anything refused here."""
         arrived_at = time.monotonic()
-        key = None
-        if self.auth.enabled:
-            token = bearer_token(http.headers.get("Authorization"))
-            key = self.auth.key_for(token)
-            if key is None:
-                self.reject("unauthorized")
-                message = "missing API key" if token is None else "invalid API key"
-                raise ApiError(401, message, code="invalid_api_key")
-            if key.requests is not None:
-                wait_s = key.requests.take(1, arrived_at)
-                if wait_s:
-                    self.reject("key_requests_per_minute")
-                    raise ApiError(
-                        429,
-                        f"requests per minute exceeded for key {key.name}",
-                        code="rate_limit_exceeded",
-                        retry_after_s=wait_s,
-                    )
+        key = self.authenticate(http)
+        if key is not None and key.requests is not None:
+            wait_s = key.requests.take(1, arrived_at)
+            if wait_s:
+                self.reject("key_requests_per_minute")
+                raise ApiError(
+                    429,
+                    f"requests per minute exceeded for key {key.name}",
+                    code="rate_limit_exceeded",
+                    retry_after_s=wait_s,
+                )
         limits = self.config.limits
         length = http.content_length
         if length is not None and length > limits.max_body_bytes:
@@ -434,6 +448,7 @@ async def _route(request: web.Request) -> web.StreamResponse:
 
 async def _models(request: web.Request) -> web.StreamResponse:
     gateway = request.app[GATEWAY]
+    gateway.authenticate(request)
     now = time.monotonic()
     data = [
         {

@@ -31,11 +31,12 @@ A full file, every key optional except ``pools[].model`` and ``replicas[].url``:
       max_prompt_tokens: 131072
       max_tokens: 32768
       connect_timeout_ms: 1000
-      first_byte_timeout_ms: 30000    # until the replica answers (headers or first chunk)
-      idle_timeout_ms: 60000          # between two chunks of a stream
+      idle_timeout_ms: 60000          # until a stream's headers, and between two chunks
       total_timeout_ms: 1800000       # whole request, suits long streams
       max_retries: 2
       retry_backoff_ms: 20
+      max_queue: 1024                 # gateway queue per pool (requests waiting for a replica)
+      queue_timeout_ms: 30000         # longest wait there when the request has no deadline
     health:
       interval_ms: 500
       timeout_ms: 1000
@@ -103,11 +104,12 @@ class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     max_prompt_tokens: int = 131072
     max_tokens: int = 32768
     connect_timeout_ms: float = 1000
-    first_byte_timeout_ms: float = 30000
     idle_timeout_ms: float = 60000
     total_timeout_ms: float = 1_800_000
     max_retries: int = 2
     retry_backoff_ms: float = 20
+    max_queue: int = 1024
+    queue_timeout_ms: float = 30000
 
 
 class HealthConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -213,7 +215,8 @@ def _check(config: GatewayConfig, source: str) -> None:
                 raise bad(f"{key}.api_key_env", f"environment variable {replica.api_key_env} unset")
     limits = config.limits
     for field in LimitsConfig.__struct_fields__:
-        if getattr(limits, field) < 0 or (field != "max_retries" and getattr(limits, field) == 0):
+        value = getattr(limits, field)
+        if value < 0 or (value == 0 and field not in ("max_retries", "max_queue")):
             raise bad(f"limits.{field}", "must be positive")
     health = config.health
     if not 0 <= health.min_success_rate <= 1:

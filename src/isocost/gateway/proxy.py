@@ -9,7 +9,8 @@ upstream chunk is in hand, so "before the first byte" is exact. Once streaming h
 an upstream failure ends the stream with an OpenAI-style error event and ``[DONE]``.
 
 Streams are relayed chunk by chunk as they arrive (aiohttp sets TCP_NODELAY on both
-sides); each SSE ``data:`` event counts as one streamed token for the shadow state, and
+sides); each SSE ``data:`` event counts as one streamed token for the shadow state (the
+final usage event, when the client asked for one, gives the exact count at the end), and
 the times between chunks are the observed inter-token latencies.
 """
 
@@ -46,6 +47,20 @@ class _UsageBody(msgspec.Struct):
 
 
 _usage_decoder = msgspec.json.Decoder(_UsageBody)
+
+
+def _stream_usage(end: bytes) -> int | None:
+    """``completion_tokens`` of a stream's usage event (``stream_options.include_usage``)."""
+    at = end.rfind(b'"usage":{')
+    start = end.rfind(_DATA, 0, at) if at >= 0 else -1
+    stop = end.find(b"\n", at)
+    if start < 0 or stop < 0:
+        return None
+    try:
+        usage = _usage_decoder.decode(end[start + len(_DATA) : stop]).usage
+    except msgspec.DecodeError:
+        return None
+    return usage.completion_tokens if usage else None
 
 
 class _AttemptFailed(Exception):
@@ -239,7 +254,6 @@ class Forwarder:
         ttft_s = now - request.arrived_at
         replica.breaker.record_success(now)
         replica.recent_ttft_s.append(ttft_s)
-        self.router.on_first_token(grant, now)
         metrics = self.router.metrics
         metrics.ttft.labels(replica.name).observe(ttft_s)
         itl = metrics.itl.labels(replica.name)
@@ -252,10 +266,12 @@ class Forwarder:
         tokens = 0
         tail = b""
         chunk = first
+        older = previous = b""
         last_at = now
         status = upstream.status
         try:
             while chunk:
+                older, previous = previous, chunk
                 await response.write(chunk)
                 window = tail + chunk
                 events = window.count(_DATA) - window.count(_DONE)
@@ -275,6 +291,7 @@ class Forwarder:
                     replica.recent_itl_s.append(now - last_at)
                 last_at = now
             await response.write_eof()
+            tokens = _stream_usage(older + previous) or tokens
         except ConnectionResetError:
             status = 499  # the client went away; the upstream connection is closed with it
         finally:

@@ -4,12 +4,15 @@ The gateway keeps one ``ReplicaSet`` (the shadow state of every replica of every
 and one ``Policy`` per pool; it never scores replicas itself. For each attempt it builds a
 ``RequestView`` and calls ``policy.schedule``; the decision's outcome maps to HTTP:
 
-* ADMIT: ``on_dispatch``, the attempt is forwarded; the forwarder reports the first token,
-  streamed tokens and completion back through ``on_first_token`` / ``on_tokens`` /
+* ADMIT: ``on_dispatch``, the attempt is forwarded; the forwarder reports streamed tokens
+  (the first of them is the first token) and completion back through ``on_tokens`` and
   ``release`` (which calls ``on_complete``).
 * QUEUE: every eligible replica is at its queue cap; the request waits in the pool's
   ``RequestQueue`` (priority, then deadline, then arrival) and is scheduled again, in that
-  order, when a replica frees a slot or comes back (late binding), until its deadline.
+  order, when a replica frees a slot, comes back or a scrape shows room (late binding);
+  an admitted one wakes the next, so a freed burst of capacity drains the queue. It waits
+  until its deadline (429 ``deadline``) or ``limits.queue_timeout_ms`` (503); a full
+  queue refuses the least urgent request (429 ``queue_full``).
 * REJECT: ``no_replica`` 404, ``unavailable``/``shed`` 503, ``deadline``/``queue_full``
   429, with ``Retry-After`` from the decision's ``retry_after_s``.
 
@@ -23,6 +26,7 @@ Circuit-breaker state is mirrored into ``ReplicaSet.set_health`` and drains into
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 import uuid
@@ -43,6 +47,7 @@ from isocost.gateway.config import GatewayConfig
 from isocost.gateway.errors import ApiError
 from isocost.gateway.metrics import GatewayMetrics
 from isocost.gateway.replicas import Pool, Replica
+from isocost.scheduling.admission import RequestQueue
 from isocost.scheduling.decision import Decision, Outcome, RejectReason
 from isocost.scheduling.framework import Policy
 from isocost.scheduling.policies import SchedulingConfig, build_policy
@@ -131,6 +136,8 @@ class Router:
         metrics: GatewayMetrics,
         on_idle: Callable[[Replica], None],
         *,
+        queue_size: int,
+        queue_timeout_s: float,
         seed: int = 0,
     ) -> None:
         self.catalog = catalog
@@ -144,6 +151,10 @@ class Router:
         self._by_id: dict[str, Replica] = {}
         self._seed = seed
         self.scheduling = SchedulingConfig()
+        self.queue_size = queue_size
+        self.queue_timeout_s = queue_timeout_s
+        self._queues: dict[str, RequestQueue] = {}  # by pool model
+        self._waiters: dict[str, asyncio.Future[None]] = {}  # by attempt id
 
     # -- configuration ------------------------------------------------------------------
 
@@ -275,6 +286,7 @@ class Router:
     async def acquire(self, request: GatewayRequest, exclude: frozenset[str]) -> Grant:
         """A replica for one attempt, waiting in the pool queue if the policy says so."""
         attempt_id = uuid.uuid4().hex
+        queued = False
         while True:
             now = time.monotonic()
             view = self._view(request, attempt_id, now)
@@ -285,10 +297,13 @@ class Router:
                 replica = self._by_id[decision.replica_id]
                 self.replicas.on_dispatch(view, replica.name, now)
                 replica.num_in_flight += 1
+                if queued:
+                    self._wake(request.pool.model)  # pass the turn on while capacity lasts
                 return Grant(replica, attempt_id, decision)
             if decision.outcome is Outcome.REJECT:
                 raise self._rejection(decision)
-            await self._wait_in_queue(request)
+            queued = True
+            await self._wait_in_queue(request, view)
 
     def _rejection(self, decision: Decision) -> ApiError:
         reason = decision.reason or RejectReason.UNAVAILABLE
@@ -308,14 +323,69 @@ class Router:
             retry_after_s=decision.retry_after_s,
         )
 
-    async def _wait_in_queue(self, request: GatewayRequest) -> None:
-        raise ApiError(503, "every replica is at its queue cap", code="queue_full", retry_after_s=1)
+    async def _wait_in_queue(self, request: GatewayRequest, view: RequestView) -> None:
+        """Park ``view`` in its pool's queue until woken; ApiError if it may not wait."""
+        queue = self._queues.setdefault(request.pool.model, RequestQueue(self.queue_size))
+        pushed = queue.push(view)
+        if pushed.rejected is not None and pushed.rejected.request_id != view.request_id:
+            self._settle(pushed.rejected.request_id, _queue_full())
+        if not pushed.queued:
+            raise _queue_full()
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters[view.request_id] = waiter
+        self.metrics.queue_depth.labels(request.pool.model).set(len(queue))
+        limit_at = request.arrived_at + self.queue_timeout_s
+        if request.deadline_at is not None:
+            limit_at = min(limit_at, request.deadline_at)
+        try:
+            async with asyncio.timeout_at(_loop_time(limit_at)):
+                await waiter
+        except TimeoutError:
+            self.metrics.rejections.labels("queue_timeout").inc()
+            raise ApiError(
+                503 if request.deadline_at is None else 429,
+                "no replica freed up in time",
+                code="queue_timeout",
+                retry_after_s=1.0,
+            ) from None
+        finally:
+            self._waiters.pop(view.request_id, None)
+            queue.cancel(view.request_id)
+            self.metrics.queue_depth.labels(request.pool.model).set(len(queue))
 
     def _wake(self, pool: str) -> None:
-        pass
+        """A replica of ``pool`` freed capacity: the most urgent queued request tries again."""
+        queue = self._queues.get(pool)
+        if not queue:
+            return
+        now = time.monotonic()
+        woken = queue.pop(now)
+        for late in queue.expire(now):
+            self._settle(
+                late.request_id,
+                ApiError(429, "deadline passed in the queue", code="deadline", retry_after_s=1),
+            )
+        if woken is not None:
+            self._settle(woken.request_id, None)
+
+    def _settle(self, attempt_id: str, error: ApiError | None) -> None:
+        waiter = self._waiters.pop(attempt_id, None)
+        if waiter is None or waiter.done():
+            return
+        if error is None:
+            waiter.set_result(None)
+        else:
+            self.metrics.rejections.labels(error.code).inc()
+            waiter.set_exception(error)
 
     def queue_depth(self, pool: str) -> int:
-        return 0
+        queue = self._queues.get(pool)
+        return len(queue) if queue else 0
+
+    def wake_all(self) -> None:
+        """Give queued requests a chance after fresh load figures (scrapes) arrive."""
+        for pool in self._queues:
+            self._wake(pool)
 
     def _record(self, decision: Decision, view: RequestView, now: float) -> None:
         self.metrics.decisions.labels(decision.policy).inc()
@@ -343,10 +413,8 @@ class Router:
 
     # -- progress of an admitted attempt ------------------------------------------------
 
-    def on_first_token(self, grant: Grant, now: float) -> None:
-        self.replicas.on_first_token(grant.attempt_id, now)
-
     def on_tokens(self, grant: Grant, num_tokens: int, now: float) -> None:
+        """Streamed tokens arrived; the first call also marks the first token."""
         self.replicas.on_tokens(grant.attempt_id, num_tokens, now)
 
     def release(self, grant: Grant, now: float, *, ok: bool, output_tokens: int) -> None:
@@ -382,6 +450,15 @@ class _PolicyHooks:
         policy = self.policies.get(record.model)
         if policy is not None:
             policy.on_complete(record, now, ok)
+
+
+def _queue_full() -> ApiError:
+    return ApiError(429, "the gateway queue is full", code="queue_full", retry_after_s=1.0)
+
+
+def _loop_time(monotonic_s: float) -> float:
+    """``monotonic_s`` on the event loop's clock (uvloop's is not ``time.monotonic``)."""
+    return asyncio.get_running_loop().time() + (monotonic_s - time.monotonic())
 
 
 def _ms(seconds: float | None) -> float | None:

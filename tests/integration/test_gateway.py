@@ -1,0 +1,590 @@
+"""`isocost serve` in front of real `isocost engine` processes on 127.0.0.1.
+
+Every process is a subprocess of the installed CLI on a free port, waited for by reading
+its "ready at" line, and stopped with SIGTERM at the end. The engines run with
+``--output-dist max`` so that every answer is exactly ``max_tokens`` long.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import select
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ISOCOST = str(ROOT / ".venv" / "bin" / "isocost")
+MODEL = "llama-3.1-8b"
+API_KEY = "sk-test-team-a-5f2c9e"
+ADMIN_TOKEN = "admin-test-token-81d3"
+MAX_BODY_BYTES = 64 * 1024
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Proc:
+    popen: subprocess.Popen[str]
+    url: str
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(sig)
+            try:
+                self.popen.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(timeout=5)
+        if self.popen.stdout is not None:
+            self.popen.stdout.close()
+
+
+def _start(args: list[str], marker: str, stderr: Any = None, timeout_s: float = 60) -> Proc:
+    """Start ``isocost *args`` and wait for its ``<marker> ... ready at URL`` line."""
+    popen = subprocess.Popen(
+        [ISOCOST, *args], stdout=subprocess.PIPE, stderr=stderr, text=True, bufsize=1
+    )
+    assert popen.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([popen.stdout], [], [], 0.5)
+        if ready:
+            line = popen.stdout.readline()
+            if marker in line and " ready at " in line:
+                return Proc(popen, line.rsplit(" ready at ", 1)[1].strip())
+            if not line and popen.poll() is not None:
+                break
+    popen.kill()
+    popen.wait()
+    raise AssertionError(f"isocost {args[0]} did not become ready (exit {popen.returncode})")
+
+
+def start_engine(port: int = 0, *extra: str) -> Proc:
+    args = ["engine", "--port", str(port), "--model", MODEL, "--gpu", "a100-80g"]
+    return _start([*args, "--output-dist", "max", *extra], "isocost engine")
+
+
+def write_config(path: Path, engine_urls: list[str], **overrides: str) -> None:
+    """A gateway config for ``engine_urls`` (fast health checks, small body limit)."""
+    replicas = "\n".join(f"      - url: {url}" for url in engine_urls)
+    policy = overrides.get("policy", "equal_cost")
+    path.write_text(
+        f"""
+policy: {policy}
+scrape_interval_ms: 100
+pools:
+  - model: {MODEL}
+    replicas:
+{replicas}
+limits:
+  max_body_bytes: {MAX_BODY_BYTES}
+  max_tokens: 4096
+  retry_backoff_ms: 5
+health:
+  interval_ms: 100
+  timeout_ms: 500
+  open_ms: 300
+auth:
+  admin_token: {ADMIN_TOKEN}
+  api_keys:
+    - name: team-a
+      key: {API_KEY}
+"""
+    )
+
+
+def start_gateway(config: Path, log_path: Path) -> Proc:
+    with log_path.open("a") as log:
+        return _start(
+            ["serve", "--config", str(config), "--port", "0"], "isocost serve", stderr=log
+        )
+
+
+def http(
+    method: str, url: str, body: bytes | None = None, headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, str], Any]:
+    """One request; returns status, headers and the decoded JSON body."""
+    request = urllib.request.Request(url, data=body, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            status, got, raw = response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as exc:
+        status, got, raw = exc.code, dict(exc.headers), exc.read()
+    return status, got, json.loads(raw) if raw else None
+
+
+def chat_body(content: str = "hello there", max_tokens: int = 8, **extra: Any) -> bytes:
+    messages = [{"role": "user", "content": content}]
+    return json.dumps(
+        {"model": MODEL, "messages": messages, "max_tokens": max_tokens, **extra}
+    ).encode()
+
+
+AUTH = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}", "Content-Type": "application/json"}
+
+
+def admin(gateway: Proc, method: str, path: str, body: Any = None) -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    status, _, answer = http(method, gateway.url + path, data, ADMIN)
+    assert status in (200, 201), (status, answer)
+    return answer
+
+
+def replica_rows(gateway: Proc) -> dict[str, dict[str, Any]]:
+    return {row["url"]: row for row in admin(gateway, "GET", "/admin/replicas")["replicas"]}
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float = 20, what: str = "") -> None:
+    """Poll ``predicate`` every 50 ms until it holds; fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+@dataclass
+class Cluster:
+    engines: list[Proc]
+    gateway: Proc
+    config: Path
+    log: Path
+
+    @property
+    def urls(self) -> list[str]:
+        return [e.url for e in self.engines]
+
+    def client(self, **kwargs: Any) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.gateway.url + "/v1", api_key=API_KEY, **kwargs)
+
+
+def _cluster(tmp: Path, num_engines: int) -> Generator[Cluster, None, None]:
+    engines = [start_engine() for _ in range(num_engines)]
+    gateway = None
+    try:
+        config, log = tmp / "gateway.yaml", tmp / "gateway.log"
+        write_config(config, [e.url for e in engines])
+        gateway = start_gateway(config, log)
+        yield Cluster(engines, gateway, config, log)
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        for engine in engines:
+            engine.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    yield from _cluster(tmp_path_factory.mktemp("gateway"), 3)
+
+
+# -- the OpenAI client through the gateway ----------------------------------------------
+
+
+def test_openai_chat_and_completions_non_stream(cluster: Cluster) -> None:
+    client = cluster.client()
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hi"}], max_tokens=12
+    )
+    chat = raw.parse()
+    assert chat.choices[0].message.content
+    assert chat.usage is not None and chat.usage.completion_tokens == 12
+    served_by = raw.headers["x-isocost-replica"]
+    assert f"http://{served_by}" in cluster.urls
+    assert float(raw.headers["x-isocost-predicted-ttft-ms"]) > 0
+
+    completion = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=7)
+    assert completion.choices[0].text
+    assert completion.usage is not None and completion.usage.completion_tokens == 7
+
+
+def test_openai_chat_and_completions_stream(cluster: Cluster) -> None:
+    client = cluster.client()
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Count"}],
+            max_tokens=20,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert usage and usage[-1].completion_tokens == 20
+
+    pieces = list(client.completions.create(model=MODEL, prompt="abc", max_tokens=9, stream=True))
+    assert "".join(p.choices[0].text for p in pieces if p.choices)
+    assert pieces[-1].choices[0].finish_reason == "length"
+
+
+def test_models_lists_the_pool(cluster: Cluster) -> None:
+    models = cluster.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_stream_chunks_arrive_as_the_engine_produces_them(cluster: Cluster) -> None:
+    """The first chunk reaches the client long before the last one is generated."""
+
+    async def arrivals() -> list[float]:
+        async with aiohttp.ClientSession() as session:
+            start = time.monotonic()
+            times: list[float] = []
+            async with session.post(
+                cluster.gateway.url + "/v1/completions",
+                data=json.dumps(
+                    {"model": MODEL, "prompt": "tell a story", "max_tokens": 96, "stream": True}
+                ),
+                headers=AUTH,
+            ) as response:
+                assert response.status == 200
+                async for _ in response.content.iter_any():
+                    times.append(time.monotonic() - start)
+            return times
+
+    times = asyncio.run(arrivals())
+    assert len(times) >= 10, "the stream was delivered in a few large pieces"
+    first, last = times[0], times[-1]
+    assert first < 0.25 * last, f"first chunk at {first:.3f}s, last at {last:.3f}s"
+
+
+# -- refusals: the right status, OpenAI error JSON, and the gateway stays healthy --------
+
+
+def _assert_error(status: int, body: Any, expected_status: int, code: str | None = None) -> None:
+    assert status == expected_status, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    if code is not None:
+        assert error["code"] == code, error
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code", "param"),
+    [
+        (b'{"model": "llama-3.1-8b", "messages": [', 400, "invalid_request", None),
+        (b"\xff\xfe not json", 400, "invalid_request", None),
+        (chat_body(max_tokens="many"), 400, "invalid_request", "max_tokens"),  # type: ignore[arg-type]
+        (b'{"model": "llama-3.1-8b", "messages": "hi"}', 400, "invalid_request", "messages"),
+        (b'{"messages": [{"role": "user", "content": "x"}]}', 400, "invalid_request", None),
+        (chat_body(max_tokens=100_000), 400, "max_tokens_exceeded", "max_tokens"),
+        (chat_body(content="x" * (MAX_BODY_BYTES + 1)), 413, "request_too_large", None),
+        (
+            json.dumps({"model": "no-such-model", "messages": [{"role": "user"}]}).encode(),
+            404,
+            "model_not_found",
+            "model",
+        ),
+    ],
+    ids=[
+        "truncated",
+        "binary",
+        "wrong-type",
+        "messages-type",
+        "no-model",
+        "max-tokens",
+        "oversized",
+        "unknown-model",
+    ],
+)
+def test_bad_requests_get_openai_errors(
+    cluster: Cluster, body: bytes, status: int, code: str, param: str | None
+) -> None:
+    got, headers, answer = http("POST", cluster.gateway.url + "/v1/chat/completions", body, AUTH)
+    _assert_error(got, answer, status, code)
+    if param is not None:
+        assert answer["error"]["param"] == param
+    assert headers["Content-Type"].startswith("application/json")
+    assert http("GET", cluster.gateway.url + "/health")[0] == 200
+
+
+@pytest.mark.parametrize(
+    ("headers", "message"),
+    [({}, "missing API key"), ({"Authorization": "Bearer sk-wrong"}, "invalid API key")],
+)
+def test_api_key_required(cluster: Cluster, headers: dict[str, str], message: str) -> None:
+    status, _, answer = http(
+        "POST", cluster.gateway.url + "/v1/chat/completions", chat_body(), headers
+    )
+    _assert_error(status, answer, 401, "invalid_api_key")
+    assert answer["error"]["message"] == message
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=cluster.gateway.url + "/v1", api_key="sk-wrong").models.list()
+
+
+@pytest.mark.parametrize(
+    "headers", [{}, {"Authorization": "Bearer not-the-token"}, {"X-Admin-Token": "nope"}]
+)
+def test_admin_requires_its_token(cluster: Cluster, headers: dict[str, str]) -> None:
+    for method, path in [("GET", "/admin/snapshot"), ("POST", "/admin/replicas/x/drain")]:
+        status, _, answer = http(method, cluster.gateway.url + path, b"", headers)
+        _assert_error(status, answer, 401, "invalid_admin_token")
+    # The API key is not an admin token either.
+    status, _, answer = http("GET", cluster.gateway.url + "/admin/snapshot", None, AUTH)
+    _assert_error(status, answer, 401, "invalid_admin_token")
+
+
+def test_unknown_path_and_method(cluster: Cluster) -> None:
+    status, _, answer = http("GET", cluster.gateway.url + "/v1/nothing")
+    _assert_error(status, answer, 404)
+    status, _, answer = http("GET", cluster.gateway.url + "/v1/chat/completions")
+    _assert_error(status, answer, 405)
+
+
+def test_route_returns_the_decision_without_forwarding(cluster: Cluster) -> None:
+    before = replica_rows(cluster.gateway)
+    status, _, decision = http("POST", cluster.gateway.url + "/v1/route", chat_body(), AUTH)
+    assert status == 200, decision
+    assert decision["outcome"] == "admit"
+    assert decision["replica_url"] in cluster.urls
+    assert decision["predicted_ttft_ms"] > 0
+    assert {row["replica_id"] for row in decision["scores"]} <= {
+        row["name"] for row in before.values()
+    }
+    after = replica_rows(cluster.gateway)
+    assert all(after[url]["in_flight"] == 0 for url in after)
+
+
+# -- admin: snapshot, drain, policy switch -----------------------------------------------
+
+
+def test_admin_snapshot_describes_every_replica(cluster: Cluster) -> None:
+    cluster.client().completions.create(model=MODEL, prompt="warm", max_tokens=4, stream=False)
+    wait_for(
+        lambda: all(r["scrape_age_s"] is not None for r in replica_rows(cluster.gateway).values()),
+        what="a first scrape of every replica",
+    )
+    snap = admin(cluster.gateway, "GET", "/admin/snapshot")
+    assert {row["url"] for row in snap["replicas"]} == set(cluster.urls)
+    for row in snap["replicas"]:
+        assert row["state"] == "healthy"
+        assert row["kv_usage"] is not None and 0 <= row["kv_usage"] <= 1
+        assert row["ttft_factor"] > 0 and row["itl_factor"] > 0
+    assert snap["pools"][0]["model"] == MODEL and snap["pools"][0]["healthy"] == 3
+    decision = snap["decisions"][-1]
+    assert decision["outcome"] == "admit" and decision["scores"]
+    assert isinstance(snap["rejections"], dict)
+
+
+def test_drain_and_policy_switch(cluster: Cluster) -> None:
+    rows = replica_rows(cluster.gateway)
+    victim = rows[cluster.urls[0]]["name"]
+    admin(cluster.gateway, "POST", f"/admin/replicas/{victim}/drain")
+    admin(cluster.gateway, "POST", "/admin/policy", {"policy": "round_robin"})
+    try:
+        client = cluster.client()
+        served = [
+            client.completions.with_raw_response.create(
+                model=MODEL, prompt="x", max_tokens=2
+            ).headers["x-isocost-replica"]
+            for _ in range(6)
+        ]
+        assert victim not in served
+        assert len(set(served)) == 2, served  # round robin over the two others
+        admin(cluster.gateway, "POST", f"/admin/replicas/{victim}/undrain")
+        served = [
+            client.completions.with_raw_response.create(
+                model=MODEL, prompt="x", max_tokens=2
+            ).headers["x-isocost-replica"]
+            for _ in range(6)
+        ]
+        assert victim in served
+    finally:
+        admin(cluster.gateway, "POST", f"/admin/replicas/{victim}/undrain")
+        admin(cluster.gateway, "POST", "/admin/policy", {"policy": "equal_cost"})
+    status, _, answer = http(
+        "POST", cluster.gateway.url + "/admin/policy", b'{"policy": "nope"}', ADMIN
+    )
+    _assert_error(status, answer, 400, "unknown_policy")
+
+
+def test_metrics_and_logs(cluster: Cluster) -> None:
+    secret_prompt = "purple-elephant-secret-prompt"
+    cluster.client().completions.create(model=MODEL, prompt=secret_prompt, max_tokens=3)
+    with urllib.request.urlopen(cluster.gateway.url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    for series in (
+        'isocost_requests_total{pool="llama-3.1-8b"',
+        "isocost_ttft_seconds_bucket",
+        "isocost_e2e_seconds_bucket",
+        'isocost_decisions_total{policy="equal_cost"}',
+        "isocost_replica_healthy",
+        'isocost_rejections_total{reason="invalid_body"}',
+    ):
+        assert series in text, series
+    log = cluster.log.read_text()
+    entries = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+    assert any(e.get("event") == "request" and e.get("key") == "team-a" for e in entries)
+    assert API_KEY not in log and ADMIN_TOKEN not in log and secret_prompt not in log
+
+
+# -- faults: a replica killed under load, ejected, re-admitted ---------------------------
+
+
+def test_replica_killed_under_load(tmp_path: Path) -> None:
+    gen = _cluster(tmp_path, 3)
+    c = next(gen)
+    try:
+        victim = c.engines[0]
+        port = int(victim.url.rsplit(":", 1)[1])
+        name = replica_rows(c.gateway)[victim.url]["name"]
+        admin(c.gateway, "POST", "/admin/policy", {"policy": "round_robin"})
+
+        async def load() -> tuple[list[str], list[str]]:
+            client = openai.AsyncOpenAI(
+                base_url=c.gateway.url + "/v1", api_key=API_KEY, max_retries=0
+            )
+
+            async def one(i: int) -> str:
+                raw = await client.completions.with_raw_response.create(
+                    model=MODEL, prompt=f"request {i}", max_tokens=200
+                )
+                answer = raw.parse()
+                assert answer.usage is not None and answer.usage.completion_tokens == 200
+                return raw.headers["x-isocost-replica"]
+
+            tasks = [asyncio.create_task(one(i)) for i in range(30)]
+            await asyncio.to_thread(
+                wait_for,
+                lambda: replica_rows(c.gateway)[victim.url]["in_flight"] >= 3,
+                20,
+                "requests in flight on the victim",
+            )
+            victim.stop(signal.SIGKILL)
+            served = await asyncio.gather(*tasks)
+            more = await asyncio.gather(*(one(100 + i) for i in range(9)))
+            await client.close()
+            return list(served), list(more)
+
+        served, more = asyncio.run(load())
+        assert len(served) == 30 and name not in served  # every one completed elsewhere
+        assert name not in more
+        assert replica_rows(c.gateway)[victim.url]["state"] == "ejected"
+        with urllib.request.urlopen(c.gateway.url + "/metrics", timeout=10) as response:
+            metrics = response.read().decode()
+        retried = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in metrics.splitlines()
+            if line.startswith("isocost_retries_total")
+        )
+        assert retried >= 3
+
+        restarted = start_engine(port)
+        c.engines[0] = restarted
+        wait_for(
+            lambda: replica_rows(c.gateway)[victim.url]["state"] == "healthy",
+            what="the restarted replica to be re-admitted",
+        )
+        client = c.client()
+        served_after = {
+            client.completions.with_raw_response.create(
+                model=MODEL, prompt="back", max_tokens=2
+            ).headers["x-isocost-replica"]
+            for _ in range(6)
+        }
+        assert name in served_after
+    finally:
+        gen.close()
+
+
+def test_stream_broken_mid_way_ends_with_an_error_event(tmp_path: Path) -> None:
+    gen = _cluster(tmp_path, 1)
+    c = next(gen)
+    try:
+
+        async def broken_stream() -> bytes:
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(
+                    c.gateway.url + "/v1/completions",
+                    data=json.dumps(
+                        {"model": MODEL, "prompt": "long", "max_tokens": 2000, "stream": True}
+                    ),
+                    headers=AUTH,
+                ) as response,
+            ):
+                assert response.status == 200
+                received = await response.content.readany()
+                c.engines[0].stop(signal.SIGKILL)
+                return received + await response.content.read()
+
+        body = asyncio.run(broken_stream())
+        events = [e for e in body.decode().split("\n\n") if e.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        error = json.loads(events[-2].removeprefix("data: "))["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+    finally:
+        gen.close()
+
+
+# -- config hot reload: add and remove replicas without dropping requests ----------------
+
+
+def test_config_reload_adds_and_removes_replicas(cluster: Cluster, tmp_path: Path) -> None:
+    config, log = tmp_path / "reload.yaml", tmp_path / "reload.log"
+    first, second, third = cluster.urls
+    write_config(config, [first, second])
+    gateway = start_gateway(config, log)
+    try:
+        assert set(replica_rows(gateway)) == {first, second}
+        write_config(config, [first, second, third])
+        wait_for(lambda: set(replica_rows(gateway)) == {first, second, third}, what="an add")
+
+        async def stream_during_removal() -> str:
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(
+                    gateway.url + "/v1/completions",
+                    data=json.dumps(
+                        {"model": MODEL, "prompt": "keep", "max_tokens": 300, "stream": True}
+                    ),
+                    headers={**AUTH, "x-isocost-class": "default"},
+                ) as response,
+            ):
+                served_by = "http://" + response.headers["x-isocost-replica"]
+                first_chunk = await response.content.readany()
+                others = [u for u in (first, second, third) if u != served_by]
+                write_config(config, others)
+                await asyncio.to_thread(
+                    wait_for,
+                    lambda: (
+                        served_by not in replica_rows(gateway)
+                        or replica_rows(gateway)[served_by]["state"] == "removing"
+                    ),
+                    20,
+                    "the removal to start",
+                )
+                rest = await response.content.read()
+            text = (first_chunk + rest).decode()
+            assert '"finish_reason":"length"' in text.replace(" ", "") and "error" not in text
+            return served_by
+
+        removed = asyncio.run(stream_during_removal())
+        wait_for(lambda: removed not in replica_rows(gateway), what="the drained replica to leave")
+        assert len(replica_rows(gateway)) == 2
+
+        config.write_text("pools: [{model: m, replicas: [{url: ftp://x}]}]\n")
+        wait_for(lambda: "reload_failed" in log.read_text(), what="the bad config to be seen")
+        assert len(replica_rows(gateway)) == 2
+    finally:
+        gateway.stop()
