@@ -1,12 +1,14 @@
 """How many concurrent SSE streams one core of `isocost engine` sustains, 8 replicas.
 
-Starts `isocost engine --replicas 8` pinned to CPU 0 (taskset) and a closed-loop client
-here, pinned to CPU 1, that keeps C streams open (C/8 per replica), each a streaming
-completion of ``--max-tokens`` tokens with ``ignore_eos``. For each C it reports SSE chunks
-and tokens per second received, the engine's CPU use (share of its one core, from
-/proc), and the *lag*: client-observed end-to-end latency over the engine's modelled one
-(from its ``vllm:e2e_request_latency_seconds`` histogram, summed over replicas). A lag
-near 1 means the engine keeps real time; it grows once the core saturates. Run:
+Starts `isocost engine --replicas 8` pinned to CPU 0 (taskset) and ``--clients``
+closed-loop client processes pinned to the other CPUs, that keep C streams open (C/8 per
+replica), each a streaming completion of ``--max-tokens`` tokens with ``ignore_eos``. For
+each C it reports SSE chunks and tokens per second received, the engine's CPU use (share
+of its one core, from /proc), chunks per engine CPU-second (the figure that does not
+depend on how fast the clients read), and the *lag*: client-observed end-to-end latency
+over the engine's modelled one (its ``vllm:e2e_request_latency_seconds`` histograms). A
+lag near 1 means streams keep real time; it grows once the engine or the clients saturate
+(engine CPU near 100% says which). Run:
 
     .venv/bin/python benchmarks/engine_throughput.py --concurrency 64,256,1024
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import os
 import shutil
 import signal
@@ -72,6 +75,14 @@ def _modelled_e2e(urls: list[str]) -> tuple[float, float]:
     return total, count
 
 
+def _client(job: tuple[int, list[str], int, int, float]) -> tuple[int, int, float, int]:
+    """One client process: pin it, then run its share of the streams."""
+    cpu, urls, concurrency, max_tokens, duration_s = job
+    if PIN:
+        os.sched_setaffinity(0, {cpu})
+    return asyncio.run(_load(urls, concurrency, max_tokens, duration_s))
+
+
 async def _load(
     urls: list[str], concurrency: int, max_tokens: int, duration_s: float
 ) -> tuple[int, int, float, int]:
@@ -110,20 +121,32 @@ def main() -> None:
     parser.add_argument("--time-scale", type=float, default=1.0)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--duration", type=float, default=8.0, help="Seconds of load per row.")
+    parser.add_argument("--clients", type=int, default=1, help="Client processes.")
     args = parser.parse_args()
-    if PIN:
-        os.sched_setaffinity(0, {1})
+    client_cpus = list(range(1, os.cpu_count() or 2)) or [0]
     table = Table(title=f"isocost engine, {REPLICAS} replicas on one core")
-    for column in ("streams", "interval", "chunks/s", "tokens/s", "engine CPU", "lag"):
+    columns = ("streams", "interval", "chunks/s", "tokens/s", "engine CPU", "chunks/CPU-s", "lag")
+    for column in columns:
         table.add_column(column, justify="right")
     for interval in (int(v) for v in args.stream_interval.split(",")):
         for concurrency in (int(v) for v in args.concurrency.split(",")):
             proc, urls = _start_engine(args.time_scale, interval)
             try:
                 cpu_before, wall_before = _cpu_s(proc.pid), time.monotonic()
-                chunks, tokens, e2e, finished = asyncio.run(
-                    _load(urls, concurrency, args.max_tokens, args.duration)
-                )
+                jobs = [
+                    (
+                        client_cpus[i % len(client_cpus)],
+                        urls,
+                        concurrency // args.clients,
+                        args.max_tokens,
+                        args.duration,
+                    )
+                    for i in range(args.clients)
+                ]
+                with multiprocessing.Pool(args.clients) as pool:
+                    results = pool.map(_client, jobs)
+                chunks, tokens, finished = (sum(r[i] for r in results) for i in (0, 1, 3))
+                e2e = sum(r[2] for r in results)
                 wall = time.monotonic() - wall_before
                 cpu = _cpu_s(proc.pid) - cpu_before
                 modelled, count = _modelled_e2e(urls)
@@ -135,7 +158,7 @@ def main() -> None:
             lag = (e2e / finished) / (modelled / count) if finished and count else float("nan")
             table.add_row(
                 str(concurrency), str(interval), f"{chunks / wall:,.0f}", f"{tokens / wall:,.0f}",
-                f"{cpu / wall:.0%}", f"{lag:.2f}",
+                f"{cpu / wall:.0%}", f"{chunks / cpu:,.0f}", f"{lag:.2f}",
             )  # fmt: skip
     Console().print(table)
     Console().print(" ".join(["command:", sys.executable, *sys.argv]), soft_wrap=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -245,6 +246,24 @@ def test_running_waiting_and_kv_usage_move_with_load_then_drain(engine: Engine) 
     )
     assert after["vllm:num_preemptions_total"] >= before["vllm:num_preemptions_total"]
     assert after["vllm:e2e_request_latency_seconds_count"] >= 6
+
+
+def test_a_client_leaving_mid_stream_aborts_its_request(engine: Engine) -> None:
+    url = engine.urls[0]
+    before = _metrics(url)["vllm:request_success_total[abort]"]
+    stream = _client(url).completions.create(
+        model=MODEL,
+        prompt="never mind",
+        max_tokens=100_000,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    assert next(iter(stream)).choices
+    stream.close()
+    deadline = time.monotonic() + 20
+    while (now := _metrics(url))["vllm:request_success_total[abort]"] == before:
+        assert time.monotonic() < deadline, "the engine never noticed the client left"
+    assert now["vllm:num_requests_running"] == 0 and now["vllm:kv_cache_usage_perc"] == 0
 
 
 def _ttft_and_hits(url: str, prompt: str) -> tuple[float, float]:

@@ -138,6 +138,7 @@ class Replica:
         self.tokenizer = tokenizer
         self.options = options
         self.metrics = ReplicaMetrics(model, spec.served_model_name)
+        self.created = int(time.time())
         self.faults = Faults()
         self.unhung = asyncio.Event()
         self.set_faults(spec.faults)
@@ -455,6 +456,18 @@ async def _stream(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
     await response.prepare(request)
+    with contextlib.suppress(ConnectionResetError):  # the client left: _generate aborts
+        await _write_stream(response, replica, waiter, reply, include_usage)
+    return response
+
+
+async def _write_stream(
+    response: web.StreamResponse,
+    replica: Replica,
+    waiter: _Waiter,
+    reply: _Reply,
+    include_usage: bool,
+) -> None:
     if reply.chat:
         await response.write(chunk_bytes(reply.chunk("", None, include_usage, role=True)))
     state, sent = waiter.state, 0
@@ -474,7 +487,6 @@ async def _stream(
         await response.write(chunk_bytes(reply.usage_chunk()))
     await response.write(chunk_bytes("[DONE]"))
     await response.write_eof()
-    return response
 
 
 async def _models(request: web.Request) -> web.Response:
@@ -482,7 +494,7 @@ async def _models(request: web.Request) -> web.Response:
     entry = {
         "id": replica.served_model_name,
         "object": "model",
-        "created": int(replica.model.now_s),
+        "created": replica.created,
         "owned_by": "isocost",
         "root": replica.spec.model,
         "max_model_len": replica.model.max_request_tokens,
