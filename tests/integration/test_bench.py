@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -218,6 +219,28 @@ def test_duration_bounds_the_arrivals(server: str, tmp_path: Path) -> None:
     lines = _records(records)
     assert len(lines) > 5 and max(r["intended_s"] for r in lines) < 0.5
     assert len(_server_log(server)["requests"]) == len(lines)
+
+
+def test_ctrl_c_stops_the_run_and_still_reports(server: str, tmp_path: Path) -> None:
+    summary = tmp_path / "s.json"
+    proc = subprocess.Popen(
+        [
+            str(ISOCOST), "bench", "--url", server, "--workload", "mix", "--rate", "20",
+            "--max-requests", "100000", "--max-tokens", "50", "--json", str(summary),
+        ],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while len(_server_log(server)["requests"]) < 5:  # poll until the run is under way
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "stopped by Ctrl-C" in out
+    result = json.loads(summary.read_text())
+    assert 5 <= result["requests"] < 100000
+    assert result["completed"] + result["errors_by_kind"].get("cancelled", 0) == result["requests"]
 
 
 def test_closed_loop_holds_its_concurrency(server: str, tmp_path: Path) -> None:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import signal
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import msgspec
@@ -20,6 +21,7 @@ from isocost.bench._report import (
 from isocost.bench._runner import BenchOptions, BenchProgress, BenchResult, run_bench
 from isocost.bench._workloads import WorkloadSpec, build_workload
 from isocost.core.errors import ConfigError
+from isocost.workload import WorkloadRequest
 
 __all__ = ["bench_command", "compare_command"]
 
@@ -44,7 +46,9 @@ def bench_command(
         refresh_per_second=4,
         transient=True,
     ):
-        result = asyncio.run(run_bench(url, requests, options, progress))
+        result, stopped = asyncio.run(_run_until_interrupted(url, requests, options, progress))
+    if stopped:
+        console.print("stopped by Ctrl-C: the summary covers the requests sent until then")
     console.print(summary_table(result.summary))
     if records_path is not None:
         encoder = msgspec.json.Encoder()
@@ -53,6 +57,19 @@ def bench_command(
     if json_path is not None:
         Path(json_path).write_bytes(msgspec.json.format(msgspec.json.encode(result.summary)))
     return result
+
+
+async def _run_until_interrupted(
+    url: str, requests: Iterable[WorkloadRequest], options: BenchOptions, progress: BenchProgress
+) -> tuple[BenchResult, bool]:
+    """``run_bench`` where Ctrl-C stops the run instead of killing it; and whether it did."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    try:
+        return await run_bench(url, requests, options, progress, stop), stop.is_set()
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
 
 
 def compare_command(paths: Sequence[str], console: Console, plot_path: str | None) -> None:

@@ -20,6 +20,7 @@ default model), then ``POST /v1/completions`` or ``/v1/chat/completions``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -167,8 +168,10 @@ class _Run:
         model: str,
         options: BenchOptions,
         progress: BenchProgress,
+        stop: asyncio.Event,
     ) -> None:
         self.session = session
+        self.stop = stop
         self.model = model
         self.options = options
         self.progress = progress
@@ -197,7 +200,9 @@ class _Run:
         request = prepared.request
         if prepared.previous_end is not None:
             due_s = max(due_s, await prepared.previous_end)
-            await asyncio.sleep(max(0.0, due_s - self.clock()))
+            await self._sleep_until(due_s)
+            if self.stop.is_set():
+                return
         headers = {}
         if request.session_id is not None:
             headers["x-session-id"] = request.session_id
@@ -224,6 +229,8 @@ class _Run:
                 self.options.timeout_s,
             )
         finally:
+            if record.end_s is None and record.error_kind is None:
+                record.error_kind, record.error = "cancelled", "the run was stopped"
             self.records.append(record)
             self.progress.add(record)
             if prepared.own_end is not None:
@@ -235,7 +242,29 @@ class _Run:
         return itertools.islice(requests, self.options.max_requests)
 
     def _over(self, at_s: float) -> bool:
+        if self.stop.is_set():
+            return True
         return self.options.duration_s is not None and at_s >= self.options.duration_s
+
+    async def _sleep_until(self, at_s: float) -> None:
+        """Sleep until ``at_s`` on the run's clock, or until the run is stopped."""
+        delay_s = at_s - self.clock()
+        if delay_s > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), delay_s)
+
+    async def _finish(self, tasks: list[asyncio.Task[None]]) -> None:
+        """Wait for ``tasks``; once the run is stopped, cancel what is still in flight."""
+        everything = asyncio.gather(*tasks)
+        stopped = asyncio.ensure_future(self.stop.wait())
+        either: list[asyncio.Future[Any]] = [everything, stopped]
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if everything.done():
+            everything.result()  # re-raise a failure of the runner itself
+            return
+        everything.cancel()
+        await asyncio.gather(everything, return_exceptions=True)
 
     async def open_loop(self, requests: Iterable[WorkloadRequest]) -> None:
         tasks: list[asyncio.Task[None]] = []
@@ -243,9 +272,11 @@ class _Run:
             if self._over(request.arrival_s):
                 break
             prepared = self.prepare(request)  # render before sleeping, not after
-            await asyncio.sleep(max(0.0, request.arrival_s - self.clock()))
+            await self._sleep_until(request.arrival_s)
+            if self.stop.is_set():
+                break
             tasks.append(asyncio.create_task(self.send(prepared, request.arrival_s)))
-        await asyncio.gather(*tasks)
+        await self._finish(tasks)
 
     async def closed_loop(self, requests: Iterable[WorkloadRequest], workers: int) -> None:
         source = self._bounded(requests)
@@ -256,7 +287,7 @@ class _Run:
                     return
                 await self.send(self.prepare(request), self.clock())
 
-        await asyncio.gather(*(worker() for _ in range(workers)))
+        await self._finish([asyncio.create_task(worker()) for _ in range(workers)])
 
 
 async def run_bench(
@@ -264,10 +295,13 @@ async def run_bench(
     requests: Iterable[WorkloadRequest],
     options: BenchOptions,
     progress: BenchProgress | None = None,
+    stop: asyncio.Event | None = None,
 ) -> BenchResult:
     """Send ``requests`` (in arrival order) to ``url``; every request's record and a summary.
 
-    Raises ``EndpointError`` before sending anything if the endpoint cannot be reached.
+    Setting ``stop`` ends the run early: nothing new is sent, requests in flight are
+    cancelled (error kind ``cancelled``) and the summary covers what was sent. Raises
+    ``EndpointError`` before sending anything if the endpoint cannot be reached.
     """
     base = normalize_url(url)
     if options.concurrency is not None and options.concurrency <= 0:
@@ -276,7 +310,9 @@ async def run_bench(
     timeout = aiohttp.ClientTimeout(total=None)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         model = await _resolve_model(session, base, options.model, min(options.timeout_s, 10.0))
-        run = _Run(session, base, model, options, progress or BenchProgress())
+        run = _Run(
+            session, base, model, options, progress or BenchProgress(), stop or asyncio.Event()
+        )
         if options.concurrency is None:
             await run.open_loop(requests)
         else:
