@@ -1,1 +1,29 @@
-"""The engine model (pure, clock passed in) and the ``isocost engine`` HTTP server."""
+"""The engine model (pure, clock passed in) and the ``isocost engine`` HTTP server.
+
+The package root exports only the pure model, so that the cluster simulator can import it
+without pulling in aiohttp; the server lives in ``isocost.engine.server``.
+"""
+
+from isocost.engine.kvcache import BlockPool
+from isocost.engine.model import (
+    EngineCounters,
+    EngineEvent,
+    EngineModel,
+    Finished,
+    FirstToken,
+    Preempted,
+    RequestSpec,
+    RequestState,
+)
+
+__all__ = [
+    "BlockPool",
+    "EngineCounters",
+    "EngineEvent",
+    "EngineModel",
+    "Finished",
+    "FirstToken",
+    "Preempted",
+    "RequestSpec",
+    "RequestState",
+]
