@@ -166,7 +166,7 @@ class PrefixIndex:
         holders = self._holders.get(block)
         if not holders:
             return _EMPTY
-        array = np.fromiter(sorted(holders), dtype=np.int64, count=len(holders))
+        array = np.fromiter(holders, dtype=np.int64, count=len(holders))
         self._arrays[block] = array
         return array
 

@@ -32,7 +32,7 @@ __all__ = ["PLUGIN_TYPES", "PluginType"]
 
 def _entry(module: ModuleType, cls: type, params: type[msgspec.Struct] = NoParams) -> PluginType:
     kind: PluginKind = cls.kind  # type: ignore[attr-defined]
-    summary = (module.__doc__ or "").strip().splitlines()[0]
+    summary = (module.__doc__ or "").strip().splitlines()[0].split(": ", 1)[-1]
     return PluginType(module.TYPE, kind, params, cls, summary)
 
 
