@@ -33,7 +33,7 @@ additionally implement ``on_dispatch`` / ``on_first_token`` / ``on_complete`` (t
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from random import Random
 from typing import ClassVar, Protocol, runtime_checkable
@@ -255,18 +255,35 @@ class Policy:
 
     # -- the pipeline ----------------------------------------------------------------
 
-    def schedule(self, request: RequestView, replicas: ReplicaSet, now: float) -> Decision:
-        """Choose a replica for ``request`` at ``now``, or say why not (module docstring)."""
+    def schedule(
+        self,
+        request: RequestView,
+        replicas: ReplicaSet,
+        now: float,
+        *,
+        exclude: Collection[str] = (),
+    ) -> Decision:
+        """Choose a replica for ``request`` at ``now``, or say why not (module docstring).
+
+        ``exclude`` names replicas this request must not use (e.g. those that already
+        failed it); they count as unavailable for it, not for the global shed.
+        """
         route = self.routes.classify(request)
         serving = replicas.model_mask(request.model)
         available = serving & replicas.healthy & ~replicas.draining
+        usable = available
+        if exclude:
+            usable = available.copy()
+            for name in exclude:
+                if name in replicas:
+                    usable[replicas.get(name).slot] = False
         notes: dict[str, str] = {}
         eligible: BoolArray | None = None
         has_any = False
         for tier_number, tier in enumerate(route.tiers):
             in_tier = serving if not tier else serving & replicas.group_mask(tier)
             has_any = has_any or bool(in_tier.any())
-            candidates = in_tier & available
+            candidates = in_tier & usable
             if candidates.any():
                 eligible = candidates
                 if tier_number:

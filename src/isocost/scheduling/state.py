@@ -162,10 +162,17 @@ class InFlight:
     generated_tokens: int = 0
     first_token_s: float | None = None
     last_token_s: float | None = None
+    max_tokens: int | None = None
 
     @property
     def remaining_tokens(self) -> int:
-        return max(self.expected_output_tokens - self.generated_tokens, 0)
+        """Expected output still to come. A request past its estimate is assumed to have a
+        quarter of the estimate left (it is evidently a long one), within ``max_tokens``."""
+        expected, generated = self.expected_output_tokens, self.generated_tokens
+        remaining = expected - generated if generated < expected else max(expected // 4, 1)
+        if self.max_tokens is not None:
+            remaining = min(remaining, max(self.max_tokens - generated, 0))
+        return remaining
 
 
 class ShadowListener(Protocol):
@@ -471,6 +478,7 @@ class ReplicaSet:
             dispatch_s=now,
             predicted_ttft_s=float(prediction.ttft_s[0]),
             predicted_step_s=float(prediction.step_s[0]),
+            max_tokens=request.max_tokens,
         )
         self._requests[request.request_id] = record
         state.in_flight[request.request_id] = record

@@ -122,3 +122,13 @@ def test_queue_expires_deadlines_and_cancels() -> None:
     popped = queue.pop(2.0)
     assert popped is not None and popped.request_id == "y"
     assert queue.pop(2.0) is None and len(queue) == 0
+
+
+def test_excluded_replicas_are_skipped_for_this_request_only(make_replicas: Factory) -> None:
+    replicas = make_replicas(["a100-80g"] * 2)
+    policy = build_policy("round_robin")
+    for _ in range(3):
+        assert policy.schedule(_req(0), replicas, 0.0, exclude={"r0"}).replica_id == "r1"
+    both_failed = policy.schedule(_req(0), replicas, 0.0, exclude={"r0", "r1", "gone"})
+    assert both_failed.reason is RejectReason.UNAVAILABLE
+    assert policy.schedule(_req(0), replicas, 0.0).replica_id == "r0"

@@ -99,3 +99,16 @@ def test_fitted_coefficients_track_the_cost_model(gpu: str) -> None:
         compute = coef.decode_compute_fixed_s + batch * coef.decode_per_seq_compute_s
         exact = model.decode_step_time_s(batch, context)
         assert max(memory, compute) == pytest.approx(exact, rel=0.1)
+
+
+def test_remaining_output_of_a_request_past_its_estimate(make_replicas: Factory) -> None:
+    replicas = make_replicas(["a100-80g"])
+    record = replicas.on_dispatch(RequestView("q", MODEL, 10, max_tokens=300), "r0", 0.0)
+    assert record.expected_output_tokens == 256  # the estimator's prior, under max_tokens
+    replicas.on_first_token("q", 0.1)
+    replicas.on_tokens("q", 199, 0.2)
+    assert record.remaining_tokens == 56
+    replicas.on_tokens("q", 80, 0.3)  # 280 > 256: a long one, a quarter of 256 to go ...
+    assert record.remaining_tokens == 20  # ... but max_tokens leaves only 20
+    slot = replicas.get("r0").slot
+    assert replicas.local_remaining_tokens[slot] == 20
