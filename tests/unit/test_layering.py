@@ -27,6 +27,9 @@ ALLOWED: dict[str, set[str]] = {
     "bench": {"core", "workload", "files"},
     "gateway": {"core", "prefix", "workload", "scheduling", "files"},
     "control": {"core", "prefix", "workload", "scheduling", "files"},
+    "planview": {"core"},
+    "demo": {"core", "prefix", "workload", "scheduling", "files", "engine", "bench", "gateway"},
+    "drill": {"core", "workload", "files", "bench"},
     "cli": {
         "core",
         "prefix",
