@@ -1,0 +1,217 @@
+"""What `isocost serve` adds: latency per request and the request rate it sustains.
+
+Starts one `isocost engine` replica (``--time-scale`` small, so that the engine's own time
+is a few milliseconds) and `isocost serve --replica <engine>` in front of it, then measures
+both paths side by side in one run:
+
+* latency at concurrency 1, requests interleaved (direct, gateway, direct, ...) so that
+  drift hits both equally: end-to-end time of non-streamed requests, time to the first
+  SSE chunk (TTFT) and end-to-end time of streamed ones; p50 and p99 of each, and what the
+  gateway adds (gateway minus direct);
+* throughput: a closed loop of ``--concurrency`` workers sending non-streamed requests for
+  ``--duration`` seconds, direct then through the gateway, twice in alternation; the best
+  of each. Requests/s and the ratio gateway/direct.
+
+Run:
+
+    .venv/bin/python benchmarks/gateway_overhead.py --requests 300 --concurrency 32
+
+On a small shared machine the client, the engine and the gateway compete for the same
+cores; compare the two columns of one run, not runs across machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parents[1]
+ISOCOST = str(ROOT / ".venv" / "bin" / "isocost")
+MODEL = "llama-3.1-8b"
+
+
+def _start(args: list[str], marker: str) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(
+        [ISOCOST, *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if marker in line and " ready at " in line:
+            return proc, line.rsplit(" ready at ", 1)[1].strip()
+    raise SystemExit(f"isocost {args[0]} exited before it was ready")
+
+
+def _body(max_tokens: int, stream: bool) -> bytes:
+    return json.dumps(
+        {
+            "model": MODEL,
+            "prompt": "benchmark prompt " * 8,
+            "max_tokens": max_tokens,
+            "stream": stream,
+        }
+    ).encode()
+
+
+async def _one(
+    session: aiohttp.ClientSession, url: str, body: bytes, stream: bool
+) -> tuple[float, float]:
+    """(TTFT or E2E for non-stream, E2E) in seconds."""
+    start = time.perf_counter()
+    first = None
+    async with session.post(
+        url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+    ) as response:
+        if response.status != 200:
+            raise RuntimeError(f"{url}: status {response.status}")
+        if stream:
+            async for _ in response.content.iter_any():
+                if first is None:
+                    first = time.perf_counter()
+        else:
+            await response.read()
+    end = time.perf_counter()
+    return (first or end) - start, end - start
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def latency(
+    targets: dict[str, str], requests: int, max_tokens: int, advance: Callable[[], None]
+) -> dict[str, dict[str, list[float]]]:
+    samples: dict[str, dict[str, list[float]]] = {
+        name: {"e2e": [], "stream_ttft": [], "stream_e2e": []} for name in targets
+    }
+    plain, streamed = _body(max_tokens, False), _body(max_tokens, True)
+    async with aiohttp.ClientSession() as session:
+        for url in targets.values():  # warm connections and caches
+            for _ in range(10):
+                await _one(session, url, plain, False)
+                await _one(session, url, streamed, True)
+        for _ in range(requests):
+            for name, url in targets.items():
+                _, e2e = await _one(session, url, plain, False)
+                samples[name]["e2e"].append(e2e)
+                ttft, e2e = await _one(session, url, streamed, True)
+                samples[name]["stream_ttft"].append(ttft)
+                samples[name]["stream_e2e"].append(e2e)
+            advance()
+    return samples
+
+
+async def throughput(url: str, concurrency: int, duration_s: float, max_tokens: int) -> float:
+    body = _body(max_tokens, False)
+    done = 0
+    stop_at = time.perf_counter() + duration_s
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def worker() -> None:
+            nonlocal done
+            while time.perf_counter() < stop_at:
+                await _one(session, url, body, False)
+                done += 1
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return done / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=300, help="latency samples per path")
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--duration", type=float, default=5.0, help="seconds per throughput run")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--time-scale", type=float, default=0.01)
+    parser.add_argument("--policy", default="equal_cost")
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    args = parser.parse_args()
+    console = Console()
+
+    engine, engine_url = _start(
+        ["engine", "--port", "0", "--model", MODEL, "--time-scale", str(args.time_scale),
+         "--output-dist", "max"],
+        "isocost engine",
+    )  # fmt: skip
+    gateway, gateway_url = _start(
+        ["serve", "--port", "0", "--replica", engine_url, "--policy", args.policy,
+         "--log-level", "warning"],
+        "isocost serve",
+    )  # fmt: skip
+    targets = {"direct": engine_url, "gateway": gateway_url}
+    try:
+        with Progress(console=console, transient=True) as progress:
+            task = progress.add_task("latency (concurrency 1)", total=args.requests)
+            samples = asyncio.run(
+                latency(targets, args.requests, args.max_tokens, lambda: progress.advance(task))
+            )
+            rates: dict[str, float] = {name: 0.0 for name in targets}
+            runs = progress.add_task("throughput", total=2 * len(targets))
+            for _ in range(2):
+                for name, url in targets.items():
+                    rate = asyncio.run(
+                        throughput(url, args.concurrency, args.duration, args.max_tokens)
+                    )
+                    rates[name] = max(rates[name], rate)
+                    progress.advance(runs)
+    finally:
+        for proc in (gateway, engine):
+            proc.terminate()
+            proc.wait(timeout=20)
+
+    table = Table(title=f"isocost serve overhead ({args.requests} requests per path)")
+    for column in ("metric", "direct", "gateway", "added", "gateway/direct"):
+        table.add_column(column, justify="right" if column != "metric" else "left")
+    figures: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
+    for metric, label in (
+        ("e2e", "non-stream E2E"),
+        ("stream_ttft", "stream TTFT"),
+        ("stream_e2e", "stream E2E"),
+    ):
+        for q, q_name in ((0.5, "p50"), (0.99, "p99")):
+            direct = _pct(samples["direct"][metric], q) * 1000
+            via = _pct(samples["gateway"][metric], q) * 1000
+            figures[f"{metric}_{q_name}_ms"] = {"direct": direct, "gateway": via}
+            table.add_row(
+                f"{label} {q_name} (ms)",
+                f"{direct:.2f}",
+                f"{via:.2f}",
+                f"{via - direct:+.2f}",
+                f"{via / direct:.2f}x",
+            )
+    table.add_row(
+        f"requests/s ({args.concurrency} concurrent)",
+        f"{rates['direct']:.0f}",
+        f"{rates['gateway']:.0f}",
+        "",
+        f"{rates['gateway'] / rates['direct']:.2f}x",
+    )
+    figures["requests_per_s"] = rates
+    figures["mean_e2e_ms"] = {
+        name: statistics.fmean(s["e2e"]) * 1000 for name, s in samples.items()
+    }
+    console.print(table)
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2))
+        console.print(f"figures written to {args.json}")
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

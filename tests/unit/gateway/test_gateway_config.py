@@ -1,0 +1,104 @@
+"""Gateway YAML: defaults, unknown keys and bad values rejected with the key named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from isocost.core.errors import ConfigError
+from isocost.gateway.config import normalize_replica_url, parse_config
+from isocost.scheduling.policies import build_policy
+
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "gateway.yaml"
+
+
+def test_minimal_config_has_defaults() -> None:
+    config = parse_config(
+        "pools:\n  - model: m\n    replicas: [{url: 'http://10.0.0.5:8000/'}]\n", "g.yaml"
+    )
+    replica = config.pools[0].replicas[0]
+    assert (replica.gpu, replica.tensor_parallel, replica.weight) == ("a100-80g", 1, 1.0)
+    assert config.policy == "equal_cost" and config.scrape_interval_ms == 200
+    assert config.limits.max_retries == 2 and config.auth.api_keys == []
+
+
+def test_the_shipped_example_parses(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("ISOCOST_ADMIN_TOKEN", "TEAM_A_KEY", "TEAM_B_KEY"):
+        monkeypatch.setenv(name, "x")
+    config = parse_config(EXAMPLE.read_text(), str(EXAMPLE))
+    assert config.pools and config.scheduling.policies
+    for pool in config.pools:
+        policy = build_policy(pool.policy or config.policy, config=config.scheduling)
+        assert policy.name == (pool.policy or config.policy)
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "fragment"),
+    [
+        (
+            "pools: [{model: m, replicas: [{url: 'http://a:1', gpuu: x}]}]",
+            "pools[0].replicas[0]",
+            "gpuu",
+        ),
+        ("limitz: {}", None, "limitz"),
+        ("pools: [{model: m, replicas: [{url: 'ftp://a:1'}]}]", "pools[0].replicas[0].url", "http"),
+        (
+            "pools: [{model: m, replicas: [{url: 'http://a:1/v1'}]}]",
+            "pools[0].replicas[0].url",
+            "path",
+        ),
+        (
+            "pools: [{model: m, replicas: [{url: 'http://a:1'}, {url: 'http://a:1/'}]}]",
+            "pools[0].replicas[1].url",
+            "twice",
+        ),
+        ("pools: [{model: m}, {model: m}]", "pools[1].model", "duplicate"),
+        (
+            "pools: [{model: m, replicas: [{url: 'http://a:1', weight: 0}]}]",
+            "pools[0].replicas[0].weight",
+            "> 0",
+        ),
+        (
+            "pools: [{model: m, replicas: [{url: 'http://a:1', tensor_parallel: 0}]}]",
+            "pools[0].replicas[0].tensor_parallel",
+            ">= 1",
+        ),
+        ("limits: {max_body_bytes: 0}", "limits.max_body_bytes", "positive"),
+        ("limits: {max_tokens: many}", "limits.max_tokens", "int"),
+        ("health: {min_success_rate: 2}", "health.min_success_rate", "[0, 1]"),
+        ("auth: {api_keys: [{name: a}]}", "auth.api_keys[0]", "exactly one"),
+        ("auth: {admin_token_env: ISOCOST_TEST_UNSET_VAR}", "auth.admin_token_env", "unset"),
+        ("pools: [oops", None, "YAML"),
+    ],
+)
+def test_errors_name_the_key(text: str, key: str | None, fragment: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(text, "g.yaml")
+    message = str(info.value)
+    assert message.startswith("g.yaml")
+    assert fragment in message
+    if key is not None:
+        assert key in message
+
+
+@pytest.mark.parametrize(
+    ("url", "normalized"),
+    [
+        ("http://127.0.0.1:8000", "http://127.0.0.1:8000"),
+        ("http://host/", "http://host:80"),
+        ("https://Host:8443", "https://host:8443"),
+        ("http://[::1]:9000", "http://[::1]:9000"),
+    ],
+)
+def test_replica_urls_are_normalized(url: str, normalized: str) -> None:
+    assert normalize_replica_url(url) == normalized
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["http://user:pw@h:1", "http://h:1?x=1", "file:///etc/passwd", "http://:80", "http://h:99999"],
+)
+def test_bad_replica_urls(url: str) -> None:
+    with pytest.raises(ValueError):
+        normalize_replica_url(url)
