@@ -61,17 +61,25 @@ def engine(
         None, "--replica-spec", help="key=value,... per replica (gpu, model, tp, slowdown...)."
     ),
     replicas_file: str | None = typer.Option(None, "--replicas-file", help="YAML replica list."),
-    served_model_name: str | None = typer.Option(None, "--served-model-name"),
+    served_model_name: str | None = typer.Option(
+        None, "--served-model-name", help="Name clients ask for (default: --model)."
+    ),
     time_scale: float = typer.Option(1.0, "--time-scale", help="0.05: a GPU 20x faster."),
     stream_interval: int = typer.Option(1, "--stream-interval", help="Tokens per SSE chunk."),
-    max_num_batched_tokens: int = typer.Option(8192, "--max-num-batched-tokens"),
-    max_num_seqs: int = typer.Option(256, "--max-num-seqs"),
-    gpu_memory_utilization: float = typer.Option(0.9, "--gpu-memory-utilization"),
+    max_num_batched_tokens: int = typer.Option(
+        8192, "--max-num-batched-tokens", help="Token budget per step (chunked prefill)."
+    ),
+    max_num_seqs: int = typer.Option(256, "--max-num-seqs", help="Most running requests."),
+    gpu_memory_utilization: float = typer.Option(
+        0.9, "--gpu-memory-utilization", help="VRAM share for weights, activations and KV."
+    ),
     num_gpu_blocks: int | None = typer.Option(
         None, "--num-gpu-blocks-override", help="KV blocks instead of the VRAM ledger's."
     ),
     output_dist: str = typer.Option("exponential", "--output-dist", help="exponential|uniform|max"),
-    output_mean_tokens: float = typer.Option(128.0, "--output-mean-tokens"),
+    output_mean_tokens: float = typer.Option(
+        128.0, "--output-mean-tokens", help="Mean output length (exponential)."
+    ),
     seed: int = typer.Option(0, "--seed", help="Seed of output lengths and error draws."),
     tokenizer: str | None = typer.Option(None, "--tokenizer", help="tokenizer.json: exact."),
     catalog: list[str] | None = typer.Option(None, "--catalog", help="Extra catalog YAML."),
