@@ -48,8 +48,19 @@ def _run(
         model.submit(RequestSpec(f"r{i}", len(tokens), output, hashes), now)
     while (t := model.next_event_time()) is not None:
         events += model.advance_to(t)
-        assert 0.0 <= model.kv_usage <= 1.0
+        _check_blocks(model, len(workload))
     return events, model
+
+
+def _check_blocks(model: EngineModel, num_requests: int) -> None:
+    """Blocks in use = every live request's private blocks + each distinct cached block
+    some request holds; each request holds enough blocks for its computed tokens."""
+    states = [s for i in range(num_requests) if (s := model.request(f"r{i}")) is not None]
+    private = sum(s.num_blocks - s.num_cached_blocks for s in states)
+    cached = {h for s in states for h in s.spec.block_hashes[: s.num_cached_blocks]}
+    assert model.pool.num_used == private + len(cached)
+    assert all(s.num_blocks * 16 >= s.num_computed_tokens for s in states)
+    assert 0.0 <= model.kv_usage <= 1.0
 
 
 @settings(max_examples=80, deadline=None, derandomize=True)
