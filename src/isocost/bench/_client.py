@@ -29,6 +29,7 @@ from isocost.bench._records import RequestRecord
 __all__ = ["send_request"]
 
 _json = msgspec.json.Decoder()
+_encode = msgspec.json.Encoder().encode
 
 
 class _Garbage(Exception):
@@ -51,7 +52,7 @@ async def send_request(
     try:
         async with asyncio.timeout(timeout_s):
             async with session.post(
-                url, json=payload, headers=headers, allow_redirects=False
+                url, data=_encode(payload), headers=headers, allow_redirects=False
             ) as response:
                 record.status = response.status
                 if response.status != 200:

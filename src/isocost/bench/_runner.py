@@ -203,7 +203,7 @@ class _Run:
             await self._sleep_until(due_s)
             if self.stop.is_set():
                 return
-        headers = {}
+        headers = {"content-type": "application/json"}
         if request.session_id is not None:
             headers["x-session-id"] = request.session_id
         if self.options.api_key:

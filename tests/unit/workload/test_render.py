@@ -5,6 +5,11 @@ from __future__ import annotations
 import math
 
 from isocost.workload import Segment, TextRenderer, prefix_block_keys
+from isocost.workload._render import WORDS
+
+
+def test_the_vocabulary_is_128_distinct_three_letter_words() -> None:
+    assert len(set(WORDS)) == 128 and all(len(w) == 3 and w.isalpha() for w in WORDS)
 
 
 def test_rendered_text_has_one_word_and_four_characters_per_token() -> None:
