@@ -13,14 +13,18 @@ Formats (detected from the first line, or named):
   processed traces); every arrival is 0 until an arrival process is applied
   (``with_arrivals``).
 
-Times are rebased so the first request arrives at 0. Traces without prefix information
+Times are rebased so the first request arrives at 0; requests of one session are numbered
+as turns in arrival order. Traces without prefix information
 give each request its own segment seed (its row index), so nothing is shared.
 """
 
 from __future__ import annotations
 
 import csv
+import itertools
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Literal
 
@@ -73,32 +77,22 @@ def parse_trace(
     if first is None:
         raise ConfigError(source, "empty trace")
     fmt = trace_format or detect_trace_format(first, source)
-    rows = _prepend(first, it)
+    rows = itertools.chain([first], it)
     parsed = _mooncake(rows, source) if fmt == "mooncake" else _csv(rows, source, fmt)
     requests = list(parsed)
     if not requests:
         raise ConfigError(source, "trace has no requests")
     start = min(r.arrival_s for r in requests)
-    rebased = [_at(r, r.arrival_s - start) for r in requests]
-    rebased.sort(key=lambda r: (r.arrival_s, r.request_id))
+    requests.sort(key=lambda r: (r.arrival_s, r.request_id))
+    turns: Counter[str] = Counter()
+    rebased = []
+    for r in requests:
+        turn_index = 0
+        if r.session_id is not None:
+            turn_index = turns[r.session_id]
+            turns[r.session_id] += 1
+        rebased.append(replace(r, arrival_s=r.arrival_s - start, turn_index=turn_index))
     return rebased
-
-
-def _prepend(first: str, rest: Iterator[str]) -> Iterator[str]:
-    yield first
-    yield from rest
-
-
-def _at(request: WorkloadRequest, arrival_s: float) -> WorkloadRequest:
-    return WorkloadRequest(
-        request.request_id,
-        arrival_s,
-        request.prompt_tokens,
-        request.output_tokens,
-        request.segments,
-        request.session_id,
-        request.turn_index,
-    )
 
 
 def _mooncake(lines: Iterable[str], source: str) -> Iterator[WorkloadRequest]:

@@ -65,6 +65,8 @@ def test_burstgpt_skips_failed_rows_and_keeps_sessions() -> None:
         (40.0, 1087, 230),
     ]
     assert [r.session_id for r in requests] == ["abc", None]
+    more = parse_trace([*text, "50,abc,1.0,GPT-4,10,2,12,Conversation log"], "burst.csv")
+    assert [(r.session_id, r.turn_index) for r in more] == [("abc", 0), (None, 0), ("abc", 1)]
 
 
 @pytest.mark.parametrize(
