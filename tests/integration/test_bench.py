@@ -76,7 +76,9 @@ def _serve(mode: str) -> None:
             return web.json_response(
                 {"choices": [{"text": " tok" * body["max_tokens"]}], "usage": usage}
             )
-        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        response = web.StreamResponse(
+            headers={"content-type": "text/event-stream", "x-isocost-replica": "fake-0"}
+        )
         await response.prepare(request)
 
         async def send(data: str) -> None:
@@ -187,6 +189,7 @@ def test_trace_replay_keeps_shared_prefixes_end_to_end(server: str, tmp_path: Pa
     assert [r["request_id"] for r in lines] == list(range(12))
     for r in lines:
         assert r["output_tokens"] == 5 and len(r["chunk_times_s"]) == 5
+        assert r["replica"] == "fake-0"
         assert r["intended_s"] <= r["sent_s"] <= r["first_token_s"] <= r["end_s"]
         # the server counts one token per word: the rendered prompt has the planned length
         assert r["usage_prompt_tokens"] == r["prompt_tokens"]

@@ -55,6 +55,7 @@ async def send_request(
                 url, data=_encode(payload), headers=headers, allow_redirects=False
             ) as response:
                 record.status = response.status
+                record.replica = response.headers.get("x-isocost-replica")
                 if response.status != 200:
                     body = (await response.text(errors="replace"))[:200]
                     raise _Garbage(f"http_{response.status}", body.strip())

@@ -35,6 +35,7 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     usage_prompt_tokens: int | None = None  # as the server counted them
     output_tokens: int = 0  # usage.completion_tokens, else the number of text chunks
     status: int = 0  # HTTP status; 0 when no response came
+    replica: str | None = None  # x-isocost-replica of an isocost gateway's answer
     error_kind: str | None = None
     error: str | None = None
 
