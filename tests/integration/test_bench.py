@@ -182,6 +182,7 @@ def test_trace_replay_keeps_shared_prefixes_end_to_end(server: str, tmp_path: Pa
     result = json.loads(summary.read_text())
     assert (result["requests"], result["completed"], result["errors"]) == (12, 12, 0)
     assert result["model"] == MODEL
+    assert result["completed_by_replica"] == {"fake-0": 12}
     assert result["output_tokens_per_s"] > 0 and result["goodput_rps"] > 0
     for key in ("ttft_p50_s", "ttft_p99_s", "tpot_p99_s", "e2e_p99_s"):
         assert result[key] > 0

@@ -74,6 +74,7 @@ class BenchSummary(msgspec.Struct, kw_only=True):
     completed: int
     errors: int
     errors_by_kind: dict[str, int]
+    completed_by_replica: dict[str, int]  # from x-isocost-replica; empty without a gateway
     duration_s: float
     throughput_rps: float
     output_tokens_per_s: float
@@ -143,6 +144,7 @@ def summarize(
         completed=len(done),
         errors=sum(kinds.values()),
         errors_by_kind=dict(sorted(kinds.items())),
+        completed_by_replica=dict(sorted(Counter(r.replica for r in done if r.replica).items())),
         duration_s=duration_s,
         throughput_rps=len(done) * per_s,
         output_tokens_per_s=sum(r.output_tokens for r in done) * per_s,

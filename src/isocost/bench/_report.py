@@ -59,6 +59,8 @@ def _rows(summary: BenchSummary) -> list[tuple[str, str]]:
     rows.append(
         ("send lag p99 / max ms", f"{_ms(summary.send_lag_p99_s)} / {_ms(summary.send_lag_max_s)}")
     )
+    by_replica = summary.completed_by_replica.items()
+    rows.append(("completed by replica", ", ".join(f"{k} {n}" for k, n in by_replica) or "-"))
     return rows
 
 

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from isocost.bench import RequestRecord, summarize
 
@@ -65,3 +69,36 @@ def test_goodput_counts_requests_within_both_slos_over_the_run() -> None:
 def test_an_empty_run_has_no_percentiles() -> None:
     summary = summarize([], label="x", url="u", model="m")
     assert summary.ttft_p99_s is None and summary.goodput_rps == 0.0
+
+
+timelines = st.lists(
+    st.tuples(
+        st.floats(0, 100),  # due
+        st.floats(0, 1),  # send lag
+        st.lists(st.floats(0.001, 5), max_size=6),  # gaps to each chunk
+        st.sampled_from([None, None, "http_500", "truncated"]),
+    ),
+    max_size=30,
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(timelines=timelines, slo_ttft_ms=st.none() | st.floats(1, 5000))
+def test_summary_invariants(
+    timelines: list[tuple[float, float, list[float], str | None]], slo_ttft_ms: float | None
+) -> None:
+    records = []
+    for i, (due, lag, gaps, kind) in enumerate(timelines):
+        chunks = list(itertools.accumulate(gaps, initial=due + lag))[1:]
+        kind = kind or (None if chunks else "empty")  # as the client records it
+        record = _record(i, due, chunks, sent_s=due + lag, error_kind=kind)
+        records.append(record)
+    summary = summarize(records, label="x", url="u", model="m", slo_ttft_ms=slo_ttft_ms)
+    assert summary.completed + summary.errors == summary.requests == len(records)
+    assert 0 <= summary.goodput_rps <= summary.throughput_rps
+    for name in ("ttft", "tpot", "itl", "e2e"):
+        p50, p90, p99 = (getattr(summary, f"{name}_p{q}_s") for q in (50, 90, 99))
+        assert (p50 is None) == (p99 is None)
+        if p50 is not None:
+            assert 0 <= p50 <= p90 <= p99
+    assert summary.ttft_samples_s == sorted(summary.ttft_samples_s)
