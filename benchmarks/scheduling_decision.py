@@ -1,16 +1,19 @@
-"""Decision latency of every built-in policy across 1,000 replicas, early and late in a run.
+"""Decision latency of every built-in policy across 1,000 replicas, young and old fleets.
 
 Builds a fleet of ``--replicas`` replicas (llama-3.1-8b on A100, H100 and L40S in turn,
 block size 512 as in the Mooncake trace) and feeds each policy the same synthetic stream:
 prompts of 100-16,000 tokens sharing prefixes from 64 conversation roots, 100 sessions,
-each request completing ``--in-flight`` arrivals after it was sent (so in-flight work,
-and the prefix index, stay bounded as in a steady cluster). Only ``schedule`` is timed.
+each request completing ``--in-flight`` arrivals after it was sent (so in-flight work and
+the prefix index stay bounded, as in a steady cluster).
 
-For each policy it reports the mean and p99 decision time over an early window (requests
-1,000-2,000) and a late one (the last 1,000 of ``--requests``), and late/early: a ratio
-near 1 means the decision cost does not grow with requests seen. Run:
+Two copies of each policy's fleet are fed: a young one (``--young`` requests seen) and an
+old one (``--old`` requests seen). Then the same ``--probes`` requests are scheduled on
+both, alternating young/old so that the machine's load hits both alike; only ``schedule``
+is timed and probes are not dispatched. The table gives mean, median and p99 per fleet
+and old/young of the means: near 1 means the decision cost does not grow with requests
+seen. Run:
 
-    .venv/bin/python benchmarks/scheduling_decision.py --replicas 1000 --requests 10000
+    .venv/bin/python benchmarks/scheduling_decision.py --replicas 1000 --old 20000
 
 Figures depend on the machine and its load; compare rows of one run.
 """
@@ -21,6 +24,7 @@ import argparse
 import statistics
 import time
 from collections import deque
+from dataclasses import dataclass
 from random import Random
 
 from rich.console import Console
@@ -30,10 +34,24 @@ from rich.table import Table
 from isocost.core.catalog import Catalog
 from isocost.core.costmodel import CostModel
 from isocost.prefix.hashing import ROOT_HASH
-from isocost.scheduling import BUILTIN_POLICIES, ReplicaSet, ReplicaSpec, RequestView, build_policy
+from isocost.scheduling import (
+    BUILTIN_POLICIES,
+    Policy,
+    ReplicaSet,
+    ReplicaSpec,
+    RequestView,
+    build_policy,
+)
 
 BLOCK_TOKENS = 512
 MODEL = "llama-3.1-8b"
+
+
+@dataclass
+class Fleet:
+    replicas: ReplicaSet
+    policy: Policy
+    now: float
 
 
 def _fleet(size: int) -> ReplicaSet:
@@ -70,18 +88,17 @@ def _requests(count: int, seed: int) -> list[RequestView]:
     return out
 
 
-def _run(name: str, size: int, requests: list[RequestView], in_flight: int) -> list[float]:
+def _fed(name: str, size: int, requests: list[RequestView], in_flight: int) -> Fleet:
+    """A fleet and its policy after ``requests`` went through, each completing
+    ``in_flight`` arrivals after it was sent."""
     replicas = _fleet(size)
     policy = build_policy(name, rng=Random(1))
     replicas.add_listener(policy)
     pending: deque[str] = deque()
-    timings = []
     now = 0.0
     for request in requests:
         now += 0.01
-        start = time.perf_counter()
         decision = policy.schedule(request, replicas, now)
-        timings.append(time.perf_counter() - start)
         if decision.replica_id is not None:
             replicas.on_dispatch(request, decision.replica_id, now)
             pending.append(request.request_id)
@@ -89,36 +106,57 @@ def _run(name: str, size: int, requests: list[RequestView], in_flight: int) -> l
             done = pending.popleft()
             replicas.on_first_token(done, now)
             replicas.on_complete(done, now, output_tokens=128)
+    return Fleet(replicas, policy, now)
+
+
+def _probe(fleets: tuple[Fleet, Fleet], probes: list[RequestView]) -> list[list[float]]:
+    """Seconds per ``schedule`` of each probe on each fleet, alternating between them."""
+    timings: list[list[float]] = [[], []]
+    for request in probes:
+        for fleet, out in zip(fleets, timings, strict=True):
+            start = time.perf_counter()
+            fleet.policy.schedule(request, fleet.replicas, fleet.now)
+            out.append(time.perf_counter() - start)
     return timings
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replicas", type=int, default=1000)
-    parser.add_argument("--requests", type=int, default=10_000)
+    parser.add_argument("--young", type=int, default=2000, help="requests the young fleet saw")
+    parser.add_argument("--old", type=int, default=20_000, help="requests the old fleet saw")
+    parser.add_argument("--probes", type=int, default=1000)
     parser.add_argument("--in-flight", type=int, default=2000)
     parser.add_argument("--policies", default=",".join(BUILTIN_POLICIES))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    if args.requests < 3000:
-        parser.error("--requests must be >= 3000 (two disjoint windows of 1,000)")
-    requests = _requests(args.requests, args.seed)
-    table = Table(title=f"schedule() across {args.replicas} replicas, {args.requests} requests")
-    for column in ("policy", "early mean µs", "early p99 µs", "late mean µs", "late p99 µs"):
-        table.add_column(column, justify="right" if "µs" in column else "left")
-    table.add_column("late/early", justify="right")
+    if not 0 < args.young <= args.old or args.probes < 100:
+        parser.error("need 0 < --young <= --old and --probes >= 100")
+    stream = _requests(args.old + args.probes, args.seed)
+    history, probes = stream[: args.old], stream[args.old :]
+    table = Table(
+        title=f"schedule() across {args.replicas} replicas, "
+        f"young: {args.young} requests seen, old: {args.old}"
+    )
+    table.add_column("policy", no_wrap=True)
+    for age in ("young", "old"):
+        for stat in ("mean", "median", "p99"):
+            table.add_column(f"{age} {stat} µs", justify="right")
+    table.add_column("old/young mean", justify="right")
     for name in track(args.policies.split(","), description="policies"):
-        timings = _run(name, args.replicas, requests, args.in_flight)
-        early, late = timings[1000:2000], timings[-1000:]
-        early_mean, late_mean = statistics.fmean(early), statistics.fmean(late)
-        table.add_row(
-            name,
-            f"{early_mean * 1e6:.0f}",
-            f"{statistics.quantiles(early, n=100)[98] * 1e6:.0f}",
-            f"{late_mean * 1e6:.0f}",
-            f"{statistics.quantiles(late, n=100)[98] * 1e6:.0f}",
-            f"{late_mean / early_mean:.2f}",
-        )
+        young = _fed(name, args.replicas, history[: args.young], args.in_flight)
+        old = _fed(name, args.replicas, history, args.in_flight)
+        timings = _probe((young, old), probes)
+        cells = [name]
+        for window in timings:
+            for value in (
+                statistics.fmean(window),
+                statistics.median(window),
+                statistics.quantiles(window, n=100)[98],
+            ):
+                cells.append(f"{value * 1e6:.0f}")
+        cells.append(f"{statistics.fmean(timings[1]) / statistics.fmean(timings[0]):.2f}")
+        table.add_row(*cells)
     Console().print(table)
 
 
