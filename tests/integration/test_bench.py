@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-ISOCOST = ROOT / ".venv" / "bin" / "isocost"
+ISOCOST = Path(sys.executable).with_name("isocost")  # the venv running the tests
 FIXTURES = ROOT / "tests" / "fixtures" / "traces"
 MODEL = "fake-model"
 SERVICE_S = 0.05  # each answer takes this long, so requests overlap under load

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +26,7 @@ from isocost.files import read_text
 from isocost.workload import parse_trace, prefix_block_keys
 
 ROOT = Path(__file__).resolve().parents[2]
-ISOCOST = ROOT / ".venv" / "bin" / "isocost"
+ISOCOST = Path(sys.executable).with_name("isocost")  # the venv running the tests
 MOONCAKE = ROOT / "tests" / "fixtures" / "traces" / "mooncake_conversation_head.jsonl"
 ENGINE_BLOCK_TOKENS = 16  # vLLM's default KV block, the engine simulator's too
 
