@@ -115,7 +115,11 @@ def _metrics(url: str) -> dict[str, float]:
         for s in family.samples:
             extra = s.labels.get("le") or s.labels.get("finished_reason")
             samples[s.name + (f"[{extra}]" if extra else "")] = s.value
-            assert s.labels["model_name"] and s.labels["engine"] == "0"
+            assert s.labels["engine"] == "0"
+            if s.name == "vllm:cache_config_info":
+                samples["num_gpu_blocks"] = float(s.labels["num_gpu_blocks"])
+            else:
+                assert s.labels["model_name"]
     return samples
 
 
@@ -215,6 +219,7 @@ def test_models_health_and_the_served_name(engine: Engine) -> None:
 def test_running_waiting_and_kv_usage_move_with_load_then_drain(engine: Engine) -> None:
     url = engine.urls[1]  # 64 KV blocks: three 300-token prompts fit, the rest wait
     before = _metrics(url)
+    assert before["num_gpu_blocks"] == 64
     client = _client(url)
     peaks = {"running": 0.0, "waiting": 0.0, "kv": 0.0}
 

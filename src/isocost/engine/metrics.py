@@ -10,6 +10,7 @@ Exported: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
 ``vllm:num_preemptions_total``, ``vllm:prompt_tokens_total``,
 ``vllm:generation_tokens_total``, ``vllm:prefix_cache_queries_total`` and
 ``vllm:prefix_cache_hits_total`` (tokens), ``vllm:request_success_total{finished_reason}``,
+the info gauge ``vllm:cache_config_info{block_size, num_gpu_blocks, ...}``,
 and the histograms ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``
 (also under its older name ``vllm:time_per_output_token_seconds``) and
 ``vllm:e2e_request_latency_seconds``.
@@ -93,6 +94,26 @@ class ReplicaMetrics:
         self._registry = CollectorRegistry(auto_describe=False)
         self._registry.register(self)
 
+    def _cache_config(self) -> GaugeMetricFamily:
+        """vLLM's info gauge (value 1, labels carry the cache settings, no model name):
+        routers read ``num_gpu_blocks`` and ``block_size`` from it."""
+        cost = self.model.cost
+        config = {
+            "block_size": str(self.model.block_size),
+            "cache_dtype": cost.kv_dtype,
+            "enable_prefix_caching": "True",
+            "engine": "0",
+            "gpu_memory_utilization": str(cost.limits.gpu_memory_utilization),
+            "num_gpu_blocks": str(self.model.pool.num_blocks),
+        }
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            labels=list(config),
+        )
+        info.add_metric(list(config.values()), 1.0)
+        return info
+
     def render(self) -> bytes:
         return generate_latest(self._registry)
 
@@ -114,6 +135,7 @@ class ReplicaMetrics:
             gauge = GaugeMetricFamily(name, doc, labels=_LABELS)
             gauge.add_metric(labels, value)
             yield gauge
+        yield self._cache_config()
         totals = (
             ("vllm:num_preemptions", "Cumulative preemptions.", counters.num_preemptions),
             ("vllm:prompt_tokens", "Prefill tokens processed.", counters.num_prompt_tokens),
