@@ -421,6 +421,23 @@ def test_yaml_replicas_exact_tokenizer_stream_interval_and_crash(tmp_path: Path)
         _stop(running)
 
 
+def test_identical_replicas_are_independent() -> None:
+    running = _start(
+        "--replicas", "3", "--served-model-name", "m", "--time-scale", "0.01", replicas=3
+    )
+    try:
+        assert len(set(running.urls)) == 3
+        for url in running.urls:
+            assert [m.id for m in _client(url).models.list()] == ["m"]
+        _client(running.urls[2]).completions.create(
+            model="m", prompt="only here", max_tokens=3, extra_body={"ignore_eos": True}
+        )
+        generated = [_metrics(url)["vllm:generation_tokens_total"] for url in running.urls]
+        assert generated == [0, 0, 3]
+    finally:
+        assert _stop(running) == 0
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
