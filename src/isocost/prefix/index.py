@@ -9,17 +9,17 @@ only by capacity; that is the price of needing no engine cooperation.
 
 Layout, chosen so that a lookup costs time in the request's blocks, not in replicas:
 
-* ``holders[h]``: the replicas holding block hash ``h`` (a set, and a lazily rebuilt sorted
-  numpy array of it, invalidated when the set changes);
+* ``holders[h]``: the set of replicas holding block hash ``h``;
 * ``lru[r]``: replica ``r``'s blocks in recency order, capacity ``capacity[r]`` blocks.
 
 Insertion touches a request's blocks deepest-first, so a prefix's first block is the most
 recently used and eviction (from the cold end) removes deep blocks before shallow ones;
 the held set thus stays prefix-closed in practice. ``match`` walks the chain from block 0
-and keeps, per replica, the length of the *contiguous* run of held blocks from the start,
-stopping at the first block nobody holds: at most ``len(block_hashes)`` steps of numpy
-work over the holders of each matched block. A reported match is never longer than what
-was inserted (and not yet evicted) for that replica.
+keeping the set of replicas that held every block so far (a C-level set intersection per
+block, shrinking as it goes), records each replica's depth as it drops out, and stops
+when none is left: at most ``len(block_hashes)`` steps. A reported match is never longer
+than the contiguous run, from the first block, of what was inserted (and not yet
+evicted) for that replica.
 
 Replicas are small non-negative ints (the caller's dense slot numbers), so results can fill
 numpy arrays indexed by slot directly.
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from itertools import islice, takewhile
 
 import numpy as np
 import numpy.typing as npt
@@ -41,14 +42,12 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 class PrefixIndex:
     """Block hashes held per replica, LRU-bounded by each replica's KV capacity in blocks."""
 
-    __slots__ = ("_arrays", "_capacity", "_counts", "_depth", "_holders", "_lru")
+    __slots__ = ("_capacity", "_counts", "_holders", "_lru")
 
     def __init__(self) -> None:
         self._holders: dict[int, set[int]] = {}
-        self._arrays: dict[int, npt.NDArray[np.int64]] = {}
         self._lru: dict[int, OrderedDict[int, None]] = {}
         self._capacity: dict[int, int] = {}
-        self._depth = np.zeros(16, dtype=np.int64)  # scratch for match, all zero between calls
         self._counts = np.zeros(16, dtype=np.int64)  # blocks held per replica
 
     def add_replica(self, replica: int, capacity_blocks: int) -> None:
@@ -59,9 +58,8 @@ class PrefixIndex:
             raise ValueError("capacity_blocks must be >= 0")
         self._lru.setdefault(replica, OrderedDict())
         self._capacity[replica] = capacity_blocks
-        if replica >= self._depth.size:
-            size = max(replica + 1, 2 * self._depth.size)
-            self._depth = np.zeros(size, dtype=np.int64)
+        if replica >= self._counts.size:
+            size = max(replica + 1, 2 * self._counts.size)
             counts = np.zeros(size, dtype=np.int64)
             counts[: self._counts.size] = self._counts
             self._counts = counts
@@ -94,7 +92,6 @@ class PrefixIndex:
             lru[block] = None
             self._counts[replica] += 1
             self._holders.setdefault(block, set()).add(replica)
-            self._arrays.pop(block, None)
         self.evict(replica, len(lru) - self._capacity[replica])
 
     def evict(self, replica: int, num_blocks: int) -> int:
@@ -128,47 +125,41 @@ class PrefixIndex:
         Returns ``(replicas, matched_blocks)``, two aligned arrays; replicas absent from
         ``replicas`` match nothing.
         """
-        if not block_hashes:
+        holders = self._holders
+        current = holders.get(block_hashes[0]) if block_hashes else None
+        if not current:
             return _EMPTY, _EMPTY
-        first = self._holders_array(block_hashes[0])
-        if first.size == 0:
-            return _EMPTY, _EMPTY
-        depth = self._depth
-        depth[first] = 1
+        depth: dict[int, int] = {}
         for i in range(1, len(block_hashes)):
-            holders = self._holders_array(block_hashes[i])
-            if holders.size == 0:
+            if len(current) == 1:  # one replica left: walk its own blocks, no set algebra
+                (replica,) = current
+                depth[replica] = i + self._run_length(replica, block_hashes, i)
                 break
-            extended = holders[depth[holders] == i]
-            if extended.size == 0:
-                break
-            depth[extended] = i + 1
-        matched = depth[first].copy()
-        depth[first] = 0
-        return first, matched
+            deeper = holders.get(block_hashes[i])
+            kept = current & deeper if deeper else set()
+            if len(kept) < len(current):
+                for replica in current - kept:
+                    depth[replica] = i
+                if not kept:
+                    break
+            current = kept
+        else:
+            for replica in current:
+                depth[replica] = len(block_hashes)
+        replicas = np.fromiter(depth.keys(), dtype=np.int64, count=len(depth))
+        matched = np.fromiter(depth.values(), dtype=np.int64, count=len(depth))
+        return replicas, matched
 
     def match_replica(self, replica: int, block_hashes: Sequence[int]) -> int:
         """Contiguous blocks of ``block_hashes`` that ``replica`` holds, from the start."""
+        return self._run_length(replica, block_hashes, 0)
+
+    def _run_length(self, replica: int, block_hashes: Sequence[int], start: int) -> int:
+        """Consecutive blocks from ``block_hashes[start]`` on that ``replica`` holds."""
         lru = self._lru.get(replica)
         if lru is None:
             return 0
-        matched = 0
-        for block in block_hashes:
-            if block not in lru:
-                break
-            matched += 1
-        return matched
-
-    def _holders_array(self, block: int) -> npt.NDArray[np.int64]:
-        cached = self._arrays.get(block)
-        if cached is not None:
-            return cached
-        holders = self._holders.get(block)
-        if not holders:
-            return _EMPTY
-        array = np.fromiter(holders, dtype=np.int64, count=len(holders))
-        self._arrays[block] = array
-        return array
+        return len(list(takewhile(lru.__contains__, islice(block_hashes, start, None))))
 
     def _drop_holder(self, block: int, replica: int) -> None:
         holders = self._holders.get(block)
@@ -177,4 +168,3 @@ class PrefixIndex:
         holders.discard(replica)
         if not holders:
             del self._holders[block]
-        self._arrays.pop(block, None)
