@@ -131,7 +131,10 @@ def summarize(
     lag = [r.sent_s - r.intended_s for r in records]
     ends = [r.end_s for r in records if r.end_s is not None]
     duration_s = max([*ends, *(r.sent_s for r in records)], default=0.0)
-    per_s = 1.0 / duration_s if duration_s > 0 else 0.0
+
+    def per_s(count: int) -> float:
+        return count / duration_s if duration_s > 0 else 0.0
+
     slo_ttft_s = None if slo_ttft_ms is None else slo_ttft_ms / 1000
     slo_tpot_s = None if slo_tpot_ms is None else slo_tpot_ms / 1000
     good = sum(1 for r in done if meets_slo(r, slo_ttft_s, slo_tpot_s))
@@ -146,9 +149,9 @@ def summarize(
         errors_by_kind=dict(sorted(kinds.items())),
         completed_by_replica=dict(sorted(Counter(r.replica for r in done if r.replica).items())),
         duration_s=duration_s,
-        throughput_rps=len(done) * per_s,
-        output_tokens_per_s=sum(r.output_tokens for r in done) * per_s,
-        goodput_rps=good * per_s,
+        throughput_rps=per_s(len(done)),
+        output_tokens_per_s=per_s(sum(r.output_tokens for r in done)),
+        goodput_rps=per_s(good),
         slo_ttft_ms=slo_ttft_ms,
         slo_tpot_ms=slo_tpot_ms,
         ttft_p50_s=_percentile(ttft, 50),

@@ -32,7 +32,7 @@ import numpy as np
 
 from isocost.bench._client import send_request
 from isocost.bench._records import BenchSummary, RequestRecord, summarize
-from isocost.core.errors import IsocostError
+from isocost.core.errors import ConfigError, IsocostError
 from isocost.workload import TextRenderer, WorkloadRequest
 
 __all__ = [
@@ -69,6 +69,12 @@ class BenchOptions:
     text_salt: int = 0  # a new salt gives new prompt text (a cold prefix cache)
     api_key: str | None = None
     label: str = "bench"
+
+    def __post_init__(self) -> None:
+        for name in ("max_tokens", "concurrency", "max_requests", "duration_s", "timeout_s"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError("bench options", f"{name} must be positive")
 
 
 @dataclass(slots=True)
@@ -304,8 +310,6 @@ async def run_bench(
     ``EndpointError`` before sending anything if the endpoint cannot be reached.
     """
     base = normalize_url(url)
-    if options.concurrency is not None and options.concurrency <= 0:
-        raise EndpointError("concurrency must be positive")
     connector = aiohttp.TCPConnector(limit=0)  # open loop: never queue in the client
     timeout = aiohttp.ClientTimeout(total=None)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:

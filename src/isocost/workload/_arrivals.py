@@ -66,8 +66,7 @@ def speedup(requests: Iterable[WorkloadRequest], factor: float) -> Iterator[Work
     """The same requests with time compressed ``factor`` times (2 = twice the rate)."""
     if factor <= 0:
         raise ValueError("speedup factor must be positive")
-    for request in requests:
-        yield replace(request, arrival_s=request.arrival_s / factor)
+    return (replace(r, arrival_s=r.arrival_s / factor) for r in requests)
 
 
 def mean_rate_rps(requests: Sequence[WorkloadRequest]) -> float:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from isocost.bench import EndpointError, WorkloadSpec, build_workload, normalize_url
+from isocost.bench import BenchOptions, EndpointError, WorkloadSpec, build_workload, normalize_url
 from isocost.core.errors import ConfigError
 
 TRACES = Path(__file__).resolve().parents[2] / "fixtures" / "traces"
@@ -56,3 +56,10 @@ def test_urls_are_normalized_to_the_server_base() -> None:
     assert normalize_url("http://h:8000/v1/") == "http://h:8000"
     with pytest.raises(EndpointError, match="not an http"):
         normalize_url("h:8000")
+
+
+def test_bench_options_refuse_non_positive_bounds() -> None:
+    with pytest.raises(ValueError, match="concurrency must be positive"):
+        BenchOptions(concurrency=0)
+    with pytest.raises(ValueError, match="duration_s must be positive"):
+        BenchOptions(duration_s=-1.0)

@@ -99,7 +99,7 @@ def test_time_transforms_keep_everything_but_the_clock() -> None:
     [
         lambda: poisson_arrivals(Random(0), 0.0),
         lambda: gamma_arrivals(Random(0), 1.0, cv=0.0),
-        lambda: list(speedup([], 0.0)),
+        lambda: speedup([], 0.0),
         lambda: shared_prefix(Random(0), iter([]), 0, 1, 1, 1, 1),
         lambda: multi_turn(Random(0), iter([]), 1, 0, 1, 1, 1, 1.0),
     ],
