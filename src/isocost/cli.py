@@ -324,7 +324,9 @@ def bench(
     think_time: float = typer.Option(5.0, "--think-time", help="multi-turn: mean think s."),
     system_tokens: int = typer.Option(2048, "--system-tokens", help="Shared system prompt."),
     question_tokens: int = typer.Option(128, "--question-tokens", help="Question/user turn."),
-    output_tokens: int = typer.Option(128, "--output-tokens", help="Synthetic output length."),
+    output_tokens: int = typer.Option(
+        128, "--output-tokens", help="shared-prefix, multi-turn: output length."
+    ),
     max_prompt_tokens: int | None = typer.Option(
         None, "--max-prompt-tokens", help="mix: cap prompt lengths (model context)."
     ),

@@ -445,6 +445,7 @@ def test_identical_replicas_are_independent() -> None:
         (["--replica-spec", "colour=red"], "colour"),
         (["--gpu", "h100"], "unknown GPU"),
         (["--error-rate", "3"], "--error-rate: must be between 0 and 1"),
+        (["--tokenizer", "/nonexistent/tokenizer.json"], "tokenizer.json: no such file"),
     ],
 )
 def test_bad_flags_exit_2_with_one_line(args: list[str], message: str) -> None:

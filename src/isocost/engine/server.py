@@ -55,7 +55,8 @@ __all__ = [
     "OutputLengths",
     "Replica",
     "ServeOptions",
-    "build_replicas",
+    "build_models",
+    "build_tokenizers",
     "run_engine",
 ]
 
@@ -567,30 +568,31 @@ def build_models(
     return models
 
 
-def build_replicas(
-    specs: list[ReplicaSpec], models: list[EngineModel], options: ServeOptions
-) -> list[Replica]:
-    """Replicas over built models (inside a running event loop); tokenizers are shared
-    between replicas of the same vocabulary size."""
-    tokenizers: dict[int, Tokenizer] = {}
-    replicas = []
-    for index, (spec, model) in enumerate(zip(specs, models, strict=True)):
+def build_tokenizers(models: list[EngineModel], path: str | None) -> list[Tokenizer]:
+    """A tokenizer per model, shared between models of the same vocabulary size."""
+    by_vocab: dict[int, Tokenizer] = {}
+    for model in models:
         vocab = model.cost.model.vocab_size
-        if vocab not in tokenizers:
-            tokenizers[vocab] = load_tokenizer(options.tokenizer_path, vocab)
-        replicas.append(Replica(index, spec, model, tokenizers[vocab], options))
-    return replicas
+        if vocab not in by_vocab:
+            by_vocab[vocab] = load_tokenizer(path, vocab)
+    return [by_vocab[model.cost.model.vocab_size] for model in models]
 
 
 async def serve(
     specs: list[ReplicaSpec],
     models: list[EngineModel],
+    tokenizers: list[Tokenizer],
     options: ServeOptions,
     ports: list[int],
     on_ready: Callable[[list[tuple[Replica, str]]], None],
 ) -> None:
     """Serve every replica until SIGINT or SIGTERM, then shut down within a second."""
-    replicas = build_replicas(specs, models, options)
+    replicas = [
+        Replica(index, spec, model, tokenizer, options)
+        for index, (spec, model, tokenizer) in enumerate(
+            zip(specs, models, tokenizers, strict=True)
+        )
+    ]
     runners: list[web.AppRunner] = []
     tasks = [asyncio.create_task(r.run(), name=f"replica-{r.index}") for r in replicas]
     stop = asyncio.Event()
@@ -628,8 +630,10 @@ def run_engine(
     ports: list[int],
     on_ready: Callable[[list[tuple[Replica, str]]], None],
 ) -> None:
-    """Build the replicas' models (errors surface before any port opens) and serve."""
+    """Build the replicas' models and tokenizers (errors surface before any port opens)
+    and serve."""
     models = build_models(specs, catalog, limits)
+    tokenizers = build_tokenizers(models, options.tokenizer_path)
     try:
         import uvloop
 
@@ -637,4 +641,4 @@ def run_engine(
     except ImportError:  # uvloop is not available on Windows
         loop_factory = None
     with asyncio.Runner(loop_factory=loop_factory) as runner:
-        runner.run(serve(specs, models, options, ports, on_ready))
+        runner.run(serve(specs, models, tokenizers, options, ports, on_ready))

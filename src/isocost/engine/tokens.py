@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import Protocol
 
+from isocost.core.errors import ConfigError
 from isocost.files import read_text
 
 __all__ = [
@@ -64,7 +65,11 @@ class HfTokenizer:
     def __init__(self, path: str) -> None:
         from tokenizers import Tokenizer as _Tokenizer  # optional dependency
 
-        self._tokenizer = _Tokenizer.from_str(read_text(path))
+        text = read_text(path)
+        try:
+            self._tokenizer = _Tokenizer.from_str(text)
+        except Exception as exc:  # tokenizers raises bare Exceptions on bad files
+            raise ConfigError(path, f"not a tokenizer.json: {exc}") from None
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False).ids
