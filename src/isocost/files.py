@@ -11,8 +11,9 @@ from pathlib import Path
 from isocost.core.catalog import Catalog
 from isocost.core.errors import ConfigError
 from isocost.core.models import ModelSpec, model_from_hf_config
+from isocost.workload import TraceFormat, WorkloadRequest, parse_trace
 
-__all__ = ["load_catalog", "read_text", "resolve_model"]
+__all__ = ["load_catalog", "load_trace", "read_text", "resolve_model"]
 
 
 def read_text(path: str | Path) -> str:
@@ -46,3 +47,8 @@ def resolve_model(name: str, catalog: Catalog) -> ModelSpec:
         model_id = (p if p.is_dir() or not p.suffix else p.parent).name or str(p)
         return model_from_hf_config(read_text(config), str(config), model_id)
     return catalog.model(name)
+
+
+def load_trace(path: str | Path, trace_format: TraceFormat | None = None) -> list[WorkloadRequest]:
+    """A trace file's requests in arrival order; errors name the file and line."""
+    return parse_trace(read_text(path).splitlines(), str(path), trace_format)

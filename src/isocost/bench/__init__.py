@@ -6,7 +6,13 @@ Talks HTTP only, so it measures an engine, the gateway, vLLM or another router a
 
 from isocost.bench._main import bench_command, compare_command
 from isocost.bench._records import BenchSummary, RequestRecord, meets_slo, summarize
-from isocost.bench._report import load_summary
+from isocost.bench._report import (
+    compare_table,
+    live_table,
+    load_summary,
+    plot_comparison,
+    summary_table,
+)
 from isocost.bench._runner import (
     BenchOptions,
     BenchProgress,
@@ -32,9 +38,13 @@ __all__ = [
     "bench_command",
     "build_workload",
     "compare_command",
+    "compare_table",
+    "live_table",
     "load_summary",
     "meets_slo",
     "normalize_url",
+    "plot_comparison",
     "run_bench",
     "summarize",
+    "summary_table",
 ]

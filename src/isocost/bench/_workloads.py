@@ -11,26 +11,25 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from random import Random
-from typing import Literal
 
 from isocost.core.errors import ConfigError
-from isocost.files import read_text
+from isocost.files import load_trace
 from isocost.workload import (
+    SYNTHETIC_WORKLOADS,
+    SyntheticName,
+    SyntheticSpec,
     TraceFormat,
     WorkloadRequest,
     gamma_arrivals,
-    multi_turn,
-    parse_trace,
-    scenario_mix,
-    shared_prefix,
     speedup,
+    synthetic_workload,
     with_arrivals,
 )
 
 __all__ = ["WORKLOADS", "WorkloadName", "WorkloadSpec", "build_workload"]
 
-WorkloadName = Literal["mix", "shared-prefix", "multi-turn"]
-WORKLOADS: tuple[WorkloadName, ...] = ("mix", "shared-prefix", "multi-turn")
+WorkloadName = SyntheticName
+WORKLOADS = SYNTHETIC_WORKLOADS
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,44 +59,26 @@ def build_workload(spec: WorkloadSpec, closed_loop: bool) -> Iterator[WorkloadRe
     if (spec.trace is None) == (spec.workload is None):
         raise ConfigError("bench", "give exactly one of --trace and --workload")
     rng = Random(spec.seed)
+    arrivals = gamma_arrivals(rng, spec.rate_rps or 1.0, spec.burstiness)
     if spec.trace is not None:
-        requests = parse_trace(read_text(spec.trace).splitlines(), spec.trace, spec.trace_format)
+        requests = load_trace(spec.trace, spec.trace_format)
         if spec.rate_rps is not None:
-            return with_arrivals(requests, _arrivals(rng, spec))
+            return with_arrivals(requests, arrivals)
         if len({r.arrival_s for r in requests}) == 1 and len(requests) > 1 and not closed_loop:
             raise ConfigError(spec.trace, "the trace has no arrival times; pass --rate")
         return speedup(requests, spec.speedup)
     if spec.rate_rps is None and not closed_loop:
         raise ConfigError("bench", f"--workload {spec.workload} needs --rate or --concurrency")
-    arrivals = _arrivals(rng, spec)
-    if spec.workload == "shared-prefix":
-        return iter(
-            shared_prefix(
-                rng,
-                arrivals,
-                spec.num_groups,
-                spec.prompts_per_group,
-                spec.system_tokens,
-                spec.question_tokens,
-                spec.output_tokens,
-            )
-        )
-    if spec.workload == "multi-turn":
-        return iter(
-            multi_turn(
-                rng,
-                arrivals,
-                spec.sessions,
-                spec.turns,
-                spec.system_tokens,
-                spec.question_tokens,
-                spec.output_tokens,
-                spec.think_time_s,
-            )
-        )
-    return scenario_mix(rng, arrivals, max_prompt_tokens=spec.max_prompt_tokens)
-
-
-def _arrivals(rng: Random, spec: WorkloadSpec) -> Iterator[float]:
-    """The arrival process; a closed loop ignores times, so any positive rate will do."""
-    return gamma_arrivals(rng, spec.rate_rps or 1.0, spec.burstiness)
+    synthetic = SyntheticSpec(
+        name=spec.workload or "mix",
+        max_prompt_tokens=spec.max_prompt_tokens,
+        num_groups=spec.num_groups,
+        prompts_per_group=spec.prompts_per_group,
+        sessions=spec.sessions,
+        turns=spec.turns,
+        system_tokens=spec.system_tokens,
+        question_tokens=spec.question_tokens,
+        output_tokens=spec.output_tokens,
+        think_time_s=spec.think_time_s,
+    )
+    return synthetic_workload(synthetic, rng, arrivals)  # a closed loop ignores the times

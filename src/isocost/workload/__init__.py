@@ -22,10 +22,14 @@ from isocost.workload._request import (
 )
 from isocost.workload._synthetic import (
     SCENARIO_MIX,
+    SYNTHETIC_WORKLOADS,
     ScenarioClass,
+    SyntheticName,
+    SyntheticSpec,
     multi_turn,
     scenario_mix,
     shared_prefix,
+    synthetic_workload,
 )
 from isocost.workload._traces import (
     TRACE_FORMATS,
@@ -36,10 +40,13 @@ from isocost.workload._traces import (
 
 __all__ = [
     "SCENARIO_MIX",
+    "SYNTHETIC_WORKLOADS",
     "TRACE_BLOCK_TOKENS",
     "TRACE_FORMATS",
     "ScenarioClass",
     "Segment",
+    "SyntheticName",
+    "SyntheticSpec",
     "TextRenderer",
     "TraceFormat",
     "WorkloadRequest",
@@ -55,5 +62,6 @@ __all__ = [
     "segments_for_blocks",
     "shared_prefix",
     "speedup",
+    "synthetic_workload",
     "with_arrivals",
 ]

@@ -38,10 +38,21 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from random import Random
+from typing import Literal
 
 from isocost.workload._request import Segment, WorkloadRequest
 
-__all__ = ["SCENARIO_MIX", "ScenarioClass", "multi_turn", "scenario_mix", "shared_prefix"]
+__all__ = [
+    "SCENARIO_MIX",
+    "SYNTHETIC_WORKLOADS",
+    "ScenarioClass",
+    "SyntheticName",
+    "SyntheticSpec",
+    "multi_turn",
+    "scenario_mix",
+    "shared_prefix",
+    "synthetic_workload",
+]
 
 INPUT_SIGMA = 0.5
 OUTPUT_SIGMA = 0.7
@@ -159,3 +170,63 @@ def multi_turn(
         )
         for request_id, (arrival_s, session, turn, output, segments) in enumerate(turns)
     ]
+
+
+SyntheticName = Literal["mix", "shared-prefix", "multi-turn"]
+SYNTHETIC_WORKLOADS: tuple[SyntheticName, ...] = ("mix", "shared-prefix", "multi-turn")
+
+
+@dataclass(frozen=True, slots=True)
+class SyntheticSpec:
+    """A named synthetic workload and its shape, as the CLIs of bench and sim take it.
+
+    ``max_prompt_tokens`` caps the mix; the group, session and length fields shape
+    ``shared-prefix`` (system prompt + question) and ``multi-turn`` (system prompt + user
+    turns of mean ``question_tokens``, replies of mean ``output_tokens``).
+    """
+
+    name: SyntheticName = "mix"
+    max_prompt_tokens: int | None = None
+    num_groups: int = 8
+    prompts_per_group: int = 16
+    sessions: int = 16
+    turns: int = 4
+    system_tokens: int = 2048
+    question_tokens: int = 128
+    output_tokens: int = 128
+    think_time_s: float = 5.0
+
+
+def synthetic_workload(
+    spec: SyntheticSpec, rng: Random, arrivals: Iterator[float]
+) -> Iterator[WorkloadRequest]:
+    """The requests of ``spec`` in arrival order: endless for the mix, finite otherwise.
+
+    ``arrivals`` times each request (mix, shared-prefix) or each session's start.
+    """
+    if spec.name == "shared-prefix":
+        return iter(
+            shared_prefix(
+                rng,
+                arrivals,
+                spec.num_groups,
+                spec.prompts_per_group,
+                spec.system_tokens,
+                spec.question_tokens,
+                spec.output_tokens,
+            )
+        )
+    if spec.name == "multi-turn":
+        return iter(
+            multi_turn(
+                rng,
+                arrivals,
+                spec.sessions,
+                spec.turns,
+                spec.system_tokens,
+                spec.question_tokens,
+                spec.output_tokens,
+                spec.think_time_s,
+            )
+        )
+    return scenario_mix(rng, arrivals, max_prompt_tokens=spec.max_prompt_tokens)

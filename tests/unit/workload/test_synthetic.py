@@ -10,6 +10,9 @@ import pytest
 
 from isocost.workload import (
     SCENARIO_MIX,
+    Segment,
+    SyntheticSpec,
+    WorkloadRequest,
     gamma_arrivals,
     mean_rate_rps,
     multi_turn,
@@ -18,6 +21,7 @@ from isocost.workload import (
     scenario_mix,
     shared_prefix,
     speedup,
+    synthetic_workload,
     with_arrivals,
 )
 
@@ -107,3 +111,16 @@ def test_time_transforms_keep_everything_but_the_clock() -> None:
 def test_bad_parameters_are_refused(call: object) -> None:
     with pytest.raises(ValueError):
         call()  # type: ignore[operator]
+
+
+def test_named_synthetic_workloads_dispatch_to_their_generators() -> None:
+    def first(spec: SyntheticSpec, n: int = 4) -> list[WorkloadRequest]:
+        rng = Random(9)
+        return list(itertools.islice(synthetic_workload(spec, rng, poisson_arrivals(rng, 1)), n))
+
+    groups = first(SyntheticSpec("shared-prefix", num_groups=1, system_tokens=64), 16)
+    assert len(groups) == 16 and {r.segments[0] for r in groups} == {Segment(0, 64)}
+    turns = first(SyntheticSpec("multi-turn", sessions=1, turns=3), 10)
+    assert [r.turn_index for r in turns] == [0, 1, 2]
+    mix = first(SyntheticSpec("mix", max_prompt_tokens=100), 50)
+    assert len(mix) == 50 and max(r.prompt_tokens for r in mix) <= 100

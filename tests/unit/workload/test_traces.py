@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from isocost.core.errors import ConfigError
-from isocost.files import read_text
+from isocost.files import load_trace, read_text
 from isocost.workload import TRACE_BLOCK_TOKENS, detect_trace_format, parse_trace
 
 TRACES = Path(__file__).resolve().parents[2] / "fixtures" / "traces"
@@ -87,6 +87,16 @@ def test_a_named_format_skips_detection() -> None:
     assert parse_trace(lines, "b.csv", "burstgpt")[0].prompt_tokens == 10
     with pytest.raises(ConfigError, match=r"^b\.csv:2: bad row \(missing column 'TIMESTAMP'"):
         parse_trace(lines, "b.csv", "azure")
+
+
+def test_load_trace_names_the_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    good = '{"timestamp": 0, "input_length": 3, "output_length": 1, "hash_ids": [1]}\n'
+    path.write_text(good)
+    assert load_trace(path)[0].prompt_tokens == 3
+    path.write_text(good + "{")
+    with pytest.raises(ConfigError, match=rf"^{path}:2: "):
+        load_trace(path)
 
 
 def test_broken_jsonl_names_file_and_line() -> None:
