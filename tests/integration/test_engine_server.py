@@ -421,6 +421,27 @@ def test_yaml_replicas_exact_tokenizer_stream_interval_and_crash(tmp_path: Path)
         _stop(running)
 
 
+def test_sigterm_ends_open_streams_and_exits_0() -> None:
+    running = _start("--time-scale", "1", replicas=1)
+    try:
+        stream = _client(running.urls[0]).completions.create(
+            model=MODEL,
+            prompt="go",
+            max_tokens=100_000,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        chunks = iter(stream)
+        assert next(chunks).choices
+        running.proc.send_signal(signal.SIGTERM)
+        assert running.proc.wait(timeout=20) == 0
+        rest = list(chunks)  # the stream stops early: no finish_reason, no [DONE]
+        assert all(c.choices[0].finish_reason is None for c in rest)
+        stream.close()
+    finally:
+        _stop(running)
+
+
 def test_identical_replicas_are_independent() -> None:
     running = _start(
         "--replicas", "3", "--served-model-name", "m", "--time-scale", "0.01", replicas=3

@@ -150,6 +150,7 @@ class Replica:
         self._waiters: dict[str, _Waiter] = {}
         self._wakeup: asyncio.Future[None] | None = None
         self._origin = asyncio.get_running_loop().time()
+        self.closing = False
 
     @property
     def served_model_name(self) -> str:
@@ -226,6 +227,13 @@ class Replica:
             self._wakeup.set_result(None)
         return waiter
 
+    def close(self) -> None:
+        """Shutdown: wake every held request and handler so each ends at once."""
+        self.closing = True
+        self.unhung.set()
+        for waiter in self._waiters.values():
+            waiter.event.set()
+
     def release(self, waiter: _Waiter) -> None:
         """Forget a handler's request; an unfinished one (client gone) is aborted."""
         request_id = waiter.state.spec.request_id
@@ -243,6 +251,10 @@ def _resolve(future: asyncio.Future[None]) -> None:
 # -- HTTP ------------------------------------------------------------------------------
 
 REPLICA = web.AppKey("replica", Replica)
+
+
+def _shutting_down() -> ApiError:
+    return ApiError(503, "the replica is shutting down", type_="server_error", code="shutting_down")
 
 
 _JSON = msgspec.json.Encoder()
@@ -266,9 +278,11 @@ async def _faults_and_errors(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
     replica = request.app[REPLICA]
-    if not request.path.startswith("/admin/"):
-        await replica.unhung.wait()
     try:
+        if not request.path.startswith("/admin/"):
+            await replica.unhung.wait()
+            if replica.closing:
+                raise _shutting_down()
         return await handler(request)
     except ApiError as error:
         return _error_response(error)
@@ -388,6 +402,8 @@ async def _generate(
             return await _stream(request, replica, waiter, reply, generation.include_usage)
         while waiter.state.finished_s is None:
             await waiter.wait()
+            if replica.closing:
+                raise _shutting_down()
         return _json_response(reply.whole())
     finally:
         replica.release(waiter)
@@ -475,6 +491,8 @@ async def _write_stream(
     interval = replica.options.stream_interval
     while True:
         await waiter.wait()
+        if replica.closing:
+            return  # shutdown: the stream ends without [DONE], the request is aborted
         produced = state.num_output_tokens
         if produced > sent:
             text = filler_text(sent, produced - sent)
@@ -613,7 +631,7 @@ async def serve(
         await stop.wait()
     finally:
         for replica in replicas:
-            replica.unhung.set()
+            replica.close()
         for runner in runners:
             await runner.cleanup()
         for task in tasks:
