@@ -45,7 +45,12 @@ _LATENCY_ROWS = [
 
 def _rows(summary: BenchSummary) -> list[tuple[str, str]]:
     errors = ", ".join(f"{k} {n}" for k, n in summary.errors_by_kind.items()) or "none"
-    slo = f"TTFT {summary.slo_ttft_ms or '-'} ms, TPOT {summary.slo_tpot_ms or '-'} ms"
+    slos = [
+        f"{name} <= {value:g} ms"
+        for name, value in (("TTFT", summary.slo_ttft_ms), ("TPOT", summary.slo_tpot_ms))
+        if value is not None
+    ]
+    slo = ", ".join(slos) or "no SLO given"
     rows = [
         ("requests / completed", f"{summary.requests} / {summary.completed}"),
         ("errors", f"{summary.errors} ({errors})"),
