@@ -81,10 +81,17 @@ def start_engine(port: int = 0, *extra: str) -> Proc:
     return _start([*args, "--output-dist", "max", *extra], "isocost engine")
 
 
-def write_config(path: Path, engine_urls: list[str], **overrides: str) -> None:
+def write_config(
+    path: Path,
+    engine_urls: list[str],
+    *,
+    policy: str = "equal_cost",
+    replica_fields: str = "",
+    limits: str = "",
+    keys: str = "",
+) -> None:
     """A gateway config for ``engine_urls`` (fast health checks, small body limit)."""
-    replicas = "\n".join(f"      - url: {url}" for url in engine_urls)
-    policy = overrides.get("policy", "equal_cost")
+    replicas = "\n".join(f"      - {{url: '{url}', {replica_fields}}}" for url in engine_urls)
     path.write_text(
         f"""
 policy: {policy}
@@ -96,7 +103,9 @@ pools:
 limits:
   max_body_bytes: {MAX_BODY_BYTES}
   max_tokens: 4096
+  max_prompt_tokens: 8000
   retry_backoff_ms: 5
+{limits}
 health:
   interval_ms: 100
   timeout_ms: 500
@@ -106,6 +115,7 @@ auth:
   api_keys:
     - name: team-a
       key: {API_KEY}
+{keys}
 """
     )
 
@@ -588,3 +598,116 @@ def test_config_reload_adds_and_removes_replicas(cluster: Cluster, tmp_path: Pat
         assert len(replica_rows(gateway)) == 2
     finally:
         gateway.stop()
+
+
+# -- admission: SLO deadlines, the gateway queue, per-key budgets, prompt limits ---------
+
+
+def test_deadline_that_cannot_be_met_is_refused_with_retry_after(cluster: Cluster) -> None:
+    status, headers, answer = http(
+        "POST",
+        cluster.gateway.url + "/v1/chat/completions",
+        chat_body(content="y" * 20000),
+        {**AUTH, "x-deadline-ms": "0.001"},
+    )
+    _assert_error(status, answer, 429, "deadline")
+    assert int(headers["Retry-After"]) >= 1
+    status, _, answer = http(
+        "POST",
+        cluster.gateway.url + "/v1/chat/completions",
+        chat_body(),
+        {**AUTH, "x-priority": "high"},
+    )
+    _assert_error(status, answer, 400, "bad_header")
+
+
+def test_prompt_over_the_token_limit(cluster: Cluster) -> None:
+    status, _, answer = http(
+        "POST", cluster.gateway.url + "/v1/chat/completions", chat_body(content="z" * 40000), AUTH
+    )
+    _assert_error(status, answer, 400, "context_length_exceeded")
+
+
+def test_gateway_queue_binds_late_and_refuses_when_full(tmp_path: Path) -> None:
+    """One replica that takes one waiting request at a time, a gateway queue of two."""
+    engine = start_engine()
+    config, log = tmp_path / "queue.yaml", tmp_path / "queue.log"
+    write_config(config, [engine.url], replica_fields="max_queue: 1", limits="  max_queue: 2")
+    gateway = start_gateway(config, log)
+    try:
+
+        async def burst() -> list[tuple[int, dict[str, str], bytes]]:
+            body = json.dumps({"model": MODEL, "prompt": "long prompt " * 1000, "max_tokens": 4})
+            async with aiohttp.ClientSession() as session:
+
+                async def one() -> tuple[int, dict[str, str], bytes]:
+                    async with session.post(
+                        gateway.url + "/v1/completions", data=body, headers=AUTH
+                    ) as response:
+                        return response.status, dict(response.headers), await response.read()
+
+                return await asyncio.gather(*(one() for _ in range(8)))
+
+        results = asyncio.run(burst())
+        statuses = sorted(status for status, _, _ in results)
+        assert statuses.count(200) >= 3, statuses  # one admitted and two queued, at least
+        refused = [(h, json.loads(b)) for s, h, b in results if s != 200]
+        assert refused, statuses
+        for headers, answer in refused:
+            assert answer["error"]["code"] == "queue_full"
+            assert int(headers["Retry-After"]) >= 1
+        with urllib.request.urlopen(gateway.url + "/metrics", timeout=10) as response:
+            assert 'isocost_rejections_total{reason="queue_full"}' in response.read().decode()
+    finally:
+        gateway.stop()
+        engine.stop()
+
+
+def test_per_key_request_budget(tmp_path: Path) -> None:
+    engine = start_engine()
+    config, log = tmp_path / "keys.yaml", tmp_path / "keys.log"
+    write_config(
+        config,
+        [engine.url],
+        keys="    - {name: small, key: sk-small-budget, requests_per_minute: 3}",
+    )
+    gateway = start_gateway(config, log)
+    try:
+        headers = {"Authorization": "Bearer sk-small-budget"}
+        url = gateway.url + "/v1/chat/completions"
+        assert [http("POST", url, chat_body(), headers)[0] for _ in range(3)] == [200] * 3
+        status, got, answer = http("POST", url, chat_body(), headers)
+        _assert_error(status, answer, 429, "rate_limit_exceeded")
+        assert 1 <= int(got["Retry-After"]) <= 20
+        assert http("POST", url, chat_body(), AUTH)[0] == 200  # other keys are unaffected
+        assert "sk-small-budget" not in log.read_text()
+    finally:
+        gateway.stop()
+        engine.stop()
+
+
+def test_failing_replica_ejected_and_full_one_skipped(tmp_path: Path) -> None:
+    """500s count against a replica; a full engine's 503 is retried, not held against it."""
+    healthy = start_engine()
+    failing = start_engine(0, "--error-rate", "1.0")
+    full = start_engine(0, "--max-waiting", "0")
+    config, log = tmp_path / "faults.yaml", tmp_path / "faults.log"
+    write_config(config, [healthy.url, failing.url, full.url], policy="round_robin")
+    gateway = start_gateway(config, log)
+    try:
+        client = openai.OpenAI(base_url=gateway.url + "/v1", api_key=API_KEY, max_retries=0)
+        served = {
+            client.completions.with_raw_response.create(
+                model=MODEL, prompt="x", max_tokens=3
+            ).headers["x-isocost-replica"]
+            for _ in range(12)
+        }
+        assert served == {healthy.url.removeprefix("http://")}
+        rows = replica_rows(gateway)
+        assert rows[failing.url]["state"] == "ejected"
+        assert "status 500" in (rows[failing.url]["last_error"] or "")
+        assert rows[full.url]["state"] == "healthy"
+    finally:
+        gateway.stop()
+        for engine in (healthy, failing, full):
+            engine.stop()

@@ -31,6 +31,7 @@ from isocost.gateway.auth import ApiKey, Authenticator, bearer_token
 from isocost.gateway.body import BodyError, decode_body
 from isocost.gateway.config import GatewayConfig, ReplicaConfig, normalize_replica_url, parse_config
 from isocost.gateway.errors import ApiError, error_body, error_response
+from isocost.gateway.health import BreakerState
 from isocost.gateway.metrics import GatewayMetrics
 from isocost.gateway.proxy import Forwarder, ForwardSettings, Outcome
 from isocost.gateway.replicas import Pool, Replica
@@ -64,6 +65,7 @@ class Gateway:
             catalog,
             self.metrics,
             self.finalize_removal,
+            self.reject,
             queue_size=config.limits.max_queue,
             queue_timeout_s=config.limits.queue_timeout_ms / 1000,
         )
@@ -213,20 +215,39 @@ class Gateway:
             await asyncio.sleep(self.config.scrape_interval_ms / 1000)
 
     async def _probe(self, replica: Replica, timeout: aiohttp.ClientTimeout) -> None:
+        """``GET /health``, or a one-token completion when live requests opened the breaker."""
+        breaker = replica.breaker
+        started_at = time.monotonic()
+        state = breaker.state(started_at)
+        if state is BreakerState.OPEN:
+            return  # cooling down: nothing a probe could change
+        live = breaker.needs_live_probe and state is BreakerState.HALF_OPEN
         try:
-            async with self.session.get(replica.url + "/health", timeout=timeout) as resp:
+            if live:
+                body = msgspec.json.encode(
+                    {"model": replica.pool, "prompt": "ping", "max_tokens": 1}
+                )
+                request = self.session.post(
+                    replica.url + "/v1/completions",
+                    data=body,
+                    headers={"Content-Type": "application/json", **replica.upstream_headers},
+                    timeout=timeout,
+                )
+            else:
+                request = self.session.get(replica.url + "/health", timeout=timeout)
+            async with request as resp:
                 await resp.read()
                 ok = resp.status == 200
-                reason = f"/health status {resp.status}"
+                reason = f"probe status {resp.status}"
         except aiohttp.ClientConnectorError:
-            replica.breaker.record_failure(time.monotonic(), "/health refused", hard=True)
+            breaker.record_failure(time.monotonic(), "probe refused", hard=True, probe=True)
             return
         except (TimeoutError, aiohttp.ClientError) as exc:
-            ok, reason = False, f"/health {type(exc).__name__}"
+            ok, reason = False, f"probe {type(exc).__name__}"
         if ok:
-            replica.breaker.record_success(time.monotonic(), probe=True)
+            breaker.record_success(time.monotonic(), probe_started_at=started_at)
         else:
-            replica.breaker.record_failure(time.monotonic(), reason)
+            breaker.record_failure(time.monotonic(), reason, probe=True)
 
     async def _scrape(self, replica: Replica, timeout: aiohttp.ClientTimeout) -> None:
         try:
@@ -237,7 +258,9 @@ class Gateway:
             scraped = parse_engine_metrics(text)
         except aiohttp.ClientConnectorError:
             replica.scrape_error = "refused"
-            replica.breaker.record_failure(time.monotonic(), "/metrics refused", hard=True)
+            replica.breaker.record_failure(
+                time.monotonic(), "/metrics refused", hard=True, probe=True
+            )
             return
         except (TimeoutError, aiohttp.ClientError, ScrapeError, UnicodeDecodeError) as exc:
             replica.scrape_error = str(exc) or type(exc).__name__

@@ -11,7 +11,9 @@ failure count and the last ``window_size`` outcomes.
 * open: no traffic. After the cool-down (``open_ms``, doubled for each failed probe, at
   most 30 s) the breaker is half-open.
 * half-open: no live traffic either; the next active probe decides: success closes the
-  breaker and clears the window, failure opens it again with the longer cool-down.
+  breaker and clears the window, failure opens it again with the longer cool-down. When
+  live requests opened it (5xx, broken bodies: ``needs_live_probe``) a ``/health`` answer
+  proves little, so the gateway probes with a real one-token completion instead.
 
 The clock is passed in, so the state machine is tested without waiting.
 """
@@ -53,6 +55,7 @@ class Breaker:
         self._cooldown_s = open_s
         self.last_error: str | None = None
         self.num_openings = 0
+        self.needs_live_probe = False
 
     def state(self, now: float) -> BreakerState:
         if self._state is BreakerState.OPEN and now - self._opened_at >= self._cooldown_s:
@@ -65,20 +68,25 @@ class Breaker:
     def success_rate(self) -> float:
         return sum(self._window) / len(self._window) if self._window else 1.0
 
-    def record_success(self, now: float, *, probe: bool = False) -> None:
+    def record_success(self, now: float, *, probe_started_at: float | None = None) -> None:
+        """A successful request, or an active probe sent at ``probe_started_at``."""
         state = self.state(now)
         if state is BreakerState.OPEN:
             return  # a late answer from before the opening proves nothing
         if state is BreakerState.HALF_OPEN:
-            if not probe:
-                return
+            if probe_started_at is None or probe_started_at < self._opened_at + self._cooldown_s:
+                return  # only a probe sent while half-open may close it
             self._state = BreakerState.CLOSED
             self._cooldown_s = self.open_s
             self._window.clear()
+            self.needs_live_probe = False
         self._consecutive_failures = 0
         self._window.append(True)
 
-    def record_failure(self, now: float, reason: str, *, hard: bool = False) -> None:
+    def record_failure(
+        self, now: float, reason: str, *, hard: bool = False, probe: bool = False
+    ) -> None:
+        """A failed request (``probe=False``) or active check (``probe=True``)."""
         self.last_error = reason
         state = self.state(now)
         if state is BreakerState.OPEN:
@@ -94,6 +102,7 @@ class Breaker:
             or self._consecutive_failures >= self.failure_threshold
             or (window_full and self.success_rate() < self.min_success_rate)
         ):
+            self.needs_live_probe = not hard and not probe
             self._open(now, self.open_s)
 
     def _open(self, now: float, cooldown_s: float) -> None:

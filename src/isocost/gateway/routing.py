@@ -121,6 +121,7 @@ class Grant:
     replica: Replica
     attempt_id: str  # the brain's request id for this attempt
     decision: Decision
+    streaming: bool = False  # its first token has arrived
 
     @property
     def predicted_ttft_s(self) -> float | None:
@@ -135,6 +136,7 @@ class Router:
         catalog: Catalog,
         metrics: GatewayMetrics,
         on_idle: Callable[[Replica], None],
+        on_reject: Callable[[str], None],
         *,
         queue_size: int,
         queue_timeout_s: float,
@@ -143,6 +145,7 @@ class Router:
         self.catalog = catalog
         self.metrics = metrics
         self.on_idle = on_idle  # a removed replica's last request ended
+        self.on_reject = on_reject  # counts a refusal by reason
         self.replicas = ReplicaSet(block_tokens=BLOCK_TOKENS)
         self.block_tokens = BLOCK_TOKENS
         self.policies: dict[str, Policy] = {}  # by pool model
@@ -307,7 +310,7 @@ class Router:
 
     def _rejection(self, decision: Decision) -> ApiError:
         reason = decision.reason or RejectReason.UNAVAILABLE
-        self.metrics.rejections.labels(str(reason)).inc()
+        self.on_reject(str(reason))
         status = _REJECT_STATUS.get(reason, 503)
         messages = {
             RejectReason.NO_REPLICA: "no replica serves this model or route class",
@@ -330,6 +333,7 @@ class Router:
         if pushed.rejected is not None and pushed.rejected.request_id != view.request_id:
             self._settle(pushed.rejected.request_id, _queue_full())
         if not pushed.queued:
+            self.on_reject("queue_full")
             raise _queue_full()
         waiter = asyncio.get_running_loop().create_future()
         self._waiters[view.request_id] = waiter
@@ -341,7 +345,7 @@ class Router:
             async with asyncio.timeout_at(_loop_time(limit_at)):
                 await waiter
         except TimeoutError:
-            self.metrics.rejections.labels("queue_timeout").inc()
+            self.on_reject("queue_timeout")
             raise ApiError(
                 503 if request.deadline_at is None else 429,
                 "no replica freed up in time",
@@ -375,7 +379,7 @@ class Router:
         if error is None:
             waiter.set_result(None)
         else:
-            self.metrics.rejections.labels(error.code).inc()
+            self.on_reject(error.code)
             waiter.set_exception(error)
 
     def queue_depth(self, pool: str) -> int:
@@ -416,6 +420,9 @@ class Router:
     def on_tokens(self, grant: Grant, num_tokens: int, now: float) -> None:
         """Streamed tokens arrived; the first call also marks the first token."""
         self.replicas.on_tokens(grant.attempt_id, num_tokens, now)
+        if not grant.streaming:
+            grant.streaming = True
+            self._wake(grant.replica.pool)  # it left the replica's waiting queue
 
     def release(self, grant: Grant, now: float, *, ok: bool, output_tokens: int) -> None:
         """The attempt ended; frees its place and maybe the replica's last hold."""

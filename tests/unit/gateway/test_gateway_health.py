@@ -39,7 +39,9 @@ def test_consecutive_failures_open_then_half_open_then_probe_closes() -> None:
     assert b.state(1.2) is BreakerState.HALF_OPEN and not b.allows_traffic(1.2)
     b.record_success(1.3)  # a live answer is not a probe
     assert b.state(1.3) is BreakerState.HALF_OPEN
-    b.record_success(1.3, probe=True)
+    b.record_success(1.3, probe_started_at=1.1)  # sent before it was half-open
+    assert b.state(1.3) is BreakerState.HALF_OPEN
+    b.record_success(1.3, probe_started_at=1.25)
     assert b.state(1.3) is BreakerState.CLOSED and b.success_rate() == 1.0
 
 
@@ -84,7 +86,7 @@ def test_invariants(events: list[tuple[str, float]]) -> None:
         if kind == "ok":
             b.record_success(now)
         elif kind == "probe":
-            b.record_success(now, probe=True)
+            b.record_success(now, probe_started_at=now)
         else:
             b.record_failure(now, kind, hard=kind == "hard")
             if kind == "hard" and was_closed:
