@@ -282,6 +282,52 @@ def policies(
     console.print(types)
 
 
+@app.command()
+def demo(
+    out: str = typer.Option("isocost-demo", "--out", help="Folder for the report and logs."),
+    duration: float = typer.Option(60.0, "--duration", help="Seconds of arrivals per policy."),
+    rate: float = typer.Option(6.0, "--rate", help="Poisson arrivals, requests/s."),
+    trace: str | None = typer.Option(None, "--trace", help="Replay this trace's requests."),
+    trace_format: str | None = typer.Option(
+        None, "--trace-format", help="mooncake|azure|burstgpt|lengths (default: detected)."
+    ),
+    policies: str = typer.Option(
+        "round_robin,equal_cost", "--policies", help="Comma-separated, run in this order."
+    ),
+    time_scale: float = typer.Option(2.0, "--time-scale", help="Engine wall s per GPU s."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the workload."),
+    port: int = typer.Option(0, "--port", help="Gateway port (0: a free one)."),
+    keep_running: bool = typer.Option(
+        False, "--keep-running", help="Leave the last cluster up for the dashboard."
+    ),
+) -> None:
+    """Round-robin vs equal-cost on a local heterogeneous cluster: live view, tables, report."""
+    from pathlib import Path
+
+    from isocost.bench import TRACE_FORMATS
+    from isocost.demo import DemoInterrupted, DemoOptions, run_demo
+
+    if trace_format is not None and trace_format not in TRACE_FORMATS:
+        fail(f"unknown trace format {trace_format!r}; valid: {', '.join(TRACE_FORMATS)}")
+    options = DemoOptions(
+        out_dir=Path(out),
+        duration_s=duration,
+        rate_rps=rate,
+        trace=trace,
+        trace_format=trace_format,
+        policies=tuple(p.strip() for p in policies.split(",") if p.strip()),
+        time_scale=time_scale,
+        seed=seed,
+        port=port,
+        keep_running=keep_running,
+    )
+    try:
+        run_demo(options, console)
+    except DemoInterrupted:
+        err_console.print("interrupted: every process the demo started has been stopped")
+        raise typer.Exit(130) from None
+
+
 bench_app = typer.Typer(
     help="Load generator against any OpenAI-compatible endpoint; `bench compare` for runs.",
     invoke_without_command=True,

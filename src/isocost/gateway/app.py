@@ -30,6 +30,7 @@ from isocost.gateway.admin import add_admin_routes
 from isocost.gateway.auth import ApiKey, Authenticator, bearer_token
 from isocost.gateway.body import BodyError, decode_body
 from isocost.gateway.config import GatewayConfig, ReplicaConfig, normalize_replica_url, parse_config
+from isocost.gateway.dashboard import add_dashboard_routes
 from isocost.gateway.errors import ApiError, error_body, error_response
 from isocost.gateway.health import BreakerState
 from isocost.gateway.metrics import GatewayMetrics
@@ -527,4 +528,5 @@ def build_app(gateway: Gateway) -> web.Application:
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     add_admin_routes(app, gateway)
+    add_dashboard_routes(app)
     return app

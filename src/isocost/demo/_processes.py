@@ -1,0 +1,130 @@
+"""Child processes of the demo: started in their own process group, stopped as a group.
+
+Each service is an ``isocost`` subcommand whose stdout and stderr go to a log file (a pipe
+nobody reads would fill up and block it); readiness is its ``... ready at URL`` lines in
+that file. A service runs in a new session, so a Ctrl-C in the terminal reaches only the
+demo, which then stops its children in order: SIGTERM to the whole group, SIGKILL to the
+group if it has not exited within the grace period. ``Services`` remembers everything
+started and stops it all, newest first, from a ``finally``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from isocost.core.errors import IsocostError
+
+__all__ = ["DemoError", "Service", "Services", "isocost_command"]
+
+_READY = " ready at "
+_POLL_S = 0.05
+
+
+class DemoError(IsocostError):
+    """The demo cannot go on: a service failed to start or the cluster never became ready."""
+
+
+def isocost_command() -> list[str]:
+    """How to run ``isocost``: the script beside this interpreter, else the one on PATH."""
+    beside = Path(sys.executable).with_name("isocost")
+    if beside.is_file():
+        return [str(beside)]
+    found = shutil.which("isocost")
+    if found is None:
+        raise DemoError("cannot find the isocost command next to Python or on PATH")
+    return [found]
+
+
+@dataclass
+class Service:
+    """One running ``isocost`` subcommand and the URLs it announced."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+    urls: list[str] = field(default_factory=list)
+
+    def log_tail(self, num_lines: int = 8) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-num_lines:])
+
+    def wait_ready(self, num_urls: int, timeout_s: float) -> list[str]:
+        """Block until the log shows ``num_urls`` ready lines; DemoError if it exits first."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            text = self.log_path.read_text(errors="replace")
+            self.urls = [
+                line.rsplit(_READY, 1)[1].strip() for line in text.splitlines() if _READY in line
+            ]
+            if len(self.urls) >= num_urls:
+                return self.urls[:num_urls]
+            if self.popen.poll() is not None:
+                raise DemoError(
+                    f"{self.name} exited with code {self.popen.returncode} before it was ready; "
+                    f"its log ({self.log_path}) ends with:\n{self.log_tail()}"
+                )
+            if time.monotonic() >= deadline:
+                raise DemoError(f"{self.name} was not ready after {timeout_s:.0f} s")
+            time.sleep(_POLL_S)
+
+    def stop(self, grace_s: float) -> None:
+        """SIGTERM the process group, then SIGKILL it after ``grace_s``; reaps the leader."""
+        if self.popen.poll() is not None:
+            return
+        _signal_group(self.popen.pid, signal.SIGTERM)
+        try:
+            self.popen.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            _signal_group(self.popen.pid, signal.SIGKILL)
+            self.popen.wait()
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+class Services:
+    """Everything the demo started; ``stop_all`` ends it, newest first."""
+
+    def __init__(self, log_dir: Path, grace_s: float = 15.0) -> None:
+        self.log_dir = log_dir
+        self.grace_s = grace_s
+        self._running: list[Service] = []
+
+    def start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Service:
+        """``isocost *args`` in its own session, output to ``<log_dir>/<name>.log``."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"{name}.log"
+        with log_path.open("wb") as log:
+            popen = subprocess.Popen(
+                [*isocost_command(), *args],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **(env or {})},
+                start_new_session=True,
+            )
+        service = Service(name, popen, log_path)
+        self._running.append(service)
+        return service
+
+    def stop(self, service: Service) -> None:
+        service.stop(self.grace_s)
+        if service in self._running:
+            self._running.remove(service)
+
+    def stop_all(self) -> None:
+        while self._running:
+            self.stop(self._running[-1])

@@ -1,0 +1,210 @@
+"""The demo's results: per-replica figures read from the gateway, the side-by-side tables,
+the plots, and one self-contained HTML report (PNGs embedded as base64, also kept beside
+it) in the output folder."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console
+from rich.table import Table
+
+from isocost.bench import BenchResult, BenchSummary
+from isocost.bench._report import compare_table, plot_comparison
+from isocost.demo._cluster import DemoReplica
+
+__all__ = [
+    "PolicyRun",
+    "ReplicaStats",
+    "headline",
+    "parse_replica_stats",
+    "replica_table",
+    "write_report",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaStats:
+    """What one replica did in a run, as the gateway counted it."""
+
+    name: str
+    requests: int
+    ttft_mean_s: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyRun:
+    """One policy's run: the load generator's result and the gateway's per-replica view."""
+
+    policy: str
+    result: BenchResult
+    replicas: list[ReplicaStats]
+
+
+def parse_replica_stats(metrics_text: str, names: Sequence[str]) -> list[ReplicaStats]:
+    """Requests answered and mean TTFT per replica from the gateway's ``/metrics``."""
+    requests = dict.fromkeys(names, 0)
+    ttft_sum_s = dict.fromkeys(names, 0.0)
+    ttft_count = dict.fromkeys(names, 0)
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            replica = sample.labels.get("replica")
+            if replica not in requests:
+                continue
+            if sample.name == "isocost_requests_total":
+                requests[replica] += int(sample.value)
+            elif sample.name == "isocost_ttft_seconds_sum":
+                ttft_sum_s[replica] = sample.value
+            elif sample.name == "isocost_ttft_seconds_count":
+                ttft_count[replica] = int(sample.value)
+    return [
+        ReplicaStats(
+            name,
+            requests[name],
+            ttft_sum_s[name] / ttft_count[name] if ttft_count[name] else None,
+        )
+        for name in names
+    ]
+
+
+def headline(runs: Sequence[PolicyRun]) -> str:
+    """One sentence: how the last policy's P99 TTFT compares with the first's."""
+    first, last = runs[0].result.summary, runs[-1].result.summary
+    if first.ttft_p99_s is None or last.ttft_p99_s is None:
+        return "not enough completed requests to compare P99 TTFT"
+    ratio = first.ttft_p99_s / last.ttft_p99_s if last.ttft_p99_s > 0 else float("inf")
+    verdict = "lower" if last.ttft_p99_s < first.ttft_p99_s else "NOT lower"
+    return (
+        f"{last.label} P99 TTFT {last.ttft_p99_s:.2f} s vs {first.label} "
+        f"{first.ttft_p99_s:.2f} s: {verdict} ({ratio:.1f}x)"
+    )
+
+
+def replica_table(runs: Sequence[PolicyRun], layout: Sequence[DemoReplica]) -> Table:
+    """Requests and mean TTFT per replica, one column pair per policy."""
+    table = Table(title="where the requests went (gateway metrics)")
+    table.add_column("replica")
+    table.add_column("gpu")
+    table.add_column("slowdown", justify="right")
+    for run in runs:
+        table.add_column(f"{run.policy} requests", justify="right")
+        table.add_column(f"{run.policy} TTFT mean ms", justify="right")
+    for i, replica in enumerate(layout):
+        cells = [replica.name, replica.gpu, f"{replica.slowdown:g}x"]
+        for run in runs:
+            stats = run.replicas[i]
+            mean = "-" if stats.ttft_mean_s is None else f"{stats.ttft_mean_s * 1000:,.0f}"
+            cells += [str(stats.requests), mean]
+        style = "red" if replica.slowdown > 1 else None
+        table.add_row(*cells, style=style)
+    return table
+
+
+def _plot_timeline(runs: Sequence[PolicyRun], layout: Sequence[DemoReplica], path: Path) -> None:
+    """TTFT of every request against its arrival time, and requests per replica."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (time_ax, bar_ax) = plt.subplots(1, 2, figsize=(15, 4.5))
+    for run in runs:
+        points = [(r.intended_s, r.ttft_s) for r in run.result.records if r.ttft_s is not None]
+        time_ax.scatter([p[0] for p in points], [p[1] for p in points], s=6, label=run.policy)
+    time_ax.set_yscale("log")
+    time_ax.set_xlabel("arrival (s since the run started)")
+    time_ax.set_ylabel("TTFT (s)")
+    time_ax.set_title("TTFT of each request over the run")
+    time_ax.grid(True, alpha=0.3)
+    time_ax.legend()
+    width = 0.8 / len(runs)
+    xs = range(len(layout))
+    for k, run in enumerate(runs):
+        offsets = [x - 0.4 + width * (k + 0.5) for x in xs]
+        bar_ax.bar(offsets, [s.requests for s in run.replicas], width, label=run.policy)
+    labels = [f"{r.name}\n{r.slowdown:g}x slow" if r.slowdown > 1 else r.name for r in layout]
+    bar_ax.set_xticks(list(xs), labels, fontsize=8)
+    bar_ax.set_ylabel("requests answered")
+    bar_ax.set_title("requests per replica")
+    bar_ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _rich_html(renderables: Sequence[Table | str]) -> str:
+    """Rich tables as HTML ``<pre>`` blocks with inline colours, as the terminal shows them."""
+    console = Console(record=True, width=140, file=io.StringIO(), color_system="truecolor")
+    for renderable in renderables:
+        console.print(renderable)
+    return console.export_html(inline_styles=True, code_format="<pre class=rich>{code}</pre>")
+
+
+def _img(path: Path, alt: str) -> str:
+    data = base64.b64encode(path.read_bytes()).decode("ascii")
+    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
+
+
+def write_report(
+    out_dir: Path,
+    runs: Sequence[PolicyRun],
+    layout: Sequence[DemoReplica],
+    setup: Sequence[tuple[str, str]],
+) -> Path:
+    """Summaries (``isocost bench compare`` can read them), records, PNGs and
+    ``report.html``; returns the report's path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    encoder = msgspec.json.Encoder()
+    for run in runs:
+        summary_path = out_dir / f"{run.policy}.json"
+        summary_path.write_bytes(msgspec.json.format(encoder.encode(run.result.summary)))
+        lines = b"".join(encoder.encode(r) + b"\n" for r in run.result.records)
+        (out_dir / f"{run.policy}.records.jsonl").write_bytes(lines)
+    summaries: list[BenchSummary] = [run.result.summary for run in runs]
+    latency_png = out_dir / "latency.png"
+    plot_comparison(summaries, latency_png)
+    replicas_png = out_dir / "replicas.png"
+    _plot_timeline(runs, layout, replicas_png)
+    setup_rows = "".join(
+        f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in setup
+    )
+    tables = _rich_html([compare_table(summaries), replica_table(runs, layout)])
+    page = _PAGE.format(
+        headline=html.escape(headline(runs)),
+        setup=setup_rows,
+        tables=tables,
+        latency=_img(latency_png, "TTFT and E2E CDFs, goodput"),
+        replicas=_img(replicas_png, "TTFT over time and requests per replica"),
+    )
+    report = out_dir / "report.html"
+    report.write_text(page, encoding="utf-8")
+    return report
+
+
+_PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>isocost demo report</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1400px; color: #222; }}
+h1 {{ font-size: 1.5em; }} img {{ max-width: 100%; }}
+table.setup th {{ text-align: left; padding-right: 1em; font-weight: 600; }}
+pre.rich {{ background: #0f1115; color: #ddd; padding: 1em; overflow-x: auto; }}
+.headline {{ font-size: 1.2em; font-weight: 600; }}
+</style></head><body>
+<h1>isocost demo: round-robin vs equal-cost on a heterogeneous cluster</h1>
+<p class="headline">{headline}</p>
+<table class="setup">{setup}</table>
+<h2>Side by side</h2>
+{tables}
+<h2>Latency distributions and goodput</h2>
+{latency}
+<h2>Over time, and per replica</h2>
+{replicas}
+</body></html>
+"""
