@@ -12,9 +12,13 @@ both paths side by side in one run:
   ``--duration`` seconds, direct then through the gateway, twice in alternation; the best
   of each. Requests/s and the ratio gateway/direct.
 
+With ``--peers`` the same figures are taken, in the same run and against the same
+engine, for ``sglang-router`` and ``vllm-router`` (round_robin, their cheapest policy),
+installed from PyPI into their own venv ``.venv-peers`` on first use.
+
 Run:
 
-    .venv/bin/python benchmarks/gateway_overhead.py --requests 300 --concurrency 32
+    .venv/bin/python benchmarks/gateway_overhead.py --requests 300 --concurrency 32 --peers
 
 On a small shared machine the client, the engine and the gateway compete for the same
 cores; compare the two columns of one run, not runs across machines.
@@ -25,10 +29,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import socket
 import statistics
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,6 +49,55 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 ISOCOST = str(ROOT / ".venv" / "bin" / "isocost")
 MODEL = "llama-3.1-8b"
+PEERS_VENV = ROOT / ".venv-peers"
+PEER_PACKAGES = ("sglang-router==0.3.2", "vllm-router==0.1.17")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _peers_venv() -> Path:
+    """``.venv-peers`` with the peer routers, created with pip on first use."""
+    if not (PEERS_VENV / "bin" / "vllm-router").exists():
+        subprocess.run([sys.executable, "-m", "venv", str(PEERS_VENV)], check=True)
+        pip = [str(PEERS_VENV / "bin" / "pip"), "install", "-q", *PEER_PACKAGES]
+        subprocess.run(pip, check=True)
+    return PEERS_VENV / "bin"
+
+
+def _start_peer(name: str, engine_url: str) -> tuple[subprocess.Popen[str], str]:
+    """Start a peer router in front of ``engine_url``; wait until it forwards a request."""
+    port = _free_port()
+    common = [
+        "--host", "127.0.0.1", "--port", str(port), "--worker-urls", engine_url,
+        "--policy", "round_robin", "--prometheus-host", "127.0.0.1",
+        "--prometheus-port", str(_free_port()),
+    ]  # fmt: skip
+    binary = _peers_venv() / name
+    args = [str(binary), "launch", *common] if name == "sglang-router" else [str(binary), *common]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"}
+    proc = subprocess.Popen(
+        args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True, env=env
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        request = urllib.request.Request(
+            url + "/v1/completions",
+            data=_body(1, False),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=2) as response:
+                if response.status == 200:
+                    return proc, url
+        except (urllib.error.URLError, OSError):
+            time.sleep(0.2)
+    proc.kill()
+    raise SystemExit(f"{name} did not start forwarding (exit {proc.poll()})")
 
 
 def _start(args: list[str], marker: str) -> tuple[subprocess.Popen[str], str]:
@@ -141,6 +198,9 @@ def main() -> None:
     parser.add_argument("--time-scale", type=float, default=0.01)
     parser.add_argument("--policy", default="equal_cost")
     parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument(
+        "--peers", action="store_true", help="also measure sglang-router and vllm-router"
+    )
     args = parser.parse_args()
     console = Console()
 
@@ -154,8 +214,14 @@ def main() -> None:
          "--log-level", "warning"],
         "isocost serve",
     )  # fmt: skip
-    targets = {"direct": engine_url, "gateway": gateway_url}
+    procs = [gateway, engine]
+    targets = {"direct": engine_url, "isocost": gateway_url}
     try:
+        if args.peers:
+            for name in ("sglang-router", "vllm-router"):
+                proc, url = _start_peer(name, engine_url)
+                procs.insert(0, proc)
+                targets[name] = url
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task("latency (concurrency 1)", total=args.requests)
             samples = asyncio.run(
@@ -171,13 +237,14 @@ def main() -> None:
                     rates[name] = max(rates[name], rate)
                     progress.advance(runs)
     finally:
-        for proc in (gateway, engine):
+        for proc in procs:
             proc.terminate()
             proc.wait(timeout=20)
 
-    table = Table(title=f"isocost serve overhead ({args.requests} requests per path)")
-    for column in ("metric", "direct", "gateway", "added", "gateway/direct"):
-        table.add_column(column, justify="right" if column != "metric" else "left")
+    table = Table(title=f"Gateway overhead ({args.requests} requests per path, one engine)")
+    table.add_column("metric")
+    for name in targets:
+        table.add_column(name if name == "direct" else f"{name} (added)", justify="right")
     figures: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
     for metric, label in (
         ("e2e", "non-stream E2E"),
@@ -185,22 +252,22 @@ def main() -> None:
         ("stream_e2e", "stream E2E"),
     ):
         for q, q_name in ((0.5, "p50"), (0.99, "p99")):
-            direct = _pct(samples["direct"][metric], q) * 1000
-            via = _pct(samples["gateway"][metric], q) * 1000
-            figures[f"{metric}_{q_name}_ms"] = {"direct": direct, "gateway": via}
+            values = {name: _pct(samples[name][metric], q) * 1000 for name in targets}
+            figures[f"{metric}_{q_name}_ms"] = values
+            direct = values["direct"]
             table.add_row(
                 f"{label} {q_name} (ms)",
-                f"{direct:.2f}",
-                f"{via:.2f}",
-                f"{via - direct:+.2f}",
-                f"{via / direct:.2f}x",
+                *(
+                    f"{v:.2f}" if name == "direct" else f"{v:.2f} ({v - direct:+.2f})"
+                    for name, v in values.items()
+                ),
             )
     table.add_row(
-        f"requests/s ({args.concurrency} concurrent)",
-        f"{rates['direct']:.0f}",
-        f"{rates['gateway']:.0f}",
-        "",
-        f"{rates['gateway'] / rates['direct']:.2f}x",
+        f"requests/s, {args.concurrency} concurrent (x direct)",
+        *(
+            f"{rate:.0f}" if name == "direct" else f"{rate:.0f} ({rate / rates['direct']:.2f}x)"
+            for name, rate in rates.items()
+        ),
     )
     figures["requests_per_s"] = rates
     figures["mean_e2e_ms"] = {

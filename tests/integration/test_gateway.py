@@ -428,6 +428,35 @@ def test_drain_and_policy_switch(cluster: Cluster) -> None:
     _assert_error(status, answer, 400, "unknown_policy")
 
 
+def test_admin_removes_and_adds_replicas(cluster: Cluster) -> None:
+    url = cluster.urls[2]
+    name = replica_rows(cluster.gateway)[url]["name"]
+    admin(cluster.gateway, "DELETE", f"/admin/replicas/{name}")
+    wait_for(lambda: url not in replica_rows(cluster.gateway), what="the removal")
+    status, _, answer = http(
+        "POST", cluster.gateway.url + "/admin/replicas", b'{"model": "m", "replica": {}}', ADMIN
+    )
+    _assert_error(status, answer, 400, "invalid_request")
+    added = admin(
+        cluster.gateway,
+        "POST",
+        "/admin/replicas",
+        {"model": MODEL, "replica": {"url": url, "gpu": "h100-80g"}},
+    )
+    assert added["url"] == url and added["gpu"] == "h100-80g"
+    status, _, answer = http(
+        "POST",
+        cluster.gateway.url + "/admin/replicas",
+        json.dumps({"model": MODEL, "replica": {"url": url}}).encode(),
+        ADMIN,
+    )
+    _assert_error(status, answer, 400, "invalid_replica")
+    wait_for(
+        lambda: replica_rows(cluster.gateway)[url]["scrape_age_s"] is not None,
+        what="the re-added replica to be scraped",
+    )
+
+
 def test_metrics_and_logs(cluster: Cluster) -> None:
     secret_prompt = "purple-elephant-secret-prompt"
     cluster.client().completions.create(model=MODEL, prompt=secret_prompt, max_tokens=3)

@@ -66,7 +66,9 @@ def _p50_ms(samples: Any) -> float | None:
     return round(statistics.median(values) * 1000, 2) if values else None
 
 
-def replica_row(gateway: Gateway, replica: Replica, now: float) -> dict[str, Any]:
+def replica_row(
+    gateway: Gateway, replica: Replica, now: float, decisions: list[dict[str, Any]]
+) -> dict[str, Any]:
     """One replica as the admin API and the dashboard show it."""
     router = gateway.router
     state = router.replicas.get(replica.name) if replica.name in router.replicas else None
@@ -99,12 +101,12 @@ def replica_row(gateway: Gateway, replica: Replica, now: float) -> dict[str, Any
         "last_ttft_ms": round(replica.recent_ttft_s[-1] * 1000, 2)
         if replica.recent_ttft_s
         else None,
-        "last_score": _last_score(gateway, replica.name),
+        "last_score": _last_score(decisions, replica.name),
     }
 
 
-def _last_score(gateway: Gateway, name: str) -> dict[str, Any] | None:
-    for decision in reversed(gateway.router.recent_decisions):
+def _last_score(decisions: list[dict[str, Any]], name: str) -> dict[str, Any] | None:
+    for decision in reversed(decisions):
         for row in decision["scores"]:
             if row["replica_id"] == name:
                 return dict(row)
@@ -114,7 +116,8 @@ def _last_score(gateway: Gateway, name: str) -> dict[str, Any] | None:
 def snapshot(gateway: Gateway) -> dict[str, Any]:
     """Everything the dashboard shows, in one JSON-able dict."""
     now = time.monotonic()
-    rows = [replica_row(gateway, r, now) for r in gateway.replicas.values()]
+    decisions = gateway.router.recent_decisions()
+    rows = [replica_row(gateway, r, now, decisions) for r in gateway.replicas.values()]
     pools = []
     for pool in gateway.pools.values():
         members = [row for row in rows if row["pool"] == pool.model]
@@ -133,7 +136,7 @@ def snapshot(gateway: Gateway) -> dict[str, Any]:
         "uptime_s": now - gateway.started_at,
         "pools": pools,
         "replicas": rows,
-        "decisions": list(gateway.router.recent_decisions),
+        "decisions": decisions,
         "rejections": dict(gateway.rejections),
     }
 
@@ -157,6 +160,10 @@ def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
 
         return check
 
+    def rows(*only: Replica) -> list[dict[str, Any]]:
+        now, decisions = time.monotonic(), gateway.router.recent_decisions()
+        return [replica_row(gateway, r, now, decisions) for r in only or gateway.replicas.values()]
+
     def find(name: str) -> Replica:
         for replica in gateway.replicas.values():
             if replica.name == name:
@@ -164,10 +171,7 @@ def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
         raise ApiError(404, f"no replica named {name!r}", code="replica_not_found")
 
     async def list_replicas(request: web.Request) -> web.StreamResponse:
-        now = time.monotonic()
-        return _json(
-            {"replicas": [replica_row(gateway, r, now) for r in gateway.replicas.values()]}
-        )
+        return _json({"replicas": rows()})
 
     async def add(request: web.Request) -> web.StreamResponse:
         body = _decode(await request.read(), _AddReplica)
@@ -175,7 +179,7 @@ def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
             replica = gateway.add_replica(body.model, body.replica)
         except (IsocostError, ValueError) as exc:
             raise ApiError(400, str(exc), code="invalid_replica") from None
-        return _json(replica_row(gateway, replica, time.monotonic()), status=201)
+        return _json(rows(replica)[0], status=201)
 
     async def remove(request: web.Request) -> web.StreamResponse:
         replica = find(request.match_info["name"])
@@ -185,12 +189,12 @@ def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
     async def drain(request: web.Request) -> web.StreamResponse:
         replica = find(request.match_info["name"])
         gateway.router.set_draining(replica, True)
-        return _json(replica_row(gateway, replica, time.monotonic()))
+        return _json(rows(replica)[0])
 
     async def undrain(request: web.Request) -> web.StreamResponse:
         replica = find(request.match_info["name"])
         gateway.router.set_draining(replica, False)
-        return _json(replica_row(gateway, replica, time.monotonic()))
+        return _json(rows(replica)[0])
 
     async def switch_policy(request: web.Request) -> web.StreamResponse:
         body = _decode(await request.read(), _SwitchPolicy)

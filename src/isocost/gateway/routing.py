@@ -150,7 +150,8 @@ class Router:
         self.block_tokens = BLOCK_TOKENS
         self.policies: dict[str, Policy] = {}  # by pool model
         self.replicas.add_listener(_PolicyHooks(self.policies))
-        self.recent_decisions: deque[dict[str, Any]] = deque(maxlen=_RECENT_DECISIONS)
+        # (time, prompt tokens, decision): described only when someone asks (admin API).
+        self._recent: deque[tuple[float, int, Decision]] = deque(maxlen=_RECENT_DECISIONS)
         self._by_id: dict[str, Replica] = {}
         self._seed = seed
         self.scheduling = SchedulingConfig()
@@ -393,10 +394,14 @@ class Router:
 
     def _record(self, decision: Decision, view: RequestView, now: float) -> None:
         self.metrics.decisions.labels(decision.policy).inc()
-        entry = self._describe(decision)
-        entry["at_s"] = now
-        entry["prompt_tokens"] = view.prompt_tokens
-        self.recent_decisions.append(entry)
+        self._recent.append((now, view.prompt_tokens, decision))
+
+    def recent_decisions(self) -> list[dict[str, Any]]:
+        """The latest decisions, oldest first, with every plugin's scores."""
+        return [
+            {**self._describe(decision), "at_s": at_s, "prompt_tokens": prompt_tokens}
+            for at_s, prompt_tokens, decision in self._recent
+        ]
 
     @staticmethod
     def _describe(decision: Decision) -> dict[str, Any]:
