@@ -1,0 +1,131 @@
+"""The router over the brain: late binding, priorities, eviction and deadlines in the queue.
+
+One replica that takes one waiting request at a time (``max_queue: 1``); no network is
+involved, the router is driven directly on an asyncio loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from isocost.core.catalog import Catalog
+from isocost.gateway.body import RoutingView
+from isocost.gateway.config import HealthConfig, ReplicaConfig
+from isocost.gateway.errors import ApiError
+from isocost.gateway.metrics import GatewayMetrics
+from isocost.gateway.replicas import Pool, Replica
+from isocost.gateway.routing import GatewayRequest, Grant, Router
+
+MODEL = "llama-3.1-8b"
+
+
+def setup(queue_size: int = 4) -> tuple[Router, Pool, Replica, list[str]]:
+    rejected: list[str] = []
+    router = Router(
+        Catalog.builtin(),
+        GatewayMetrics(),
+        on_idle=lambda replica: None,
+        on_reject=rejected.append,
+        queue_size=queue_size,
+        queue_timeout_s=5.0,
+    )
+    pool = Pool(MODEL, "round_robin")
+    router.set_policy(pool, "round_robin")
+    replica = Replica(ReplicaConfig(url="http://127.0.0.1:9", max_queue=1), MODEL, HealthConfig())
+    router.add_replica(pool, replica)
+    pool.replicas[replica.url] = replica
+    return router, pool, replica, rejected
+
+
+def request(
+    pool: Pool, name: str, priority: int = 0, deadline_s: float | None = None
+) -> GatewayRequest:
+    now = time.monotonic()
+    view = RoutingView(MODEL, False, 8, None, 100, False, ())
+    return GatewayRequest(
+        request_id=name,
+        view=view,
+        pool=pool,
+        arrived_at=now,
+        session_key=None,
+        priority=priority,
+        deadline_at=None if deadline_s is None else now + deadline_s,
+        route_class=None,
+        key_name=None,
+    )
+
+
+def test_queued_requests_bind_late_by_priority() -> None:
+    async def scenario() -> list[str]:
+        router, pool, replica, _ = setup()
+        first = await router.acquire(request(pool, "first"), frozenset())
+        low = asyncio.create_task(router.acquire(request(pool, "low", 0), frozenset()))
+        high = asyncio.create_task(router.acquire(request(pool, "high", 5), frozenset()))
+        await asyncio.sleep(0)  # both run up to their wait in the queue
+        assert router.queue_depth(MODEL) == 2 and replica.num_in_flight == 1
+        router.release(first, time.monotonic(), ok=True, output_tokens=8)
+        granted: Grant = await high
+        order = ["high"]
+        assert not low.done()
+        router.release(granted, time.monotonic(), ok=True, output_tokens=8)
+        await low
+        order.append("low")
+        assert router.queue_depth(MODEL) == 0
+        return order
+
+    assert asyncio.run(scenario()) == ["high", "low"]
+
+
+def test_full_queue_evicts_the_least_urgent() -> None:
+    async def scenario() -> None:
+        router, pool, _, rejected = setup(queue_size=1)
+        await router.acquire(request(pool, "first"), frozenset())
+        low = asyncio.create_task(router.acquire(request(pool, "low", 0), frozenset()))
+        await asyncio.sleep(0)
+        high = asyncio.create_task(router.acquire(request(pool, "high", 5), frozenset()))
+        await asyncio.sleep(0)
+        with pytest.raises(ApiError) as info:
+            await low
+        assert info.value.status == 429 and info.value.code == "queue_full"
+        with pytest.raises(ApiError) as again:
+            await router.acquire(request(pool, "later", 0), frozenset())
+        assert again.value.code == "queue_full"
+        assert rejected == ["queue_full", "queue_full"]
+        high.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_deadline_ends_the_wait() -> None:
+    async def scenario() -> None:
+        router, pool, _, rejected = setup()
+        await router.acquire(request(pool, "first"), frozenset())
+        with pytest.raises(ApiError) as info:
+            await router.acquire(request(pool, "late", deadline_s=0.05), frozenset())
+        assert info.value.status == 429 and info.value.retry_after_s
+        assert router.queue_depth(MODEL) == 0 and "queue_timeout" in rejected
+
+    asyncio.run(scenario())
+
+
+def test_unhealthy_replica_is_not_chosen_and_exclusion_is_temporary() -> None:
+    async def scenario() -> None:
+        router, pool, replica, _ = setup()
+        replica.breaker.record_failure(time.monotonic(), "refused", hard=True)
+        router.sync_health(replica, time.monotonic())
+        with pytest.raises(ApiError) as info:
+            await router.acquire(request(pool, "a"), frozenset())
+        assert info.value.status == 503 and info.value.code == "unavailable"
+        replica.breaker = type(replica.breaker)(
+            failure_threshold=3, min_success_rate=0.5, window_size=10, open_s=1.0
+        )
+        router.sync_health(replica, time.monotonic())
+        with pytest.raises(ApiError):
+            await router.acquire(request(pool, "b"), frozenset({replica.name}))
+        grant = await router.acquire(request(pool, "c"), frozenset())
+        assert grant.replica is replica and not router.replicas.get(replica.name).draining
+
+    asyncio.run(scenario())
