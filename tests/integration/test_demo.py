@@ -8,12 +8,14 @@ time, so that "gone" means that very process is gone, not a reused pid.
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -59,14 +61,16 @@ def _alive(proc: Proc) -> bool:
     return fields is not None and int(fields[19]) == proc[1] and fields[0] != "Z"
 
 
-def _watch(popen: subprocess.Popen[str], timeout_s: float, until: str | None = None) -> set[Proc]:
-    """Children of ``popen`` seen until it exits (or ``until`` appears in its gateway's
-    ``/metrics`` URL's answer); kills it and fails the test on timeout."""
+def _watch(
+    popen: subprocess.Popen[str], timeout_s: float, until: Callable[[], bool] | None = None
+) -> set[Proc]:
+    """Children of ``popen`` seen until it exits (or ``until()`` holds); kills it and
+    fails the test on timeout."""
     seen: set[Proc] = set()
     deadline = time.monotonic() + timeout_s
     while popen.poll() is None:
         seen |= _children(popen.pid)
-        if until is not None and _answers(until):
+        if until is not None and until():
             return seen
         if time.monotonic() > deadline:
             popen.kill()
@@ -76,13 +80,25 @@ def _watch(popen: subprocess.Popen[str], timeout_s: float, until: str | None = N
     return seen
 
 
-def _answers(metrics_url: str) -> bool:
-    """The gateway has answered at least one request (traffic flows)."""
+def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, headers=headers or {})
     try:
-        with urllib.request.urlopen(metrics_url, timeout=2) as response:
-            return b"isocost_requests_total{" in response.read()
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
     except (urllib.error.URLError, OSError):
-        return False
+        return 0, b""
+
+
+def _stop(popen: subprocess.Popen[str], sig: signal.Signals) -> None:
+    popen.send_signal(sig)
+    try:
+        popen.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        popen.kill()
+        popen.wait()
+        pytest.fail(f"isocost demo did not stop within 60 s of {sig.name}")
 
 
 def _demo(out: Path, *args: str) -> subprocess.Popen[str]:
@@ -136,20 +152,45 @@ def test_a_signal_mid_run_stops_everything(tmp_path: Path, sig: signal.Signals) 
     port = _free_port()
     out = tmp_path / "demo"
     popen = _demo(out, "--duration", "120", "--port", str(port))
-    seen = _watch(popen, timeout_s=120, until=f"http://127.0.0.1:{port}/metrics")
+    metrics = f"http://127.0.0.1:{port}/metrics"
+
+    def traffic_flows() -> bool:
+        return b"isocost_requests_total{" in _get(metrics)[1]
+
+    seen = _watch(popen, timeout_s=120, until=traffic_flows)
     assert popen.poll() is None, _output(out)
     assert len(seen) == 2  # the first policy's engines and gateway, under load
-    popen.send_signal(sig)
-    try:
-        popen.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        popen.kill()
-        popen.wait()
-        pytest.fail("isocost demo did not stop within 60 s of the signal")
+    _stop(popen, sig)
     assert popen.returncode == 130
     assert "interrupted" in _output(out)[1]
     assert not [proc for proc in seen if _alive(proc)]
     assert not (out / "report.html").exists()
+
+
+@pytest.mark.slow
+def test_keep_running_serves_the_dashboard_until_ctrl_c(tmp_path: Path) -> None:
+    port = _free_port()
+    out = tmp_path / "demo"
+    args = ["--duration", "3", "--rate", "2", "--time-scale", "0.5", "--policies", "equal_cost"]
+    popen = _demo(out, *args, "--port", str(port), "--keep-running")
+    seen = _watch(popen, timeout_s=120, until=lambda: "cluster still up" in _output(out)[0])
+    assert popen.poll() is None, _output(out)
+    assert len(seen) == 2
+    assert (out / "report.html").exists()
+
+    stdout = _output(out)[0].replace("\n", "")
+    found = re.search(rf"http://127\.0\.0\.1:{port}/dashboard#token=([\w-]+)", stdout)
+    assert found is not None, stdout
+    base = f"http://127.0.0.1:{port}"
+    assert _get(f"{base}/dashboard")[0] == 200
+    status, body = _get(f"{base}/admin/snapshot", {"Authorization": f"Bearer {found[1]}"})
+    assert status == 200
+    assert len(msgspec.json.decode(body)["replicas"]) == 8
+    assert _get(f"{base}/admin/snapshot", {"Authorization": "Bearer wrong"})[0] == 401
+
+    _stop(popen, signal.SIGINT)
+    assert popen.returncode == 130
+    assert not [proc for proc in seen if _alive(proc)]
 
 
 def _settings() -> ClusterSettings:

@@ -26,8 +26,7 @@ import contextlib
 import secrets
 import signal
 import socket
-import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -35,7 +34,7 @@ from types import FrameType
 from rich.console import Console
 from rich.live import Live
 
-from isocost.bench import BenchOptions, WorkloadSpec, build_workload, run_bench
+from isocost.bench import BenchOptions, BenchResult, WorkloadSpec, build_workload, run_bench
 from isocost.bench._report import compare_table
 from isocost.core.errors import ConfigError
 from isocost.demo._cluster import (
@@ -47,13 +46,8 @@ from isocost.demo._cluster import (
 )
 from isocost.demo._live import LiveState, poll_snapshot, render
 from isocost.demo._processes import Services
-from isocost.demo._report import (
-    PolicyRun,
-    headline,
-    parse_replica_stats,
-    replica_table,
-    write_report,
-)
+from isocost.demo._report import headline, replica_table, write_report
+from isocost.scheduling.policies import BUILTIN_POLICIES
 from isocost.workload import TraceFormat
 
 __all__ = ["DEFAULT_POLICIES", "DemoInterrupted", "DemoOptions", "run_demo"]
@@ -95,6 +89,7 @@ class DemoOptions:
             ("--rate", self.rate_rps > 0, "must be > 0"),
             ("--time-scale", self.time_scale > 0, "must be > 0"),
             ("--policies", len(self.policies) >= 1, "name at least one policy"),
+            ("--policies", set(self.policies) <= set(BUILTIN_POLICIES), _valid_policies()),
             ("--port", 0 <= self.port <= 65535, "must be a TCP port"),
             ("--timeout", self.timeout_s > 0, "must be > 0"),
         )
@@ -103,16 +98,26 @@ class DemoOptions:
                 raise ConfigError(flag, message)
 
 
+def _valid_policies() -> str:
+    return f"valid policies: {', '.join(BUILTIN_POLICIES)}"
+
+
 def _free_port(host: str) -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
 
 
-def _fetch_text(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text: str = response.read().decode()
-        return text
+def _workload(options: DemoOptions) -> WorkloadSpec:
+    """The same requests for every policy: the seed fixes lengths, text and arrivals."""
+    return WorkloadSpec(
+        trace=options.trace,
+        trace_format=options.trace_format,
+        workload=None if options.trace else "mix",
+        rate_rps=options.rate_rps,
+        seed=options.seed,
+        max_prompt_tokens=options.max_prompt_tokens,
+    )
 
 
 @contextlib.contextmanager
@@ -146,7 +151,7 @@ async def _run_policy(
     policy: str,
     token: str,
     console: Console,
-) -> PolicyRun:
+) -> BenchResult:
     """One replay through ``cluster`` with the live view; KeyboardInterrupt on a signal."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -158,14 +163,6 @@ async def _run_policy(
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
-    spec = WorkloadSpec(
-        trace=options.trace,
-        trace_format=options.trace_format,
-        workload=None if options.trace else "mix",
-        rate_rps=options.rate_rps,
-        seed=options.seed,
-        max_prompt_tokens=options.max_prompt_tokens,
-    )
     bench_options = BenchOptions(
         duration_s=options.duration_s,
         timeout_s=options.timeout_s,
@@ -176,7 +173,7 @@ async def _run_policy(
     state = LiveState(policy, options.duration_s, loop, loop.time())
     poller = asyncio.create_task(poll_snapshot(cluster.url, token, state))
     try:
-        requests = build_workload(spec, closed_loop=False)
+        requests = build_workload(_workload(options), closed_loop=False)
         with Live(get_renderable=lambda: render(state), console=console, refresh_per_second=4):
             result = await run_bench(cluster.url, requests, bench_options, state.progress, stop)
     finally:
@@ -186,9 +183,7 @@ async def _run_policy(
             loop.remove_signal_handler(sig)
     if interrupted:
         raise KeyboardInterrupt
-    names = [replica.name for replica in options.layout]
-    metrics_text = await asyncio.to_thread(_fetch_text, cluster.url + "/metrics")
-    return PolicyRun(policy, result, parse_replica_stats(metrics_text, names))
+    return result
 
 
 def _setup_rows(options: DemoOptions) -> list[tuple[str, str]]:
@@ -206,14 +201,12 @@ def _setup_rows(options: DemoOptions) -> list[tuple[str, str]]:
     ]
 
 
-def run_demo(
-    options: DemoOptions,
-    console: Console,
-    wait_forever: Callable[[], None] = signal.pause,
-) -> Path:
+def run_demo(options: DemoOptions, console: Console) -> Path:
     """Run the demo; returns the report's path. Raises DemoInterrupted after Ctrl-C or
-    SIGTERM, once every process it started has been stopped."""
+    SIGTERM, once every process it started has been stopped; bad options or an unreadable
+    trace raise ConfigError before anything starts."""
     options.check()
+    build_workload(_workload(options), closed_loop=False)  # reads and checks a trace now
     token = secrets.token_urlsafe(16)
     out_dir = options.out_dir.resolve()
     services = Services(out_dir / "logs")
@@ -233,27 +226,27 @@ def run_demo(
         f"{', '.join(options.policies)}; output in {out_dir}"
     )
     console.print(f"live dashboard (while a run goes): {dashboard}", soft_wrap=True)
-    runs: list[PolicyRun] = []
+    runs: list[BenchResult] = []
     try:
         with _signals_interrupt():
             for i, policy in enumerate(options.policies):
                 console.rule(f"{policy}: starting engines and gateway")
                 cluster = start_cluster(services, settings, policy, out_dir)
                 runs.append(asyncio.run(_run_policy(cluster, options, policy, token, console)))
-                console.print(f"{policy}: {runs[-1].result.summary.completed} requests done")
+                console.print(f"{policy}: {runs[-1].summary.completed} requests done")
                 last = i == len(options.policies) - 1
                 if not (last and options.keep_running):
                     services.stop(cluster.gateway)
                     services.stop(cluster.engines)
             report = write_report(out_dir, runs, options.layout, _setup_rows(options))
-            console.print(compare_table([run.result.summary for run in runs]))
+            console.print(compare_table([run.summary for run in runs]))
             console.print(replica_table(runs, options.layout))
             console.print(f"[bold]{headline(runs)}[/]")
             console.print(f"report: {report}", soft_wrap=True)
             if options.keep_running:
                 console.print(f"cluster still up; dashboard: {dashboard}", soft_wrap=True)
                 console.print("press Ctrl-C to stop it")
-                wait_forever()
+                signal.pause()
             return report
     except KeyboardInterrupt:
         raise DemoInterrupted from None

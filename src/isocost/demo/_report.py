@@ -1,4 +1,4 @@
-"""The demo's results: per-replica figures read from the gateway, the side-by-side tables,
+"""The demo's results: per-replica figures from the records, the side-by-side tables,
 the plots, and one self-contained HTML report (PNGs embedded as base64, also kept beside
 it) in the output folder."""
 
@@ -12,103 +12,81 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
-from prometheus_client.parser import text_string_to_metric_families
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from isocost.bench import BenchResult, BenchSummary
+from isocost.bench import BenchResult
 from isocost.bench._report import compare_table, plot_comparison
 from isocost.demo._cluster import DemoReplica
 
-__all__ = [
-    "PolicyRun",
-    "ReplicaStats",
-    "headline",
-    "parse_replica_stats",
-    "replica_table",
-    "write_report",
-]
+__all__ = ["ReplicaStats", "headline", "replica_stats", "replica_table", "write_report"]
 
 
 @dataclass(frozen=True, slots=True)
 class ReplicaStats:
-    """What one replica did in a run, as the gateway counted it."""
+    """What one replica did in a run, from the records' ``x-isocost-replica``."""
 
     name: str
-    requests: int
-    ttft_mean_s: float | None
+    completed: int
+    ttft_p99_s: float | None
 
 
-@dataclass(frozen=True, slots=True)
-class PolicyRun:
-    """One policy's run: the load generator's result and the gateway's per-replica view."""
-
-    policy: str
-    result: BenchResult
-    replicas: list[ReplicaStats]
-
-
-def parse_replica_stats(metrics_text: str, names: Sequence[str]) -> list[ReplicaStats]:
-    """Requests answered and mean TTFT per replica from the gateway's ``/metrics``."""
-    requests = dict.fromkeys(names, 0)
-    ttft_sum_s = dict.fromkeys(names, 0.0)
-    ttft_count = dict.fromkeys(names, 0)
-    for family in text_string_to_metric_families(metrics_text):
-        for sample in family.samples:
-            replica = sample.labels.get("replica")
-            if replica not in requests:
-                continue
-            if sample.name == "isocost_requests_total":
-                requests[replica] += int(sample.value)
-            elif sample.name == "isocost_ttft_seconds_sum":
-                ttft_sum_s[replica] = sample.value
-            elif sample.name == "isocost_ttft_seconds_count":
-                ttft_count[replica] = int(sample.value)
+def replica_stats(result: BenchResult, names: Sequence[str]) -> list[ReplicaStats]:
+    """Completed requests and their P99 TTFT per replica, in the order of ``names``."""
+    ttft_s: dict[str, list[float]] = {name: [] for name in names}
+    completed = dict.fromkeys(names, 0)
+    for record in result.records:
+        if record.ok and record.replica in completed:
+            completed[record.replica] += 1
+            if record.ttft_s is not None:
+                ttft_s[record.replica].append(record.ttft_s)
     return [
         ReplicaStats(
             name,
-            requests[name],
-            ttft_sum_s[name] / ttft_count[name] if ttft_count[name] else None,
+            completed[name],
+            float(np.percentile(ttft_s[name], 99)) if ttft_s[name] else None,
         )
         for name in names
     ]
 
 
-def headline(runs: Sequence[PolicyRun]) -> str:
+def headline(runs: Sequence[BenchResult]) -> str:
     """One sentence: how the last policy's P99 TTFT compares with the first's."""
-    first, last = runs[0].result.summary, runs[-1].result.summary
+    first, last = runs[0].summary, runs[-1].summary
     if first.ttft_p99_s is None or last.ttft_p99_s is None:
         return "not enough completed requests to compare P99 TTFT"
-    ratio = first.ttft_p99_s / last.ttft_p99_s if last.ttft_p99_s > 0 else float("inf")
-    verdict = "lower" if last.ttft_p99_s < first.ttft_p99_s else "NOT lower"
-    return (
-        f"{last.label} P99 TTFT {last.ttft_p99_s:.2f} s vs {first.label} "
-        f"{first.ttft_p99_s:.2f} s: {verdict} ({ratio:.1f}x)"
+    comparison = (
+        f"{last.label} P99 TTFT {last.ttft_p99_s:.2f} s vs {first.label} {first.ttft_p99_s:.2f} s"
     )
+    if last.ttft_p99_s < first.ttft_p99_s:
+        return f"{comparison}: {first.ttft_p99_s / last.ttft_p99_s:.1f}x lower"
+    return f"{comparison}: not lower"
 
 
-def replica_table(runs: Sequence[PolicyRun], layout: Sequence[DemoReplica]) -> Table:
-    """Requests and mean TTFT per replica, one column pair per policy."""
-    table = Table(title="where the requests went (gateway metrics)")
+def replica_table(runs: Sequence[BenchResult], layout: Sequence[DemoReplica]) -> Table:
+    """Completed requests and P99 TTFT per replica, one column pair per policy."""
+    table = Table(title="where the completed requests went (x-isocost-replica)")
     table.add_column("replica")
     table.add_column("gpu")
     table.add_column("slowdown", justify="right")
+    names = [replica.name for replica in layout]
+    columns = [replica_stats(run, names) for run in runs]
     for run in runs:
-        table.add_column(f"{run.policy} requests", justify="right")
-        table.add_column(f"{run.policy} TTFT mean ms", justify="right")
+        table.add_column(f"{run.summary.label} done", justify="right")
+        table.add_column(f"{run.summary.label} TTFT p99 ms", justify="right")
     for i, replica in enumerate(layout):
         cells = [replica.name, replica.gpu, f"{replica.slowdown:g}x"]
-        for run in runs:
-            stats = run.replicas[i]
-            mean = "-" if stats.ttft_mean_s is None else f"{stats.ttft_mean_s * 1000:,.0f}"
-            cells += [str(stats.requests), mean]
+        for stats in (column[i] for column in columns):
+            p99 = "-" if stats.ttft_p99_s is None else f"{stats.ttft_p99_s * 1000:,.0f}"
+            cells += [str(stats.completed), p99]
         style = "red" if replica.slowdown > 1 else None
         table.add_row(*cells, style=style)
     return table
 
 
-def _plot_timeline(runs: Sequence[PolicyRun], layout: Sequence[DemoReplica], path: Path) -> None:
-    """TTFT of every request against its arrival time, and requests per replica."""
+def _plot_timeline(runs: Sequence[BenchResult], layout: Sequence[DemoReplica], path: Path) -> None:
+    """TTFT of every request against its arrival time, and completed requests per replica."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -116,8 +94,9 @@ def _plot_timeline(runs: Sequence[PolicyRun], layout: Sequence[DemoReplica], pat
 
     fig, (time_ax, bar_ax) = plt.subplots(1, 2, figsize=(15, 4.5))
     for run in runs:
-        points = [(r.intended_s, r.ttft_s) for r in run.result.records if r.ttft_s is not None]
-        time_ax.scatter([p[0] for p in points], [p[1] for p in points], s=6, label=run.policy)
+        points = [(r.intended_s, r.ttft_s) for r in run.records if r.ttft_s is not None]
+        label = run.summary.label
+        time_ax.scatter([p[0] for p in points], [p[1] for p in points], s=6, label=label)
     time_ax.set_yscale("log")
     time_ax.set_xlabel("arrival (s since the run started)")
     time_ax.set_ylabel("TTFT (s)")
@@ -126,12 +105,14 @@ def _plot_timeline(runs: Sequence[PolicyRun], layout: Sequence[DemoReplica], pat
     time_ax.legend()
     width = 0.8 / len(runs)
     xs = range(len(layout))
+    names = [replica.name for replica in layout]
     for k, run in enumerate(runs):
         offsets = [x - 0.4 + width * (k + 0.5) for x in xs]
-        bar_ax.bar(offsets, [s.requests for s in run.replicas], width, label=run.policy)
+        done = [stats.completed for stats in replica_stats(run, names)]
+        bar_ax.bar(offsets, done, width, label=run.summary.label)
     labels = [f"{r.name}\n{r.slowdown:g}x slow" if r.slowdown > 1 else r.name for r in layout]
     bar_ax.set_xticks(list(xs), labels, fontsize=8)
-    bar_ax.set_ylabel("requests answered")
+    bar_ax.set_ylabel("requests completed")
     bar_ax.set_title("requests per replica")
     bar_ax.legend()
     fig.tight_layout()
@@ -154,7 +135,7 @@ def _img(path: Path, alt: str) -> str:
 
 def write_report(
     out_dir: Path,
-    runs: Sequence[PolicyRun],
+    runs: Sequence[BenchResult],
     layout: Sequence[DemoReplica],
     setup: Sequence[tuple[str, str]],
 ) -> Path:
@@ -163,11 +144,11 @@ def write_report(
     out_dir.mkdir(parents=True, exist_ok=True)
     encoder = msgspec.json.Encoder()
     for run in runs:
-        summary_path = out_dir / f"{run.policy}.json"
-        summary_path.write_bytes(msgspec.json.format(encoder.encode(run.result.summary)))
-        lines = b"".join(encoder.encode(r) + b"\n" for r in run.result.records)
-        (out_dir / f"{run.policy}.records.jsonl").write_bytes(lines)
-    summaries: list[BenchSummary] = [run.result.summary for run in runs]
+        label = run.summary.label
+        (out_dir / f"{label}.json").write_bytes(msgspec.json.format(encoder.encode(run.summary)))
+        lines = b"".join(encoder.encode(r) + b"\n" for r in run.records)
+        (out_dir / f"{label}.records.jsonl").write_bytes(lines)
+    summaries = [run.summary for run in runs]
     latency_png = out_dir / "latency.png"
     plot_comparison(summaries, latency_png)
     replicas_png = out_dir / "replicas.png"
