@@ -740,3 +740,73 @@ def test_failing_replica_ejected_and_full_one_skipped(tmp_path: Path) -> None:
         gateway.stop()
         for engine in (healthy, failing, full):
             engine.stop()
+
+
+def test_hung_replica_times_out_with_504(tmp_path: Path) -> None:
+    engine = start_engine(0, "--hang")
+    config, log = tmp_path / "hang.yaml", tmp_path / "hang.log"
+    write_config(config, [engine.url], limits="  total_timeout_ms: 800\n  max_retries: 0")
+    gateway = start_gateway(config, log)
+    try:
+        status, _, answer = http("POST", gateway.url + "/v1/chat/completions", chat_body(), AUTH)
+        _assert_error(status, answer, 504, "upstream_timeout")
+        assert http("GET", gateway.url + "/health")[0] == 200
+    finally:
+        gateway.stop()
+        engine.stop()
+
+
+# -- the CLI: no config file, and bad input ----------------------------------------------
+
+
+def test_serve_without_a_file_discovers_the_model(cluster: Cluster) -> None:
+    gateway = _start(
+        ["serve", "--port", "0", "--replica", cluster.urls[0], "--replica", cluster.urls[1],
+         "--policy", "round_robin", "--gpu", "a100-80g"],
+        "isocost serve",
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused")
+        assert [m.id for m in client.models.list().data] == [MODEL]
+        served = {
+            client.completions.with_raw_response.create(
+                model=MODEL, prompt="x", max_tokens=2
+            ).headers["x-isocost-replica"]
+            for _ in range(4)
+        }
+        assert {f"http://{name}" for name in served} == set(cluster.urls[:2])
+        status, _, answer = http("GET", gateway.url + "/admin/snapshot")
+        _assert_error(status, answer, 403, "admin_disabled")
+    finally:
+        gateway.stop()
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["serve"], "either --config"),
+        (["serve", "--config", "/nonexistent.yaml"], "no such file"),
+        (["serve", "--replica", "ftp://x:1"], "http://"),
+        (["serve", "--replica", "http://127.0.0.1:1", "--discover-timeout", "0.3"], "/v1/models"),
+    ],
+)
+def test_serve_bad_input_is_one_line_and_exit_2(args: list[str], fragment: str) -> None:
+    done = subprocess.run([ISOCOST, *args], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert fragment in done.stderr and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_serve_rejects_a_config_naming_the_key(tmp_path: Path) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_text("pools:\n  - model: m\n    replicas: [{url: 'http://a:1', gpuu: x}]\n")
+    done = subprocess.run(
+        [ISOCOST, "serve", "--config", str(config)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2 and "pools[0].replicas[0]" in done.stderr and "gpuu" in done.stderr
+    config.write_text("policy: no_such_policy\n")
+    done = subprocess.run(
+        [ISOCOST, "serve", "--config", str(config)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2 and "no_such_policy" in done.stderr
