@@ -11,6 +11,7 @@ content changes. Requests flow: auth -> body limits -> routing view -> pool -> k
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import time
@@ -141,7 +142,10 @@ class Gateway:
         for url, (model, replica_config) in wanted.items():
             if url not in self.replicas:
                 self.add_replica(model, replica_config)
-        self.auth = Authenticator(config.auth, time.monotonic())
+        for pool in list(self.pools.values()):
+            self._drop_if_unused(pool)
+        if config.auth != self.auth.config:  # unchanged keys keep their budgets
+            self.auth = Authenticator(config.auth, time.monotonic())
 
     def add_replica(self, model: str, replica_config: ReplicaConfig) -> Replica:
         pool = self.pools.get(model)
@@ -178,9 +182,21 @@ class Gateway:
         task = self._monitors.pop(replica.url, None)
         if task is not None:
             task.cancel()
-        for gauge in (self.metrics.replica_healthy, self.metrics.in_flight):
-            gauge.remove(replica.pool, replica.name)
+        for gauge in (
+            self.metrics.replica_healthy,
+            self.metrics.in_flight,
+            self.metrics.scrape_age,
+        ):
+            with contextlib.suppress(KeyError):  # never published
+                gauge.remove(replica.pool, replica.name)
         log.info("replica removed", extra={"event": "replica_removed", "replica": replica.name})
+        self._drop_if_unused(pool)
+
+    def _drop_if_unused(self, pool: Pool) -> None:
+        """Forget a pool that lost its last replica and is no longer configured."""
+        if not pool.replicas and all(p.model != pool.model for p in self.config.pools):
+            del self.pools[pool.model]
+            self.router.remove_pool(pool.model)
 
     async def _watch_config(self) -> None:
         assert self.config_path is not None

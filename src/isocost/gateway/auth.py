@@ -61,6 +61,7 @@ class Authenticator:
     """Resolves bearer tokens to keys; ``enabled`` is False when no key is configured."""
 
     def __init__(self, config: AuthConfig, now: float) -> None:
+        self.config = config
         self.keys: list[ApiKey] = []
         for entry in config.api_keys:
             secret = entry.key if entry.key is not None else os.environ[entry.key_env or ""]

@@ -196,6 +196,13 @@ class Router:
         self.policies[pool.model] = self.build(name)
         pool.policy = name
 
+    def remove_pool(self, model: str) -> None:
+        """Forget a pool's policy and queue (its replicas are gone already)."""
+        self.policies.pop(model, None)
+        queue = self._queues.pop(model, None)
+        while queue and (view := queue.pop(-math.inf)) is not None:
+            self._settle(view.request_id, ApiError(404, "model removed", code="model_not_found"))
+
     def add_replica(self, pool: Pool, replica: Replica) -> None:
         config = replica.config
         if replica.name in self._by_id:
