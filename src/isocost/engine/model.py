@@ -238,6 +238,31 @@ class EngineModel:
             return self._step_end_s
         return self._now_s if self._waiting else None
 
+    def quiet_until(self) -> float | None:
+        """A time before which, unless a request is submitted or aborted, the model emits
+        no event (None when idle): a simulator wakes the model there, not at every step.
+
+        At least the step in flight's end. When that step is pure decode of every running
+        request and nobody waits, the run that follows only grows contexts, so each later
+        step lasts at least as long as this one; no event comes before the first request's
+        last token or the first step that could lack a block (each request needs at most
+        one new block per ``block_size`` steps). One step is left as margin for rounding.
+        """
+        end = self.next_event_time()
+        batch = self._batch
+        if batch is None or end is None or self._waiting or len(batch) != len(self._running):
+            return end
+        steps = None
+        for state, n in batch:
+            if n != 1 or not state.num_output_tokens:
+                return end
+            left = state.spec.max_output_tokens - state.num_output_tokens - 1
+            steps = left if steps is None or left < steps else steps
+        if not steps:
+            return end
+        steps = min(steps, self.pool.num_free // len(batch) * self.block_size) - 1
+        return end + max(steps, 0) * (end - self._step_start_s)
+
     # -- driving -----------------------------------------------------------------------
 
     def submit(self, spec: RequestSpec, now: float) -> RequestState:

@@ -1,1 +1,70 @@
-"""Discrete-event cluster simulator, reports and plots."""
+"""Discrete-event cluster simulator, reports and plots.
+
+Replays a trace or a synthetic workload through the real scheduling brain
+(``isocost.scheduling``) onto engine models (``isocost.engine.model``), one per replica,
+in simulated time. Start with ``_core`` (the event loop), then ``_run`` (policies side by
+side, sweeps), ``_metrics`` (SLOs, the oracle, capacity at SLO) and ``_cluster`` (the
+cluster file).
+"""
+
+from isocost.sim._cluster import (
+    ClusterConfig,
+    ClusterEvent,
+    ReplicaGroup,
+    SimReplica,
+    parse_cluster_yaml,
+    resolve_cluster,
+    served_model,
+    uniform_cluster,
+    with_settings,
+)
+from isocost.sim._core import BLOCK_TOKENS, RequestRecord, SimResult, Simulator, block_hashes
+from isocost.sim._metrics import (
+    Isolated,
+    PolicySummary,
+    Slo,
+    capacity_at_slo,
+    isolated_times,
+    oracle_summary,
+)
+from isocost.sim._report import json_rows, print_results, sim_command, write_json
+from isocost.sim._run import RunOutput, SimPlan, SweepOutput, check_policies, run_plan
+from isocost.sim._workload import SIM_WORKLOADS, WorkloadChoice, at_rate, load_requests
+from isocost.workload import TRACE_FORMATS
+
+__all__ = [
+    "BLOCK_TOKENS",
+    "SIM_WORKLOADS",
+    "TRACE_FORMATS",
+    "ClusterConfig",
+    "ClusterEvent",
+    "Isolated",
+    "PolicySummary",
+    "ReplicaGroup",
+    "RequestRecord",
+    "RunOutput",
+    "SimPlan",
+    "SimReplica",
+    "SimResult",
+    "Simulator",
+    "Slo",
+    "SweepOutput",
+    "WorkloadChoice",
+    "at_rate",
+    "block_hashes",
+    "capacity_at_slo",
+    "check_policies",
+    "isolated_times",
+    "json_rows",
+    "load_requests",
+    "oracle_summary",
+    "parse_cluster_yaml",
+    "print_results",
+    "resolve_cluster",
+    "run_plan",
+    "served_model",
+    "sim_command",
+    "uniform_cluster",
+    "with_settings",
+    "write_json",
+]

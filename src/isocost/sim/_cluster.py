@@ -1,0 +1,201 @@
+"""The simulated cluster: ``cluster.yaml`` (msgspec, unknown keys rejected) or flags.
+
+::
+
+    network_delay_ms: 1          # gateway <-> replica, each way
+    scrape_interval_ms: 200      # how often the gateway reads each engine's metrics (0: never)
+    queue_size: 1024             # the gateway's late-binding queue (requests)
+    queue_timeout_ms: 30000      # longest wait there for a request without a deadline
+    max_retries: 2               # re-dispatches of a request whose replica failed
+    replicas:
+      - {gpu: a100-80g, model: llama-3.1-8b, count: 12}
+      - {name: slow, gpu: a100-80g, model: llama-3.1-8b, slowdown: 3.0}
+      - {name: l20, gpu: l20-48g, model: llama-3.1-8b, tp: 2, count: 4, max_queue: 64}
+      - {name: late, gpu: h100-80g, model: llama-3.1-8b, start_s: 600, cold_start_s: 90}
+    events:
+      - {at_s: 300, replica: slow-0, action: fail}
+      - {at_s: 420, replica: slow-0, action: recover}
+      - {at_s: 100, replica: l20-2, action: slowdown, factor: 2.0}
+
+A replica group expands to ``count`` replicas named ``<name>-<i>`` (``name`` defaults to
+``<model>-<gpu>-tp<tp>``). All replicas serve ``served_model`` (default: the first group's
+``model``), the name requests ask for, so a mixed fleet may run different catalog models
+(a quantised variant, another size) behind one name. Replicas with ``start_s: 0`` are
+running when the simulation starts; a later ``start_s`` launches the replica then, ready
+``cold_start_s`` later, and a recovered replica also pays its cold start, with an empty
+cache. ``slowdown`` multiplies every step time (a degraded node).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import msgspec
+import yaml
+
+from isocost.core.catalog import Catalog
+from isocost.core.costmodel import CostModel
+from isocost.core.errors import ConfigError
+from isocost.files import resolve_model
+
+__all__ = [
+    "ClusterConfig",
+    "ClusterEvent",
+    "ReplicaGroup",
+    "SimReplica",
+    "parse_cluster_yaml",
+    "resolve_cluster",
+    "served_model",
+    "uniform_cluster",
+    "with_settings",
+]
+
+
+class ReplicaGroup(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    gpu: str
+    model: str
+    tp: int = 1
+    count: int = 1
+    name: str | None = None
+    slowdown: float = 1.0
+    weight: float = 1.0
+    max_queue: int = 128
+    usd_per_hour: float | None = None
+    start_s: float = 0.0
+    cold_start_s: float = 0.0
+    groups: list[str] = []
+
+
+class ClusterEvent(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    at_s: float
+    replica: str
+    action: Literal["fail", "recover", "slowdown"]
+    factor: float = 1.0  # the new slowdown (action: slowdown)
+
+
+class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    replicas: list[ReplicaGroup]
+    events: list[ClusterEvent] = []
+    served_model: str | None = None
+    network_delay_ms: float = 1.0
+    scrape_interval_ms: float = 200.0
+    queue_size: int = 1024
+    queue_timeout_ms: float = 30_000.0
+    max_retries: int = 2
+
+
+@dataclass(frozen=True, slots=True)
+class SimReplica:
+    """One resolved replica of the simulated cluster."""
+
+    replica_id: str
+    cost_model: CostModel
+    slowdown: float
+    weight: float
+    max_queue: int
+    usd_per_hour: float | None
+    start_s: float
+    cold_start_s: float
+    groups: frozenset[str]
+
+
+def parse_cluster_yaml(text: str, source: str) -> ClusterConfig:
+    """Decode and check a cluster file; errors name ``source`` and the key."""
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(source, f"not valid YAML: {exc}") from None
+    try:
+        config = msgspec.convert(raw, ClusterConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(source, str(exc)) from None
+    _check(config, source)
+    return config
+
+
+def uniform_cluster(
+    replicas: int, gpu: str, model: str, tp: int, **settings: float
+) -> ClusterConfig:
+    """``replicas`` identical replicas (the ``--replicas --gpu --model --tp`` flags)."""
+    config = ClusterConfig(replicas=[ReplicaGroup(gpu=gpu, model=model, tp=tp, count=replicas)])
+    return with_settings(config, "--replicas", **settings)
+
+
+def with_settings(config: ClusterConfig, source: str, **settings: float) -> ClusterConfig:
+    """``config`` with top-level settings replaced (command-line overrides), checked."""
+    config = msgspec.structs.replace(config, **settings)
+    _check(config, source)
+    return config
+
+
+def resolve_cluster(config: ClusterConfig, catalog: Catalog) -> list[SimReplica]:
+    """Every replica with its cost model (unknown GPUs and models name the valid ones)."""
+    out: list[SimReplica] = []
+    for group in config.replicas:
+        cost = CostModel(resolve_model(group.model, catalog), catalog.gpu(group.gpu), group.tp)
+        if cost.kv_capacity_tokens <= 0:
+            raise ConfigError(
+                "cluster", f"{group.model} does not fit on {group.tp}x {group.gpu}", "replicas"
+            )
+        for replica_id in _names(group):
+            out.append(
+                SimReplica(
+                    replica_id=replica_id,
+                    cost_model=cost,
+                    slowdown=group.slowdown,
+                    weight=group.weight,
+                    max_queue=group.max_queue,
+                    usd_per_hour=group.usd_per_hour,
+                    start_s=group.start_s,
+                    cold_start_s=group.cold_start_s,
+                    groups=frozenset(group.groups),
+                )
+            )
+    return out
+
+
+def served_model(config: ClusterConfig) -> str:
+    return config.served_model or config.replicas[0].model
+
+
+def _check(config: ClusterConfig, source: str) -> None:
+    problems: list[tuple[str, bool, str]] = [
+        ("replicas", bool(config.replicas), "must list at least one replica group"),
+        ("network_delay_ms", config.network_delay_ms >= 0, "must be >= 0"),
+        ("scrape_interval_ms", config.scrape_interval_ms >= 0, "must be >= 0 (0: never)"),
+        ("queue_size", config.queue_size >= 0, "must be >= 0"),
+        ("queue_timeout_ms", config.queue_timeout_ms > 0, "must be > 0"),
+        ("max_retries", config.max_retries >= 0, "must be >= 0"),
+    ]
+    for i, g in enumerate(config.replicas):
+        key = f"replicas[{i}]"
+        problems += [
+            (f"{key}.tp", g.tp >= 1, "must be >= 1"),
+            (f"{key}.count", g.count >= 1, "must be >= 1"),
+            (f"{key}.slowdown", g.slowdown > 0, "must be > 0"),
+            (f"{key}.weight", g.weight > 0, "must be > 0"),
+            (f"{key}.max_queue", g.max_queue >= 0, "must be >= 0"),
+            (f"{key}.start_s", g.start_s >= 0, "must be >= 0"),
+            (f"{key}.cold_start_s", g.cold_start_s >= 0, "must be >= 0"),
+        ]
+    for key, ok, message in problems:
+        if not ok:
+            raise ConfigError(source, message, key)
+    names = [name for group in config.replicas for name in _names(group)]
+    if len(set(names)) != len(names):
+        raise ConfigError(source, "replica names must be unique", "replicas")
+    for i, event in enumerate(config.events):
+        if event.replica not in names:
+            raise ConfigError(
+                source,
+                f"unknown replica {event.replica!r}; valid: {', '.join(names)}",
+                f"events[{i}].replica",
+            )
+        if event.at_s < 0 or (event.action == "slowdown" and event.factor <= 0):
+            raise ConfigError(source, "at_s must be >= 0 and factor > 0", f"events[{i}]")
+
+
+def _names(group: ReplicaGroup) -> list[str]:
+    prefix = group.name or f"{group.model}-{group.gpu}-tp{group.tp}"
+    return [f"{prefix}-{i}" for i in range(group.count)]

@@ -1,0 +1,506 @@
+"""The discrete-event cluster simulator: engine models behind the real scheduling brain.
+
+Algorithm. One heap of events ordered by ``(time, phase, sequence)``; ``sequence`` is this
+simulator's own counter, so same-time ties resolve the same way in every run. Handlers
+push new events; the loop only pops and dispatches. Phases at one instant, in order:
+
+0. ``FAULT``: a replica fails, recovers, changes slowdown, or becomes ready after its
+   cold start.
+1. ``ENGINE``: a replica's engine model is advanced to now; its first tokens and
+   completions travel back to the gateway, arriving ``network_delay_s`` later.
+2. ``HOOK``: the gateway sees a first token (``on_first_token``), a completion
+   (``on_complete(ok=True, output_tokens=...)``) or a failed connection
+   (``on_complete(ok=False)``, then a retry); a completion lets the oldest queued request
+   try again (late binding).
+3. ``SCRAPE``: the gateway reads every engine's metrics (``apply_scrape``); between
+   scrapes the shadow state knows engines only through its own hooks, as in the gateway.
+4. ``ARRIVAL``: a request reaches the gateway; ``policy.schedule(request, replicas, now)``
+   is called exactly as the gateway calls it. ADMIT: ``on_dispatch`` and the request
+   reaches the replica ``network_delay_s`` later; QUEUE: it waits in an
+   ``admission.RequestQueue`` until a completion or a scrape frees room, its deadline, or
+   the queue timeout; REJECT: it ends rejected.
+5. ``DELIVER``: the request enters the replica's engine (advanced to now first).
+6. ``SAMPLE``: per-replica load is recorded for plots.
+
+Engines are advanced lazily: only when a request is delivered, a scrape or sample reads
+them, or at ``EngineModel.quiet_until()``, the earliest time they could emit an event.
+A replica decoding a steady batch is therefore woken around its completions, and the
+decode run between them is applied as one jump; the cost of a run grows with events
+(requests, completions, scrapes), not with decode steps.
+
+Invariant: every arrival ends exactly once, completed or rejected (a failed attempt is
+retried up to ``max_retries`` times, then rejected as ``failed``).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import cast
+
+from isocost.engine.model import EngineEvent, EngineModel, Finished, FirstToken, RequestSpec
+from isocost.engine.model import RequestState as EngineRequest
+from isocost.prefix.hashing import ROOT_HASH
+from isocost.scheduling.admission import RequestQueue
+from isocost.scheduling.decision import Decision, Outcome
+from isocost.scheduling.framework import Policy
+from isocost.scheduling.state import EngineMetrics, ReplicaSet, ReplicaSpec, RequestView
+from isocost.sim._cluster import ClusterConfig, SimReplica
+from isocost.sim._metrics import Slo
+from isocost.workload import WorkloadRequest, prefix_block_keys
+
+__all__ = ["BLOCK_TOKENS", "RequestRecord", "SimResult", "Simulator", "block_hashes"]
+
+FAULT, ENGINE, HOOK, SCRAPE, ARRIVAL, DELIVER, SAMPLE = range(7)
+_FIRST, _DONE, _FAILED, _TIMEOUT = range(4)  # hook kinds
+BLOCK_TOKENS = 16  # prompt block size of engines and the prefix index (vLLM's default)
+_MASK = (1 << 63) - 1
+
+
+def block_hashes(request: WorkloadRequest, block_tokens: int = BLOCK_TOKENS) -> tuple[int, ...]:
+    """Chained hashes of the prompt's full blocks, from its segments (no text rendered):
+    equal hashes exactly where two prompts share the whole prefix, as token hashes would."""
+    parent = ROOT_HASH
+    hashes = []
+    for key in prefix_block_keys(request.segments, block_tokens):
+        parent = hash((parent, key)) & _MASK
+        hashes.append(parent)
+    return tuple(hashes)
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What happened to one arrival (times are the simulator's, seen at the gateway)."""
+
+    request: WorkloadRequest
+    replica_id: str | None = None  # the replica of the last attempt
+    attempts: int = 0
+    first_token_s: float | None = None
+    finished_s: float | None = None
+    output_tokens: int = 0
+    prefix_hit_tokens: int = 0  # engine prefix-cache hit at the last admission
+    preemptions: int = 0
+    rejected: str | None = None  # reason, when rejected
+
+    @property
+    def settled(self) -> bool:
+        return self.finished_s is not None or self.rejected is not None
+
+
+@dataclass(slots=True)
+class SimResult:
+    """One policy's run over one request list."""
+
+    policy: str
+    records: list[RequestRecord]
+    replica_ids: list[str]
+    busy_s: list[float]  # per replica, engine busy time over the run
+    prefix_queries: int  # tokens looked up in engine prefix caches
+    prefix_hits: int
+    preemptions: int
+    end_s: float  # simulated time of the last event
+    wall_s: float
+    num_events: int
+    sample_s: list[float] = field(default_factory=list)
+    load_samples: list[list[int]] = field(default_factory=list)  # [sample][replica]
+
+
+@dataclass(slots=True)
+class _Replica:
+    config: SimReplica
+    engine: EngineModel | None = None  # None: not started, failed or cold-starting
+    in_flight: dict[str, tuple[RequestRecord, EngineRequest | None]] = field(default_factory=dict)
+    wake_s: float = math.inf  # the pending ENGINE event's time; others are stale
+    epoch: int = 0  # bumped on failure, so deliveries to the old engine fail
+    busy_s: float = 0.0  # of engines discarded by failures
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    preemptions: int = 0
+
+
+_Event = tuple[float, int, int, object]  # (time, phase, sequence, payload)
+_Hook = tuple[int, str, int | str]  # (kind, attempt id, output tokens | failure reason)
+_Delivery = tuple[_Replica, RequestView, RequestRecord, int]  # (..., replica epoch)
+_Fault = tuple[str, _Replica, float]  # (action, replica, factor)
+
+
+class Simulator:
+    """One run: a cluster, a policy and a request list (see the module docstring)."""
+
+    def __init__(
+        self,
+        cluster: ClusterConfig,
+        replicas: Sequence[SimReplica],
+        policy: Policy,
+        requests: Sequence[WorkloadRequest],
+        *,
+        model: str,
+        slo: Slo | None = None,
+        sample_interval_s: float | None = None,
+        on_progress: Callable[[float], None] | None = None,
+    ) -> None:
+        self.policy = policy
+        self.model = model
+        self.slo = slo  # when set, each request carries its TTFT target as a deadline
+        self.delay_s = cluster.network_delay_ms / 1000.0
+        self.scrape_s = cluster.scrape_interval_ms / 1000.0
+        self.queue_timeout_s = cluster.queue_timeout_ms / 1000.0
+        self.max_retries = cluster.max_retries
+        self.sample_interval_s = sample_interval_s
+        self.on_progress = on_progress
+        self.shadow = ReplicaSet(block_tokens=BLOCK_TOKENS)
+        self.shadow.add_listener(policy)
+        self.queue = RequestQueue(cluster.queue_size)
+        self.replicas = {r.replica_id: _Replica(r) for r in replicas}
+        self.records = [RequestRecord(r) for r in requests]
+        self._heap: list[_Event] = []
+        self._seq = 0
+        self._now = 0.0
+        self._num_events = 0
+        self._unsettled = len(self.records)
+        self._attempts: dict[str, RequestRecord] = {}  # live attempt id -> record
+        self._queued: dict[str, RequestRecord] = {}
+        self._sessions: dict[str, list[RequestRecord]] = {}  # turns held behind their previous
+        self._session_busy: set[str] = set()
+        self._samples_s: list[float] = []
+        self._samples: list[list[int]] = []
+        for replica in self.replicas.values():  # those starting at 0 run already
+            start = replica.config.start_s
+            ready_s = start + replica.config.cold_start_s if start > 0 else 0.0
+            self._push(ready_s, FAULT, ("ready", replica, 0.0))
+        for event in cluster.events:
+            self._push(
+                event.at_s, FAULT, (event.action, self.replicas[event.replica], event.factor)
+            )
+        for record in self.records:
+            self._push(record.request.arrival_s, ARRIVAL, record)
+        if self.scrape_s > 0:
+            self._push(self.scrape_s, SCRAPE, None)
+        if sample_interval_s:
+            self._push(0.0, SAMPLE, None)
+
+    # -- the loop ----------------------------------------------------------------------
+
+    def run(self) -> SimResult:
+        started = time.perf_counter()
+        heap = self._heap
+        handlers: tuple[Callable[[object], None], ...] = (
+            self._on_fault,
+            self._on_engine,
+            self._on_hook,
+            self._on_scrape,
+            self._on_arrival,
+            self._on_deliver,
+            self._on_sample,
+        )
+        progress = self.on_progress
+        while heap and self._unsettled:
+            now, phase, _, payload = heapq.heappop(heap)
+            self._now = now
+            self._num_events += 1
+            handlers[phase](payload)
+            if progress is not None and not self._num_events & 0xFFF:
+                progress(now)
+        if progress is not None:
+            progress(self._now)
+        return self._result(time.perf_counter() - started)
+
+    def _push(self, at_s: float, phase: int, payload: object) -> None:
+        heapq.heappush(self._heap, (at_s, phase, self._seq, payload))
+        self._seq += 1
+
+    # -- gateway side ------------------------------------------------------------------
+
+    def _on_arrival(self, payload: object) -> None:
+        record = cast(RequestRecord, payload)
+        session = record.request.session_id
+        if session in self._session_busy and record.request.turn_index > 0:
+            # the user has not seen the previous reply yet: the turn waits for it
+            self._sessions.setdefault(session, []).append(record)
+            return
+        if session is not None:
+            self._session_busy.add(session)
+        self._try_schedule(record)
+
+    def _view(self, record: RequestRecord) -> RequestView:
+        """The request as the gateway sees it: no ``max_tokens`` (the brain estimates output
+        lengths online), the TTFT target as its deadline when an SLO is set."""
+        request = record.request
+        attempt = (
+            request.request_id if not record.attempts else f"{request.request_id}.{record.attempts}"
+        )
+        slo = self.slo
+        return RequestView(
+            request_id=str(attempt),
+            model=self.model,
+            prompt_tokens=request.prompt_tokens,
+            block_hashes=block_hashes(request),
+            session_key=request.session_id,
+            deadline_s=None
+            if slo is None
+            else request.arrival_s + slo.ttft_limit_s(request.prompt_tokens),
+            arrival_s=request.arrival_s,
+            stream=True,
+        )
+
+    def _try_schedule(self, record: RequestRecord) -> None:
+        """Schedule a new attempt of ``record``: dispatch, reject, or queue it."""
+        view = self._view(record)
+        decision = self.policy.schedule(view, self.shadow, self._now)
+        if decision.outcome is not Outcome.QUEUE:
+            self._apply(record, view, decision)
+            return
+        pushed = self.queue.push(view)
+        if pushed.rejected is not None:
+            evicted = self._queued.pop(pushed.rejected.request_id, record)
+            self._reject(evicted, "queue_full")
+        if pushed.queued:
+            self._queued[view.request_id] = record
+            limit = record.request.arrival_s + self.queue_timeout_s
+            if view.deadline_s is not None:
+                limit = min(limit, view.deadline_s)
+            self._push(max(limit, self._now), HOOK, (_TIMEOUT, view.request_id, 0))
+
+    def _apply(self, record: RequestRecord, view: RequestView, decision: Decision) -> None:
+        """Act on an ADMIT (dispatch, the request reaches the replica later) or REJECT."""
+        if decision.outcome is Outcome.REJECT:
+            self._reject(record, str(decision.reason))
+            return
+        replica_id = decision.replica_id
+        assert replica_id is not None
+        now = self._now
+        self.shadow.on_dispatch(view, replica_id, now)
+        record.replica_id = replica_id
+        record.attempts += 1
+        self._attempts[view.request_id] = record
+        replica = self.replicas[replica_id]
+        self._push(now + self.delay_s, DELIVER, (replica, view, record, replica.epoch))
+
+    def _wake_queue(self) -> None:
+        """Late binding: the most urgent queued request tries again, then the next, until
+        one still finds every replica full (it keeps its place) or the queue is empty."""
+        now = self._now
+        queue = self.queue
+        while len(queue):
+            for late in queue.expire(now):
+                self._reject(self._queued.pop(late.request_id), "deadline")
+            view = queue.peek()
+            if view is None:
+                return
+            decision = self.policy.schedule(view, self.shadow, now)
+            if decision.outcome is Outcome.QUEUE:
+                return
+            queue.cancel(view.request_id)
+            self._apply(self._queued.pop(view.request_id), view, decision)
+
+    def _on_hook(self, payload: object) -> None:
+        kind, attempt_id, value = cast(_Hook, payload)
+        now = self._now
+        if kind == _FIRST:
+            if self.shadow.on_first_token(attempt_id, now):
+                self._attempts[attempt_id].first_token_s = now
+        elif kind == _DONE:
+            record = self._attempts.pop(attempt_id)
+            self.shadow.on_complete(attempt_id, now, ok=True, output_tokens=int(value))
+            record.finished_s = now
+            record.output_tokens = int(value)
+            self._settle(record)
+            self._wake_queue()
+        elif kind == _TIMEOUT:
+            queued = self._queued.pop(attempt_id, None)
+            if queued is not None and self.queue.cancel(attempt_id):
+                self._reject(queued, "queue_timeout")
+        else:  # _FAILED: the attempt's connection broke, or the engine refused it
+            record = self._attempts.pop(attempt_id)
+            self.shadow.on_complete(attempt_id, now, ok=False)
+            record.first_token_s = None
+            if value == "too_long" or record.attempts > self.max_retries:
+                self._reject(record, str(value))
+            else:
+                self._try_schedule(record)
+            self._wake_queue()
+
+    def _reject(self, record: RequestRecord, reason: str) -> None:
+        record.rejected = reason
+        self._settle(record)
+
+    def _settle(self, record: RequestRecord) -> None:
+        self._unsettled -= 1
+        session = record.request.session_id
+        if session is None:
+            return
+        self._session_busy.discard(session)
+        held = self._sessions.get(session)
+        if held:
+            self._push(self._now, ARRIVAL, held.pop(0))
+
+    def _on_scrape(self, _: object) -> None:
+        now = self._now
+        for replica in self.replicas.values():
+            engine = self._advance(replica)
+            if engine is None or replica.config.replica_id not in self.shadow:
+                continue
+            counters = engine.counters
+            metrics = EngineMetrics(
+                num_running=engine.num_running,
+                num_waiting=engine.num_waiting,
+                kv_usage=engine.kv_usage,
+                prefix_cache_queries=counters.prefix_cache_queries,
+                prefix_cache_hits=counters.prefix_cache_hits,
+                num_preemptions=counters.num_preemptions,
+            )
+            self.shadow.apply_scrape(replica.config.replica_id, metrics, now)
+        self._wake_queue()
+        self._push(now + self.scrape_s, SCRAPE, None)
+
+    def _on_sample(self, _: object) -> None:
+        loads = []
+        for replica in self.replicas.values():
+            engine = self._advance(replica)
+            loads.append(0 if engine is None else engine.num_running + engine.num_waiting)
+        self._samples_s.append(self._now)
+        self._samples.append(loads)
+        assert self.sample_interval_s is not None
+        self._push(self._now + self.sample_interval_s, SAMPLE, None)
+
+    # -- replica side ------------------------------------------------------------------
+
+    def _on_deliver(self, payload: object) -> None:
+        replica, view, record, epoch = cast(_Delivery, payload)
+        attempt_id = view.request_id
+        engine = self._advance(replica)
+        back = self._now + self.delay_s
+        if engine is None or epoch != replica.epoch:
+            self._push(back, HOOK, (_FAILED, attempt_id, "failed"))
+            return
+        request = record.request
+        if request.prompt_tokens + request.output_tokens > engine.max_request_tokens:
+            self._push(back, HOOK, (_FAILED, attempt_id, "too_long"))
+            return
+        spec = RequestSpec(
+            attempt_id, request.prompt_tokens, request.output_tokens, view.block_hashes
+        )
+        replica.in_flight[attempt_id] = (record, engine.submit(spec, self._now))
+        self._schedule_wake(replica, engine)
+
+    def _on_engine(self, payload: object) -> None:
+        replica = cast(_Replica, payload)
+        if self._now != replica.wake_s:
+            return  # superseded by an earlier wake
+        replica.wake_s = math.inf
+        self._advance(replica)
+
+    def _advance(self, replica: _Replica) -> EngineModel | None:
+        """Bring the replica's engine to now, forward its events, re-arm its wake."""
+        engine = replica.engine
+        if engine is None:
+            return None
+        events = engine.advance_to(self._now)  # also starts a step for work just queued
+        if events:
+            self._forward(replica, events)
+        self._schedule_wake(replica, engine)
+        return engine
+
+    def _forward(self, replica: _Replica, events: list[EngineEvent]) -> None:
+        delay = self.delay_s
+        for event in events:
+            if isinstance(event, FirstToken):
+                self._push(event.time_s + delay, HOOK, (_FIRST, event.request_id, 0))
+            elif isinstance(event, Finished):
+                record, state = replica.in_flight.pop(event.request_id)
+                if state is not None:
+                    record.prefix_hit_tokens = state.num_prefix_hit_tokens
+                    record.preemptions = state.num_preemptions
+                self._push(
+                    event.time_s + delay, HOOK, (_DONE, event.request_id, event.num_output_tokens)
+                )
+
+    def _schedule_wake(self, replica: _Replica, engine: EngineModel) -> None:
+        at = engine.quiet_until()
+        if at is not None and at < replica.wake_s:
+            replica.wake_s = at
+            self._push(at, ENGINE, replica)
+
+    # -- faults ------------------------------------------------------------------------
+
+    def _on_fault(self, payload: object) -> None:
+        action, replica, factor = cast(_Fault, payload)
+        config: SimReplica = replica.config
+        now = self._now
+        if action == "ready":
+            replica.engine = EngineModel(config.cost_model)
+            replica.engine.slowdown = config.slowdown
+            replica.engine.advance_to(now)
+            if config.replica_id in self.shadow:
+                self.shadow.set_health(config.replica_id, True)
+            else:
+                self.shadow.add(
+                    ReplicaSpec(
+                        replica_id=config.replica_id,
+                        model=self.model,
+                        cost_model=config.cost_model,
+                        weight=config.weight,
+                        usd_per_hour=config.usd_per_hour,
+                        max_queue=config.max_queue,
+                        groups=config.groups,
+                    )
+                )
+            self._wake_queue()
+        elif action == "fail":
+            engine = self._advance(replica)
+            if engine is None:
+                return
+            self._retire(replica, engine)
+            replica.engine = None
+            replica.epoch += 1
+            replica.wake_s = math.inf
+            back = now + self.delay_s
+            for attempt_id in sorted(replica.in_flight, key=_attempt_order):
+                self._push(back, HOOK, (_FAILED, attempt_id, "failed"))
+            replica.in_flight.clear()
+            self.shadow.set_health(config.replica_id, False)
+        elif action == "recover":
+            if replica.engine is None:
+                self._push(now + config.cold_start_s, FAULT, ("ready", replica, 0.0))
+        elif action == "slowdown":
+            engine = self._advance(replica)
+            if engine is not None:
+                engine.slowdown = factor
+                replica.wake_s = math.inf
+                self._schedule_wake(replica, engine)
+
+    @staticmethod
+    def _retire(replica: _Replica, engine: EngineModel) -> None:
+        counters = engine.counters
+        replica.busy_s += counters.busy_s
+        replica.prefix_queries += counters.prefix_cache_queries
+        replica.prefix_hits += counters.prefix_cache_hits
+        replica.preemptions += counters.num_preemptions
+
+    def _result(self, wall_s: float) -> SimResult:
+        for replica in self.replicas.values():
+            if replica.engine is not None:
+                self._retire(replica, replica.engine)
+                replica.engine = None
+        replicas = list(self.replicas.values())
+        return SimResult(
+            policy=self.policy.name,
+            records=self.records,
+            replica_ids=[r.config.replica_id for r in replicas],
+            busy_s=[r.busy_s for r in replicas],
+            prefix_queries=sum(r.prefix_queries for r in replicas),
+            prefix_hits=sum(r.prefix_hits for r in replicas),
+            preemptions=sum(r.preemptions for r in replicas),
+            end_s=self._now,
+            wall_s=wall_s,
+            num_events=self._num_events,
+            sample_s=self._samples_s,
+            load_samples=self._samples,
+        )
+
+
+def _attempt_order(attempt_id: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in attempt_id.split("."))

@@ -1,0 +1,229 @@
+"""Running policies side by side: the same requests, one simulator per (policy, rate).
+
+Runs are independent, so they go to worker processes (``jobs``; forked, so the request
+list and isolated times are shared, not sent) and report simulated time back for the
+progress bar. Each run builds a fresh policy with ``random.Random(seed)``, so a run's
+result depends only on its inputs: the same seed gives the same JSON.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from random import Random
+
+import numpy as np
+import numpy.typing as npt
+
+from isocost.core.catalog import Catalog
+from isocost.scheduling.policies import build_policy, policy_names
+from isocost.sim._cluster import ClusterConfig, resolve_cluster, served_model
+from isocost.sim._core import SimResult, Simulator
+from isocost.sim._metrics import (
+    Isolated,
+    PolicySummary,
+    Slo,
+    capacity_at_slo,
+    isolated_times,
+    oracle_summary,
+    summarize,
+)
+from isocost.sim._workload import at_rate
+from isocost.workload import WorkloadRequest
+
+__all__ = ["RunOutput", "SimPlan", "SweepOutput", "check_policies", "run_plan"]
+
+FloatArray = npt.NDArray[np.float64]
+Progress = Callable[[int, float], None]  # (task index, simulated seconds)
+
+
+@dataclass(frozen=True, slots=True)
+class SimPlan:
+    """Everything a set of runs needs."""
+
+    cluster: ClusterConfig
+    catalog: Catalog
+    requests: list[WorkloadRequest]
+    policies: tuple[str, ...]
+    slo: Slo
+    seed: int = 0
+    deadlines: bool = True  # requests carry their TTFT target (SLO admission can use it)
+    rates_rps: tuple[float, ...] = ()  # a sweep: replay the requests at each mean rate
+    target_attainment: float = 0.9
+    sample_points: int = 0  # load samples per run, for plots (0: none)
+    jobs: int = 2
+
+
+@dataclass(frozen=True, slots=True)
+class RunOutput:
+    """One (policy, rate) run: its summary and what plots and the table need."""
+
+    summary: PolicySummary
+    rate_rps: float | None
+    ttft_s: FloatArray  # per request, nan where not completed
+    replica_ids: list[str]
+    sample_s: list[float]
+    load_samples: list[list[int]]
+    wall_s: float
+    num_events: int
+    end_s: float
+
+    @property
+    def sim_s_per_wall_s(self) -> float:
+        return self.end_s / self.wall_s if self.wall_s > 0 else math.inf
+
+
+@dataclass(frozen=True, slots=True)
+class SweepOutput:
+    runs: list[RunOutput]  # policies x rates, policy-major
+    oracle: PolicySummary  # at the base rate
+    capacity_rps: dict[str, float | None]  # per policy (sweeps only)
+
+
+def check_policies(names: Sequence[str]) -> None:
+    """Raise UnknownConfigEntryError, listing the valid names, for an unknown policy."""
+    for name in names:
+        build_policy(name, source="--policies")
+
+
+def valid_policies() -> list[str]:
+    return policy_names()
+
+
+def run_plan(plan: SimPlan, progress: Progress | None = None) -> SweepOutput:
+    """Every policy at every rate (or once at the requests' own rate)."""
+    replicas = resolve_cluster(plan.cluster, plan.catalog)
+    isolated = isolated_times(
+        plan.requests, [r.cost_model for r in replicas], plan.cluster.network_delay_ms / 1000
+    )
+    rates: tuple[float | None, ...] = plan.rates_rps or (None,)
+    tasks = [(policy, rate) for policy in plan.policies for rate in rates]
+    global _SHARED
+    _SHARED = (plan, isolated)
+    jobs = max(1, min(plan.jobs, len(tasks), os.cpu_count() or 1))
+    if jobs == 1:
+        runs = [
+            _run_task(i, policy, rate, None if progress is None else progress)
+            for i, (policy, rate) in enumerate(tasks)
+        ]
+    else:
+        runs = _run_parallel(tasks, jobs, progress)
+    _SHARED = None
+    capacity: dict[str, float | None] = {}
+    if plan.rates_rps:
+        for policy in plan.policies:
+            points = [
+                (r.rate_rps or 0.0, r.summary.slo_attainment)
+                for r in runs
+                if r.summary.policy == policy
+            ]
+            capacity[policy] = capacity_at_slo(points, plan.target_attainment)
+    return SweepOutput(runs, oracle_summary(plan.requests, plan.slo, isolated), capacity)
+
+
+_SHARED: tuple[SimPlan, Isolated] | None = None  # set before workers fork
+_PROGRESS: multiprocessing.queues.SimpleQueue[tuple[int, float]] | None = None
+
+
+def _run_parallel(
+    tasks: list[tuple[str, float | None]], jobs: int, progress: Progress | None
+) -> list[RunOutput]:
+    global _PROGRESS
+    context = multiprocessing.get_context("fork")
+    _PROGRESS = queue = context.SimpleQueue()
+    stop = (-1, 0.0)
+    with ProcessPoolExecutor(jobs, mp_context=context) as pool:
+        futures = [
+            pool.submit(_run_task, i, policy, rate, _report_to_queue)
+            for i, (policy, rate) in enumerate(tasks)
+        ]
+        reader = None
+        if progress is not None:
+
+            def drain() -> None:
+                while (item := queue.get()) != stop:
+                    progress(*item)
+
+            reader = threading.Thread(target=drain, daemon=True)
+            reader.start()
+        try:
+            runs = [f.result() for f in futures]
+        finally:
+            queue.put(stop)
+            if reader is not None:
+                reader.join()
+    _PROGRESS = None
+    return runs
+
+
+def _report_to_queue(task: int, now: float) -> None:
+    assert _PROGRESS is not None
+    _PROGRESS.put((task, now))
+
+
+def _run_task(
+    task: int, policy_name: str, rate: float | None, progress: Progress | None
+) -> RunOutput:
+    assert _SHARED is not None
+    plan, isolated = _SHARED
+    requests = plan.requests if rate is None else at_rate(plan.requests, rate)
+    replicas = resolve_cluster(plan.cluster, plan.catalog)
+    span = max((r.arrival_s for r in requests), default=0.0)
+    simulator = Simulator(
+        plan.cluster,
+        replicas,
+        build_policy(policy_name, rng=Random(plan.seed), source="--policies"),
+        requests,
+        model=served_model(plan.cluster),
+        slo=plan.slo if plan.deadlines else None,
+        sample_interval_s=span / plan.sample_points if plan.sample_points and span > 0 else None,
+        on_progress=None if progress is None else (lambda now: progress(task, now)),
+    )
+    result = simulator.run()
+    return _output(result, requests, plan.slo, isolated, rate)
+
+
+def _output(
+    result: SimResult,
+    requests: list[WorkloadRequest],
+    slo: Slo,
+    isolated: Isolated,
+    rate: float | None,
+) -> RunOutput:
+    n = len(result.records)
+    ttft = np.full(n, math.nan)
+    e2e = np.full(n, math.nan)
+    for i, record in enumerate(result.records):
+        if record.finished_s is not None and record.first_token_s is not None:
+            arrival = record.request.arrival_s
+            ttft[i] = record.first_token_s - arrival
+            e2e[i] = record.finished_s - arrival
+    summary = summarize(
+        result.policy,
+        requests,
+        ttft,
+        e2e,
+        [r.rejected for r in result.records],
+        slo,
+        isolated,
+        result.end_s,
+        busy_s=result.busy_s,
+        prefix=(result.prefix_queries, result.prefix_hits),
+        preemptions=result.preemptions,
+    )
+    return RunOutput(
+        summary=summary,
+        rate_rps=rate,
+        ttft_s=ttft,
+        replica_ids=result.replica_ids,
+        sample_s=result.sample_s,
+        load_samples=result.load_samples,
+        wall_s=result.wall_s,
+        num_events=result.num_events,
+        end_s=result.end_s,
+    )

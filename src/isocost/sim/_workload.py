@@ -1,0 +1,125 @@
+"""From command-line choices to the request list every policy replays.
+
+A trace keeps its own arrival times, compressed by ``speedup`` or scaled so that its mean
+rate is ``rate_rps`` (the shape of its bursts stays). A synthetic workload draws Poisson
+arrivals at ``rate_rps`` (default 1/s) from ``seed``. ``duration_s`` then keeps the
+requests arriving before it and ``max_requests`` the first so many. A rate sweep replays
+this same list with its time scaled to each rate, so every point has the same requests.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from random import Random
+from typing import Literal
+
+from isocost.core.errors import ConfigError
+from isocost.files import read_text
+from isocost.workload import (
+    TraceFormat,
+    WorkloadRequest,
+    multi_turn,
+    parse_trace,
+    poisson_arrivals,
+    scale_to_rate,
+    scenario_mix,
+    shared_prefix,
+    speedup,
+)
+
+__all__ = ["SIM_WORKLOADS", "WorkloadChoice", "at_rate", "load_requests"]
+
+SimWorkload = Literal["mix", "shared-prefix", "multi-turn"]
+SIM_WORKLOADS: tuple[SimWorkload, ...] = ("mix", "shared-prefix", "multi-turn")
+_DEFAULT_SYNTHETIC_REQUESTS = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadChoice:
+    """What to replay: exactly one of ``trace`` and ``workload``."""
+
+    trace: str | None = None
+    trace_format: TraceFormat | None = None
+    workload: SimWorkload | None = None
+    rate_rps: float | None = None
+    speedup: float = 1.0
+    max_requests: int | None = None
+    duration_s: float | None = None
+    seed: int = 0
+    max_prompt_tokens: int | None = None  # mix: cap long prompts
+    num_groups: int = 8
+    prompts_per_group: int = 16
+    sessions: int = 16
+    turns: int = 4
+    system_tokens: int = 2048
+    question_tokens: int = 128
+    output_tokens: int = 128
+    think_time_s: float = 5.0
+
+
+def load_requests(choice: WorkloadChoice) -> list[WorkloadRequest]:
+    """The requests of ``choice`` in arrival order; ConfigError for bad choices or files."""
+    if (choice.trace is None) == (choice.workload is None):
+        raise ConfigError("sim", "give exactly one of --trace and --workload")
+    for name, value in (("--rate", choice.rate_rps), ("--speedup", choice.speedup)):
+        if value is not None and value <= 0:
+            raise ConfigError("sim", f"{name} must be positive")
+    if choice.trace is not None:
+        requests = parse_trace(
+            read_text(choice.trace).splitlines(), choice.trace, choice.trace_format
+        )
+        if choice.rate_rps is not None:
+            if len({r.arrival_s for r in requests}) < 2:
+                raise ConfigError(choice.trace, "the trace has no arrival times to scale")
+            requests = list(scale_to_rate(requests, choice.rate_rps))
+        else:
+            requests = list(speedup(requests, choice.speedup))
+    else:
+        requests = _synthetic(choice)
+    if choice.duration_s is not None:
+        requests = [r for r in requests if r.arrival_s < choice.duration_s]
+    if choice.max_requests is not None:
+        requests = requests[: choice.max_requests]
+    if not requests:
+        raise ConfigError("sim", "no request arrives within --duration / --max-requests")
+    return requests
+
+
+def at_rate(requests: list[WorkloadRequest], rate_rps: float) -> list[WorkloadRequest]:
+    """The same requests with time scaled to a mean rate of ``rate_rps``."""
+    return list(scale_to_rate(requests, rate_rps))
+
+
+def _synthetic(choice: WorkloadChoice) -> list[WorkloadRequest]:
+    rng = Random(choice.seed)
+    arrivals = poisson_arrivals(rng, choice.rate_rps or 1.0)
+    if choice.workload == "shared-prefix":
+        return shared_prefix(
+            rng,
+            arrivals,
+            choice.num_groups,
+            choice.prompts_per_group,
+            choice.system_tokens,
+            choice.question_tokens,
+            choice.output_tokens,
+        )
+    if choice.workload == "multi-turn":
+        return multi_turn(
+            rng,
+            arrivals,
+            choice.sessions,
+            choice.turns,
+            choice.system_tokens,
+            choice.question_tokens,
+            choice.output_tokens,
+            choice.think_time_s,
+        )
+    mix = scenario_mix(rng, arrivals, max_prompt_tokens=choice.max_prompt_tokens)
+    if choice.max_requests is None and choice.duration_s is None:
+        return list(itertools.islice(mix, _DEFAULT_SYNTHETIC_REQUESTS))
+    if choice.duration_s is not None:
+        limit = choice.max_requests
+        taken = itertools.takewhile(lambda r: r.arrival_s < (choice.duration_s or 0.0), mix)
+        return list(itertools.islice(taken, limit))
+    return list(itertools.islice(mix, choice.max_requests))
