@@ -130,8 +130,16 @@ class Context:
 
     @property
     def cached_tokens(self) -> FloatArray:
+        """Prompt tokens cached on each candidate (whole blocks, at most the prompt)."""
         tokens = self.cached_blocks * self.replicas.block_tokens
         return np.asarray(np.minimum(tokens, self.request.prompt_tokens), dtype=np.float64)
+
+    def cached_blocks_at(self, position: int) -> int:
+        """``cached_blocks`` of one candidate, without matching against every replica."""
+        if self._cached is not None:
+            return int(self._cached[position])
+        slot = int(self.idx[position])
+        return self.replicas.prefix.match_replica(slot, self.request.block_hashes)
 
     @property
     def prediction(self) -> Prediction:
@@ -157,8 +165,7 @@ class Context:
         one = Context(
             self.request, self.replicas, self.now, self.rng, self.idx[keep], self.route_class
         )
-        if self._cached is not None:
-            one._cached = self._cached[keep]
+        one._cached = np.array([float(self.cached_blocks_at(position))])
         return one.prediction
 
     @property
@@ -327,6 +334,7 @@ class Policy:
             total += weight * clamped
         chosen = self.picker.pick(ctx, total)
         prediction = ctx.prediction_at(chosen)
+        cached_tokens = ctx.cached_blocks_at(chosen) * replicas.block_tokens
         ids = replicas.ids[ctx.idx]
         return Decision(
             Outcome.ADMIT,
@@ -336,15 +344,9 @@ class Policy:
             predicted_ttft_s=float(prediction.ttft_s[0]),
             predicted_e2e_s=float(prediction.e2e_s[0]),
             predicted_output_tokens=ctx.expected_output_tokens,
-            cached_tokens=int(self._cached_at(ctx, chosen)),
+            cached_tokens=min(cached_tokens, request.prompt_tokens),
             explanation=Explanation(tuple(ids.tolist()), scores, weights, total, notes),
         )
-
-    @staticmethod
-    def _cached_at(ctx: Context, position: int) -> float:
-        replicas = ctx.replicas
-        matched = replicas.prefix.match_replica(int(ctx.idx[position]), ctx.request.block_hashes)
-        return min(matched * replicas.block_tokens, ctx.request.prompt_tokens)
 
     def _reject(self, reason: RejectReason, route_class: str, retry_after_s: float) -> Decision:
         retry = retry_after_s if math.isfinite(retry_after_s) else self.admission.retry_after_s
