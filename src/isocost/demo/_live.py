@@ -62,12 +62,12 @@ def _replicas_table(snapshot: dict[str, Any]) -> Table:
         "gpu",
         "state",
         "in flight",
-        "running",
-        "waiting",
+        "run",
+        "wait",
         "KV",
         "TTFT factor",
-        "recent TTFT p50 ms",
-        title="replicas (gateway admin snapshot)",
+        "TTFT p50 ms",
+        title="replicas (gateway admin snapshot; red: engine queue)",
         title_justify="left",
     )
     for row in snapshot["replicas"]:
@@ -91,15 +91,17 @@ def _replicas_table(snapshot: dict[str, Any]) -> Table:
 def render(state: LiveState) -> RenderableType:
     """The whole live view of one run."""
     elapsed_s = min(state.elapsed_s, state.duration_s)
-    header = Text.assemble(
-        ("policy ", "bold"),
-        (state.policy, "bold cyan"),
-        f"   sending {elapsed_s:4.0f} / {state.duration_s:.0f} s",
-    )
+    progress = state.progress
+    if elapsed_s < state.duration_s:
+        phase = f"sending {elapsed_s:4.0f} / {state.duration_s:.0f} s"
+    else:
+        in_flight = progress.sent - progress.done - progress.errors
+        phase = f"arrivals over, waiting for {in_flight} in flight"
+    header = Text.assemble(("policy ", "bold"), (state.policy, "bold cyan"), f"   {phase}")
     parts: list[RenderableType] = [
         header,
         ProgressBar(total=state.duration_s, completed=elapsed_s, width=60),
-        live_table(state.progress),
+        live_table(progress),
     ]
     if state.snapshot is not None:
         parts.append(_replicas_table(state.snapshot))

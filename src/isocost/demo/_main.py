@@ -176,6 +176,7 @@ async def _run_policy(
         requests = build_workload(_workload(options), closed_loop=False)
         with Live(get_renderable=lambda: render(state), console=console, refresh_per_second=4):
             result = await run_bench(cluster.url, requests, bench_options, state.progress, stop)
+        console.line()
     finally:
         poller.cancel()
         await asyncio.gather(poller, return_exceptions=True)

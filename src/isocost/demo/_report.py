@@ -64,24 +64,27 @@ def headline(runs: Sequence[BenchResult]) -> str:
     return f"{comparison}: not lower"
 
 
+def _describe(replica: DemoReplica) -> str:
+    slow = f" ({replica.slowdown:g}x slow)" if replica.slowdown != 1 else ""
+    return f"{replica.name}{slow}"
+
+
 def replica_table(runs: Sequence[BenchResult], layout: Sequence[DemoReplica]) -> Table:
     """Completed requests and P99 TTFT per replica, one column pair per policy."""
     table = Table(title="where the completed requests went (x-isocost-replica)")
-    table.add_column("replica")
+    table.add_column("replica", no_wrap=True)
     table.add_column("gpu")
-    table.add_column("slowdown", justify="right")
     names = [replica.name for replica in layout]
     columns = [replica_stats(run, names) for run in runs]
     for run in runs:
-        table.add_column(f"{run.summary.label} done", justify="right")
-        table.add_column(f"{run.summary.label} TTFT p99 ms", justify="right")
+        table.add_column(f"{run.summary.label}\ndone", justify="right")
+        table.add_column(f"{run.summary.label}\nTTFT p99 ms", justify="right")
     for i, replica in enumerate(layout):
-        cells = [replica.name, replica.gpu, f"{replica.slowdown:g}x"]
+        cells = [_describe(replica), replica.gpu]
         for stats in (column[i] for column in columns):
             p99 = "-" if stats.ttft_p99_s is None else f"{stats.ttft_p99_s * 1000:,.0f}"
             cells += [str(stats.completed), p99]
-        style = "red" if replica.slowdown > 1 else None
-        table.add_row(*cells, style=style)
+        table.add_row(*cells, style="red" if replica.slowdown != 1 else None)
     return table
 
 
@@ -110,8 +113,7 @@ def _plot_timeline(runs: Sequence[BenchResult], layout: Sequence[DemoReplica], p
         offsets = [x - 0.4 + width * (k + 0.5) for x in xs]
         done = [stats.completed for stats in replica_stats(run, names)]
         bar_ax.bar(offsets, done, width, label=run.summary.label)
-    labels = [f"{r.name}\n{r.slowdown:g}x slow" if r.slowdown > 1 else r.name for r in layout]
-    bar_ax.set_xticks(list(xs), labels, fontsize=8)
+    bar_ax.set_xticks(list(xs), [_describe(r).replace(" (", "\n(") for r in layout], fontsize=8)
     bar_ax.set_ylabel("requests completed")
     bar_ax.set_title("requests per replica")
     bar_ax.legend()
