@@ -89,6 +89,7 @@ def write_config(
     replica_fields: str = "",
     limits: str = "",
     keys: str = "",
+    health: str = "",
 ) -> None:
     """A gateway config for ``engine_urls`` (fast health checks, small body limit)."""
     replicas = "\n".join(f"      - {{url: '{url}', {replica_fields}}}" for url in engine_urls)
@@ -110,6 +111,7 @@ health:
   interval_ms: 100
   timeout_ms: 500
   open_ms: 300
+{health}
 auth:
   admin_token: {ADMIN_TOKEN}
   api_keys:
@@ -818,3 +820,61 @@ def test_serve_rejects_a_config_naming_the_key(tmp_path: Path) -> None:
         [ISOCOST, "serve", "--config", str(config)], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 2 and "no_such_policy" in done.stderr
+
+
+def test_retry_goes_to_another_replica_even_when_the_policy_prefers_the_same(
+    tmp_path: Path,
+) -> None:
+    """Session affinity keeps choosing the failing replica; the retry must exclude it."""
+    healthy, failing = start_engine(), start_engine(0, "--error-rate", "1.0")
+    config, log = tmp_path / "retry.yaml", tmp_path / "retry.log"
+    write_config(
+        config, [healthy.url, failing.url], policy="session", health="  failure_threshold: 1000"
+    )
+    gateway = start_gateway(config, log)
+    try:
+        url = gateway.url + "/v1/chat/completions"
+        session = next(
+            f"user-{i}"
+            for i in range(200)
+            if http("POST", gateway.url + "/v1/route", chat_body(user=f"user-{i}"), AUTH)[2][
+                "replica_url"
+            ]
+            == failing.url
+        )
+        for _ in range(3):
+            status, headers, answer = http("POST", url, chat_body(user=session), AUTH)
+            assert status == 200, answer
+            assert f"http://{headers['x-isocost-replica']}" == healthy.url
+        assert replica_rows(gateway)[failing.url]["state"] == "healthy"  # threshold not reached
+    finally:
+        gateway.stop()
+        healthy.stop()
+        failing.stop()
+
+
+def test_client_that_leaves_frees_its_replica(cluster: Cluster) -> None:
+    async def leave_early(stream: bool) -> None:
+        body = json.dumps({"model": MODEL, "prompt": "p", "max_tokens": 3000, "stream": stream})
+        async with aiohttp.ClientSession() as session:
+            if stream:
+                response = await session.post(
+                    cluster.gateway.url + "/v1/completions", data=body, headers=AUTH
+                )
+                await response.content.readany()
+                response.close()  # the client goes away mid-stream
+                return
+            with pytest.raises(TimeoutError):  # gives up while the answer is generated
+                await session.post(
+                    cluster.gateway.url + "/v1/completions",
+                    data=body,
+                    headers=AUTH,
+                    timeout=aiohttp.ClientTimeout(total=0.5),
+                )
+
+    def in_flight() -> int:
+        return sum(r["in_flight"] for r in replica_rows(cluster.gateway).values())
+
+    for stream in (False, True):
+        asyncio.run(leave_early(stream))
+        wait_for(lambda: in_flight() == 0, 10, "the abandoned request to be released")

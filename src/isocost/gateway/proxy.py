@@ -115,10 +115,14 @@ class Forwarder:
         last: _AttemptFailed | None = None
         while True:
             grant = await self.router.acquire(request, frozenset(tried))
-            tried.add(grant.replica.url)
+            tried.add(grant.replica.name)
             try:
                 return await self._attempt(http, body, request, grant, retries)
-            except _AttemptFailed as failed:
+            except BaseException as exc:  # the client left (cancelled) or the attempt failed
+                if not isinstance(exc, _AttemptFailed):
+                    self.router.release(grant, time.monotonic(), ok=False, output_tokens=0)
+                    raise
+                failed = exc
                 last = failed
                 now = time.monotonic()
                 if not failed.busy:

@@ -122,6 +122,7 @@ class Grant:
     attempt_id: str  # the brain's request id for this attempt
     decision: Decision
     streaming: bool = False  # its first token has arrived
+    released: bool = False
 
     @property
     def predicted_ttft_s(self) -> float | None:
@@ -437,7 +438,10 @@ class Router:
             self._wake(grant.replica.pool)  # it left the replica's waiting queue
 
     def release(self, grant: Grant, now: float, *, ok: bool, output_tokens: int) -> None:
-        """The attempt ended; frees its place and maybe the replica's last hold."""
+        """The attempt ended; frees its place and maybe the replica's last hold (once)."""
+        if grant.released:
+            return
+        grant.released = True
         self.replicas.on_complete(
             grant.attempt_id, now, ok=ok, output_tokens=output_tokens if ok else None
         )
