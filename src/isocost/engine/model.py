@@ -243,15 +243,24 @@ class EngineModel:
         no event (None when idle): a simulator wakes the model there, not at every step.
 
         At least the step in flight's end. When that step is pure decode of every running
-        request and nobody waits, the run that follows only grows contexts, so each later
-        step lasts at least as long as this one; no event comes before the first request's
-        last token or the first step that could lack a block (each request needs at most
-        one new block per ``block_size`` steps). One step is left as margin for rounding.
+        request and the waiting head cannot be admitted (the condition of a jump), the run
+        that follows only grows contexts, so each later step lasts at least as long as this
+        one; no event comes before the first request's last token or the first step that
+        could lack a block (each request needs at most one new block per ``block_size``
+        steps). One step is left as margin for rounding.
         """
         end = self.next_event_time()
         batch = self._batch
-        if batch is None or end is None or self._waiting or len(batch) != len(self._running):
+        if batch is None or end is None or len(batch) != len(self._running):
             return end
+        room = self.max_num_batched_tokens - len(batch)
+        if (
+            self._waiting
+            and len(batch) < self.max_num_seqs
+            and room > 0
+            and self._admission(self._waiting[0], room) is not None
+        ):
+            return end  # the next step may admit the head
         steps = None
         for state, n in batch:
             if n != 1 or not state.num_output_tokens:

@@ -57,12 +57,13 @@ def print_results(console: Console, output: SweepOutput, target: float) -> None:
         "E2E p50", "p99", "goodput/s", "SLO %", "out tok/s", "hit %", "imbal", "slowdn",
         "sim s/s",
     )  # fmt: skip
-    for name in columns:
-        table.add_column(name, justify="left" if name == "policy" else "right")
     sweep = any(run.rate_rps is not None for run in output.runs)
+    for name in columns:
+        if name != "rate" or sweep:
+            table.add_column(name, justify="left" if name == "policy" else "right")
     for run in output.runs:
-        table.add_row(*_cells(run.summary, run.rate_rps, run))
-    table.add_row(*_cells(output.oracle, None, None), style="dim")
+        table.add_row(*_cells(run.summary, run.rate_rps, run, sweep))
+    table.add_row(*_cells(output.oracle, None, None, sweep), style="dim")
     console.print(table)
     if sweep:
         capacity = Table(title=f"capacity at SLO ({target:.0%} of requests meet both)")
@@ -73,10 +74,10 @@ def print_results(console: Console, output: SweepOutput, target: float) -> None:
         console.print(capacity)
 
 
-def _cells(s: PolicySummary, rate: float | None, run: RunOutput | None) -> list[str]:
+def _cells(s: PolicySummary, rate: float | None, run: RunOutput | None, sweep: bool) -> list[str]:
     return [
         s.policy,
-        "" if rate is None else f"{rate:g}",
+        *([("" if rate is None else f"{rate:g}")] if sweep else []),
         str(s.completed),
         str(s.rejected),
         *(_s(v) for v in (s.ttft_p50_s, s.ttft_p90_s, s.ttft_p99_s)),

@@ -21,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from isocost.core.catalog import Catalog
-from isocost.scheduling.policies import build_policy, policy_names
+from isocost.scheduling.policies import build_policy
 from isocost.sim._cluster import ClusterConfig, resolve_cluster, served_model
 from isocost.sim._core import SimResult, Simulator
 from isocost.sim._metrics import (
@@ -89,10 +89,6 @@ def check_policies(names: Sequence[str]) -> None:
     """Raise UnknownConfigEntryError, listing the valid names, for an unknown policy."""
     for name in names:
         build_policy(name, source="--policies")
-
-
-def valid_policies() -> list[str]:
-    return policy_names()
 
 
 def run_plan(plan: SimPlan, progress: Progress | None = None) -> SweepOutput:
