@@ -79,3 +79,18 @@ def test_an_unknown_policy_lists_the_valid_ones() -> None:
     assert "unknown policy 'fastest'" in done.stderr
     for name in ("dynamo_kv", "equal_cost", "llmd_default", "round_robin", "sglang_cache_aware"):
         assert name in done.stderr
+
+
+def test_a_mixed_cluster_file_runs_and_a_bad_one_is_named(tmp_path: Path) -> None:
+    example = Path(__file__).resolve().parents[2] / "examples" / "cluster.yaml"
+    done = run("--trace", str(TRACE), "--cluster", str(example), "--policies", "equal_cost",
+               "--max-requests", "40", "--json", str(tmp_path / "c.json"))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    (row, _oracle) = json.loads((tmp_path / "c.json").read_text())
+    assert row["completed"] + row["rejected"] == 40
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("replicas: [{gpu: a100-80g, model: llama-3.1-8b, colour: red}]\n")
+    done = run("--trace", str(TRACE), "--cluster", str(bad))
+    assert done.returncode == 2
+    assert str(bad) in done.stderr and "colour" in done.stderr
+    assert done.stderr.strip().count("\n") == 0

@@ -11,6 +11,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.ticker import MaxNLocator
 
 from isocost.core.errors import ConfigError
 from isocost.sim._run import RunOutput, SweepOutput
@@ -75,6 +76,7 @@ def write_plot(output: SweepOutput, path: str) -> None:
         fig.colorbar(image, ax=ax, label="requests in engine")
         ax.set_xlabel("simulated time (s)")
         ax.set_ylabel("replica")
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_title(f"per-replica load: {run.summary.policy}")
     for ax in flat[used:]:
         ax.axis("off")
