@@ -30,7 +30,13 @@ from isocost.files import read_text
 from isocost.gateway.admin import add_admin_routes
 from isocost.gateway.auth import ApiKey, Authenticator, bearer_token
 from isocost.gateway.body import BodyError, decode_body
-from isocost.gateway.config import GatewayConfig, ReplicaConfig, normalize_replica_url, parse_config
+from isocost.gateway.config import (
+    GatewayConfig,
+    LimitsConfig,
+    ReplicaConfig,
+    normalize_replica_url,
+    parse_config,
+)
 from isocost.gateway.dashboard import add_dashboard_routes
 from isocost.gateway.errors import ApiError, error_body, error_response
 from isocost.gateway.health import BreakerState
@@ -84,17 +90,8 @@ class Gateway:
         self._session = aiohttp.ClientSession(
             connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)
         )
-        limits = self.config.limits
         self._forwarder = Forwarder(
-            self._session,
-            self.router,
-            ForwardSettings(
-                connect_timeout_s=limits.connect_timeout_ms / 1000,
-                idle_timeout_s=limits.idle_timeout_ms / 1000,
-                total_timeout_s=limits.total_timeout_ms / 1000,
-                max_retries=limits.max_retries,
-                retry_backoff_s=limits.retry_backoff_ms / 1000,
-            ),
+            self._session, self.router, _forward_settings(self.config.limits)
         )
         self.apply_config(self.config)
         if self.config_path is not None:
@@ -122,6 +119,8 @@ class Gateway:
         self.router.set_scheduling(config.scheduling)
         self.router.queue_size = config.limits.max_queue
         self.router.queue_timeout_s = config.limits.queue_timeout_ms / 1000
+        if self._forwarder is not None:
+            self._forwarder.settings = _forward_settings(config.limits)
         wanted: dict[str, tuple[str, ReplicaConfig]] = {}
         for pool_config in config.pools:
             pool = self.pools.get(pool_config.model)
@@ -139,6 +138,9 @@ class Gateway:
                 self.remove_replica(url)
             elif wanted[url][1] != replica.config:
                 self.remove_replica(url, finalize_now=True)
+            elif replica.removing:  # listed again before its drain ended: keep it
+                replica.removing = False
+                self.router.set_draining(replica, replica.drained)
         for url, (model, replica_config) in wanted.items():
             if url not in self.replicas:
                 self.add_replica(model, replica_config)
@@ -431,6 +433,16 @@ class Gateway:
 
 
 GATEWAY = web.AppKey("gateway", Gateway)
+
+
+def _forward_settings(limits: LimitsConfig) -> ForwardSettings:
+    return ForwardSettings(
+        connect_timeout_s=limits.connect_timeout_ms / 1000,
+        idle_timeout_s=limits.idle_timeout_ms / 1000,
+        total_timeout_s=limits.total_timeout_ms / 1000,
+        max_retries=limits.max_retries,
+        retry_backoff_s=limits.retry_backoff_ms / 1000,
+    )
 
 
 def _too_large(limit: int) -> ApiError:

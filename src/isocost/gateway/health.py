@@ -1,8 +1,9 @@
 """Per-replica health: a circuit breaker fed by active checks and by live traffic.
 
-Algorithm. Every outcome (a proxied request, a ``/health`` probe, a ``/metrics`` scrape)
-is recorded as success or failure at time ``now``; the breaker keeps the consecutive
-failure count and the last ``window_size`` outcomes.
+Algorithm. Every outcome is recorded at time ``now``: proxied requests as success or
+failure, active checks (``/health`` probes, ``/metrics`` scrapes) only as failures while
+the breaker is closed (a passing check must not hide failing requests); the breaker keeps
+the consecutive failure count and the last ``window_size`` outcomes.
 
 * closed -> open when ``failure_threshold`` failures come in a row, or when the success
   rate over a full window falls below ``min_success_rate``, or at once on a *hard* failure
@@ -80,6 +81,8 @@ class Breaker:
             self._cooldown_s = self.open_s
             self._window.clear()
             self.needs_live_probe = False
+        elif probe_started_at is not None:
+            return  # a passing probe says nothing about failing requests: no masking
         self._consecutive_failures = 0
         self._window.append(True)
 

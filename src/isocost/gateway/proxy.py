@@ -179,7 +179,9 @@ class Forwarder:
         except aiohttp.ClientConnectorError as exc:
             raise _AttemptFailed(f"connect: {exc.os_error.strerror or exc}", hard=True) from None
         except (aiohttp.ServerDisconnectedError, ConnectionResetError):
-            raise _AttemptFailed("disconnected", hard=True) from None
+            # Soft: a pooled keep-alive connection the replica just closed looks the same;
+            # a dead process is caught as "refused" by the next attempt or probe.
+            raise _AttemptFailed("disconnected") from None
         except TimeoutError:
             raise _AttemptFailed("timeout", status=504) from None
         except aiohttp.ClientError as exc:

@@ -55,6 +55,14 @@ def test_hard_failure_opens_at_once_and_failed_probes_back_off() -> None:
     assert b.num_openings == 2
 
 
+def test_passing_probes_do_not_hide_failing_requests() -> None:
+    b = breaker()
+    for t in range(3):
+        b.record_failure(float(t), "status 500")
+        b.record_success(t + 0.5, probe_started_at=t + 0.4)
+    assert b.state(2.5) is BreakerState.OPEN and b.needs_live_probe
+
+
 def test_low_success_rate_over_a_full_window_opens() -> None:
     b = breaker(failure_threshold=100, window_size=4)
     b.record_success(0.0)
