@@ -1,0 +1,614 @@
+"""isocost against the peer routers, live: the same trace, the same engines, one router at a time.
+
+For each router in turn (sglang-router cache_aware and power_of_two, vllm-router, isocost
+round_robin and equal_cost) this script
+
+1. starts a fresh ``isocost engine`` process serving the same heterogeneous replicas (the
+   ``isocost demo`` layout: 2 H100, 3 A100 of which one is slowed 4x, 3 L20), so every
+   router starts from cold prefix caches and empty queues;
+2. starts the router in front of them on a free port and waits until it answers a
+   one-token completion (and, where the router can say so, lists every replica healthy);
+3. replays the same trace prefix at the same speed-up through it with ``isocost bench``'s
+   Python API (open loop: requests go at their trace times whatever the router does);
+4. reads each replica's ``/metrics`` (requests served, prefix-cache hits), then stops the
+   router and the engines (process groups, SIGTERM then SIGKILL).
+
+Peers run from PyPI in their own virtual environment, ``.venv-peers/`` (created once;
+a stamp file records the pinned versions). They get the replica URLs and their policy and
+nothing else. The isocost gateway gets the GPU of each replica in its config file (what an
+operator writes), but not the slowdown: it has to learn that from latencies, as the peers
+would have to. The engines do not serve SGLang's ``/get_load``, so sglang-router's load
+figures for them are -1 (``/get_loads``); its policies work from what the router itself
+sees.
+
+Load: the offered rate and the prefill demand as a share of the cluster's prefill
+capacity (cost model, no prefix-cache hits counted) are printed before the runs.
+
+Run (about 6 minutes on 2 busy cores, plus the first install):
+
+    benchmarks/peers/run.sh
+
+Outputs: a Rich table on the terminal, ``benchmarks/peers/results.json``,
+``benchmarks/peers/RESULTS.md``, and per run the router and engine logs and the bench
+summary under ``out/peers/`` (``isocost bench compare out/peers/*.summary.json`` draws them).
+On a small shared machine the client, the engines and the router share the cores: compare
+the rows of one run, not runs across machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import FrameType
+from typing import Any, Literal
+
+import msgspec
+from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from isocost.bench import (
+    BenchOptions,
+    BenchProgress,
+    BenchResult,
+    BenchSummary,
+    WorkloadSpec,
+    build_workload,
+    live_table,
+    run_bench,
+)
+from isocost.core.catalog import Catalog
+from isocost.core.costmodel import CostModel
+from isocost.demo._cluster import (
+    ADMIN_TOKEN_ENV,
+    DEFAULT_LAYOUT,
+    ClusterSettings,
+    engine_args,
+    gateway_config,
+)
+from isocost.demo._processes import Service, isocost_command
+from isocost.workload import WorkloadRequest
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+PEERS_VENV = ROOT / ".venv-peers"
+PEER_REQUIREMENTS = ("sglang-router==0.3.2", "vllm-router==0.1.17")
+STAMP = PEERS_VENV / "isocost-peers.stamp"
+DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+MODEL = "llama-3.1-8b"
+HOST = "127.0.0.1"
+UNREACHABLE_HUB = "http://127.0.0.1:9"  # sglang-router must not look for a tokenizer online
+START_TIMEOUT_S = 120.0
+GRACE_S = 15.0
+
+Family = Literal["sglang", "vllm", "isocost"]
+
+
+@dataclass(frozen=True, slots=True)
+class Router:
+    """One contestant: which router program, with which policy."""
+
+    key: str
+    label: str
+    family: Family
+    policy: str
+
+    @property
+    def is_peer(self) -> bool:
+        return self.family != "isocost"
+
+
+ROUTERS = (
+    Router("sglang-cache_aware", "sglang-router cache_aware", "sglang", "cache_aware"),
+    Router("sglang-power_of_two", "sglang-router power_of_two", "sglang", "power_of_two"),
+    Router("vllm-cache_aware", "vllm-router cache_aware", "vllm", "cache_aware"),
+    Router("vllm-power_of_two", "vllm-router power_of_two", "vllm", "power_of_two"),
+    Router("isocost-round_robin", "isocost round_robin", "isocost", "round_robin"),
+    Router("isocost-equal_cost", "isocost equal_cost", "isocost", "equal_cost"),
+)
+DEFAULT_ROUTERS = tuple(r.key for r in ROUTERS)  # both vllm-router candidates: the best counts
+HEADLINE = "isocost-equal_cost"
+
+
+@dataclass(frozen=True, slots=True)
+class RouterRun:
+    """What one router's replay measured."""
+
+    router: Router
+    summary: BenchSummary
+    requests_by_replica: list[int]  # engines' own count, in layout order
+    prefix_hit_rate: float  # cached prompt tokens / prompt tokens, over all replicas
+
+
+# -- processes ---------------------------------------------------------------------------
+
+
+def spawn(name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None) -> Service:
+    """``argv`` in its own session (so it stops as a group), output to ``<name>.log``."""
+    log_path = log_dir / f"{name}.log"
+    with log_path.open("wb") as log:
+        popen = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
+    return Service(name, popen, log_path)
+
+
+def ensure_peers_venv(console: Console) -> None:
+    """Install the pinned peer routers into ``.venv-peers`` unless its stamp says so."""
+    wanted = "\n".join(PEER_REQUIREMENTS) + "\n"
+    if STAMP.is_file() and STAMP.read_text() == wanted:
+        return
+    with console.status(f"installing {', '.join(PEER_REQUIREMENTS)} into {PEERS_VENV}"):
+        subprocess.run([sys.executable, "-m", "venv", str(PEERS_VENV)], check=True)
+        pip = [str(PEERS_VENV / "bin" / "python"), "-m", "pip", "install", "-q"]
+        subprocess.run([*pip, *PEER_REQUIREMENTS], check=True)
+    STAMP.write_text(wanted)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+def router_argv(router: Router, port: int, urls: list[str], config: Path) -> list[str]:
+    """The command line that starts ``router`` on ``port`` in front of ``urls``."""
+    address = ["--host", HOST, "--port", str(port)]
+    if router.family == "sglang":
+        program = str(PEERS_VENV / "bin" / "sglang-router")
+        return [program, "launch", *address, "--worker-urls", *urls,
+                "--policy", router.policy, "--log-level", "warn"]  # fmt: skip
+    if router.family == "vllm":
+        program = str(PEERS_VENV / "bin" / "vllm-router")
+        return [program, *address, "--worker-urls", *urls,
+                "--policy", router.policy, "--log-level", "warning"]  # fmt: skip
+    return [
+        *isocost_command(),
+        "serve",
+        "--config",
+        str(config),
+        *address,
+        "--log-level",
+        "warning",
+    ]
+
+
+def _get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=2) as response:
+        return json.loads(response.read())
+
+
+def _answers_completion(url: str) -> bool:
+    body = json.dumps({"model": MODEL, "prompt": "ready?", "max_tokens": 1}).encode()
+    request = urllib.request.Request(
+        url + "/v1/completions", data=body, headers={"content-type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=5) as response:
+        return bool(response.status == 200)
+
+
+def _all_replicas_routable(router: Router, url: str, num_replicas: int) -> bool:
+    """What the router itself says about its replicas (vllm-router says it in its log only,
+    after checking every worker, before it listens)."""
+    if router.family == "sglang":
+        workers = _get_json(url + "/workers")["workers"]
+        return sum(1 for w in workers if w["is_healthy"]) >= num_replicas
+    if router.family == "isocost":
+        return int(_get_json(url + "/health")["routable_replicas"]) >= num_replicas
+    return True
+
+
+def wait_router_ready(service: Service, router: Router, url: str, num_replicas: int) -> None:
+    """Poll until the router lists every replica healthy and answers a completion."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if service.popen.poll() is not None:
+            raise SystemExit(f"{router.label} exited; its log ends with:\n{service.log_tail()}")
+        with contextlib.suppress(urllib.error.URLError, OSError, ValueError, KeyError):
+            if _all_replicas_routable(router, url, num_replicas) and _answers_completion(url):
+                return
+        time.sleep(0.1)
+    raise SystemExit(f"{router.label} was not ready after {START_TIMEOUT_S:.0f} s")
+
+
+# -- measuring ---------------------------------------------------------------------------
+
+
+def replica_counters(url: str) -> tuple[int, float, float]:
+    """(requests finished, prefix-cache hit tokens, prefix-cache query tokens) of a replica."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    totals = {"vllm:request_success": 0.0, "vllm:prefix_cache_hits": 0.0,
+              "vllm:prefix_cache_queries": 0.0}  # fmt: skip
+    for family in text_string_to_metric_families(text):
+        if family.name in totals:
+            totals[family.name] += sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return (
+        int(totals["vllm:request_success"]),
+        totals["vllm:prefix_cache_hits"],
+        totals["vllm:prefix_cache_queries"],
+    )
+
+
+async def replay(
+    url: str, spec: WorkloadSpec, options: BenchOptions, console: Console
+) -> BenchResult:
+    progress = BenchProgress()
+    with Live(
+        get_renderable=lambda: live_table(progress),
+        console=console,
+        refresh_per_second=2,
+        transient=True,
+    ):
+        return await run_bench(url, build_workload(spec, closed_loop=False), options, progress)
+
+
+def run_router(
+    router: Router,
+    settings: ClusterSettings,
+    spec: WorkloadSpec,
+    options: BenchOptions,
+    log_dir: Path,
+    running: list[Service],
+    console: Console,
+) -> RouterRun:
+    """Fresh engines, the router, one replay; stops both before returning."""
+    num_replicas = len(settings.layout)
+    engines = spawn(f"{router.key}.engines", [*isocost_command(), *engine_args(settings)], log_dir)
+    running.append(engines)
+    urls = engines.wait_ready(num_replicas, START_TIMEOUT_S)
+    config = log_dir / f"{router.key}.gateway.yaml"
+    config.write_bytes(msgspec.yaml.encode(gateway_config(settings, router.policy, urls)))
+    port = free_port()
+    env = {"HF_ENDPOINT": UNREACHABLE_HUB, "HF_HUB_OFFLINE": "1"} if router.is_peer else {}
+    env[ADMIN_TOKEN_ENV] = settings.admin_token
+    service = spawn(router.key, router_argv(router, port, urls, config), log_dir, env)
+    running.append(service)
+    url = f"http://{HOST}:{port}"
+    try:
+        wait_router_ready(service, router, url, num_replicas)
+        console.print(f"{router.label}: ready at {url}; replaying")
+        result = asyncio.run(replay(url, spec, options, console))
+        counters = [replica_counters(u) for u in urls]
+    finally:
+        for started in (service, engines):
+            started.stop(GRACE_S)
+            running.remove(started)
+    (log_dir / f"{router.key}.summary.json").write_bytes(msgspec.json.encode(result.summary))
+    encoder = msgspec.json.Encoder()
+    records = b"".join(encoder.encode(r) + b"\n" for r in result.records)
+    (log_dir / f"{router.key}.records.jsonl").write_bytes(records)
+    hits = sum(c[1] for c in counters)
+    queries = sum(c[2] for c in counters)
+    return RouterRun(
+        router,
+        result.summary,
+        requests_by_replica=[c[0] for c in counters],
+        prefix_hit_rate=hits / queries if queries else 0.0,
+    )
+
+
+# -- load --------------------------------------------------------------------------------
+
+
+def offered_load(requests: list[WorkloadRequest], settings: ClusterSettings) -> dict[str, float]:
+    """The replayed requests' rate, and prefill demand as a share of prefill capacity.
+
+    Capacity: each replica, alone and busy with prefill only, finishes this mix's requests
+    at 1 / (mean cost-model prefill time x slowdown x time scale) per second; the cluster's
+    capacity is the sum. Prefix-cache hits are not counted, and decode comes on top.
+    """
+    span_s = max(r.arrival_s for r in requests) or 1.0
+    rate_rps = len(requests) / span_s
+    catalog = Catalog.builtin()
+    capacity_rps = 0.0
+    for replica in settings.layout:
+        model = CostModel(catalog.model(settings.model), catalog.gpu(replica.gpu))
+        mean_s = sum(model.prefill_time_s(r.prompt_tokens) for r in requests) / len(requests)
+        capacity_rps += 1.0 / (mean_s * replica.slowdown * settings.time_scale)
+    return {
+        "requests": len(requests),
+        "arrival_span_s": span_s,
+        "rate_rps": rate_rps,
+        "prompt_tokens_per_s": sum(r.prompt_tokens for r in requests) / span_s,
+        "output_tokens_per_s": sum(r.output_tokens for r in requests) / span_s,
+        "prefill_capacity_rps": capacity_rps,
+        "prefill_load": rate_rps / capacity_rps,
+    }
+
+
+def replayed_requests(spec: WorkloadSpec, options: BenchOptions) -> list[WorkloadRequest]:
+    """The requests a run sends: the workload cut by ``max_requests`` and ``duration_s``."""
+    chosen: list[WorkloadRequest] = []
+    for request in build_workload(spec, closed_loop=False):
+        if options.max_requests is not None and len(chosen) >= options.max_requests:
+            break
+        if options.duration_s is not None and request.arrival_s >= options.duration_s:
+            break
+        chosen.append(request)
+    return chosen
+
+
+# -- reporting ---------------------------------------------------------------------------
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:,.0f}"
+
+
+COLUMNS = (
+    "router",
+    "done / sent",
+    "errors",
+    "TTFT p50 ms",
+    "TTFT p99 ms",
+    "TPOT p99 ms",
+    "E2E p99 ms",
+    "goodput req/s",
+    "prefix hits",
+    "on slowed replica",
+)
+
+
+def table_rows(runs: list[RouterRun], slowed: list[int]) -> list[list[str]]:
+    rows = []
+    for run in runs:
+        s = run.summary
+        served = sum(run.requests_by_replica) or 1
+        on_slowed = sum(run.requests_by_replica[i] for i in slowed) / served
+        errors = ", ".join(f"{k} {n}" for k, n in s.errors_by_kind.items())
+        rows.append(
+            [
+                run.router.label,
+                f"{s.completed} / {s.requests}",
+                f"{s.errors}" + (f" ({errors})" if errors else ""),
+                _ms(s.ttft_p50_s),
+                _ms(s.ttft_p99_s),
+                _ms(s.tpot_p99_s),
+                _ms(s.e2e_p99_s),
+                f"{s.goodput_rps:.2f}",
+                f"{run.prefix_hit_rate:.0%}",
+                f"{on_slowed:.1%}",
+            ]
+        )
+    return rows
+
+
+def ratios(runs: list[RouterRun]) -> dict[str, Any] | None:
+    """isocost equal_cost against the best peer of each metric (lowest P99 TTFT, highest
+    goodput); None unless both took part."""
+    ours = next((r for r in runs if r.router.key == HEADLINE), None)
+    peers = [r for r in runs if r.router.is_peer and r.summary.ttft_p99_s is not None]
+    if ours is None or ours.summary.ttft_p99_s is None or not peers:
+        return None
+    best_ttft = min(peers, key=lambda r: r.summary.ttft_p99_s or 0.0)
+    best_goodput = max(peers, key=lambda r: r.summary.goodput_rps)
+    ttft_ratio = ours.summary.ttft_p99_s / (best_ttft.summary.ttft_p99_s or 1.0)
+    goodput_ratio = (
+        ours.summary.goodput_rps / best_goodput.summary.goodput_rps
+        if best_goodput.summary.goodput_rps > 0
+        else float("inf")
+    )
+    return {
+        "ttft_p99_ratio": ttft_ratio,
+        "ttft_p99_best_peer": best_ttft.router.label,
+        "goodput_ratio": goodput_ratio,
+        "goodput_best_peer": best_goodput.router.label,
+        "aim_ttft_p99_ratio_at_most": 0.7,
+        "aim_goodput_ratio_at_least": 1.3,
+        "aim_met": ttft_ratio <= 0.7 and goodput_ratio >= 1.3,
+    }
+
+
+def ratio_lines(result: dict[str, Any] | None) -> list[str]:
+    if result is None:
+        return ["(no ratio: isocost equal_cost and at least one peer must both run)"]
+    met = "met" if result["aim_met"] else "not met"
+    return [
+        f"isocost equal_cost P99 TTFT = {result['ttft_p99_ratio']:.2f}x the best peer's "
+        f"({result['ttft_p99_best_peer']}); aim <= 0.7x",
+        f"isocost equal_cost goodput = {result['goodput_ratio']:.2f}x the best peer's "
+        f"({result['goodput_best_peer']}); aim >= 1.3x",
+        f"aim {met}",
+    ]
+
+
+def setup_lines(
+    args: argparse.Namespace, settings: ClusterSettings, load: dict[str, float]
+) -> list[str]:
+    layout = ", ".join(
+        f"{r.gpu}"
+        + (f" (slowed {r.slowdown:g}x, not told to any router)" if r.slowdown != 1 else "")
+        for r in settings.layout
+    )
+    return [
+        f"trace: `{Path(args.trace).name}`, first {load['requests']:.0f} requests "
+        f"({load['arrival_span_s']:.0f} s of arrivals after speed-up {args.speedup:g}x)",
+        f"offered load: {load['rate_rps']:.2f} req/s, {load['prompt_tokens_per_s']:,.0f} "
+        f"prompt tokens/s, {load['output_tokens_per_s']:,.0f} output tokens/s; prefill "
+        f"alone (no cache hits) = {load['prefill_load']:.0%} of the cluster's prefill "
+        f"capacity ({load['prefill_capacity_rps']:.2f} req/s), decode on top",
+        f"replicas: {len(settings.layout)} x `isocost engine` {settings.model}: {layout}; "
+        f"time scale {settings.time_scale:g}, {settings.stream_interval} tokens per SSE chunk, "
+        "restarted (cold caches) before each router",
+        f"goodput SLOs: TTFT <= {args.slo_ttft_ms:g} ms and TPOT <= {args.slo_tpot_ms:g} ms; "
+        f"requests time out after {args.timeout:g} s",
+        f"peers: {', '.join(PEER_REQUIREMENTS)} (PyPI); isocost is told each replica's GPU",
+    ]
+
+
+def write_markdown(
+    path: Path,
+    command: str,
+    wall_s: float,
+    setup: list[str],
+    rows: list[list[str]],
+    ratio_text: list[str],
+) -> None:
+    lines = ["# isocost vs peer routers, live", ""]
+    lines += [f"- {line}" for line in setup]
+    lines += ["", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    lines += ["", *[f"{line}  " for line in ratio_text], ""]
+    lines += [f"Command (wall time {wall_s / 60:.1f} min):", "", "```", command, "```", ""]
+    path.write_text("\n".join(lines))
+
+
+# -- main --------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM behaves like Ctrl-C, so the ``finally`` that stops children runs."""
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    keys = ", ".join(r.key for r in ROUTERS)
+    parser.add_argument("--trace", default=str(DEFAULT_TRACE), help="trace file to replay")
+    parser.add_argument("--speedup", type=float, default=1.0, help="trace time compression")
+    parser.add_argument("--max-requests", type=int, default=240)
+    parser.add_argument("--duration", type=float, default=45.0, help="seconds of arrivals")
+    parser.add_argument("--time-scale", type=float, default=1.0, help="engine wall s per GPU s")
+    parser.add_argument("--stream-interval", type=int, default=4, help="tokens per SSE chunk")
+    parser.add_argument("--slo-ttft-ms", type=float, default=5000.0)
+    parser.add_argument("--slo-tpot-ms", type=float, default=150.0)
+    parser.add_argument("--timeout", type=float, default=120.0, help="per request, s")
+    parser.add_argument("--seed", type=int, default=0, help="engine seed")
+    parser.add_argument(
+        "--routers", default=",".join(DEFAULT_ROUTERS), help=f"comma list from: {keys}"
+    )
+    parser.add_argument("--log-dir", type=Path, default=ROOT / "out" / "peers")
+    parser.add_argument("--json", type=Path, default=HERE / "results.json")
+    parser.add_argument("--markdown", type=Path, default=HERE / "RESULTS.md")
+    args = parser.parse_args(argv)
+    by_key = {r.key: r for r in ROUTERS}
+    unknown = [k for k in args.routers.split(",") if k not in by_key]
+    if unknown:
+        parser.error(f"unknown router {', '.join(unknown)}; choose from {keys}")
+    args.chosen = [by_key[k] for k in args.routers.split(",")]
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    console = Console()
+    started_s = time.monotonic()
+    command = "benchmarks/peers/run.sh " + " ".join(sys.argv[1:] if argv is None else argv)
+    settings = ClusterSettings(
+        model=MODEL,
+        layout=DEFAULT_LAYOUT,
+        time_scale=args.time_scale,
+        stream_interval=args.stream_interval,
+        gateway_host=HOST,
+        gateway_port=0,
+        admin_token=secrets.token_urlsafe(16),
+        seed=args.seed,
+    )
+    spec = WorkloadSpec(trace=args.trace, speedup=args.speedup)
+    options = BenchOptions(
+        model=MODEL,  # sglang-router lists its model as "unknown"
+        max_requests=args.max_requests,
+        duration_s=args.duration,
+        timeout_s=args.timeout,
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_tpot_ms=args.slo_tpot_ms,
+    )
+    load = offered_load(replayed_requests(spec, options), settings)
+    setup = setup_lines(args, settings, load)
+    for line in setup:
+        console.print(line, soft_wrap=True)
+    ensure_peers_venv(console)
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    running: list[Service] = []
+    runs: list[RouterRun] = []
+    try:
+        with sigterm_interrupts():
+            for router in args.chosen:
+                console.rule(router.label)
+                labelled = replace(options, label=router.label)
+                runs.append(
+                    run_router(router, settings, spec, labelled, args.log_dir, running, console)
+                )
+    finally:
+        for service in reversed(running):
+            service.stop(GRACE_S)
+    wall_s = time.monotonic() - started_s
+    slowed = [i for i, r in enumerate(settings.layout) if r.slowdown != 1]
+    rows = table_rows(runs, slowed)
+    table = Table(title="isocost vs peer routers (same trace, same engines, one at a time)")
+    for column in COLUMNS:
+        table.add_column(column, justify="left" if column == "router" else "right")
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    result = ratios(runs)
+    ratio_text = ratio_lines(result)
+    for line in ratio_text:
+        console.print(line)
+    console.print(f"wall time {wall_s:.0f} s")
+    args.json.write_text(
+        json.dumps(
+            {
+                "command": command,
+                "wall_s": wall_s,
+                "setup": setup,
+                "load": load,
+                "runs": [_run_json(run) for run in runs],
+                "ratios": result,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    write_markdown(args.markdown, command, wall_s, setup, rows, ratio_text)
+    console.print(f"written: {args.json}, {args.markdown}; logs in {args.log_dir}")
+
+
+def _run_json(run: RouterRun) -> dict[str, Any]:
+    summary: dict[str, Any] = msgspec.to_builtins(run.summary)
+    for samples in ("ttft_samples_s", "e2e_samples_s"):
+        summary.pop(samples)  # in out/peers/<router>.summary.json
+    return {
+        "router": run.router.key,
+        "label": run.router.label,
+        "summary": summary,
+        "requests_by_replica": run.requests_by_replica,
+        "prefix_hit_rate": run.prefix_hit_rate,
+    }
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except KeyboardInterrupt:
+        sys.exit(130)
