@@ -130,7 +130,9 @@ def serve(
     replica: list[str] | None = typer.Option(
         None, "--replica", "-r", help="Replica URL (repeatable); without --config."
     ),
-    policy: str = typer.Option("equal_cost", "--policy", help="Scheduling policy name."),
+    policy: str | None = typer.Option(
+        None, "--policy", help="Scheduling policy (default: the file's, else equal_cost)."
+    ),
     gpu: str = typer.Option("a100-80g", "--gpu", "-g", help="GPU of --replica replicas."),
     tp: int = typer.Option(1, "--tp", help="Tensor parallelism of --replica replicas."),
     cost_model: str | None = typer.Option(
@@ -163,13 +165,13 @@ def serve(
     cat = load_catalog(catalog or [])
     if config is not None:
         gateway_config = parse_config(read_text(config), config)
-        if policy != "equal_cost":  # an explicit --policy overrides the file's default
+        if policy is not None:  # an explicit --policy overrides the file's default
             gateway_config = msgspec.structs.replace(gateway_config, policy=policy)
     else:
         gateway_config = asyncio.run(
             discover_config(
                 replica or [],
-                policy=policy,
+                policy=policy or "equal_cost",
                 gpu=gpu,
                 tensor_parallel=tp,
                 cost_model=cost_model,
