@@ -156,9 +156,9 @@ def decisions(console: Console, sizes: list[int], repeat: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", choices=["big", "wide", "growth", "decisions"], default=None)
-    parser.add_argument("--big-rate", type=float, default=140.0, help="req/s, 128 x TP8 70B")
+    parser.add_argument("--big-rate", type=float, default=128.0, help="req/s, 128 x TP8 70B")
     parser.add_argument("--big-duration", type=float, default=3600.0)
-    parser.add_argument("--wide-rate", type=float, default=1000.0, help="req/s, 1024 x 8B")
+    parser.add_argument("--wide-rate", type=float, default=1024.0, help="req/s, 1024 x 8B")
     parser.add_argument("--wide-duration", type=float, default=30.0)
     parser.add_argument("--scrape-interval-ms", type=float, default=200.0)
     args = parser.parse_args()

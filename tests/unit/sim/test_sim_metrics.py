@@ -1,0 +1,70 @@
+"""Isolated service times against the engine model itself; SLO accounting; capacity."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from isocost.core.catalog import Catalog
+from isocost.core.costmodel import CostModel
+from isocost.engine.model import EngineModel, Finished, FirstToken, RequestSpec
+from isocost.sim import Slo, capacity_at_slo, isolated_times
+from isocost.sim._metrics import summarize
+from isocost.workload import Segment, WorkloadRequest
+
+CATALOG = Catalog.builtin()
+
+
+def request(i: int, prompt: int, output: int, arrival_s: float = 0.0) -> WorkloadRequest:
+    return WorkloadRequest(i, arrival_s, prompt, output, (Segment(i, prompt),))
+
+
+@pytest.mark.parametrize(("prompt", "output"), [(1, 1), (700, 2), (5000, 300), (20_000, 64)])
+def test_isolated_times_equal_the_engine_running_the_request_alone(
+    prompt: int, output: int
+) -> None:
+    cost = CostModel(CATALOG.model("llama-3.1-8b"), CATALOG.gpu("a100-80g"), 1)
+    engine = EngineModel(cost)
+    engine.submit(RequestSpec("r", prompt, output), 0.0)
+    events = []
+    while (t := engine.next_event_time()) is not None:
+        events += engine.advance_to(t)
+    first = next(e for e in events if isinstance(e, FirstToken))
+    done = next(e for e in events if isinstance(e, Finished))
+    isolated = isolated_times([request(0, prompt, output)], [cost], delay_s=0.01)
+    assert isolated.ttft_s[0] == pytest.approx(first.ttft_s + 0.02, rel=1e-9)
+    assert isolated.e2e_s[0] == pytest.approx(done.e2e_s + 0.02, rel=1e-9)
+
+
+def test_isolated_times_take_the_fastest_kind_and_nan_when_nothing_fits() -> None:
+    a100 = CostModel(CATALOG.model("llama-3.1-8b"), CATALOG.gpu("a100-80g"), 1)
+    h100 = CostModel(CATALOG.model("llama-3.1-8b"), CATALOG.gpu("h100-80g"), 1)
+    requests = [request(0, 3000, 100), request(1, 500_000, 10)]
+    both = isolated_times(requests, [a100, h100], 0.0)
+    alone = isolated_times(requests, [h100], 0.0)
+    assert both.e2e_s[0] == alone.e2e_s[0] < isolated_times(requests, [a100], 0.0).e2e_s[0]
+    assert math.isnan(both.e2e_s[1]) and math.isnan(both.ttft_s[1])
+
+
+def test_slo_accounting_scales_ttft_with_prompt_length() -> None:
+    requests = [request(0, 1000, 11, 0.0), request(1, 9000, 11, 1.0), request(2, 100, 1, 2.0),
+                request(3, 100, 5, 3.0)]  # fmt: skip
+    ttft = np.array([0.9, 2.5, 0.1, math.nan])
+    e2e = np.array([1.9, 3.0, 0.1, math.nan])  # TPOT 100 ms, 50 ms, none
+    slo = Slo(ttft_s=0.5, tpot_s=0.1, ttft_per_1k_s=0.25)  # limits 0.75 s, 2.75 s, 0.525 s
+    isolated = isolated_times(requests, [CostModel(CATALOG.model("llama-3.1-8b"),
+                                                   CATALOG.gpu("a100-80g"), 1)], 0.0)  # fmt: skip
+    s = summarize("p", requests, ttft, e2e, [None, None, None, "deadline"], slo, isolated, 5.0)
+    assert (s.completed, s.rejected, s.rejected_by_reason) == (3, 1, {"deadline": 1})
+    assert s.slo_attainment == 0.5  # request 1 (long prompt, late but within) and 2
+    assert s.goodput_rps == pytest.approx(2 / 5.0)
+    assert s.tpot_p50_s == pytest.approx(0.05)
+    assert s.offered_rps == pytest.approx(1.0)
+
+
+def test_capacity_is_the_highest_rate_meeting_the_target() -> None:
+    points = [(1.0, 0.99), (2.0, 0.95), (4.0, 0.91), (8.0, 0.6)]
+    assert capacity_at_slo(points, 0.9) == 4.0
+    assert capacity_at_slo(points, 0.999) is None
