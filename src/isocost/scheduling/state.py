@@ -35,6 +35,10 @@ counts above the local ones at scrape time are "foreign" load, weighted by fresh
 ``exp(-age / staleness_tau_s)`` so that a stale scrape fades out. Learned per replica:
 ``ttft_factor`` and ``itl_factor``, EWMAs of observed / predicted TTFT and inter-token
 time (1.0 = the cost model is right; 2.0 = this replica is twice as slow as its spec).
+A TTFT observation weighs by the prefill's share of its prediction (time queued says more
+about the queue model than about the replica); a stream's inter-token time is compared
+with its decode steps plus the prefills of the requests that started streaming meanwhile
+(each prefill stalls every running stream).
 Expected output lengths come from an online estimator per (model, route class), fed by
 ``on_complete``.
 
@@ -66,7 +70,13 @@ from isocost.core.errors import UnknownEntryError
 from isocost.prefix.index import PrefixIndex
 from isocost.scheduling.estimate import OutputLengthEstimator
 from isocost.scheduling.predict import IndexArray, Load, predict
-from isocost.scheduling.timing import CoefficientArrays, FloatArray, StepCoefficients
+from isocost.scheduling.timing import (
+    CoefficientArrays,
+    FloatArray,
+    StepCoefficients,
+    decode_step_s,
+    prefill_s,
+)
 
 __all__ = [
     "EngineMetrics",
@@ -163,6 +173,8 @@ class InFlight:
     first_token_s: float | None = None
     last_token_s: float | None = None
     max_tokens: int | None = None
+    predicted_wait_s: float = 0.0  # uncorrected: the part of predicted_ttft_s spent queued
+    prefill_mark: float = 0.0  # the replica's prefill_done_tokens at its last observed token
 
     @property
     def remaining_tokens(self) -> int:
@@ -252,6 +264,7 @@ _ARRAYS_FLOAT = (
     "scrape_s",
     "ttft_factor",
     "itl_factor",
+    "prefill_done_tokens",
 )
 _ARRAYS_BOOL = ("active", "healthy", "draining")
 
@@ -325,6 +338,7 @@ class ReplicaSet:
     scrape_s: FloatArray
     ttft_factor: FloatArray
     itl_factor: FloatArray
+    prefill_done_tokens: FloatArray  # cumulative uncached prompt tokens whose first token came
     active: _BoolArray
     healthy: _BoolArray
     draining: _BoolArray
@@ -479,6 +493,7 @@ class ReplicaSet:
             predicted_ttft_s=float(prediction.ttft_s[0]),
             predicted_step_s=float(prediction.step_s[0]),
             max_tokens=request.max_tokens,
+            predicted_wait_s=float(prediction.wait_s[0]),
         )
         self._requests[request.request_id] = record
         state.in_flight[request.request_id] = record
@@ -498,7 +513,16 @@ class ReplicaSet:
         if record is None or record.first_token_s is not None:
             return False
         self._start_running(record, now)
-        self._learn(self.ttft_factor, record.slot, now - record.dispatch_s, record.predicted_ttft_s)
+        # A TTFT spent mostly queued says more about the queue model than about the
+        # replica's speed: weigh the observation by the prefill's share of the prediction.
+        prefill_share = 1.0 - record.predicted_wait_s / max(record.predicted_ttft_s, 1e-9)
+        self._learn(
+            self.ttft_factor,
+            record.slot,
+            now - record.dispatch_s,
+            record.predicted_ttft_s,
+            weight=prefill_share,
+        )
         self._advance(record, 1, now)
         for listener in self._listeners:
             listener.on_first_token(record, now)
@@ -515,12 +539,9 @@ class ReplicaSet:
             if num_tokens == 0:
                 return True
         if record.last_token_s is not None and now > record.last_token_s:
-            self._learn(
-                self.itl_factor,
-                record.slot,
-                (now - record.last_token_s) / num_tokens,
-                record.predicted_step_s,
-            )
+            step = self._step_now(record.slot, now)
+            predicted = num_tokens * step + self._prefill_stall_s(record)
+            self._learn(self.itl_factor, record.slot, now - record.last_token_s, predicted)
         self._advance(record, num_tokens, now)
         return True
 
@@ -610,6 +631,8 @@ class ReplicaSet:
         self.local_queued_prefill_tokens[slot] -= record.prompt_tokens - record.cached_tokens
         self.local_running[slot] += 1
         self.local_context_tokens[slot] += record.prompt_tokens + record.generated_tokens
+        self.prefill_done_tokens[slot] += record.prompt_tokens - record.cached_tokens
+        record.prefill_mark = self.prefill_done_tokens[slot]
 
     def _advance(self, record: InFlight, num_tokens: int, now: float) -> None:
         slot = record.slot
@@ -620,11 +643,36 @@ class ReplicaSet:
         self.local_context_tokens[slot] += num_tokens
         self.local_kv_tokens[slot] += num_tokens
 
-    def _learn(self, factors: FloatArray, slot: int, observed_s: float, predicted_s: float) -> None:
+    def _learn(
+        self,
+        factors: FloatArray,
+        slot: int,
+        observed_s: float,
+        predicted_s: float,
+        weight: float = 1.0,
+    ) -> None:
         if predicted_s <= 0.0 or observed_s < 0.0:
             return
         ratio = min(max(observed_s / predicted_s, _FACTOR_MIN), _FACTOR_MAX)
-        factors[slot] += self.factor_alpha * (ratio - factors[slot])
+        factors[slot] += self.factor_alpha * min(max(weight, 0.0), 1.0) * (ratio - factors[slot])
+
+    def _step_now(self, slot: int, now: float) -> float:
+        """Uncorrected decode step of the slot's current batch (what its streams now see)."""
+        idx = np.array([slot], dtype=np.int64)
+        load = self.load(now, idx)
+        return float(
+            decode_step_s(self.coef, np.maximum(load.running, 1.0), load.context_tokens, idx)[0]
+        )
+
+    def _prefill_stall_s(self, record: InFlight) -> float:
+        """Time the record's stream stalled for other requests' prefills since its last
+        observed token (those whose first token arrived meanwhile); moves the mark."""
+        slot = record.slot
+        done = float(self.prefill_done_tokens[slot])
+        idx = np.array([slot], dtype=np.int64)
+        stall = float(prefill_s(self.coef, done - record.prefill_mark, 0.0, idx)[0])
+        record.prefill_mark = done
+        return stall
 
     def _learn_from_completion(self, record: InFlight, generated: int, now: float) -> None:
         slot = record.slot
@@ -635,8 +683,9 @@ class ReplicaSet:
             self._learn(self.itl_factor, slot, now - record.dispatch_s, predicted)
         elif record.last_token_s == record.first_token_s and generated > 1:
             # Streamed without progress hooks: the mean inter-token time since the first.
-            itl = (now - record.first_token_s) / (generated - 1)
-            self._learn(self.itl_factor, slot, itl, record.predicted_step_s)
+            step = (record.predicted_step_s + self._step_now(slot, now)) / 2.0
+            predicted = (generated - 1) * step + self._prefill_stall_s(record)
+            self._learn(self.itl_factor, slot, now - record.first_token_s, predicted)
 
     def _mask(self, masks: dict[str, _BoolArray], key: str) -> _BoolArray:
         mask = masks.get(key)

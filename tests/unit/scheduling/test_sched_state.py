@@ -112,3 +112,18 @@ def test_remaining_output_of_a_request_past_its_estimate(make_replicas: Factory)
     assert record.remaining_tokens == 20  # ... but max_tokens leaves only 20
     slot = replicas.get("r0").slot
     assert replicas.local_remaining_tokens[slot] == 20
+
+
+def test_itl_factor_is_not_fooled_by_prefill_stalls(make_replicas: Factory) -> None:
+    replicas = make_replicas(["a100-80g"], factor_alpha=1.0)
+    stream = replicas.on_dispatch(RequestView("stream", MODEL, 100), "r0", 0.0)
+    replicas.on_first_token("stream", stream.predicted_ttft_s)
+    t = stream.predicted_ttft_s
+    big = replicas.on_dispatch(RequestView("big", MODEL, 16_000), "r0", t)
+    replicas.on_first_token("big", t + big.predicted_ttft_s)  # its prefill stalled "stream"
+    replicas.on_complete("big", t + big.predicted_ttft_s, ok=False)
+    end = t + big.predicted_ttft_s + 99 * stream.predicted_step_s
+    replicas.on_complete("stream", end, output_tokens=101)
+    # The stream took over twice its 100 decode steps, all of it explained by the prefill.
+    assert replicas.get("r0").itl_factor == pytest.approx(1.0, abs=0.1)
+    assert end - stream.first_token_s > 2 * 100 * stream.predicted_step_s  # a real stall
