@@ -157,7 +157,10 @@ def test_dashboard_asks_for_the_token_and_refuses_a_wrong_one(
 
     page.fill("#token-input", "not-the-token")
     page.click("#token-form button")
-    page.wait_for_function("document.querySelector('#status').textContent.includes('refused')")
+    # A function, not an expression: the page's CSP forbids eval of expression strings.
+    page.wait_for_function(
+        "() => document.querySelector('#status').textContent.includes('refused')"
+    )
     assert page.is_visible("#token-form")
 
     page.fill("#token-input", TOKEN)

@@ -84,7 +84,7 @@ def replica_table(runs: Sequence[BenchResult], layout: Sequence[DemoReplica]) ->
         for stats in (column[i] for column in columns):
             p99 = "-" if stats.ttft_p99_s is None else f"{stats.ttft_p99_s * 1000:,.0f}"
             cells += [str(stats.completed), p99]
-        table.add_row(*cells, style="red" if replica.slowdown != 1 else None)
+        table.add_row(*cells, style="bold red" if replica.slowdown != 1 else None)
     return table
 
 
@@ -160,6 +160,7 @@ def write_report(
     )
     tables = _rich_html([compare_table(summaries), replica_table(runs, layout)])
     page = _PAGE.format(
+        title=html.escape(" vs ".join(run.summary.label for run in runs)),
         headline=html.escape(headline(runs)),
         setup=setup_rows,
         tables=tables,
@@ -174,13 +175,14 @@ def write_report(
 _PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>isocost demo report</title>
 <style>
-body {{ font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1400px; color: #222; }}
+body {{ font-family: system-ui, sans-serif; margin: 2em auto; padding: 0 1.5em;
+       max-width: 1400px; color: #222; }}
 h1 {{ font-size: 1.5em; }} img {{ max-width: 100%; }}
 table.setup th {{ text-align: left; padding-right: 1em; font-weight: 600; }}
 pre.rich {{ background: #0f1115; color: #ddd; padding: 1em; overflow-x: auto; }}
 .headline {{ font-size: 1.2em; font-weight: 600; }}
 </style></head><body>
-<h1>isocost demo: round-robin vs equal-cost on a heterogeneous cluster</h1>
+<h1>isocost demo: {title} on a heterogeneous cluster</h1>
 <p class="headline">{headline}</p>
 <table class="setup">{setup}</table>
 <h2>Side by side</h2>
