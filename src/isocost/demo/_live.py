@@ -97,12 +97,13 @@ def render(state: LiveState) -> RenderableType:
     else:
         in_flight = progress.sent - progress.done - progress.errors
         phase = f"arrivals over, waiting for {in_flight} in flight"
-    header = Text.assemble(("policy ", "bold"), (state.policy, "bold cyan"), f"   {phase}")
-    parts: list[RenderableType] = [
-        header,
-        ProgressBar(total=state.duration_s, completed=elapsed_s, width=60),
-        live_table(progress),
-    ]
+    header = Table.grid(padding=(0, 2))
+    header.add_row(
+        Text.assemble(("policy ", "bold"), (state.policy, "bold cyan")),
+        ProgressBar(total=state.duration_s, completed=elapsed_s, width=40),
+        phase,
+    )
+    parts: list[RenderableType] = [header, live_table(progress)]
     if state.snapshot is not None:
         parts.append(_replicas_table(state.snapshot))
     return Group(*parts)
