@@ -339,7 +339,13 @@ class Gateway:
             self.reject("body_too_large")
             raise _too_large(limits.max_body_bytes)
         try:
-            body = await http.content.read(limits.max_body_bytes + 1)
+            async with asyncio.timeout(limits.body_timeout_ms / 1000):
+                body = await _read_body(http, limits.max_body_bytes)
+        except TimeoutError:
+            self.reject("body_timeout")
+            raise ApiError(
+                408, "the request body arrived too slowly", code="body_timeout"
+            ) from None
         except aiohttp.ClientError:
             raise ApiError(400, "request body could not be read", code="bad_body") from None
         if len(body) > limits.max_body_bytes:
@@ -433,6 +439,19 @@ class Gateway:
 
 
 GATEWAY = web.AppKey("gateway", Gateway)
+
+
+async def _read_body(http: web.Request, limit: int) -> bytes:
+    """The whole body, or its first ``limit + 1`` bytes when it is longer."""
+    chunks: list[bytes] = []
+    size = 0
+    while size <= limit:
+        chunk = await http.content.read(limit + 1 - size)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
 
 
 def _forward_settings(limits: LimitsConfig) -> ForwardSettings:

@@ -19,6 +19,7 @@ _TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    408: "timeout_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     502: "upstream_error",

@@ -146,6 +146,8 @@ class Forwarder:
                 if not self.router.has_candidate(request, frozenset(tried)):
                     tried.clear()  # every replica failed once: allow a second try anywhere
         assert last is not None
+        if last.busy:
+            raise ApiError(503, "every replica tried is full", code="overloaded", retry_after_s=1.0)
         if last.status == 504:
             raise ApiError(504, f"replicas timed out: {last.reason}", code="upstream_timeout")
         raise ApiError(
