@@ -24,7 +24,7 @@ sees.
 Load: the offered rate and the prefill demand as a share of the cluster's prefill
 capacity (cost model, no prefix-cache hits counted) are printed before the runs.
 
-Run (about 6 minutes on 2 busy cores, plus the first install):
+Run (about 10 minutes on 2 busy cores, plus about a minute for the first install):
 
     benchmarks/peers/run.sh
 
@@ -50,10 +50,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from types import FrameType
 from typing import Any, Literal
 
 import msgspec
@@ -278,7 +276,8 @@ def run_router(
     running.append(engines)
     urls = engines.wait_ready(num_replicas, START_TIMEOUT_S)
     config = log_dir / f"{router.key}.gateway.yaml"
-    config.write_bytes(msgspec.yaml.encode(gateway_config(settings, router.policy, urls)))
+    if not router.is_peer:
+        config.write_bytes(msgspec.yaml.encode(gateway_config(settings, router.policy, urls)))
     port = free_port()
     env = {"HF_ENDPOINT": UNREACHABLE_HUB, "HF_HUB_OFFLINE": "1"} if router.is_peer else {}
     env[ADMIN_TOKEN_ENV] = settings.admin_token
@@ -451,8 +450,10 @@ def setup_lines(
         f"replicas: {len(settings.layout)} x `isocost engine` {settings.model}: {layout}; "
         f"time scale {settings.time_scale:g}, {settings.stream_interval} tokens per SSE chunk, "
         "restarted (cold caches) before each router",
-        f"goodput SLOs: TTFT <= {args.slo_ttft_ms:g} ms and TPOT <= {args.slo_tpot_ms:g} ms; "
-        f"requests time out after {args.timeout:g} s",
+        f"goodput SLOs: TTFT <= {args.slo_ttft_ms:g} ms and TPOT <= {args.slo_tpot_ms:g} ms "
+        f"(wall clock; {args.slo_ttft_ms / args.time_scale:g} and "
+        f"{args.slo_tpot_ms / args.time_scale:g} ms of modelled GPU time); requests time out "
+        f"after {args.timeout:g} s; latencies are wall ms over completed requests only",
         f"peers: {', '.join(PEER_REQUIREMENTS)} (PyPI); isocost is told each replica's GPU",
     ]
 
@@ -477,32 +478,18 @@ def write_markdown(
 # -- main --------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def sigterm_interrupts() -> Iterator[None]:
-    """SIGTERM behaves like Ctrl-C, so the ``finally`` that stops children runs."""
-
-    def interrupt(signum: int, frame: FrameType | None) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     keys = ", ".join(r.key for r in ROUTERS)
     parser.add_argument("--trace", default=str(DEFAULT_TRACE), help="trace file to replay")
-    parser.add_argument("--speedup", type=float, default=1.0, help="trace time compression")
+    parser.add_argument("--speedup", type=float, default=2.0, help="trace time compression")
     parser.add_argument("--max-requests", type=int, default=240)
-    parser.add_argument("--duration", type=float, default=45.0, help="seconds of arrivals")
-    parser.add_argument("--time-scale", type=float, default=1.0, help="engine wall s per GPU s")
-    parser.add_argument("--stream-interval", type=int, default=4, help="tokens per SSE chunk")
-    parser.add_argument("--slo-ttft-ms", type=float, default=5000.0)
-    parser.add_argument("--slo-tpot-ms", type=float, default=150.0)
-    parser.add_argument("--timeout", type=float, default=120.0, help="per request, s")
+    parser.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals")
+    parser.add_argument("--time-scale", type=float, default=0.5, help="engine wall s per GPU s")
+    parser.add_argument("--stream-interval", type=int, default=8, help="tokens per SSE chunk")
+    parser.add_argument("--slo-ttft-ms", type=float, default=2500.0, help="wall ms")
+    parser.add_argument("--slo-tpot-ms", type=float, default=75.0, help="wall ms")
+    parser.add_argument("--timeout", type=float, default=90.0, help="per request, s")
     parser.add_argument("--seed", type=int, default=0, help="engine seed")
     parser.add_argument(
         "--routers", default=",".join(DEFAULT_ROUTERS), help=f"comma list from: {keys}"
@@ -522,8 +509,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     console = Console()
+    if not console.is_terminal:  # a log file: room for the whole table
+        console = Console(width=160)
     started_s = time.monotonic()
-    command = "benchmarks/peers/run.sh " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = " ".join(["benchmarks/peers/run.sh", *(sys.argv[1:] if argv is None else argv)])
     settings = ClusterSettings(
         model=MODEL,
         layout=DEFAULT_LAYOUT,
@@ -551,14 +540,14 @@ def main(argv: list[str] | None = None) -> None:
     args.log_dir.mkdir(parents=True, exist_ok=True)
     running: list[Service] = []
     runs: list[RouterRun] = []
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # the finally below runs
     try:
-        with sigterm_interrupts():
-            for router in args.chosen:
-                console.rule(router.label)
-                labelled = replace(options, label=router.label)
-                runs.append(
-                    run_router(router, settings, spec, labelled, args.log_dir, running, console)
-                )
+        for router in args.chosen:
+            console.rule(router.label)
+            labelled = replace(options, label=router.label)
+            runs.append(
+                run_router(router, settings, spec, labelled, args.log_dir, running, console)
+            )
     finally:
         for service in reversed(running):
             service.stop(GRACE_S)
@@ -611,4 +600,5 @@ if __name__ == "__main__":
     try:
         main()
     except KeyboardInterrupt:
+        print("interrupted: every router and engine started was stopped", file=sys.stderr)
         sys.exit(130)
