@@ -16,9 +16,8 @@ and one ``Policy`` per pool; it never scores replicas itself. For each attempt i
 * REJECT: ``no_replica`` 404, ``unavailable``/``shed`` 503, ``deadline``/``queue_full``
   429, with ``Retry-After`` from the decision's ``retry_after_s``.
 
-Retries must avoid the replicas already tried; the policy has no exclusion input, so the
-adapter marks them draining for the duration of that one synchronous ``schedule`` call
-(no other coroutine can observe it) and restores them right after.
+Retries avoid the replicas already tried by passing their names as ``schedule``'s
+``exclude`` (they count as unavailable for that request only, not for the global shed).
 
 Circuit-breaker state is mirrored into ``ReplicaSet.set_health`` and drains into
 ``set_draining``, so the brain's eligibility is the data plane's health.
@@ -266,17 +265,7 @@ class Router:
         )
 
     def _schedule(self, request: RequestView, exclude: frozenset[str], now: float) -> Decision:
-        policy = self.policies[request.model]
-        hidden = [
-            name for name in exclude if name in self._by_id and not self.replicas.get(name).draining
-        ]
-        for name in hidden:
-            self.replicas.set_draining(name, True)
-        try:
-            return policy.schedule(request, self.replicas, now)
-        finally:
-            for name in hidden:
-                self.replicas.set_draining(name, False)
+        return self.policies[request.model].schedule(request, self.replicas, now, exclude=exclude)
 
     def has_candidate(self, request: GatewayRequest, exclude: frozenset[str]) -> bool:
         now = time.monotonic()
