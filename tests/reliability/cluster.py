@@ -127,7 +127,13 @@ class Cluster:
 
 
 def start_cluster(
-    tmp: Path, num_engines: int, *, policy: str = "equal_cost", limits: str = "", keys: str = ""
+    tmp: Path,
+    num_engines: int,
+    *,
+    policy: str = "equal_cost",
+    limits: str = "",
+    keys: str = "",
+    gateway_args: tuple[str, ...] = (),
 ) -> Cluster:
     engines: list[Proc] = []
     try:
@@ -136,7 +142,8 @@ def start_cluster(
         urls = [e.url for e in engines]
         config.write_text(config_text(urls, policy=policy, limits=limits, keys=keys))
         with log.open("a") as sink:
-            gateway = start(["serve", "--config", str(config), "--port", "0"], stderr=sink)
+            args = ["serve", "--config", str(config), "--port", "0", *gateway_args]
+            gateway = start(args, stderr=sink)
     except BaseException:
         for engine in engines:
             engine.stop()
