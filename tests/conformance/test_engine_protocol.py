@@ -23,6 +23,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import openai
@@ -281,32 +282,47 @@ def _wait_for(predicate: Any, what: str, timeout_s: float = 30) -> None:
         time.sleep(0.02)
 
 
-def test_gauges_follow_a_running_request_and_the_gateway_reads_them(
-    client: openai.OpenAI, endpoint: Endpoint
-) -> None:
+def _stream_fully(client: openai.OpenAI, model: str, max_tokens: int) -> int:
+    """One streamed completion of exactly ``max_tokens``, read to the end; its chunks."""
     stream = client.completions.create(
-        model=endpoint.model, prompt="a long story", max_tokens=900, stream=True,
+        model=model, prompt="a long story", max_tokens=max_tokens, stream=True,
         extra_body={"ignore_eos": True},
     )  # fmt: skip
-    chunks = iter(stream)
-    assert next(chunks).choices
-    seen: dict[str, Any] = {}
+    return sum(1 for _ in stream)
 
-    def running() -> bool:
-        seen["text"], families = _scrape(endpoint.url)
-        return _value(families, "vllm:num_requests_running") == 1
 
-    _wait_for(running, "the request to show as running")
-    during = parse_engine_metrics(seen["text"])  # the gateway's own parser
-    assert during.num_running == 1 and during.num_waiting == 0 and 0 < during.kv_usage <= 1
-    assert sum(1 for _ in chunks) > 0
-    stream.close()
-    _wait_for(
-        lambda: parse_engine_metrics(_scrape(endpoint.url)[0]).num_running == 0,
-        "the finished request to leave the running gauge",
-    )
-    after = parse_engine_metrics(_scrape(endpoint.url)[0])
-    assert after.num_waiting == 0 and after.kv_usage < during.kv_usage
+def test_gauges_follow_running_requests_and_the_gateway_reads_them(
+    client: openai.OpenAI, endpoint: Endpoint
+) -> None:
+    """Four long streams; one scrape taken while they run shows them running with KV in
+    use, and the gateway's parser reads that text exactly as prometheus_client does.
+    (vLLM's API server lags its engine on a busy CPU, so the scrape is polled for.)"""
+    seen: list[str] = []
+
+    def busy() -> bool:
+        seen.append(_scrape(endpoint.url)[0])
+        figures = parse_engine_metrics(seen[-1])
+        return figures.num_running >= 1 and figures.kv_usage > 0
+
+    with ThreadPoolExecutor(4) as pool:
+        streams = [pool.submit(_stream_fully, client, endpoint.model, 500) for _ in range(4)]
+        _wait_for(busy, "a scrape with requests running and KV in use")
+        assert all(f.result() > 0 for f in streams)
+    families = {f.name: f for f in text_string_to_metric_families(seen[-1])}
+    during = parse_engine_metrics(seen[-1])  # the gateway's own parser
+    for name, value in (
+        ("vllm:num_requests_running", during.num_running),
+        ("vllm:num_requests_waiting", during.num_waiting),
+        ("vllm:kv_cache_usage_perc", during.kv_usage),
+    ):
+        assert families[name].samples[0].value == value, name
+    assert 0 < during.kv_usage <= 1
+
+    def drained() -> bool:
+        after = parse_engine_metrics(_scrape(endpoint.url)[0])
+        return (after.num_running, after.num_waiting, after.kv_usage) == (0, 0, 0.0)
+
+    _wait_for(drained, "running, waiting and KV usage back to 0")
 
 
 def test_counters_and_histograms_move_per_request(

@@ -19,6 +19,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,7 +91,7 @@ limits:
   retry_backoff_ms: 5
 health:
   interval_ms: 200
-  timeout_ms: 2000
+  timeout_ms: 10000
   open_ms: 500
 auth:
   admin_token: {ADMIN_TOKEN}
@@ -118,15 +119,22 @@ def live(gateway: Gateway, vllm: VllmFleet) -> Gateway:
     _wait_for(
         lambda: all(row["state"] == "healthy" for row in gateway.rows().values()),
         "both replicas healthy",
+        gateway.rows,
     )
     gateway.use_policy("round_robin")
     return gateway
 
 
-def _wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = 60) -> None:
+def _wait_for(
+    predicate: Callable[[], bool],
+    what: str,
+    state: Callable[[], object] = lambda: None,
+    timeout_s: float = 60,
+) -> None:
+    """Poll every 50 ms; on timeout the message shows ``state()``, what was last seen."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}; saw {state()}"
         time.sleep(0.05)
 
 
@@ -170,22 +178,32 @@ def test_requests_are_routed_to_both_replicas_and_streamed(live: Gateway) -> Non
 
 
 def test_real_metrics_are_scraped_into_the_gateway(live: Gateway) -> None:
-    with live.client(max_retries=0) as client:
-        raw = client.completions.with_raw_response.create(
+    """Eight long streams through the gateway: its admin view shows what it scraped from
+    each replica's /metrics while they run (polled: vLLM's API server lags its engine on a
+    busy CPU), then both replicas idle again."""
+    seen: list[dict[str, dict[str, Any]]] = []
+
+    def scraped_busy() -> bool:
+        seen.append(live.rows())
+        return any(r["engine_running"] >= 1 and r["kv_usage"] > 0 for r in seen[-1].values())
+
+    def stream(client: openai.OpenAI) -> int:
+        chunks = client.completions.create(
             model=SERVED_NAME, prompt="a long story", max_tokens=900, stream=True,
             extra_body={"ignore_eos": True},
         )  # fmt: skip
-        url = _served_by(raw.headers)
-        stream = raw.parse()
-        chunks = iter(stream)
-        assert next(chunks).choices
-        _wait_for(
-            lambda: live.rows()[url]["engine_running"] == 1, "the gateway to scrape running=1"
-        )
-        row = live.rows()[url]
-        assert row["engine_waiting"] == 0 and row["kv_usage"] > 0 and row["scrape_error"] is None
-        assert sum(1 for _ in chunks) > 0
-    _wait_for(lambda: live.rows()[url]["engine_running"] == 0, "the gateway to scrape running=0")
+        return sum(1 for _ in chunks)
+
+    with live.client(max_retries=0) as client, ThreadPoolExecutor(8) as pool:
+        streams = [pool.submit(stream, client) for _ in range(8)]
+        _wait_for(scraped_busy, "a scrape with requests running and KV in use", lambda: seen[-1])
+        assert all(f.result() > 0 for f in streams)
+    assert all(r["scrape_error"] is None and r["engine_waiting"] == 0 for r in seen[-1].values())
+    _wait_for(
+        lambda: all(r["engine_running"] == 0 for r in live.rows().values()),
+        "the gateway to scrape both replicas idle",
+        live.rows,
+    )
 
 
 # -- prefix-aware routing against vLLM's own prefix cache --------------------------------
@@ -194,13 +212,13 @@ _SYLLABLES = ("ka", "lo", "mi", "ne", "so", "ru", "ta", "vi", "de", "po", "gu", 
 
 
 def _documents(tokenizer: Tokenizer, count: int, rng: random.Random) -> list[str]:
-    """``count`` unrelated texts of 600-700 tokens (distinct from their first token)."""
+    """``count`` unrelated texts of about 600 tokens; they differ within their first block."""
     documents = []
     for index in range(count):
         words = [f"Document {index} of the archive:"]
         while len(tokenizer.encode(" ".join(words)).ids) < 600:
             words.append("".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 4))))
-        documents.append(f"{rng.random():.6f} " + " ".join(words))
+        documents.append(" ".join(words))
     return documents
 
 
@@ -367,7 +385,7 @@ def test_a_killed_replica_loses_nothing_that_had_not_started_streaming(
     streams_started: list[str] = []  # the replica of each stream whose headers arrived
 
     async def one(client: openai.AsyncOpenAI, i: int) -> _Outcome:
-        streamed = i % 2 == 0
+        streamed = i % 4 < 2  # S S N N: under round robin each replica gets both kinds
         raw = await client.completions.with_raw_response.create(
             model=SERVED_NAME, prompt=f"request {i}", max_tokens=output_tokens, stream=streamed,
             extra_body={"ignore_eos": True},
@@ -394,8 +412,9 @@ def test_a_killed_replica_loses_nothing_that_had_not_started_streaming(
             tasks = [asyncio.create_task(one(client, i)) for i in range(24)]
             await asyncio.to_thread(
                 _wait_for,
-                lambda: victim.url in streams_started and live.rows()[victim.url]["in_flight"] >= 4,
-                "a stream started and requests in flight on the victim",
+                lambda: victim.url in streams_started,
+                "a stream started on the victim",
+                lambda: (streams_started, live.rows()),
             )
             victim.kill()
             return list(await asyncio.gather(*tasks))
