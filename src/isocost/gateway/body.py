@@ -75,6 +75,8 @@ def decode_body(body: bytes, *, chat: bool, block_tokens: int) -> RoutingView:
         raise BodyError(text, param) from None
     except msgspec.DecodeError as exc:
         raise BodyError(f"request body is not valid JSON: {exc}") from None
+    except UnicodeDecodeError:  # msgspec raises it for invalid UTF-8 inside a JSON string
+        raise BodyError("request body is not valid UTF-8") from None
     max_tokens = parsed.max_completion_tokens or parsed.max_tokens
     if max_tokens is not None and max_tokens < 1:
         raise BodyError("max_tokens must be at least 1", "max_tokens")
