@@ -296,7 +296,7 @@ class Router:
             if decision.outcome is Outcome.ADMIT:
                 assert decision.replica_id is not None
                 replica = self._by_id[decision.replica_id]
-                self.replicas.on_dispatch(view, replica.name, now)
+                self.replicas.on_dispatch(view, replica.name, now, decision=decision)
                 replica.num_in_flight += 1
                 if queued:
                     self._wake(request.pool.model)  # pass the turn on while capacity lasts

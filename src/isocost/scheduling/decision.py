@@ -20,6 +20,8 @@ from enum import StrEnum
 import numpy as np
 import numpy.typing as npt
 
+from isocost.scheduling.predict import RawTimes
+
 __all__ = ["Decision", "Explanation", "Outcome", "RejectReason"]
 
 
@@ -79,6 +81,7 @@ class Decision:
     predicted_output_tokens: int | None = None
     cached_tokens: int = 0  # predicted prefix-cache hit on the chosen replica
     explanation: Explanation | None = None
+    raw_times: RawTimes | None = None  # the chosen replica's, uncorrected (for on_dispatch)
 
     @property
     def admitted(self) -> bool:

@@ -21,8 +21,11 @@ the candidate slots ``ctx.idx``):
 
 The decision carries every scorer's clamped scores (the explanation) and the predicted
 TTFT / end-to-end time / output length on the chosen replica, from the same cost model
-that equal-cost prices with, whatever the policy. Hot-path outcomes are values; nothing
-here raises on a request.
+that equal-cost prices with, whatever the policy. Predictions are computed lazily: every
+candidate's only when a plugin or SLO admission reads ``ctx.prediction``, otherwise the
+chosen replica's alone, in Python floats (``ReplicaSet.predict_one``); its uncorrected
+times ride on the decision (``raw_times``) so that ``ReplicaSet.on_dispatch`` need not
+compute them again. Hot-path outcomes are values; nothing here raises on a request.
 
 Plugins are registered by a stable type string (``scheduling.plugins``); stateful plugins
 additionally implement ``on_dispatch`` / ``on_first_token`` / ``on_complete`` (the
@@ -142,6 +145,11 @@ class Context:
         return self.replicas.prefix.match_replica(slot, self.request.block_hashes)
 
     @property
+    def priced(self) -> bool:
+        """Whether ``prediction`` has been computed for the candidates."""
+        return self._prediction is not None
+
+    @property
     def prediction(self) -> Prediction:
         if self._prediction is None:
             r, idx = self.replicas, self.idx
@@ -155,18 +163,6 @@ class Context:
                 r.itl_factor[idx],
             )
         return self._prediction
-
-    def prediction_at(self, position: int) -> Prediction:
-        """The prediction for one candidate, without pricing all of them if not yet done."""
-        keep = np.zeros(self.idx.size, dtype=bool)
-        keep[position] = True
-        if self._prediction is not None:
-            return _take_prediction(self._prediction, keep)
-        one = Context(
-            self.request, self.replicas, self.now, self.rng, self.idx[keep], self.route_class
-        )
-        one._cached = np.array([float(self.cached_blocks_at(position))])
-        return one.prediction
 
     @property
     def request_hash(self) -> int:
@@ -333,19 +329,32 @@ class Policy:
             weights[label] = weight
             total += weight * clamped
         chosen = self.picker.pick(ctx, total)
-        prediction = ctx.prediction_at(chosen)
-        cached_tokens = ctx.cached_blocks_at(chosen) * replicas.block_tokens
+        slot = int(ctx.idx[chosen])
+        cached_tokens = min(
+            ctx.cached_blocks_at(chosen) * replicas.block_tokens, request.prompt_tokens
+        )
+        chosen_times = replicas.predict_one(
+            slot, now, request.prompt_tokens, cached_tokens, ctx.expected_output_tokens
+        )
+        if ctx.priced:  # the policy priced every candidate: report the same figures
+            ttft_s = float(ctx.prediction.ttft_s[chosen])
+            e2e_s = float(ctx.prediction.e2e_s[chosen])
+        else:
+            ttft_s, e2e_s = chosen_times.corrected(
+                float(replicas.ttft_factor[slot]), float(replicas.itl_factor[slot])
+            )
         ids = replicas.ids[ctx.idx]
         return Decision(
             Outcome.ADMIT,
             self.name,
             replica_id=str(ids[chosen]),
             route_class=route.name,
-            predicted_ttft_s=float(prediction.ttft_s[0]),
-            predicted_e2e_s=float(prediction.e2e_s[0]),
+            predicted_ttft_s=ttft_s,
+            predicted_e2e_s=e2e_s,
             predicted_output_tokens=ctx.expected_output_tokens,
-            cached_tokens=min(cached_tokens, request.prompt_tokens),
+            cached_tokens=cached_tokens,
             explanation=Explanation(tuple(ids.tolist()), scores, weights, total, notes),
+            raw_times=chosen_times,
         )
 
     def _reject(self, reason: RejectReason, route_class: str, retry_after_s: float) -> Decision:

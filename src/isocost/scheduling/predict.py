@@ -14,19 +14,29 @@ coefficients (``timing``)::
 ``kv_wait`` is the time for running requests to free the KV tokens the prompt lacks:
 running requests free their ``K`` tokens over their mean remaining time
 ``mean_remaining_s = (R / b) * T_step(b, K)`` (``R`` = their remaining decode tokens).
-Every function is vectorised over the replica slots in ``idx``.
+``predict`` is vectorised over the replica slots in ``idx``; ``predict_one`` evaluates the same
+formulas (``_times``) on Python floats for one replica (the chosen one), where numpy's
+per-call overhead would dominate.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from isocost.scheduling.timing import CoefficientArrays, FloatArray, decode_step_s, prefill_s
+from isocost.scheduling.timing import (
+    CoefficientArrays,
+    FloatArray,
+    StepCoefficients,
+    decode_step_s,
+    prefill_s,
+)
 
-__all__ = ["Load", "Prediction", "predict"]
+__all__ = ["Load", "Prediction", "RawTimes", "predict", "predict_one"]
 
 IndexArray = npt.NDArray[np.int64]
 
@@ -73,6 +83,42 @@ class Prediction:
         return np.asarray(self.ttft_s + self.decode_s, dtype=np.float64)
 
 
+@dataclass(frozen=True, slots=True)
+class RawTimes:
+    """One replica's predicted times for one request, uncorrected (correction factors 1)."""
+
+    wait_s: float
+    prefill_s: float
+    step_s: float  # one decode step with the request in the batch
+    base_step_s: float  # one decode step without it
+    output_tokens: float
+
+    @property
+    def ttft_s(self) -> float:
+        return self.wait_s + self.prefill_s
+
+    def corrected(self, ttft_factor: float, itl_factor: float) -> tuple[float, float]:
+        """(TTFT, end-to-end) with the replica's correction factors, as ``predict`` has them."""
+        ttft = ttft_factor * (self.wait_s + self.prefill_s)
+        return ttft, ttft + itl_factor * self.output_tokens * self.step_s
+
+
+def predict_one(
+    coef: StepCoefficients,
+    load: tuple[float, float, float, float, float, float],
+    prompt_tokens: float,
+    cached_tokens: float,
+    output_tokens: float,
+) -> RawTimes:
+    """The module formulas for one replica; ``load`` is (running, context, queued prefill,
+    remaining decode, KV used, KV capacity) tokens as in ``Load``."""
+    n, m = float(prompt_tokens), float(output_tokens)
+    wait, pre, step, base_step = _times(
+        coef.prefill_s, coef.decode_step_s, max, min, _if, *load, n, float(cached_tokens), m
+    )
+    return RawTimes(wait, pre, step, base_step, m)
+
+
 def predict(
     coef: CoefficientArrays,
     load: Load,
@@ -85,22 +131,70 @@ def predict(
     """The module formulas for every replica of ``load`` (``cached_tokens`` aligned to it)."""
     idx = load.idx
     n, m = float(prompt_tokens), float(output_tokens)
-    b, k = load.running, load.context_tokens
-    base_step = decode_step_s(coef, np.maximum(b, 1.0), k, idx)
-    mean_remaining_s = load.remaining_decode_tokens / np.maximum(b, 1.0) * base_step
-    shortfall = np.maximum(load.kv_used_tokens + n - load.kv_capacity_tokens, 0.0)
-    kv_wait = np.where(k > 0, shortfall * mean_remaining_s / np.maximum(k, 1.0), 0.0)
-    wait = prefill_s(coef, load.queued_prefill_tokens, 0.0, idx) + kv_wait
-    cached = np.minimum(cached_tokens, max(n - 1.0, 0.0))  # the last token is always computed
-    pre = prefill_s(coef, n - cached, cached, idx)
-    ttft = ttft_factor * (wait + pre)
-    step = decode_step_s(coef, b + 1.0, k + n + m / 2.0, idx)
+
+    def pre(new: Any, cached: Any) -> FloatArray:
+        return prefill_s(coef, new, cached, idx)
+
+    def step(batch: Any, context: Any) -> FloatArray:
+        return decode_step_s(coef, batch, context, idx)
+
+    wait, pre_s, own_step, base_step = _times(
+        pre,
+        step,
+        np.maximum,
+        np.minimum,
+        np.where,
+        load.running,
+        load.context_tokens,
+        load.queued_prefill_tokens,
+        load.remaining_decode_tokens,
+        load.kv_used_tokens,
+        load.kv_capacity_tokens,
+        n,
+        cached_tokens,
+        m,
+    )
     return Prediction(
         wait_s=np.asarray(ttft_factor * wait, dtype=np.float64),
-        prefill_s=np.asarray(ttft_factor * pre, dtype=np.float64),
-        ttft_s=np.asarray(ttft, dtype=np.float64),
-        step_s=step,
+        prefill_s=np.asarray(ttft_factor * pre_s, dtype=np.float64),
+        ttft_s=np.asarray(ttft_factor * (wait + pre_s), dtype=np.float64),
+        step_s=own_step,
         base_step_s=base_step,
-        decode_s=np.asarray(itl_factor * m * step, dtype=np.float64),
+        decode_s=np.asarray(itl_factor * m * own_step, dtype=np.float64),
         output_tokens=m,
     )
+
+
+def _if(condition: bool, then: float, otherwise: float) -> float:
+    return then if condition else otherwise
+
+
+_Fn = Callable[..., Any]
+
+
+def _times(
+    pre: _Fn,
+    step: _Fn,
+    maximum: _Fn,
+    minimum: _Fn,
+    where: _Fn,
+    running: Any,
+    context: Any,
+    queued_prefill: Any,
+    remaining_decode: Any,
+    kv_used: Any,
+    kv_capacity: Any,
+    n: float,
+    cached_tokens: Any,
+    m: float,
+) -> tuple[Any, Any, Any, Any]:
+    """(wait, prefill, step, base step), uncorrected, on floats or arrays alike."""
+    b, k = running, context
+    base_step = step(maximum(b, 1.0), k)
+    mean_remaining_s = remaining_decode / maximum(b, 1.0) * base_step
+    shortfall = maximum(kv_used + n - kv_capacity, 0.0)
+    kv_wait = where(k > 0, shortfall * mean_remaining_s / maximum(k, 1.0), 0.0)
+    wait = pre(queued_prefill, 0.0) + kv_wait
+    cached = minimum(cached_tokens, max(n - 1.0, 0.0))  # the last token is always computed
+    prefill = pre(n - cached, cached)
+    return wait, prefill, step(b + 1.0, k + n + m / 2.0), base_step

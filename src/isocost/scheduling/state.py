@@ -12,7 +12,7 @@ Who calls what (the gateway and the cluster simulator do exactly the same)::
                           session_key="user-7", deadline_s=now + 2.0, arrival_s=now)
     decision = policy.schedule(request, replicas, now)     # a value, never raises
     if decision.outcome is Outcome.ADMIT:
-        replicas.on_dispatch(request, decision.replica_id, now)
+        replicas.on_dispatch(request, decision.replica_id, now, decision=decision)
         ...  replicas.on_first_token("req-1", t1)           # first streamed token
         ...  replicas.on_tokens("req-1", 8, t2)             # optional: progress while streaming
         ...  replicas.on_complete("req-1", t3, ok=True, output_tokens=201)
@@ -58,9 +58,9 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -69,14 +69,12 @@ from isocost.core.costmodel import CostModel
 from isocost.core.errors import UnknownEntryError
 from isocost.prefix.index import PrefixIndex
 from isocost.scheduling.estimate import OutputLengthEstimator
-from isocost.scheduling.predict import IndexArray, Load, predict
-from isocost.scheduling.timing import (
-    CoefficientArrays,
-    FloatArray,
-    StepCoefficients,
-    decode_step_s,
-    prefill_s,
-)
+from isocost.scheduling.predict import IndexArray, Load, RawTimes
+from isocost.scheduling.predict import predict_one as _predict_one
+from isocost.scheduling.timing import CoefficientArrays, FloatArray, StepCoefficients
+
+if TYPE_CHECKING:
+    from isocost.scheduling.decision import Decision
 
 __all__ = [
     "EngineMetrics",
@@ -200,12 +198,13 @@ class ShadowListener(Protocol):
 class ReplicaState:
     """Read view of one replica: its spec, in-flight requests and shadow numbers."""
 
-    __slots__ = ("_set", "in_flight", "metrics", "scrape_s", "slot", "spec")
+    __slots__ = ("_set", "coefficients", "in_flight", "metrics", "scrape_s", "slot", "spec")
 
     def __init__(self, replica_set: ReplicaSet, spec: ReplicaSpec, slot: int) -> None:
         self._set = replica_set
         self.spec = spec
         self.slot = slot
+        self.coefficients = StepCoefficients.fit(spec.cost_model)  # its timing, fitted once
         self.in_flight: dict[str, InFlight] = {}
         self.metrics: EngineMetrics | None = None  # latest scrape
         self.scrape_s: float | None = None  # when it was taken
@@ -357,7 +356,7 @@ class ReplicaSet:
         self._states[slot] = state
         self._by_id[spec.replica_id] = state
         cm = spec.cost_model
-        self.coef.set(slot, StepCoefficients.fit(cm))
+        self.coef.set(slot, state.coefficients)
         self.salt[slot] = np.uint64(stable_hash64(spec.replica_id))
         self.ids[slot] = spec.replica_id
         for name in _ARRAYS_FLOAT:
@@ -458,28 +457,36 @@ class ReplicaSet:
 
     # -- hooks -----------------------------------------------------------------------
 
-    def on_dispatch(self, request: RequestView, replica_id: str, now: float) -> InFlight:
-        """``request`` was sent to ``replica_id`` at ``now``."""
+    def on_dispatch(
+        self,
+        request: RequestView,
+        replica_id: str,
+        now: float,
+        *,
+        decision: Decision | None = None,
+    ) -> InFlight:
+        """``request`` was sent to ``replica_id`` at ``now``.
+
+        ``decision``: the ADMIT decision that chose ``replica_id`` for ``request`` at this
+        same ``now``; its cached tokens and predicted times are reused instead of computed
+        again (the result is the same).
+        """
         state = self.get(replica_id)
         if request.request_id in self._requests:
             raise ValueError(f"request {request.request_id!r} is already in flight")
         slot = state.slot
         route_class = request.route_class or ""
         expected = self.estimator.expected_tokens(request.model, route_class, request.max_tokens)
-        cached = min(
-            self.prefix.match_replica(slot, request.block_hashes) * self.block_tokens,
-            request.prompt_tokens,
-        )
-        idx = np.array([slot], dtype=np.int64)
-        prediction = predict(
-            self.coef,
-            self.load(now, idx),
-            request.prompt_tokens,
-            np.array([float(cached)]),
-            expected,
-            np.ones(1),
-            np.ones(1),
-        )
+        known = decision.raw_times if decision and decision.replica_id == replica_id else None
+        if decision is not None and known is not None:
+            cached = decision.cached_tokens
+        else:
+            cached = min(
+                self.prefix.match_replica(slot, request.block_hashes) * self.block_tokens,
+                request.prompt_tokens,
+            )
+        if known is None or known.output_tokens != expected:
+            known = self.predict_one(slot, now, request.prompt_tokens, cached, expected)
         record = InFlight(
             request_id=request.request_id,
             replica_id=replica_id,
@@ -490,10 +497,10 @@ class ReplicaSet:
             cached_tokens=cached,
             expected_output_tokens=expected,
             dispatch_s=now,
-            predicted_ttft_s=float(prediction.ttft_s[0]),
-            predicted_step_s=float(prediction.step_s[0]),
+            predicted_ttft_s=known.ttft_s,
+            predicted_step_s=known.step_s,
             max_tokens=request.max_tokens,
-            predicted_wait_s=float(prediction.wait_s[0]),
+            predicted_wait_s=known.wait_s,
         )
         self._requests[request.request_id] = record
         state.in_flight[request.request_id] = record
@@ -589,7 +596,7 @@ class ReplicaSet:
 
     # -- derived load ----------------------------------------------------------------
 
-    def freshness(self, now: float, idx: IndexArray) -> FloatArray:
+    def freshness(self, now: float, idx: IndexArray | int) -> FloatArray:
         """Weight of each slot's latest scrape: ``exp(-age / staleness_tau_s)``, 0 if none."""
         age = np.maximum(now - self.scrape_s[idx], 0.0)
         return np.asarray(np.exp(-age / self.staleness_tau_s), dtype=np.float64)
@@ -601,25 +608,38 @@ class ReplicaSet:
 
     def load(self, now: float, idx: IndexArray) -> Load:
         """Effective load of the slots ``idx`` at ``now`` (local state plus fresh scrapes)."""
-        fresh = self.freshness(now, idx)
-        foreign_waiting = fresh * self.foreign_waiting[idx]
-        foreign_running = fresh * self.foreign_running[idx]
-        capacity = self.kv_capacity_tokens[idx]
+        return Load(idx, *self._effective(now, idx, np.maximum))
+
+    def predict_one(
+        self, slot: int, now: float, prompt_tokens: int, cached_tokens: int, output_tokens: float
+    ) -> RawTimes:
+        """Uncorrected predicted times of one request on the replica in ``slot`` at ``now``
+        (``predict`` for one replica, in Python floats: no numpy overhead per call)."""
+        _, running, queued, context, remaining, kv_used, kv_capacity = self._effective(
+            now, slot, max
+        )
+        load = (running, context, queued, remaining, kv_used, kv_capacity)
+        coefficients = self.state_at(slot).coefficients
+        return _predict_one(coefficients, load, prompt_tokens, cached_tokens, output_tokens)
+
+    def _effective(
+        self, now: float, key: IndexArray | int, maximum: Callable[[Any, Any], Any]
+    ) -> tuple[Any, Any, Any, Any, Any, Any, Any]:
+        """``Load``'s fields but ``idx``, for the slots ``key`` (arrays) or one slot (floats)."""
+        fresh = self.freshness(now, key)
+        foreign_waiting = fresh * self.foreign_waiting[key]
+        foreign_running = fresh * self.foreign_running[key]
+        capacity = self.kv_capacity_tokens[key]
         mean_out = self.mean_output_tokens
-        return Load(
-            idx=idx,
-            waiting=self.local_waiting[idx] + foreign_waiting,
-            running=self.local_running[idx] + foreign_running,
-            queued_prefill_tokens=self.local_queued_prefill_tokens[idx]
-            + foreign_waiting * self.mean_prompt_tokens,
-            context_tokens=self.local_context_tokens[idx]
+        return (
+            self.local_waiting[key] + foreign_waiting,
+            self.local_running[key] + foreign_running,
+            self.local_queued_prefill_tokens[key] + foreign_waiting * self.mean_prompt_tokens,
+            self.local_context_tokens[key]
             + foreign_running * (self.mean_prompt_tokens + mean_out / 2.0),
-            remaining_decode_tokens=self.local_remaining_tokens[idx]
-            + (foreign_running + foreign_waiting) * mean_out / 2.0,
-            kv_used_tokens=np.maximum(
-                self.local_kv_tokens[idx], fresh * self.scraped_kv_usage[idx] * capacity
-            ),
-            kv_capacity_tokens=capacity,
+            self.local_remaining_tokens[key] + (foreign_running + foreign_waiting) * mean_out / 2.0,
+            maximum(self.local_kv_tokens[key], fresh * self.scraped_kv_usage[key] * capacity),
+            capacity,
         )
 
     # -- internals -------------------------------------------------------------------
@@ -658,19 +678,15 @@ class ReplicaSet:
 
     def _step_now(self, slot: int, now: float) -> float:
         """Uncorrected decode step of the slot's current batch (what its streams now see)."""
-        idx = np.array([slot], dtype=np.int64)
-        load = self.load(now, idx)
-        return float(
-            decode_step_s(self.coef, np.maximum(load.running, 1.0), load.context_tokens, idx)[0]
-        )
+        _, running, _, context, *_ = self._effective(now, slot, max)
+        return self.state_at(slot).coefficients.decode_step_s(max(running, 1.0), context)
 
     def _prefill_stall_s(self, record: InFlight) -> float:
         """Time the record's stream stalled for other requests' prefills since its last
         observed token (those whose first token arrived meanwhile); moves the mark."""
         slot = record.slot
         done = float(self.prefill_done_tokens[slot])
-        idx = np.array([slot], dtype=np.int64)
-        stall = float(prefill_s(self.coef, done - record.prefill_mark, 0.0, idx)[0])
+        stall = self.state_at(slot).coefficients.prefill_s(done - record.prefill_mark, 0.0)
         record.prefill_mark = done
         return stall
 

@@ -24,11 +24,19 @@ Both lines include the host and tensor-parallel overheads. The fit is exact at i
 points and within a few percent elsewhere for dense models (tested); for MoE models the
 memory line is linear in ``b`` where the true expert-read fraction is concave, so it
 over-prices large memory-bound batches slightly.
+
+Each formula is written once (``_t_pre``, ``_t_step``) over operands that are either numpy
+arrays (``prefill_s`` / ``decode_step_s``: every replica at once) or Python floats
+(``StepCoefficients.prefill_s`` / ``.decode_step_s``: one replica, where numpy's per-call
+overhead would cost more than the arithmetic); both give bit-identical results.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -85,6 +93,37 @@ class StepCoefficients:
             decode_per_seq_memory_s=mb,
             decode_compute_fixed_s=c1 - cb * _BC1,
             decode_per_seq_compute_s=cb,
+        )
+
+    def prefill_s(self, new_tokens: float, cached_tokens: float) -> float:
+        """``T_pre`` of this replica (0 when there is nothing new to prefill)."""
+        return float(
+            _t_pre(
+                max(new_tokens, 0.0),
+                cached_tokens,
+                float(max(self.prefill_chunk_tokens, 1)),
+                self.prefill_per_chunk_s,
+                self.prefill_per_token_s,
+                self.prefill_per_pair_s,
+                self.prefill_floor_s,
+                max,
+                math.ceil,
+            )
+        )
+
+    def decode_step_s(self, batch: float, context_tokens: float) -> float:
+        """``T_step`` of this replica (callers pass ``batch >= 1``)."""
+        return float(
+            _t_step(
+                batch,
+                context_tokens,
+                self.decode_fixed_s,
+                self.decode_per_context_token_s,
+                self.decode_per_seq_memory_s,
+                self.decode_compute_fixed_s,
+                self.decode_per_seq_compute_s,
+                max,
+            )
         )
 
 
@@ -146,14 +185,18 @@ def prefill_s(
     idx: npt.NDArray[np.int64] | slice = slice(None),
 ) -> FloatArray:
     """``T_pre`` per replica in ``idx`` (0 where there is nothing new to prefill)."""
-    n = np.maximum(new_tokens, 0.0)
-    chunks = np.ceil(n / coef.chunk_tokens[idx])
-    compute = (
-        chunks * coef.per_chunk_s[idx]
-        + n * coef.per_token_s[idx]
-        + n * (cached_tokens + n / 2.0) * coef.per_pair_s[idx]
+    out = _t_pre(
+        np.maximum(new_tokens, 0.0),
+        cached_tokens,
+        coef.chunk_tokens[idx],
+        coef.per_chunk_s[idx],
+        coef.per_token_s[idx],
+        coef.per_pair_s[idx],
+        coef.floor_s[idx],
+        np.maximum,
+        np.ceil,
     )
-    return np.asarray(np.maximum(compute, chunks * coef.floor_s[idx]), dtype=np.float64)
+    return np.asarray(out, dtype=np.float64)
 
 
 def decode_step_s(
@@ -163,10 +206,49 @@ def decode_step_s(
     idx: npt.NDArray[np.int64] | slice = slice(None),
 ) -> FloatArray:
     """``T_step`` per replica in ``idx`` (callers pass ``batch >= 1``)."""
-    memory = (
-        coef.decode_fixed_s[idx]
-        + context_tokens * coef.per_context_token_s[idx]
-        + batch * coef.per_seq_memory_s[idx]
+    out = _t_step(
+        batch,
+        context_tokens,
+        coef.decode_fixed_s[idx],
+        coef.per_context_token_s[idx],
+        coef.per_seq_memory_s[idx],
+        coef.compute_fixed_s[idx],
+        coef.per_seq_compute_s[idx],
+        np.maximum,
     )
-    compute = coef.compute_fixed_s[idx] + batch * coef.per_seq_compute_s[idx]
-    return np.asarray(np.maximum(memory, compute), dtype=np.float64)
+    return np.asarray(out, dtype=np.float64)
+
+
+# The formulas, on floats or arrays alike (``maximum``/``ceil`` of the operands' kind).
+_Max = Callable[[Any, Any], Any]
+
+
+def _t_pre(
+    n: Any,
+    cached: Any,
+    chunk: Any,
+    per_chunk: Any,
+    per_token: Any,
+    per_pair: Any,
+    floor: Any,
+    maximum: _Max,
+    ceil: Callable[[Any], Any],
+) -> Any:
+    chunks = ceil(n / chunk)
+    compute = chunks * per_chunk + n * per_token + n * (cached + n / 2.0) * per_pair
+    return maximum(compute, chunks * floor)
+
+
+def _t_step(
+    batch: Any,
+    context: Any,
+    fixed: Any,
+    per_context: Any,
+    per_seq_memory: Any,
+    compute_fixed: Any,
+    per_seq_compute: Any,
+    maximum: _Max,
+) -> Any:
+    memory = fixed + context * per_context + batch * per_seq_memory
+    compute = compute_fixed + batch * per_seq_compute
+    return maximum(memory, compute)

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+from random import Random
+
 import numpy as np
 import pytest
 from conftest import MODEL, Factory, cost_model
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from isocost.scheduling.state import EngineMetrics, ReplicaSpec, RequestView
+from isocost.scheduling.policies import build_policy
+from isocost.scheduling.predict import predict
+from isocost.scheduling.state import EngineMetrics, ReplicaSet, ReplicaSpec, RequestView
 from isocost.scheduling.timing import StepCoefficients
 
 
@@ -127,3 +133,79 @@ def test_itl_factor_is_not_fooled_by_prefill_stalls(make_replicas: Factory) -> N
     # The stream took over twice its 100 decode steps, all of it explained by the prefill.
     assert replicas.get("r0").itl_factor == pytest.approx(1.0, abs=0.1)
     assert end - stream.first_token_s > 2 * 100 * stream.predicted_step_s  # a real stall
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    sent=st.lists(
+        st.tuples(st.integers(0, 2), st.integers(1, 20_000), st.integers(0, 40), st.booleans()),
+        max_size=12,
+    ),
+    scrape=st.tuples(st.integers(0, 64), st.integers(0, 64), st.floats(0.0, 1.0)),
+    scrape_age_s=st.floats(0.0, 10.0),
+    prompt=st.integers(1, 40_000),
+    cached=st.integers(0, 40_000),
+    output=st.integers(1, 4096),
+)
+def test_one_replica_prediction_is_bit_identical_to_the_vector_one(
+    sent: list[tuple[int, int, int, bool]],
+    scrape: tuple[int, int, float],
+    scrape_age_s: float,
+    prompt: int,
+    cached: int,
+    output: int,
+) -> None:
+    """``predict_one`` (Python floats) and ``predict`` (numpy) are one formula, two forms."""
+    replicas = ReplicaSet()
+    for i, gpu in enumerate(("a100-80g", "h100-80g", "l40s-48g")):
+        replicas.add(ReplicaSpec(f"r{i}", MODEL, cost_model(gpu)))
+    for n, (slot, tokens, max_tokens, streaming) in enumerate(sent):
+        view = RequestView(f"q{n}", MODEL, tokens, block_hashes=(n,), max_tokens=max_tokens)
+        replicas.on_dispatch(view, f"r{slot}", 0.0)
+        if streaming:
+            replicas.on_tokens(f"q{n}", 3, 0.5)
+    replicas.apply_scrape("r1", EngineMetrics(scrape[0], scrape[1], scrape[2]), 1.0)
+    now = 1.0 + scrape_age_s
+    idx = np.arange(3, dtype=np.int64)
+    vector = predict(
+        replicas.coef,
+        replicas.load(now, idx),
+        prompt,
+        np.full(3, float(cached)),
+        output,
+        np.ones(3),
+        np.ones(3),
+    )
+    for slot in range(3):
+        one = replicas.predict_one(slot, now, prompt, cached, output)
+        assert one.wait_s == vector.wait_s[slot]
+        assert one.prefill_s == vector.prefill_s[slot]
+        assert one.ttft_s == vector.ttft_s[slot]
+        assert one.step_s == vector.step_s[slot]
+        assert one.base_step_s == vector.base_step_s[slot]
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "equal_cost"])
+def test_dispatch_with_the_decision_records_what_it_would_compute(
+    make_replicas: Factory, policy: str
+) -> None:
+    """Passing the decision to ``on_dispatch`` reuses its figures; the record is the same."""
+    records = []
+    for reuse in (False, True):
+        replicas = make_replicas(["a100-80g", "h100-80g", "l40s-48g"])
+        chooser = build_policy(policy, rng=Random(3))
+        replicas.add_listener(chooser)
+        for n in range(30):
+            view = RequestView(f"q{n}", MODEL, 500 + 97 * n, block_hashes=(n % 4, n), max_tokens=64)
+            decision = chooser.schedule(view, replicas, n * 0.05)
+            assert decision.replica_id is not None and decision.raw_times is not None
+            record = replicas.on_dispatch(
+                view, decision.replica_id, n * 0.05, decision=decision if reuse else None
+            )
+            records.append((reuse, record))
+            if n % 3 == 0:
+                replicas.on_tokens(f"q{n}", 2, n * 0.05 + 0.02)
+    plain = [r for reuse, r in records if not reuse]
+    reused = [r for reuse, r in records if reuse]
+    assert plain == reused
+    assert len({r.predicted_ttft_s for r in plain}) > 1  # the load moved the predictions
