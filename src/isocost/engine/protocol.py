@@ -2,7 +2,8 @@
 
 Requests decode with msgspec; fields the simulator does not use (temperature, top_p, ...)
 are accepted and ignored, as engines do. Every error is OpenAI's JSON shape
-``{"error": {"message", "type", "param", "code"}}`` carried by ``ApiError``.
+``{"error": {"message", "type", "param", "code"}}`` carried by ``ApiError``, the shared
+OpenAI error (``isocost.openai_api``) with the engine's default type.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import re
 from typing import Any, TypeVar
 
 import msgspec
+
+from isocost import openai_api
 
 __all__ = [
     "ApiError",
@@ -21,8 +24,9 @@ __all__ = [
 ]
 
 
-class ApiError(Exception):
-    """An OpenAI-style error response: HTTP status plus the error object's fields."""
+class ApiError(openai_api.ApiError):
+    """The engine's errors (``isocost.openai_api``), typed ``invalid_request_error`` unless
+    told otherwise, whatever the status."""
 
     def __init__(
         self,
@@ -33,22 +37,7 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
     ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type_
-        self.param = param
-        self.code = code
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
+        super().__init__(status, message, code=code, param=param, type_=type_)
 
 
 class StreamOptions(msgspec.Struct, frozen=True):

@@ -377,7 +377,7 @@ class Router:
         if error is None:
             waiter.set_result(None)
         else:
-            self.on_reject(error.code)
+            self.on_reject(error.code or "error")
             waiter.set_exception(error)
 
     def queue_depth(self, pool: str) -> int:
