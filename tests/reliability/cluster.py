@@ -77,10 +77,17 @@ def start_engine(port: int = 0, *extra: str) -> Proc:
 
 
 def config_text(
-    engine_urls: list[str], *, policy: str = "equal_cost", limits: str = "", keys: str = ""
+    engine_urls: list[str],
+    *,
+    policy: str = "equal_cost",
+    limits: str = "",
+    keys: str = "",
+    max_tokens: int = 4096,
+    gpu: str = "a100-80g",
+    idle_timeout_ms: int = 1500,
 ) -> str:
     """Fast health checks, short timeouts, an admin token and one API key."""
-    replicas = "\n".join(f"      - {{url: '{url}'}}" for url in engine_urls)
+    replicas = "\n".join(f"      - {{url: '{url}', gpu: {gpu}}}" for url in engine_urls)
     return f"""
 policy: {policy}
 scrape_interval_ms: 100
@@ -90,11 +97,11 @@ pools:
 {replicas}
 limits:
   max_body_bytes: 65536
-  max_tokens: 4096
+  max_tokens: {max_tokens}
   max_prompt_tokens: 8000
   retry_backoff_ms: 5
   body_timeout_ms: 1000
-  idle_timeout_ms: 1500
+  idle_timeout_ms: {idle_timeout_ms}
 {limits}
 health:
   interval_ms: 100
@@ -134,13 +141,27 @@ def start_cluster(
     limits: str = "",
     keys: str = "",
     gateway_args: tuple[str, ...] = (),
+    engine_args: tuple[str, ...] = (),
+    max_tokens: int = 4096,
+    gpu: str = "a100-80g",
+    idle_timeout_ms: int = 1500,
 ) -> Cluster:
     engines: list[Proc] = []
     try:
-        engines = [start_engine() for _ in range(num_engines)]
+        engines = [start_engine(0, *engine_args) for _ in range(num_engines)]
         config, log = tmp / "gateway.yaml", tmp / "gateway.log"
         urls = [e.url for e in engines]
-        config.write_text(config_text(urls, policy=policy, limits=limits, keys=keys))
+        config.write_text(
+            config_text(
+                urls,
+                policy=policy,
+                limits=limits,
+                keys=keys,
+                max_tokens=max_tokens,
+                gpu=gpu,
+                idle_timeout_ms=idle_timeout_ms,
+            )
+        )
         with log.open("a") as sink:
             args = ["serve", "--config", str(config), "--port", "0", *gateway_args]
             gateway = start(args, stderr=sink)

@@ -36,7 +36,8 @@ class Canary:
     """An HTTP server that counts every request it gets (it must get none)."""
 
     def __init__(self) -> None:
-        hits = self.hits = []
+        hits: list[str] = []
+        self.hits = hits
 
         class Handler(BaseHTTPRequestHandler):
             def _any(self) -> None:
