@@ -1,0 +1,47 @@
+"""Soak (opt-in: ``pytest -m soak``): minutes of steady load, no growth in memory or sockets.
+
+Four engines and a gateway under the load generator's steady Poisson load, in windows of
+``WINDOW_S``; after each window the gateway's RSS and open file descriptors are read from
+/proc. The first window warms caches and connection pools; from then on neither may grow
+beyond a small margin. ``ISOCOST_SOAK_S`` sets the length (default 180 s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+from cluster import API_KEY, MODEL, open_fds, rss_bytes, start_cluster
+
+from isocost.bench import BenchOptions, WorkloadSpec, build_workload, run_bench
+
+SOAK_S = float(os.environ.get("ISOCOST_SOAK_S", "180"))
+WINDOW_S = 15.0
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(SOAK_S + 120)
+def test_soak_keeps_memory_and_connections_flat(tmp_path: Path) -> None:
+    cluster = start_cluster(tmp_path, 4)
+    try:
+        pid = cluster.gateway.pid
+        samples: list[tuple[int, int]] = []
+        windows = max(3, round(SOAK_S / WINDOW_S))
+        for window in range(windows):
+            spec = WorkloadSpec(workload="mix", rate_rps=20, seed=window, max_prompt_tokens=512)
+            options = BenchOptions(
+                model=MODEL, max_tokens=64, duration_s=WINDOW_S, api_key=API_KEY, timeout_s=60
+            )
+            result = asyncio.run(
+                run_bench(cluster.gateway.url, build_workload(spec, False), options)
+            )
+            assert result.summary.errors == 0, result.summary.errors_by_kind
+            samples.append((rss_bytes(pid), open_fds(pid)))
+        print("soak (RSS MiB, fds) per window:", [(r >> 20, f) for r, f in samples])
+        warm_rss, warm_fds = samples[0]
+        assert max(r for r, _ in samples[1:]) - warm_rss < 24 * 2**20
+        assert max(f for _, f in samples[1:]) <= warm_fds + 8
+    finally:
+        cluster.close()
