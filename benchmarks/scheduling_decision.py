@@ -11,9 +11,12 @@ old one (``--old`` requests seen). Then the same ``--probes`` requests are sched
 both, alternating young/old so that the machine's load hits both alike; only ``schedule``
 is timed and probes are not dispatched. The table gives mean, median and p99 per fleet
 and old/young of the means: near 1 means the decision cost does not grow with requests
-seen. Run:
+seen. Then the same probes go through the old fleet once more, each as a whole request
+on the hot path as the gateway drives it: ``schedule``, ``on_dispatch`` (reusing the
+decision), ``on_first_token`` and ``on_complete``; the last column is their mean. Run:
 
     .venv/bin/python benchmarks/scheduling_decision.py --replicas 1000 --old 20000
+    .venv/bin/python benchmarks/scheduling_decision.py --replicas 3 --young 200 --old 2000
 
 Figures depend on the machine and its load; compare rows of one run.
 """
@@ -120,6 +123,21 @@ def _probe(fleets: tuple[Fleet, Fleet], probes: list[RequestView]) -> list[list[
     return timings
 
 
+def _hot_path(fleet: Fleet, probes: list[RequestView]) -> list[float]:
+    """Seconds per probe for schedule plus the shadow hooks of one whole request."""
+    timings = []
+    replicas, now = fleet.replicas, fleet.now
+    for request in probes:
+        start = time.perf_counter()
+        decision = fleet.policy.schedule(request, replicas, now)
+        if decision.replica_id is not None:
+            replicas.on_dispatch(request, decision.replica_id, now, decision=decision)
+            replicas.on_first_token(request.request_id, now)
+            replicas.on_complete(request.request_id, now, output_tokens=128)
+        timings.append(time.perf_counter() - start)
+    return timings
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replicas", type=int, default=1000)
@@ -143,6 +161,7 @@ def main() -> None:
         for stat in ("mean", "median", "p99"):
             table.add_column(f"{age} {stat} µs", justify="right")
     table.add_column("old/young mean", justify="right")
+    table.add_column("old + hooks mean µs", justify="right")
     for name in track(args.policies.split(","), description="policies"):
         young = _fed(name, args.replicas, history[: args.young], args.in_flight)
         old = _fed(name, args.replicas, history, args.in_flight)
@@ -156,6 +175,7 @@ def main() -> None:
             ):
                 cells.append(f"{value * 1e6:.0f}")
         cells.append(f"{statistics.fmean(timings[1]) / statistics.fmean(timings[0]):.2f}")
+        cells.append(f"{statistics.fmean(_hot_path(old, probes)) * 1e6:.0f}")
         table.add_row(*cells)
     Console().print(table)
 

@@ -37,9 +37,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from random import Random
-from typing import ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -108,11 +108,11 @@ class Context:
         """Keep only the candidates where ``keep`` is true (derived arrays follow)."""
         self.idx = self.idx[keep]
         if self._load is not None:
-            self._load = _take_load(self._load, keep)
+            self._load = _take(self._load, keep)
         if self._cached is not None:
             self._cached = self._cached[keep]
         if self._prediction is not None:
-            self._prediction = _take_prediction(self._prediction, keep)
+            self._prediction = _take(self._prediction, keep)
 
     @property
     def load(self) -> Load:
@@ -364,26 +364,11 @@ class Policy:
         )
 
 
-def _take_load(load: Load, keep: BoolArray) -> Load:
-    return Load(
-        idx=load.idx[keep],
-        waiting=load.waiting[keep],
-        running=load.running[keep],
-        queued_prefill_tokens=load.queued_prefill_tokens[keep],
-        context_tokens=load.context_tokens[keep],
-        remaining_decode_tokens=load.remaining_decode_tokens[keep],
-        kv_used_tokens=load.kv_used_tokens[keep],
-        kv_capacity_tokens=load.kv_capacity_tokens[keep],
-    )
+_T = TypeVar("_T", Load, Prediction)
 
 
-def _take_prediction(p: Prediction, keep: BoolArray) -> Prediction:
-    return Prediction(
-        wait_s=p.wait_s[keep],
-        prefill_s=p.prefill_s[keep],
-        ttft_s=p.ttft_s[keep],
-        step_s=p.step_s[keep],
-        base_step_s=p.base_step_s[keep],
-        decode_s=p.decode_s[keep],
-        output_tokens=p.output_tokens,
-    )
+def _take(arrays: _T, keep: BoolArray) -> _T:
+    """``arrays`` (a ``Load`` or ``Prediction``) with every array field narrowed to ``keep``."""
+    values = (getattr(arrays, f.name) for f in fields(arrays))
+    narrowed: list[Any] = [v[keep] if isinstance(v, np.ndarray) else v for v in values]
+    return type(arrays)(*narrowed)
