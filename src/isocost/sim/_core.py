@@ -10,12 +10,13 @@ push new events; the loop only pops and dispatches. Phases at one instant, in or
    completions travel back to the gateway, arriving ``network_delay_s`` later.
 2. ``HOOK``: the gateway sees a first token (``on_first_token``), a completion
    (``on_complete(ok=True, output_tokens=...)``) or a failed connection
-   (``on_complete(ok=False)``, then a retry); a completion lets the oldest queued request
+   (``on_complete(ok=False)``, then a retry); a completion lets the most urgent queued request
    try again (late binding).
 3. ``SCRAPE``: the gateway reads every engine's metrics (``apply_scrape``); between
    scrapes the shadow state knows engines only through its own hooks, as in the gateway.
 4. ``ARRIVAL``: a request reaches the gateway; ``policy.schedule(request, replicas, now)``
-   is called exactly as the gateway calls it. ADMIT: ``on_dispatch`` and the request
+   is called exactly as the gateway calls it (a retry excludes the replicas that failed
+   it). ADMIT: ``on_dispatch(decision=...)`` and the request
    reaches the replica ``network_delay_s`` later; QUEUE: it waits in an
    ``admission.RequestQueue`` until a completion or a scrape frees room, its deadline, or
    the queue timeout; REJECT: it ends rejected.
@@ -84,6 +85,7 @@ class RequestRecord:
     prefix_hit_tokens: int = 0  # engine prefix-cache hit at the last admission
     preemptions: int = 0
     rejected: str | None = None  # reason, when rejected
+    failed_on: tuple[str, ...] = ()  # replicas whose attempt broke: retries avoid them
 
     @property
     def settled(self) -> bool:
@@ -249,7 +251,7 @@ class Simulator:
     def _try_schedule(self, record: RequestRecord) -> None:
         """Schedule a new attempt of ``record``: dispatch, reject, or queue it."""
         view = self._view(record)
-        decision = self.policy.schedule(view, self.shadow, self._now)
+        decision = self.policy.schedule(view, self.shadow, self._now, exclude=record.failed_on)
         if decision.outcome is not Outcome.QUEUE:
             self._apply(record, view, decision)
             return
@@ -272,7 +274,7 @@ class Simulator:
         replica_id = decision.replica_id
         assert replica_id is not None
         now = self._now
-        self.shadow.on_dispatch(view, replica_id, now)
+        self.shadow.on_dispatch(view, replica_id, now, decision=decision)
         record.replica_id = replica_id
         record.attempts += 1
         self._attempts[view.request_id] = record
@@ -290,11 +292,13 @@ class Simulator:
             view = queue.peek()
             if view is None:
                 return
-            decision = self.policy.schedule(view, self.shadow, now)
+            record = self._queued[view.request_id]
+            decision = self.policy.schedule(view, self.shadow, now, exclude=record.failed_on)
             if decision.outcome is Outcome.QUEUE:
                 return
             queue.cancel(view.request_id)
-            self._apply(self._queued.pop(view.request_id), view, decision)
+            del self._queued[view.request_id]
+            self._apply(record, view, decision)
 
     def _on_hook(self, payload: object) -> None:
         kind, attempt_id, value = cast(_Hook, payload)
@@ -317,6 +321,8 @@ class Simulator:
             record = self._attempts.pop(attempt_id)
             self.shadow.on_complete(attempt_id, now, ok=False)
             record.first_token_s = None
+            if record.replica_id is not None:
+                record.failed_on = (*record.failed_on, record.replica_id)
             if value == "too_long" or record.attempts > self.max_retries:
                 self._reject(record, str(value))
             else:
