@@ -27,11 +27,9 @@ from dataclasses import dataclass
 
 import msgspec
 
-from isocost.scheduling.state import RequestView
+from isocost.scheduling.state import DEFAULT_CLASS, RequestView
 
 __all__ = ["DEFAULT_CLASS", "RouteClass", "RouteRule", "RouteTable"]
-
-DEFAULT_CLASS = "default"
 
 
 class RouteRule(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

@@ -77,6 +77,7 @@ if TYPE_CHECKING:
     from isocost.scheduling.decision import Decision
 
 __all__ = [
+    "DEFAULT_CLASS",
     "EngineMetrics",
     "InFlight",
     "ReplicaSet",
@@ -87,6 +88,7 @@ __all__ = [
     "stable_hash64",
 ]
 
+DEFAULT_CLASS = "default"  # the route class of a request no route rule claims
 _FACTOR_MIN, _FACTOR_MAX = 0.05, 20.0  # bounds of one observed/predicted ratio
 _BoolArray = npt.NDArray[np.bool_]
 
@@ -468,14 +470,19 @@ class ReplicaSet:
         """``request`` was sent to ``replica_id`` at ``now``.
 
         ``decision``: the ADMIT decision that chose ``replica_id`` for ``request`` at this
-        same ``now``; its cached tokens and predicted times are reused instead of computed
-        again (the result is the same).
+        same ``now``; its route class (as the policy's route table classified the request)
+        keys the output-length estimator, and its cached tokens and predicted times are
+        reused instead of computed again. Without it the class is ``request.route_class``,
+        else ``DEFAULT_CLASS``.
         """
         state = self.get(replica_id)
         if request.request_id in self._requests:
             raise ValueError(f"request {request.request_id!r} is already in flight")
         slot = state.slot
-        route_class = request.route_class or ""
+        # The class the policy classified it as: the estimator learns what schedule reads.
+        route_class = (
+            decision.route_class if decision is not None else request.route_class or DEFAULT_CLASS
+        )
         expected = self.estimator.expected_tokens(request.model, route_class, request.max_tokens)
         known = decision.raw_times if decision and decision.replica_id == replica_id else None
         if decision is not None and known is not None:

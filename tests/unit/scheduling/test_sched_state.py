@@ -209,3 +209,24 @@ def test_dispatch_with_the_decision_records_what_it_would_compute(
     reused = [r for reuse, r in records if reuse]
     assert plain == reused
     assert len({r.predicted_ttft_s for r in plain}) > 1  # the load moved the predictions
+
+
+@pytest.mark.parametrize("pass_decision", [False, True])
+def test_schedule_expects_the_output_lengths_completions_taught(
+    make_replicas: Factory, pass_decision: bool
+) -> None:
+    """The estimator learns under the class ``schedule`` reads (``default`` when no rule)."""
+    replicas = make_replicas(["a100-80g", "h100-80g"])
+    policy = build_policy("equal_cost", rng=Random(0))
+    replicas.add_listener(policy)
+    for n in range(60):
+        view = RequestView(f"q{n}", MODEL, 300, max_tokens=2048)
+        decision = policy.schedule(view, replicas, float(n))
+        assert decision.replica_id is not None
+        replicas.on_dispatch(
+            view, decision.replica_id, float(n), decision=decision if pass_decision else None
+        )
+        replicas.on_complete(f"q{n}", n + 0.5, output_tokens=40)
+    probe = policy.schedule(RequestView("probe", MODEL, 300, max_tokens=2048), replicas, 99.0)
+    assert probe.route_class == "default"
+    assert probe.predicted_output_tokens == 40
