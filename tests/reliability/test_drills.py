@@ -157,7 +157,7 @@ def test_slowed_replica_is_flagged_and_loses_traffic(tmp_path: Path) -> None:
         target = next(
             u for u, row in replica_rows(cluster.gateway).items() if row["name"] == preferred
         )
-        report = drill(cluster, target, fault="slow", slowdown=3.0, fault_s=4.0, settle_s=1.0)
+        report = drill(cluster, target, fault="slow", slowdown=3.0, fault_s=5.0, settle_s=1.0)
         assert report.detected_after_s is not None
         assert report.max_factor_ratio is not None and report.max_factor_ratio >= 1.5
         assert report.share_before is not None and report.share_during is not None
