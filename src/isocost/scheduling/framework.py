@@ -324,7 +324,7 @@ class Policy:
         total = np.zeros(ctx.idx.size)
         for label, scorer, weight in self.scorers:
             raw = np.asarray(scorer.score(ctx), dtype=np.float64)
-            clamped = np.clip(np.nan_to_num(raw, nan=0.0, posinf=1.0, neginf=0.0), 0.0, 1.0)
+            clamped = np.fmin(np.fmax(raw, 0.0), 1.0)  # NaN -> 0 (fmax drops NaN)
             scores[label] = clamped
             weights[label] = weight
             total += weight * clamped

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from collections import Counter
 from random import Random
+from typing import ClassVar
 
+import numpy as np
 import pytest
 from conftest import MODEL, Factory
 
 from isocost.core.errors import ConfigError, UnknownEntryError
+from isocost.scheduling.framework import Context, Policy
 from isocost.scheduling.plugins import PLUGIN_TYPES
+from isocost.scheduling.plugins.max_score import MaxScorePicker
 from isocost.scheduling.policies import (
     BUILTIN_POLICIES,
     build_policy,
@@ -18,6 +22,7 @@ from isocost.scheduling.policies import (
     parse_scheduling_yaml,
 )
 from isocost.scheduling.state import RequestView
+from isocost.scheduling.timing import FloatArray
 
 
 def _req(i: int, **kwargs: object) -> RequestView:
@@ -172,3 +177,22 @@ def test_each_policy_gets_its_own_stateful_plugins(make_replicas: Factory) -> No
     first, second = build_policy("round_robin"), build_policy("round_robin")
     assert first.schedule(_req(0), replicas, 0.0).replica_id == "r0"
     assert second.schedule(_req(0), replicas, 0.0).replica_id == "r0"
+
+
+class _WildScorer:
+    """Returns NaN, +inf, -inf and 0.5 for four candidates."""
+
+    type_name: ClassVar[str] = "wild-scorer"
+
+    def score(self, ctx: Context) -> FloatArray:
+        return np.array([np.nan, np.inf, -np.inf, 0.5])[: ctx.idx.size]
+
+
+def test_scores_are_clamped_nan_counting_as_zero(make_replicas: Factory) -> None:
+    replicas = make_replicas(["a100-80g"] * 4)
+    policy = Policy("wild", scorers=[("wild", _WildScorer(), 2.0)], picker=MaxScorePicker())
+    decision = policy.schedule(RequestView("q", MODEL, 100), replicas, 0.0)
+    assert decision.explanation is not None
+    assert decision.explanation.scores["wild"].tolist() == [0.0, 1.0, 0.0, 0.5]
+    assert decision.explanation.total.tolist() == [0.0, 2.0, 0.0, 1.0]
+    assert decision.replica_id == "r1"
