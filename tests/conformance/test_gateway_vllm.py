@@ -1,8 +1,9 @@
 """``isocost serve`` in front of two real vLLM CPU replicas (``make test-real``).
 
 The replicas are the session's pair (started once, see ``conftest.py``); the gateway is
-started once for this module with a round-robin default policy, switched per test through
-the admin API. What is checked is what only a real engine can show: its SSE relayed
+started once for this module and set per test through the admin API, except for the
+prefix comparison, which starts a fresh gateway (an empty prefix index) per policy. What
+is checked is what only a real engine can show: its SSE relayed
 through the gateway, its ``/metrics`` scraped into the gateway's view, its own prefix
 cache hit counter moved by prefix-aware routing, a real benchmark client
 (``vllm bench serve``) through the gateway, and a replica's whole process group killed
@@ -16,7 +17,6 @@ import json
 import random
 import subprocess
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
