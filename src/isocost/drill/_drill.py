@@ -71,6 +71,7 @@ class DrillOptions:
     model: str | None = None  # None: the first target's pool
     rate_rps: float = 8.0
     max_tokens: int = 32
+    stream: bool = True  # False: whole answers, held until the end (the gateway's total timeout)
     max_prompt_tokens: int = 512
     warmup_s: float = 3.0
     fault_s: float = 5.0
@@ -308,6 +309,7 @@ async def run_drill(
         bench_options = BenchOptions(
             model=options.model or rows[targets[0]]["pool"],
             max_tokens=options.max_tokens,
+            stream=options.stream,
             timeout_s=options.request_timeout_s,
             api_key=options.api_key,
             label=f"drill-{options.fault}",
