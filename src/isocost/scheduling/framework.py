@@ -333,16 +333,15 @@ class Policy:
         cached_tokens = min(
             ctx.cached_blocks_at(chosen) * replicas.block_tokens, request.prompt_tokens
         )
-        chosen_times = replicas.predict_one(
-            slot, now, request.prompt_tokens, cached_tokens, ctx.expected_output_tokens
-        )
-        if ctx.priced:  # the policy priced every candidate: report the same figures
-            ttft_s = float(ctx.prediction.ttft_s[chosen])
-            e2e_s = float(ctx.prediction.e2e_s[chosen])
+        if ctx.priced:  # the policy priced every candidate already
+            chosen_times = ctx.prediction.raw_at(chosen)
         else:
-            ttft_s, e2e_s = chosen_times.corrected(
-                float(replicas.ttft_factor[slot]), float(replicas.itl_factor[slot])
+            chosen_times = replicas.predict_one(
+                slot, now, request.prompt_tokens, cached_tokens, ctx.expected_output_tokens
             )
+        ttft_s, e2e_s = chosen_times.corrected(
+            float(replicas.ttft_factor[slot]), float(replicas.itl_factor[slot])
+        )
         ids = replicas.ids[ctx.idx]
         return Decision(
             Outcome.ADMIT,

@@ -77,10 +77,22 @@ class Prediction:
     base_step_s: FloatArray  # one decode step without it (uncorrected)
     decode_s: FloatArray
     output_tokens: float
+    uncorrected_wait_s: FloatArray
+    uncorrected_prefill_s: FloatArray
 
     @property
     def e2e_s(self) -> FloatArray:
         return np.asarray(self.ttft_s + self.decode_s, dtype=np.float64)
+
+    def raw_at(self, position: int) -> RawTimes:
+        """The uncorrected times of the replica at ``position`` (as ``predict_one`` has them)."""
+        return RawTimes(
+            float(self.uncorrected_wait_s[position]),
+            float(self.uncorrected_prefill_s[position]),
+            float(self.step_s[position]),
+            float(self.base_step_s[position]),
+            self.output_tokens,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +174,8 @@ def predict(
         base_step_s=base_step,
         decode_s=np.asarray(itl_factor * m * own_step, dtype=np.float64),
         output_tokens=m,
+        uncorrected_wait_s=np.asarray(wait, dtype=np.float64),
+        uncorrected_prefill_s=np.asarray(pre_s, dtype=np.float64),
     )
 
 
