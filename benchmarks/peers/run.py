@@ -10,8 +10,9 @@ round_robin and equal_cost) this script
    one-token completion (and, where the router can say so, lists every replica healthy);
 3. replays the same trace prefix at the same speed-up through it with ``isocost bench``'s
    Python API (open loop: requests go at their trace times whatever the router does);
-4. reads each replica's ``/metrics`` (requests served, prefix-cache hits), then stops the
-   router and the engines (process groups, SIGTERM then SIGKILL).
+4. reads each replica's ``/metrics`` (requests it finished, prefix-cache hits; the column
+   "finished on slowed" is the slowed replica's share of the requests the engines
+   finished), then stops the router and the engines (process groups, SIGTERM, SIGKILL).
 
 Peers run from PyPI in their own virtual environment, ``.venv-peers/`` (created once;
 a stamp file records the pinned versions). They get the replica URLs and their policy and
@@ -365,7 +366,7 @@ COLUMNS = (
     "E2E p99 ms",
     "goodput req/s",
     "prefix hits",
-    "on slowed replica",
+    "finished on slowed",
 )
 
 
@@ -454,7 +455,8 @@ def setup_lines(
         f"(wall clock; {args.slo_ttft_ms / args.time_scale:g} and "
         f"{args.slo_tpot_ms / args.time_scale:g} ms of modelled GPU time); requests time out "
         f"after {args.timeout:g} s; latencies are wall ms over completed requests only",
-        f"peers: {', '.join(PEER_REQUIREMENTS)} (PyPI); isocost is told each replica's GPU",
+        f"peers: {', '.join(PEER_REQUIREMENTS)} (PyPI); isocost {source_version()}, told each "
+        "replica's GPU",
     ]
 
 
@@ -581,6 +583,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     write_markdown(args.markdown, command, wall_s, setup, rows, ratio_text)
     console.print(f"written: {args.json}, {args.markdown}; logs in {args.log_dir}")
+
+
+def source_version() -> str:
+    """The commit measured, and whether ``src/`` had uncommitted changes then."""
+    git = ["git", "-C", str(ROOT)]
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run([*git, "status", "--porcelain", "src"], capture_output=True, text=True)
+    return head.stdout.strip() + (" with uncommitted changes in src/" if dirty.stdout else "")
 
 
 def _run_json(run: RouterRun) -> dict[str, Any]:
