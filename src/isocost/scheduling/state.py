@@ -38,7 +38,12 @@ time (1.0 = the cost model is right; 2.0 = this replica is twice as slow as its 
 A TTFT observation weighs by the prefill's share of its prediction (time queued says more
 about the queue model than about the replica); a stream's inter-token time is compared
 with its decode steps plus the prefills of the requests that started streaming meanwhile
-(each prefill stalls every running stream).
+(each prefill stalls every running stream). Waiting is evidence too: ``ttft_factor_at``
+raises a replica's TTFT factor to (elapsed / predicted) of its oldest request still
+awaiting a first token, so a replica that slowed down is priced before it answers.
+The prefix index remembers what was routed, not what the engine holds: a replica's
+entries are forgotten when it comes back healthy and when a scrape's cumulative
+prefix-cache counters go backwards (the engine restarted with an empty cache).
 Expected output lengths come from an online estimator per (model, route class), fed by
 ``on_complete``.
 
@@ -200,7 +205,16 @@ class ShadowListener(Protocol):
 class ReplicaState:
     """Read view of one replica: its spec, in-flight requests and shadow numbers."""
 
-    __slots__ = ("_set", "coefficients", "in_flight", "metrics", "scrape_s", "slot", "spec")
+    __slots__ = (
+        "_set",
+        "awaiting",
+        "coefficients",
+        "in_flight",
+        "metrics",
+        "scrape_s",
+        "slot",
+        "spec",
+    )
 
     def __init__(self, replica_set: ReplicaSet, spec: ReplicaSpec, slot: int) -> None:
         self._set = replica_set
@@ -208,6 +222,7 @@ class ReplicaState:
         self.slot = slot
         self.coefficients = StepCoefficients.fit(spec.cost_model)  # its timing, fitted once
         self.in_flight: dict[str, InFlight] = {}
+        self.awaiting: dict[str, InFlight] = {}  # no first token yet, in dispatch order
         self.metrics: EngineMetrics | None = None  # latest scrape
         self.scrape_s: float | None = None  # when it was taken
 
@@ -266,6 +281,8 @@ _ARRAYS_FLOAT = (
     "ttft_factor",
     "itl_factor",
     "prefill_done_tokens",
+    "awaiting_since_s",
+    "awaiting_ttft_s",
 )
 _ARRAYS_BOOL = ("active", "healthy", "draining")
 
@@ -340,6 +357,8 @@ class ReplicaSet:
     ttft_factor: FloatArray
     itl_factor: FloatArray
     prefill_done_tokens: FloatArray  # cumulative uncached prompt tokens whose first token came
+    awaiting_since_s: FloatArray  # dispatch of the oldest request awaiting its first token
+    awaiting_ttft_s: FloatArray  # its uncorrected predicted TTFT
     active: _BoolArray
     healthy: _BoolArray
     draining: _BoolArray
@@ -370,6 +389,8 @@ class ReplicaSet:
         self.max_queue[slot] = spec.max_queue
         self.max_num_seqs[slot] = cm.limits.max_num_seqs
         self.scrape_s[slot] = -math.inf
+        self.awaiting_since_s[slot] = math.inf
+        self.awaiting_ttft_s[slot] = 1.0
         self.ttft_factor[slot] = 1.0
         self.itl_factor[slot] = 1.0
         self.active[slot] = True
@@ -426,7 +447,12 @@ class ReplicaSet:
         return self._capacity
 
     def set_health(self, replica_id: str, healthy: bool) -> None:
-        self.healthy[self.get(replica_id).slot] = healthy
+        """Mark a replica (un)healthy. One that comes back may have restarted with an empty
+        cache: its prefix entries are forgotten rather than claimed as hits that are gone."""
+        slot = self.get(replica_id).slot
+        if healthy and not self.healthy[slot]:
+            self._forget_prefixes(slot)
+        self.healthy[slot] = healthy
         self.version += 1
 
     def set_draining(self, replica_id: str, draining: bool) -> None:
@@ -511,6 +537,9 @@ class ReplicaSet:
         )
         self._requests[request.request_id] = record
         state.in_flight[request.request_id] = record
+        state.awaiting[request.request_id] = record
+        if len(state.awaiting) == 1:
+            self._awaiting_head(state)
         self.local_waiting[slot] += 1
         self.local_queued_prefill_tokens[slot] += request.prompt_tokens - cached
         self.local_kv_tokens[slot] += request.prompt_tokens
@@ -577,6 +606,7 @@ class ReplicaSet:
         self.local_remaining_tokens[slot] -= record.remaining_tokens
         self.local_kv_tokens[slot] -= record.prompt_tokens + record.generated_tokens
         if record.first_token_s is None:
+            self._stop_awaiting(record)
             self.local_waiting[slot] -= 1
             self.local_queued_prefill_tokens[slot] -= record.prompt_tokens - record.cached_tokens
         else:
@@ -590,6 +620,12 @@ class ReplicaSet:
         """Engine truth for ``replica_id`` at ``now``: load beyond ours is other gateways'."""
         state = self.get(replica_id)
         slot = state.slot
+        previous = state.metrics
+        if previous is not None and (
+            metrics.prefix_cache_queries < previous.prefix_cache_queries
+            or metrics.prefix_cache_hits < previous.prefix_cache_hits
+        ):
+            self._forget_prefixes(slot)  # cumulative counters went back: the engine restarted
         local_waiting = self.local_waiting[slot]
         local_total = local_waiting + self.local_running[slot]
         foreign_waiting = max(metrics.num_waiting - local_waiting, 0.0)
@@ -616,6 +652,16 @@ class ReplicaSet:
     def load(self, now: float, idx: IndexArray) -> Load:
         """Effective load of the slots ``idx`` at ``now`` (local state plus fresh scrapes)."""
         return Load(idx, *self._effective(now, idx, np.maximum))
+
+    def ttft_factor_at(self, now: float, idx: IndexArray) -> FloatArray:
+        """``ttft_factor`` of the slots ``idx``, raised to what waiting already proves: the
+        oldest request still awaiting its first token has taken (now - dispatch) / predicted
+        times its uncorrected prediction at least. A replica that slowed down is seen before
+        it answers, instead of looking cheap (and collecting a burst) until it does."""
+        overdue = (now - self.awaiting_since_s[idx]) / self.awaiting_ttft_s[idx]
+        return np.asarray(
+            np.maximum(self.ttft_factor[idx], np.minimum(overdue, _FACTOR_MAX)), dtype=np.float64
+        )
 
     def predict_one(
         self, slot: int, now: float, prompt_tokens: int, cached_tokens: int, output_tokens: float
@@ -654,12 +700,29 @@ class ReplicaSet:
     def _start_running(self, record: InFlight, now: float) -> None:
         slot = record.slot
         record.first_token_s = now
+        self._stop_awaiting(record)
         self.local_waiting[slot] -= 1
         self.local_queued_prefill_tokens[slot] -= record.prompt_tokens - record.cached_tokens
         self.local_running[slot] += 1
         self.local_context_tokens[slot] += record.prompt_tokens + record.generated_tokens
         self.prefill_done_tokens[slot] += record.prompt_tokens - record.cached_tokens
         record.prefill_mark = self.prefill_done_tokens[slot]
+
+    def _forget_prefixes(self, slot: int) -> None:
+        self.prefix.evict(slot, self.prefix.num_blocks(slot))
+
+    def _stop_awaiting(self, record: InFlight) -> None:
+        state = self.state_at(record.slot)
+        head = next(iter(state.awaiting))
+        del state.awaiting[record.request_id]
+        if head == record.request_id:
+            self._awaiting_head(state)
+
+    def _awaiting_head(self, state: ReplicaState) -> None:
+        """Track the oldest request awaiting its first token (``ttft_factor_at``'s evidence)."""
+        head = next(iter(state.awaiting.values()), None)
+        self.awaiting_since_s[state.slot] = math.inf if head is None else head.dispatch_s
+        self.awaiting_ttft_s[state.slot] = 1.0 if head is None else max(head.predicted_ttft_s, 1e-9)
 
     def _advance(self, record: InFlight, num_tokens: int, now: float) -> None:
         slot = record.slot

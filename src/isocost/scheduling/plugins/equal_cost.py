@@ -25,8 +25,11 @@ from r's shadow state (``scheduling.predict`` has the timing formulas)::
 
 ``f_ttft_r``, ``f_itl_r`` are r's learned correction factors (EWMA of observed /
 predicted TTFT and inter-token time), so a slow node or an unexpectedly fast GPU is priced
-as measured. ``price_r`` makes cache reuse count under load: on a busy cluster, GPU time
-spent recomputing a prefix that another replica holds is capacity taken from everyone.
+as measured; ``f_ttft_r`` is raised to what r's oldest request still awaiting its first
+token proves (elapsed / predicted, ``ReplicaSet.ttft_factor_at``), so a replica that
+slowed down stops looking cheap before it answers. ``price_r`` makes cache reuse count
+under load: on a busy cluster, GPU time spent recomputing a prefix that another replica
+holds is capacity taken from everyone.
 
 Soft affinity: with a session key, the ``affinity_replicas`` candidates with the highest
 rendezvous hash of the key are preferred; a preferred replica that is not overloaded
@@ -96,19 +99,24 @@ class EqualCostScorer:
         p, replicas, idx = self.params, ctx.replicas, ctx.idx
         load, pred = ctx.load, ctx.prediction
         n, m = float(ctx.request.prompt_tokens), pred.output_tokens
-        ttft_factor, itl_factor = replicas.ttft_factor[idx], replicas.itl_factor[idx]
+        ttft_factor = replicas.ttft_factor_at(ctx.now, idx)
+        itl_factor = replicas.itl_factor[idx]
+        wait, prefill = (
+            ttft_factor * pred.uncorrected_wait_s,
+            ttft_factor * pred.uncorrected_prefill_s,
+        )
         b = load.running
         dstep = pred.step_s - np.where(b > 0, pred.base_step_s, 0.0)
-        own = pred.ttft_s + pred.decode_s
+        own = wait + prefill + pred.decode_s
         shared_steps = np.minimum(m, load.remaining_decode_tokens / np.maximum(b, 1.0))
-        delay = b * (pred.prefill_s + itl_factor * shared_steps * (pred.step_s - pred.base_step_s))
+        delay = b * (prefill + itl_factor * shared_steps * (pred.step_s - pred.base_step_s))
         overflow = np.clip(load.kv_used_tokens + n + m - load.kv_capacity_tokens, 0.0, m)
         preempt = ttft_factor * prefill_s(replicas.coef, overflow, 0.0, idx)
         cost = own + p.lambda_delay * delay + preempt
         if p.gpu_price_weight > 0.0:
-            busy_r = np.minimum(np.maximum(load.kv_usage, pred.wait_s / p.busy_wait_s), 1.0)
+            busy_r = np.minimum(np.maximum(load.kv_usage, wait / p.busy_wait_s), 1.0)
             usd = replicas.usd_per_hour[idx]
-            occupy = pred.prefill_s + itl_factor * m * dstep
+            occupy = prefill + itl_factor * m * dstep
             mean_usd = float(usd.mean()) or 1.0
             cost = cost + p.gpu_price_weight * float(busy_r.mean()) * occupy * usd / mean_usd
         return np.asarray(cost / replicas.weight[idx], dtype=np.float64)
