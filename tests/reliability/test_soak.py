@@ -2,8 +2,10 @@
 
 Four engines and a gateway under the load generator's steady Poisson load, in windows of
 ``WINDOW_S``; after each window the gateway's RSS and open file descriptors are read from
-/proc. The first window warms caches and connection pools; from then on neither may grow
-beyond a small margin. ``ISOCOST_SOAK_S`` sets the length (default 180 s).
+/proc. Pools and caches grow to the load's needs in the first half (keep-alive connections
+follow the peak concurrency, which a busy machine raises); the second half must sit on
+that plateau: no more than a small margin above the first half's peak. ``ISOCOST_SOAK_S``
+sets the length (default 180 s).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ def test_soak_keeps_memory_and_connections_flat(tmp_path: Path) -> None:
     try:
         pid = cluster.gateway.pid
         samples: list[tuple[int, int]] = []
-        windows = max(3, round(SOAK_S / WINDOW_S))
+        windows = max(4, round(SOAK_S / WINDOW_S))
         for window in range(windows):
             spec = WorkloadSpec(workload="mix", rate_rps=20, seed=window, max_prompt_tokens=512)
             options = BenchOptions(
@@ -40,8 +42,8 @@ def test_soak_keeps_memory_and_connections_flat(tmp_path: Path) -> None:
             assert result.summary.errors == 0, result.summary.errors_by_kind
             samples.append((rss_bytes(pid), open_fds(pid)))
         print("soak (RSS MiB, fds) per window:", [(r >> 20, f) for r, f in samples])
-        warm_rss, warm_fds = samples[0]
-        assert max(r for r, _ in samples[1:]) - warm_rss < 24 * 2**20
-        assert max(f for _, f in samples[1:]) <= warm_fds + 8
+        first, second = samples[: windows // 2], samples[windows // 2 :]
+        assert max(r for r, _ in second) - max(r for r, _ in first) < 8 * 2**20
+        assert max(f for _, f in second) <= max(f for _, f in first) + 8
     finally:
         cluster.close()
