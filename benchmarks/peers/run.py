@@ -132,6 +132,7 @@ class RouterRun:
     summary: BenchSummary
     requests_by_replica: list[int]  # engines' own count, in layout order
     prefix_hit_rate: float  # cached prompt tokens / prompt tokens, over all replicas
+    isocost_source: str  # the code its processes started from (the tree is shared)
 
 
 # -- processes ---------------------------------------------------------------------------
@@ -273,6 +274,7 @@ def run_router(
 ) -> RouterRun:
     """Fresh engines, the router, one replay; stops both before returning."""
     num_replicas = len(settings.layout)
+    source = source_version()
     engines = spawn(f"{router.key}.engines", [*isocost_command(), *engine_args(settings)], log_dir)
     running.append(engines)
     urls = engines.wait_ready(num_replicas, START_TIMEOUT_S)
@@ -305,6 +307,7 @@ def run_router(
         result.summary,
         requests_by_replica=[c[0] for c in counters],
         prefix_hit_rate=hits / queries if queries else 0.0,
+        isocost_source=source,
     )
 
 
@@ -455,8 +458,7 @@ def setup_lines(
         f"(wall clock; {args.slo_ttft_ms / args.time_scale:g} and "
         f"{args.slo_tpot_ms / args.time_scale:g} ms of modelled GPU time); requests time out "
         f"after {args.timeout:g} s; latencies are wall ms over completed requests only",
-        f"peers: {', '.join(PEER_REQUIREMENTS)} (PyPI); isocost {source_version()}, told each "
-        "replica's GPU",
+        f"peers: {', '.join(PEER_REQUIREMENTS)} (PyPI); isocost is told each replica's GPU",
     ]
 
 
@@ -564,6 +566,8 @@ def main(argv: list[str] | None = None) -> None:
     console.print(table)
     result = ratios(runs)
     ratio_text = ratio_lines(result)
+    sources = sorted({run.isocost_source for run in runs if not run.router.is_peer})
+    ratio_text.append(f"isocost source: {'; '.join(sources) or '-'}")
     for line in ratio_text:
         console.print(line)
     console.print(f"wall time {wall_s:.0f} s")
@@ -603,6 +607,7 @@ def _run_json(run: RouterRun) -> dict[str, Any]:
         "summary": summary,
         "requests_by_replica": run.requests_by_replica,
         "prefix_hit_rate": run.prefix_hit_rate,
+        "isocost_source": run.isocost_source,
     }
 
 
