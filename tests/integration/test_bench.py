@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ISOCOST = Path(sys.executable).with_name("isocost")  # the venv running the tests
 FIXTURES = ROOT / "tests" / "fixtures" / "traces"
 MODEL = "fake-model"
+API_KEY = "sk-bench-test"
 SERVICE_S = 0.05  # each answer takes this long, so requests overlap under load
 
 # --------------------------------------------------------------------------- the server
@@ -37,7 +38,9 @@ def _serve(mode: str) -> None:
     active = {"now": 0, "max": 0}
     started = time.monotonic()
 
-    async def models(_: web.Request) -> web.Response:
+    async def models(request: web.Request) -> web.Response:
+        if mode == "keyed" and request.headers.get("authorization") != f"Bearer {API_KEY}":
+            return web.json_response({"error": {"message": "no key"}}, status=401)
         return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
 
     async def log(_: web.Request) -> web.Response:
@@ -149,6 +152,11 @@ def server() -> Iterator[str]:
 @pytest.fixture
 def garbage_server() -> Iterator[str]:
     yield from _running("garbage")
+
+
+@pytest.fixture
+def keyed_server() -> Iterator[str]:
+    yield from _running("keyed")
 
 
 def _server_log(url: str) -> dict[str, Any]:
@@ -305,6 +313,18 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def test_api_key_reaches_the_model_listing(keyed_server: str, tmp_path: Path) -> None:
+    """A keyed gateway refuses /v1/models without the key: bench must send it there too."""
+    out = tmp_path / "keyed.json"
+    args = ("--url", keyed_server, "--workload", "mix", "--rate", "50", "--max-requests", "3",
+            "--max-tokens", "2", "--max-prompt-tokens", "200", "--json", str(out))  # fmt: skip
+    refused = _bench(*args)
+    assert refused.returncode == 2 and "without a model list" in refused.stderr
+    done = _bench(*args, "--api-key", API_KEY)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(out.read_text())["completed"] == 3
 
 
 def test_unreachable_url_is_one_line_before_the_run(tmp_path: Path) -> None:

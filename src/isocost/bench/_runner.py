@@ -117,12 +117,20 @@ def normalize_url(url: str) -> str:
 
 
 async def _resolve_model(
-    session: aiohttp.ClientSession, base: str, model: str | None, timeout_s: float
+    session: aiohttp.ClientSession,
+    base: str,
+    model: str | None,
+    timeout_s: float,
+    api_key: str | None,
 ) -> str:
     """Check that the endpoint answers; the model to use (given, else the first listed)."""
     url = f"{base}/v1/models"
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        async with asyncio.timeout(timeout_s), session.get(url, allow_redirects=False) as response:
+        async with (
+            asyncio.timeout(timeout_s),
+            session.get(url, headers=headers, allow_redirects=False) as response,
+        ):
             body = await response.read()
             status = response.status
     except (aiohttp.ClientError, TimeoutError) as exc:
@@ -313,7 +321,9 @@ async def run_bench(
     connector = aiohttp.TCPConnector(limit=0)  # open loop: never queue in the client
     timeout = aiohttp.ClientTimeout(total=None)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        model = await _resolve_model(session, base, options.model, min(options.timeout_s, 10.0))
+        model = await _resolve_model(
+            session, base, options.model, min(options.timeout_s, 10.0), options.api_key
+        )
         run = _Run(
             session, base, model, options, progress or BenchProgress(), stop or asyncio.Event()
         )
