@@ -33,8 +33,9 @@ tokens, running requests with their context, expected remaining output), plus th
 engine scrape (``EngineMetrics``) which reveals traffic from other gateways: the engine's
 counts above the local ones at scrape time are "foreign" load, weighted by freshness
 ``exp(-age / staleness_tau_s)`` so that a stale scrape fades out. Learned per replica:
-``ttft_factor`` and ``itl_factor``, EWMAs of observed / predicted TTFT and inter-token
-time (1.0 = the cost model is right; 2.0 = this replica is twice as slow as its spec).
+``ttft_factor`` and ``itl_factor``, geometric EWMAs of observed / predicted TTFT and
+inter-token time (1.0 = the cost model is right; 2.0 = this replica is twice as slow as
+its spec; geometric, so an outlier cannot make a replica look slower than its twin).
 A TTFT observation weighs by the prefill's share of its prediction (time queued says more
 about the queue model than about the replica); a stream's inter-token time is compared
 with its decode steps plus the prefills of the requests that started streaming meanwhile
@@ -743,8 +744,11 @@ class ReplicaSet:
     ) -> None:
         if predicted_s <= 0.0 or observed_s < 0.0:
             return
+        # In log space (a geometric EWMA): factors multiply, and one observation 20x off
+        # (a stall the model did not foresee) moves the factor by 20**alpha, not by +19*alpha.
         ratio = min(max(observed_s / predicted_s, _FACTOR_MIN), _FACTOR_MAX)
-        factors[slot] += self.factor_alpha * min(max(weight, 0.0), 1.0) * (ratio - factors[slot])
+        step = self.factor_alpha * min(max(weight, 0.0), 1.0)
+        factors[slot] *= (ratio / factors[slot]) ** step
 
     def _step_now(self, slot: int, now: float) -> float:
         """Uncorrected decode step of the slot's current batch (what its streams now see)."""

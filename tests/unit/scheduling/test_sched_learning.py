@@ -100,3 +100,26 @@ def test_prefix_counters_going_back_forget_the_replicas_prefixes(make_replicas: 
     scrape("r1", 100, 50, 3.0)
     scrape("r1", 100, 40, 4.0)  # hits alone going back is a restart too
     assert replicas.prefix.match_replica(1, blocks) == 0
+
+
+def _answer_after(replicas: ReplicaSet, name: str, now: float, times_predicted: float) -> float:
+    """Dispatch ``name`` to the idle r0 at ``now``; its first token comes that many
+    predictions later; returns when."""
+    _dispatch(replicas, name, "r0", now)
+    done = now + times_predicted * replicas.get("r0").in_flight[name].predicted_ttft_s
+    replicas.on_first_token(name, done)
+    replicas.on_complete(name, done, ok=False)
+    return done
+
+
+def test_one_outlier_barely_moves_a_factor_a_steady_slowdown_is_learned(
+    make_replicas: Factory,
+) -> None:
+    replicas = make_replicas(["a100-80g", "a100-80g"])  # factor_alpha 0.1
+    now = _answer_after(replicas, "stall", 0.0, 20.0)  # a stall the model did not foresee
+    # Geometric: 20 ** 0.1 = 1.35 (an arithmetic EWMA would jump to 2.9 and make an
+    # identical replica look three times slower than its twin).
+    assert np.isclose(replicas.ttft_factor[0], 20.0**0.1)
+    for i in range(60):  # consistently 4x slow
+        now = _answer_after(replicas, f"slow{i}", now, 4.0)
+    assert 3.8 < replicas.ttft_factor[0] < 4.0
