@@ -114,10 +114,10 @@ class SimResult:
 class _Replica:
     config: SimReplica
     engine: EngineModel | None = None  # None: not started, failed or cold-starting
-    in_flight: dict[str, tuple[RequestRecord, EngineRequest | None]] = field(default_factory=dict)
+    in_flight: dict[str, tuple[RequestRecord, EngineRequest]] = field(default_factory=dict)
     wake_s: float = math.inf  # the pending ENGINE event's time; others are stale
     epoch: int = 0  # bumped on failure, so deliveries to the old engine fail
-    busy_s: float = 0.0  # of engines discarded by failures
+    busy_s: float = 0.0  # totals of retired engines (failed ones, and all at the end)
     prefix_queries: int = 0
     prefix_hits: int = 0
     preemptions: int = 0
@@ -417,9 +417,8 @@ class Simulator:
                 self._push(event.time_s + delay, HOOK, (_FIRST, event.request_id, 0))
             elif isinstance(event, Finished):
                 record, state = replica.in_flight.pop(event.request_id)
-                if state is not None:
-                    record.prefix_hit_tokens = state.num_prefix_hit_tokens
-                    record.preemptions = state.num_preemptions
+                record.prefix_hit_tokens = state.num_prefix_hit_tokens
+                record.preemptions = state.num_preemptions
                 self._push(
                     event.time_s + delay, HOOK, (_DONE, event.request_id, event.num_output_tokens)
                 )
