@@ -428,11 +428,11 @@ def ratio_lines(result: dict[str, Any] | None) -> list[str]:
         return ["(no ratio: isocost equal_cost and at least one peer must both run)"]
     met = "met" if result["aim_met"] else "not met"
     return [
-        f"isocost equal_cost P99 TTFT = {result['ttft_p99_ratio']:.2f}x the best peer's "
+        f"isocost equal_cost P99 TTFT = {result['ttft_p99_ratio']:.3f}x the best peer's "
         f"({result['ttft_p99_best_peer']}); aim <= 0.7x",
-        f"isocost equal_cost goodput = {result['goodput_ratio']:.2f}x the best peer's "
+        f"isocost equal_cost goodput = {result['goodput_ratio']:.3f}x the best peer's "
         f"({result['goodput_best_peer']}); aim >= 1.3x",
-        f"aim {met}",
+        f"aim (both) {met}",
     ]
 
 
