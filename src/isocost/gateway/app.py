@@ -201,13 +201,21 @@ class Gateway:
             self.router.remove_pool(pool.model)
 
     async def _watch_config(self) -> None:
+        """Reload the file once new content has held still for one poll.
+
+        A file caught mid-write (truncated by ``>`` or an editor, not yet refilled) must
+        not be applied: an empty file is a valid config with no pools and no admin token.
+        """
         assert self.config_path is not None
+        settling: str | None = None
         while True:
             await asyncio.sleep(_RELOAD_POLL_S)
             digest = _digest(self.config_path)
-            if digest == self._config_digest:
+            if digest == self._config_digest or digest != settling:
+                settling = None if digest == self._config_digest else digest
                 continue
             self._config_digest = digest
+            settling = None
             try:
                 config = parse_config(read_text(self.config_path), str(self.config_path))
                 self.router.check_config(config)
