@@ -207,7 +207,7 @@ class Gateway:
         not be applied: an empty file is a valid config with no pools and no admin token.
         """
         assert self.config_path is not None
-        settling: str | None = None
+        settling: bytes | None = None
         while True:
             await asyncio.sleep(_RELOAD_POLL_S)
             digest = _digest(self.config_path)
