@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import aiohttp
 import msgspec
@@ -154,15 +155,76 @@ async def _serve(
         shutdown_timeout=shutdown_timeout_s,
     )
     await runner.setup()
+    handler_factory = runner.server
+    assert handler_factory is not None
+
+    def protocol() -> asyncio.Protocol:
+        deadline_s = gateway.config.limits.body_timeout_ms / 1000
+        return _HeaderDeadline(handler_factory(), deadline_s)
+
+    listener = await loop.create_server(protocol, host, port, backlog=1024)
     try:
-        site = web.TCPSite(runner, host, port, backlog=1024)
-        await site.start()
-        bound = runner.addresses[0][1]
+        bound = listener.sockets[0].getsockname()[1]
         on_ready(f"http://{host}:{bound}")
         await stop.wait()
     finally:
+        listener.close()
         with contextlib.suppress(IsocostError):
             await runner.cleanup()
+
+
+class _HeaderDeadline(asyncio.Protocol):
+    """aiohttp's request handler, plus a deadline for a connection's first request head.
+
+    aiohttp bounds neither the time to send request headers nor the time before the first
+    byte, so a client trickling headers (slowloris) would hold a connection forever. The
+    connection is answered 408 and closed unless the blank line ending the first request's
+    headers arrives within ``deadline_s`` (``limits.body_timeout_ms``); later requests on a
+    kept-alive connection are bounded by aiohttp's keep-alive timeout between requests.
+    """
+
+    def __init__(self, inner: asyncio.Protocol, deadline_s: float) -> None:
+        self._inner = inner
+        self._deadline_s = deadline_s
+        self._timer: asyncio.TimerHandle | None = None
+        self._transport: asyncio.Transport | None = None
+        self._tail = b""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
+        self._timer = asyncio.get_running_loop().call_later(self._deadline_s, self._expire)
+        self._inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self._timer is not None:
+            self._tail = (self._tail + data)[-(len(data) + 3) :]
+            if b"\r\n\r\n" in self._tail:
+                self._timer.cancel()
+                self._timer = None
+        self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+    def _expire(self) -> None:
+        self._timer = None
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.write(
+                b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+            )
+            self._transport.close()
 
 
 def load_gateway(config: GatewayConfig, catalog: Catalog, config_path: Path | None) -> Gateway:
