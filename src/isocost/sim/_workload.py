@@ -15,17 +15,15 @@ from random import Random
 from typing import Literal
 
 from isocost.core.errors import ConfigError
-from isocost.files import read_text
+from isocost.files import load_trace
 from isocost.workload import (
+    SyntheticSpec,
     TraceFormat,
     WorkloadRequest,
-    multi_turn,
-    parse_trace,
     poisson_arrivals,
     scale_to_rate,
-    scenario_mix,
-    shared_prefix,
     speedup,
+    synthetic_workload,
 )
 
 __all__ = ["SIM_WORKLOADS", "WorkloadChoice", "at_rate", "load_requests"]
@@ -66,9 +64,7 @@ def load_requests(choice: WorkloadChoice) -> list[WorkloadRequest]:
         if value is not None and value <= 0:
             raise ConfigError("sim", f"{name} must be positive")
     if choice.trace is not None:
-        requests = parse_trace(
-            read_text(choice.trace).splitlines(), choice.trace, choice.trace_format
-        )
+        requests = load_trace(choice.trace, choice.trace_format)
         if choice.rate_rps is not None:
             if len({r.arrival_s for r in requests}) < 2:
                 raise ConfigError(choice.trace, "the trace has no arrival times to scale")
@@ -93,33 +89,26 @@ def at_rate(requests: list[WorkloadRequest], rate_rps: float) -> list[WorkloadRe
 
 def _synthetic(choice: WorkloadChoice) -> list[WorkloadRequest]:
     rng = Random(choice.seed)
-    arrivals = poisson_arrivals(rng, choice.rate_rps or 1.0)
-    if choice.workload == "shared-prefix":
-        return shared_prefix(
-            rng,
-            arrivals,
-            choice.num_groups,
-            choice.prompts_per_group,
-            choice.system_tokens,
-            choice.question_tokens,
-            choice.output_tokens,
-        )
-    if choice.workload == "multi-turn":
-        return multi_turn(
-            rng,
-            arrivals,
-            choice.sessions,
-            choice.turns,
-            choice.system_tokens,
-            choice.question_tokens,
-            choice.output_tokens,
-            choice.think_time_s,
-        )
-    mix = scenario_mix(rng, arrivals, max_prompt_tokens=choice.max_prompt_tokens)
+    spec = SyntheticSpec(
+        name=choice.workload or "mix",
+        max_prompt_tokens=choice.max_prompt_tokens,
+        num_groups=choice.num_groups,
+        prompts_per_group=choice.prompts_per_group,
+        sessions=choice.sessions,
+        turns=choice.turns,
+        system_tokens=choice.system_tokens,
+        question_tokens=choice.question_tokens,
+        output_tokens=choice.output_tokens,
+        think_time_s=choice.think_time_s,
+    )
+    requests = synthetic_workload(spec, rng, poisson_arrivals(rng, choice.rate_rps or 1.0))
+    if spec.name != "mix":
+        return list(requests)
+    # The mix is endless: cut it by count or time.
     if choice.max_requests is None and choice.duration_s is None:
-        return list(itertools.islice(mix, _DEFAULT_SYNTHETIC_REQUESTS))
+        return list(itertools.islice(requests, _DEFAULT_SYNTHETIC_REQUESTS))
     if choice.duration_s is not None:
         limit = choice.max_requests
-        taken = itertools.takewhile(lambda r: r.arrival_s < (choice.duration_s or 0.0), mix)
+        taken = itertools.takewhile(lambda r: r.arrival_s < (choice.duration_s or 0.0), requests)
         return list(itertools.islice(taken, limit))
-    return list(itertools.islice(mix, choice.max_requests))
+    return list(itertools.islice(requests, choice.max_requests))
