@@ -7,7 +7,7 @@ become one line on stderr and exit code 2, never a traceback.
 from __future__ import annotations
 
 import sys
-from typing import NoReturn
+from typing import Annotated, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
@@ -24,6 +24,43 @@ app = typer.Typer(
 )
 console = Console()
 err_console = Console(stderr=True)
+
+
+# Options that several subcommands share, declared once.
+TraceOption = Annotated[str | None, typer.Option("--trace", help="Trace file to replay.")]
+TraceFormatOption = Annotated[
+    str | None,
+    typer.Option("--trace-format", help="mooncake|azure|burstgpt|lengths (default: detected)."),
+]
+WorkloadOption = Annotated[
+    str | None, typer.Option("--workload", help="mix|shared-prefix|multi-turn.")
+]
+SpeedupOption = Annotated[
+    float, typer.Option("--speedup", help="Compress trace time by this factor.")
+]
+GroupsOption = Annotated[int, typer.Option("--groups", help="shared-prefix: groups.")]
+PromptsPerGroupOption = Annotated[int, typer.Option("--prompts-per-group", help="shared-prefix.")]
+SessionsOption = Annotated[int, typer.Option("--sessions", help="multi-turn: sessions.")]
+TurnsOption = Annotated[int, typer.Option("--turns", help="multi-turn: turns per session.")]
+SystemTokensOption = Annotated[int, typer.Option("--system-tokens", help="Shared system prompt.")]
+QuestionTokensOption = Annotated[int, typer.Option("--question-tokens", help="Question/user turn.")]
+MaxPromptTokensOption = Annotated[
+    int | None, typer.Option("--max-prompt-tokens", help="mix: cap prompt lengths.")
+]
+CatalogOption = Annotated[list[str] | None, typer.Option("--catalog", help="Extra catalog YAML.")]
+
+
+_Choice = TypeVar("_Choice", bound=str)
+
+
+def _choice(flag: str, value: str | None, valid: tuple[_Choice, ...]) -> _Choice | None:
+    """``value`` as one of ``valid`` (None stays None); one line and exit 2 otherwise."""
+    if value is None:
+        return None
+    for option in valid:
+        if value == option:
+            return option
+    fail(f"unknown {flag} {value!r}; valid: {', '.join(valid)}")
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
@@ -82,7 +119,7 @@ def engine(
     ),
     seed: int = typer.Option(0, "--seed", help="Seed of output lengths and error draws."),
     tokenizer: str | None = typer.Option(None, "--tokenizer", help="tokenizer.json: exact."),
-    catalog: list[str] | None = typer.Option(None, "--catalog", help="Extra catalog YAML."),
+    catalog: CatalogOption = None,
     slowdown: float = typer.Option(1.0, "--slowdown", help="Fault: step time factor."),
     error_rate: float = typer.Option(0.0, "--error-rate", help="Fault: share of 500s."),
     hang: bool = typer.Option(False, "--hang", help="Fault: accept, never answer."),
@@ -141,7 +178,7 @@ def serve(
     admin_token_env: str | None = typer.Option(
         None, "--admin-token-env", help="Env variable holding the admin token (--replica mode)."
     ),
-    catalog: list[str] | None = typer.Option(None, "--catalog", help="Extra catalog YAML."),
+    catalog: CatalogOption = None,
     discover_timeout: float = typer.Option(30.0, "--discover-timeout", help="Seconds."),
     log_level: str = typer.Option("info", "--log-level", help="debug|info|warning|error"),
 ) -> None:
@@ -205,7 +242,7 @@ def plan(
     gpu_mem_util: float = typer.Option(0.9, "--gpu-mem-util", help="vLLM memory fraction."),
     headroom: float = typer.Option(0.15, "--headroom", help="KV pool share kept free."),
     price: float | None = typer.Option(None, "--price", help="Override $/GPU-hour."),
-    catalog: list[str] | None = typer.Option(None, "--catalog", help="Extra catalog YAML."),
+    catalog: CatalogOption = None,
     explain: bool = typer.Option(False, "--explain", help="Show each figure's derivation."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
 ) -> None:
@@ -290,9 +327,7 @@ def demo(
     duration: float = typer.Option(60.0, "--duration", help="Seconds of arrivals per policy."),
     rate: float = typer.Option(6.0, "--rate", help="Poisson arrivals, requests/s."),
     trace: str | None = typer.Option(None, "--trace", help="Replay this trace's requests."),
-    trace_format: str | None = typer.Option(
-        None, "--trace-format", help="mooncake|azure|burstgpt|lengths (default: detected)."
-    ),
+    trace_format: TraceFormatOption = None,
     policies: str = typer.Option(
         "round_robin,equal_cost", "--policies", help="Comma-separated, run in this order."
     ),
@@ -309,8 +344,7 @@ def demo(
     from isocost.bench import TRACE_FORMATS
     from isocost.demo import DemoInterrupted, DemoOptions, run_demo
 
-    if trace_format is not None and trace_format not in TRACE_FORMATS:
-        fail(f"unknown trace format {trace_format!r}; valid: {', '.join(TRACE_FORMATS)}")
+    trace_format = _choice("trace format", trace_format, TRACE_FORMATS)
     options = DemoOptions(
         out_dir=Path(out),
         duration_s=duration,
@@ -396,11 +430,9 @@ def drill(
 
 @app.command()
 def sim(
-    trace: str | None = typer.Option(None, "--trace", help="Trace file to replay."),
-    trace_format: str | None = typer.Option(
-        None, "--trace-format", help="mooncake|azure|burstgpt|lengths (default: detected)."
-    ),
-    workload: str | None = typer.Option(None, "--workload", help="mix|shared-prefix|multi-turn."),
+    trace: TraceOption = None,
+    trace_format: TraceFormatOption = None,
+    workload: WorkloadOption = None,
     cluster: str | None = typer.Option(None, "--cluster", help="Cluster YAML (mixed fleets)."),
     replicas: int = typer.Option(16, "--replicas", help="Identical replicas (no --cluster)."),
     gpu: str = typer.Option("a100-80g", "--gpu", "-g", help="GPU catalog id."),
@@ -420,7 +452,7 @@ def sim(
     rate: float | None = typer.Option(
         None, "--rate", help="Mean req/s: scales a trace's time; Poisson for --workload."
     ),
-    speedup: float = typer.Option(1.0, "--speedup", help="Compress trace time by this factor."),
+    speedup: SpeedupOption = 1.0,
     sweep_rate: str | None = typer.Option(
         None, "--sweep-rate", help="r1,r2,...: replay at each mean rate; capacity at SLO."
     ),
@@ -435,26 +467,22 @@ def sim(
     jobs: int = typer.Option(2, "--jobs", "-j", help="Parallel processes."),
     json_out: str | None = typer.Option(None, "--json", help="Write results JSON."),
     plot: str | None = typer.Option(None, "--plot", help="Write a PNG of CDFs, load, goodput."),
-    catalog: list[str] | None = typer.Option(None, "--catalog", help="Extra catalog YAML."),
-    groups: int = typer.Option(8, "--groups", help="shared-prefix: groups."),
-    prompts_per_group: int = typer.Option(16, "--prompts-per-group", help="shared-prefix."),
-    sessions: int = typer.Option(16, "--sessions", help="multi-turn: sessions."),
-    turns: int = typer.Option(4, "--turns", help="multi-turn: turns per session."),
-    system_tokens: int = typer.Option(2048, "--system-tokens", help="Shared system prompt."),
-    question_tokens: int = typer.Option(128, "--question-tokens", help="Question/user turn."),
+    catalog: CatalogOption = None,
+    groups: GroupsOption = 8,
+    prompts_per_group: PromptsPerGroupOption = 16,
+    sessions: SessionsOption = 16,
+    turns: TurnsOption = 4,
+    system_tokens: SystemTokensOption = 2048,
+    question_tokens: QuestionTokensOption = 128,
     output_tokens: int = typer.Option(128, "--output-tokens", help="Synthetic output length."),
-    max_prompt_tokens: int | None = typer.Option(
-        None, "--max-prompt-tokens", help="mix: cap prompt lengths."
-    ),
+    max_prompt_tokens: MaxPromptTokensOption = None,
 ) -> None:
     """Replay a trace through scheduling policies on a simulated cluster, side by side."""
     from isocost import sim as simulator
     from isocost.files import load_catalog, read_text
 
-    if trace_format is not None and trace_format not in simulator.TRACE_FORMATS:
-        fail(f"unknown trace format {trace_format!r}; valid: {', '.join(simulator.TRACE_FORMATS)}")
-    if workload is not None and workload not in simulator.SIM_WORKLOADS:
-        fail(f"unknown workload {workload!r}; valid: {', '.join(simulator.SIM_WORKLOADS)}")
+    trace_format = _choice("trace format", trace_format, simulator.TRACE_FORMATS)
+    workload = _choice("workload", workload, simulator.SIM_WORKLOADS)
     names = tuple(p.strip() for p in policies.split(",") if p.strip())
     simulator.check_policies(names)
     try:
@@ -523,16 +551,14 @@ app.add_typer(bench_app, name="bench")
 def bench(
     ctx: typer.Context,
     url: str | None = typer.Option(None, "--url", help="Endpoint base URL, e.g. http://h:8000."),
-    trace: str | None = typer.Option(None, "--trace", help="Trace file to replay."),
-    trace_format: str | None = typer.Option(
-        None, "--trace-format", help="mooncake|azure|burstgpt|lengths (default: detected)."
-    ),
-    workload: str | None = typer.Option(None, "--workload", help="mix|shared-prefix|multi-turn."),
+    trace: TraceOption = None,
+    trace_format: TraceFormatOption = None,
+    workload: WorkloadOption = None,
     rate: float | None = typer.Option(
         None, "--rate", help="Poisson arrivals at this req/s (multi-turn: sessions/s)."
     ),
     burstiness: float = typer.Option(1.0, "--burstiness", help="Gap CV with --rate (>1 bursty)."),
-    speedup: float = typer.Option(1.0, "--speedup", help="Compress trace time by this factor."),
+    speedup: SpeedupOption = 1.0,
     concurrency: int | None = typer.Option(None, "--concurrency", help="Closed loop: workers."),
     max_requests: int | None = typer.Option(None, "--max-requests", help="Stop after N."),
     duration: float | None = typer.Option(None, "--duration", help="No new request after s."),
@@ -546,19 +572,17 @@ def bench(
     timeout: float = typer.Option(600.0, "--timeout", help="Per-request timeout, s."),
     seed: int = typer.Option(0, "--seed", help="Seed of synthetic workloads and arrivals."),
     text_salt: int = typer.Option(0, "--text-salt", help="New prompt text (cold cache)."),
-    groups: int = typer.Option(8, "--groups", help="shared-prefix: groups."),
-    prompts_per_group: int = typer.Option(16, "--prompts-per-group", help="shared-prefix."),
-    sessions: int = typer.Option(16, "--sessions", help="multi-turn: sessions."),
-    turns: int = typer.Option(4, "--turns", help="multi-turn: turns per session."),
+    groups: GroupsOption = 8,
+    prompts_per_group: PromptsPerGroupOption = 16,
+    sessions: SessionsOption = 16,
+    turns: TurnsOption = 4,
     think_time: float = typer.Option(5.0, "--think-time", help="multi-turn: mean think s."),
-    system_tokens: int = typer.Option(2048, "--system-tokens", help="Shared system prompt."),
-    question_tokens: int = typer.Option(128, "--question-tokens", help="Question/user turn."),
+    system_tokens: SystemTokensOption = 2048,
+    question_tokens: QuestionTokensOption = 128,
     output_tokens: int = typer.Option(
         128, "--output-tokens", help="shared-prefix, multi-turn: output length."
     ),
-    max_prompt_tokens: int | None = typer.Option(
-        None, "--max-prompt-tokens", help="mix: cap prompt lengths (model context)."
-    ),
+    max_prompt_tokens: MaxPromptTokensOption = None,
     label: str = typer.Option("bench", "--label", help="Name of this run in comparisons."),
     api_key: str | None = typer.Option(None, "--api-key", help="Bearer token to send."),
     records: str | None = typer.Option(None, "--records", help="Per-request JSONL output."),
@@ -571,10 +595,8 @@ def bench(
 
     if url is None:
         fail("give the endpoint with --url")
-    if trace_format is not None and trace_format not in TRACE_FORMATS:
-        fail(f"unknown trace format {trace_format!r}; valid: {', '.join(TRACE_FORMATS)}")
-    if workload is not None and workload not in WORKLOADS:
-        fail(f"unknown workload {workload!r}; valid: {', '.join(WORKLOADS)}")
+    trace_format = _choice("trace format", trace_format, TRACE_FORMATS)
+    workload = _choice("workload", workload, WORKLOADS)
     spec = WorkloadSpec(
         trace=trace,
         trace_format=trace_format,
