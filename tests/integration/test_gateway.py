@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import select
 import signal
 import socket
 import subprocess
@@ -24,9 +23,8 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+from isocost_procs import ISOCOST, Proc, start_isocost
 
-ROOT = Path(__file__).resolve().parents[2]
-ISOCOST = str(ROOT / ".venv" / "bin" / "isocost")
 MODEL = "llama-3.1-8b"
 API_KEY = "sk-test-team-a-5f2c9e"
 ADMIN_TOKEN = "admin-test-token-81d3"
@@ -39,41 +37,8 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-@dataclass
-class Proc:
-    popen: subprocess.Popen[str]
-    url: str
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(sig)
-            try:
-                self.popen.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(timeout=5)
-        if self.popen.stdout is not None:
-            self.popen.stdout.close()
-
-
 def _start(args: list[str], marker: str, stderr: Any = None, timeout_s: float = 60) -> Proc:
-    """Start ``isocost *args`` and wait for its ``<marker> ... ready at URL`` line."""
-    popen = subprocess.Popen(
-        [ISOCOST, *args], stdout=subprocess.PIPE, stderr=stderr, text=True, bufsize=1
-    )
-    assert popen.stdout is not None
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([popen.stdout], [], [], 0.5)
-        if ready:
-            line = popen.stdout.readline()
-            if marker in line and " ready at " in line:
-                return Proc(popen, line.rsplit(" ready at ", 1)[1].strip())
-            if not line and popen.poll() is not None:
-                break
-    popen.kill()
-    popen.wait()
-    raise AssertionError(f"isocost {args[0]} did not become ready (exit {popen.returncode})")
+    return start_isocost(args, marker, stderr, timeout_s)
 
 
 def start_engine(port: int = 0, *extra: str) -> Proc:

@@ -9,9 +9,6 @@ after 20 s), so no process outlives a test.
 from __future__ import annotations
 
 import json
-import select
-import signal
-import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -20,8 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from isocost_procs import Proc, start_isocost
+
 ROOT = Path(__file__).resolve().parents[2]
-ISOCOST = str(ROOT / ".venv" / "bin" / "isocost")
+
 MODEL = "llama-3.1-8b"
 API_KEY = "sk-reliability-7c41d0e9"
 ADMIN_TOKEN = "admin-reliability-3b9f"
@@ -31,45 +30,9 @@ AUTH = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"
 ENGINE_ARGS = ["--model", MODEL, "--gpu", "a100-80g", "--time-scale", "0.2"]
 
 
-@dataclass
-class Proc:
-    popen: subprocess.Popen[str]
-    url: str
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(sig)
-            try:
-                self.popen.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(timeout=5)
-        if self.popen.stdout is not None:
-            self.popen.stdout.close()
-
-
 def start(args: list[str], stderr: Any = None, timeout_s: float = 60) -> Proc:
     """Start ``isocost *args`` and wait for its ``ready at URL`` line."""
-    popen = subprocess.Popen(
-        [ISOCOST, *args], stdout=subprocess.PIPE, stderr=stderr, text=True, bufsize=1
-    )
-    assert popen.stdout is not None
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([popen.stdout], [], [], 0.5)
-        if ready:
-            line = popen.stdout.readline()
-            if " ready at " in line:
-                return Proc(popen, line.rsplit(" ready at ", 1)[1].strip())
-            if not line and popen.poll() is not None:
-                break
-    popen.kill()
-    popen.wait()
-    raise AssertionError(f"isocost {args[0]} did not become ready (exit {popen.returncode})")
+    return start_isocost(args, stderr=stderr, timeout_s=timeout_s)
 
 
 def start_engine(port: int = 0, *extra: str) -> Proc:

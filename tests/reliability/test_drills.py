@@ -20,7 +20,6 @@ from cluster import (
     ADMIN_TOKEN,
     API_KEY,
     AUTH,
-    ISOCOST,
     MODEL,
     Cluster,
     http,
@@ -28,6 +27,7 @@ from cluster import (
     start_cluster,
     start_engine,
 )
+from isocost_procs import ISOCOST
 
 from isocost.drill import DrillOptions, DrillReport, run_drill
 
