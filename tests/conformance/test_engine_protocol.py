@@ -19,6 +19,7 @@ differ, the test says so in one place:
 from __future__ import annotations
 
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -294,20 +295,31 @@ def _stream_fully(client: openai.OpenAI, model: str, max_tokens: int) -> int:
 def test_gauges_follow_running_requests_and_the_gateway_reads_them(
     client: openai.OpenAI, endpoint: Endpoint
 ) -> None:
-    """Four long streams; one scrape taken while they run shows them running with KV in
-    use, and the gateway's parser reads that text exactly as prometheus_client does.
-    (vLLM's API server lags its engine on a busy CPU, so the scrape is polled for.)"""
+    """Four workers keep long streams going; one scrape taken while they run shows them
+    running with KV in use, and the gateway's parser reads that text exactly as
+    prometheus_client does. (vLLM on a CPU can finish a stream between two scrapes, and
+    its API server lags its engine, so the load lasts until such a scrape is seen.)"""
     seen: list[str] = []
+    stop = threading.Event()
 
     def busy() -> bool:
         seen.append(_scrape(endpoint.url)[0])
         figures = parse_engine_metrics(seen[-1])
         return figures.num_running >= 1 and figures.kv_usage > 0
 
+    def keep_streaming() -> int:
+        streamed = 0
+        while not stop.is_set():
+            streamed += _stream_fully(client, endpoint.model, 500)
+        return streamed
+
     with ThreadPoolExecutor(4) as pool:
-        streams = [pool.submit(_stream_fully, client, endpoint.model, 500) for _ in range(4)]
-        _wait_for(busy, "a scrape with requests running and KV in use")
-        assert all(f.result() > 0 for f in streams)
+        workers = [pool.submit(keep_streaming) for _ in range(4)]
+        try:
+            _wait_for(busy, "a scrape with requests running and KV in use")
+        finally:
+            stop.set()
+        assert all(f.result() > 0 for f in workers)
     families = {f.name: f for f in text_string_to_metric_families(seen[-1])}
     during = parse_engine_metrics(seen[-1])  # the gateway's own parser
     for name, value in (
