@@ -21,6 +21,7 @@ Who calls what (the gateway and the cluster simulator do exactly the same)::
     else:                                     # Outcome.REJECT: decision.reason, .retry_after_s
 
     replicas.apply_scrape("r0", EngineMetrics(num_running=12, num_waiting=3, kv_usage=0.41), now)
+    replicas.apply_scrapes(slots, num_running, num_waiting, kv_usage, queries, hits, now)  # many
     replicas.set_health("r0", False); replicas.set_draining("r0", True); replicas.remove("r0")
 
 Time is the caller's clock in seconds (``now``; the simulator's virtual time, the gateway's
@@ -211,8 +212,6 @@ class ReplicaState:
         "awaiting",
         "coefficients",
         "in_flight",
-        "metrics",
-        "scrape_s",
         "slot",
         "spec",
     )
@@ -224,8 +223,6 @@ class ReplicaState:
         self.coefficients = StepCoefficients.fit(spec.cost_model)  # its timing, fitted once
         self.in_flight: dict[str, InFlight] = {}
         self.awaiting: dict[str, InFlight] = {}  # no first token yet, in dispatch order
-        self.metrics: EngineMetrics | None = None  # latest scrape
-        self.scrape_s: float | None = None  # when it was taken
 
     @property
     def replica_id(self) -> str:
@@ -257,6 +254,12 @@ class ReplicaState:
     def itl_factor(self) -> float:
         return float(self._set.itl_factor[self.slot])
 
+    @property
+    def scrape_s(self) -> float | None:
+        """When the latest scrape was taken, None before the first one."""
+        taken = float(self._set.scrape_s[self.slot])
+        return None if taken == -math.inf else taken
+
     def staleness_s(self, now: float) -> float | None:
         """Age of the latest scrape, None before the first one."""
         return None if self.scrape_s is None else now - self.scrape_s
@@ -278,6 +281,8 @@ _ARRAYS_FLOAT = (
     "foreign_waiting",
     "foreign_running",
     "scraped_kv_usage",
+    "scraped_prefix_queries",
+    "scraped_prefix_hits",
     "scrape_s",
     "ttft_factor",
     "itl_factor",
@@ -354,7 +359,9 @@ class ReplicaSet:
     foreign_waiting: FloatArray
     foreign_running: FloatArray
     scraped_kv_usage: FloatArray
-    scrape_s: FloatArray
+    scraped_prefix_queries: FloatArray  # the latest scrape's cumulative counters, -inf before
+    scraped_prefix_hits: FloatArray
+    scrape_s: FloatArray  # when the latest scrape was taken, -inf before the first
     ttft_factor: FloatArray
     itl_factor: FloatArray
     prefill_done_tokens: FloatArray  # cumulative uncached prompt tokens whose first token came
@@ -390,6 +397,7 @@ class ReplicaSet:
         self.max_queue[slot] = spec.max_queue
         self.max_num_seqs[slot] = cm.limits.max_num_seqs
         self.scrape_s[slot] = -math.inf
+        self.scraped_prefix_queries[slot] = self.scraped_prefix_hits[slot] = -math.inf
         self.awaiting_since_s[slot] = math.inf
         self.awaiting_ttft_s[slot] = 1.0
         self.ttft_factor[slot] = 1.0
@@ -619,24 +627,54 @@ class ReplicaSet:
 
     def apply_scrape(self, replica_id: str, metrics: EngineMetrics, now: float) -> None:
         """Engine truth for ``replica_id`` at ``now``: load beyond ours is other gateways'."""
-        state = self.get(replica_id)
-        slot = state.slot
-        previous = state.metrics
-        if previous is not None and (
-            metrics.prefix_cache_queries < previous.prefix_cache_queries
-            or metrics.prefix_cache_hits < previous.prefix_cache_hits
-        ):
-            self._forget_prefixes(slot)  # cumulative counters went back: the engine restarted
-        local_waiting = self.local_waiting[slot]
-        local_total = local_waiting + self.local_running[slot]
-        foreign_waiting = max(metrics.num_waiting - local_waiting, 0.0)
-        engine_total = metrics.num_running + metrics.num_waiting
-        self.foreign_waiting[slot] = foreign_waiting
-        self.foreign_running[slot] = max(engine_total - local_total - foreign_waiting, 0.0)
-        self.scraped_kv_usage[slot] = min(max(metrics.kv_usage, 0.0), 1.0)
-        self.scrape_s[slot] = now
-        state.metrics = metrics
-        state.scrape_s = now
+        self.apply_scrapes(
+            np.array([self.get(replica_id).slot]),
+            np.array([metrics.num_running]),
+            np.array([metrics.num_waiting]),
+            np.array([metrics.kv_usage]),
+            np.array([metrics.prefix_cache_queries]),
+            np.array([metrics.prefix_cache_hits]),
+            now,
+        )
+
+    def apply_scrapes(
+        self,
+        slots: IndexArray,
+        num_running: npt.ArrayLike,
+        num_waiting: npt.ArrayLike,
+        kv_usage: npt.ArrayLike,
+        prefix_cache_queries: npt.ArrayLike,
+        prefix_cache_hits: npt.ArrayLike,
+        now: float,
+    ) -> None:
+        """``apply_scrape`` for many replicas at once, all scraped at ``now``: ``slots``
+        (distinct, of replicas in the set) and the ``EngineMetrics`` fields aligned with it.
+
+        A replica whose cumulative prefix-cache counters went back restarted with an empty
+        cache: its prefix entries are forgotten. The engine's requests beyond the local
+        ones are foreign load (``freshness`` fades it as the scrape ages).
+        """
+        slots = np.asarray(slots, dtype=np.int64)
+        if not self.active[slots].all():
+            raise ValueError("apply_scrapes: every slot must hold a replica of this set")
+        queries = np.asarray(prefix_cache_queries, dtype=np.float64)
+        hits = np.asarray(prefix_cache_hits, dtype=np.float64)
+        restarted = (queries < self.scraped_prefix_queries[slots]) | (
+            hits < self.scraped_prefix_hits[slots]
+        )
+        for slot in slots[restarted].tolist():
+            self._forget_prefixes(slot)
+        waiting = np.asarray(num_waiting, dtype=np.float64)
+        local_waiting = self.local_waiting[slots]
+        local_total = local_waiting + self.local_running[slots]
+        foreign_waiting = np.maximum(waiting - local_waiting, 0.0)
+        engine_total = np.asarray(num_running, dtype=np.float64) + waiting
+        self.foreign_waiting[slots] = foreign_waiting
+        self.foreign_running[slots] = np.maximum(engine_total - local_total - foreign_waiting, 0.0)
+        self.scraped_kv_usage[slots] = np.clip(np.asarray(kv_usage, dtype=np.float64), 0.0, 1.0)
+        self.scraped_prefix_queries[slots] = queries
+        self.scraped_prefix_hits[slots] = hits
+        self.scrape_s[slots] = now
 
     # -- derived load ----------------------------------------------------------------
 
