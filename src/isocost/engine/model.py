@@ -288,6 +288,7 @@ class EngineModel:
         "_now_s",
         "_record_gaps",
         "_running",
+        "_seen",
         "_states",
         "_step_end_s",
         "_step_start_s",
@@ -334,6 +335,7 @@ class EngineModel:
         # the decode run after the step in flight (or, inside advance_to, after now)
         self._ahead: _DecodeRun | None = None
         self._ahead_known = False
+        self._seen: EngineObservation | None = None  # observe() until the model changes
 
     # -- observation -------------------------------------------------------------------
 
@@ -390,7 +392,6 @@ class EngineModel:
         """
         if t < self._now_s:
             raise ValueError(f"observe({t}) is before the model clock {self._now_s}")
-        used = self.pool.num_used
         if self._batch is None:
             if self._waiting:
                 raise ValueError(f"advance_to({t}) first: a step starts at {self._now_s}")
@@ -401,15 +402,22 @@ class EngineModel:
                 raise ValueError(
                     f"advance_to({t}) first: the model is quiet only until {self.quiet_until()}"
                 )
-            used += run.new_blocks(steps + 1)
-        counters = self.counters
+            return self._reading(run.new_blocks(steps + 1))
+        seen = self._seen
+        if seen is None:
+            seen = self._seen = self._reading(0)
+        return seen
+
+    def _reading(self, extra_blocks: int) -> EngineObservation:
+        """The gauges and counters as they are, with ``extra_blocks`` more in use."""
+        pool, counters = self.pool, self.counters
         return EngineObservation(
-            num_running=len(self._running),
-            num_waiting=len(self._waiting),
-            kv_usage=used / self.pool.num_blocks,
-            prefix_cache_queries=counters.prefix_cache_queries,
-            prefix_cache_hits=counters.prefix_cache_hits,
-            num_preemptions=counters.num_preemptions,
+            len(self._running),
+            len(self._waiting),
+            (pool.num_used + extra_blocks) / pool.num_blocks,
+            counters.prefix_cache_queries,
+            counters.prefix_cache_hits,
+            counters.num_preemptions,
         )
 
     # -- driving -----------------------------------------------------------------------
@@ -435,6 +443,7 @@ class EngineModel:
         self._states[spec.request_id] = state
         heads = not self._waiting
         self._waiting.append(state)
+        self._seen = None
         if heads and self._ahead is not None and self._head_fits(len(self._running)):
             self._ahead = None  # the next step admits it: no run (behind a head: no change)
         return state
@@ -446,6 +455,7 @@ class EngineModel:
             return
         state.aborted = True
         self._ahead_known = False
+        self._seen = None
         if state in self._running:
             self._running.remove(state)
             self._release(state)
@@ -480,6 +490,7 @@ class EngineModel:
         """Fix the next batch at the current clock, allocate its blocks and price it
         (prefill chunks as one chunk of their summed size, decodes by batch and context)."""
         self._ahead_known = False
+        self._seen = None
         block_size = self.block_size
         pool = self.pool
         budget = self.max_num_batched_tokens
@@ -574,6 +585,7 @@ class EngineModel:
         assert self._batch is not None
         if self._ahead is None:
             self._ahead_known = False  # a run computed for this step still holds after it
+        self._seen = None
         t = self._step_end_s
         block_size = self.block_size
         counters = self.counters
@@ -716,6 +728,7 @@ class EngineModel:
         flight when ``in_flight``: a step of the same batch that ends where ``run``
         starts); start the run's next step when it ends after ``t``."""
         self._ahead_known = False
+        self._seen = None
         counters = self.counters
         if in_flight:
             counters.num_steps += 1
