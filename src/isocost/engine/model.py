@@ -39,25 +39,30 @@ Driving contract::
   in time order; a step ending after ``t`` stays in flight. The clock becomes ``t``.
 * ``next_event_time()`` is the end of the step in flight, the clock itself when the
   engine is idle but has work (call ``advance_to`` to start the step), or ``None``.
-
-* ``observe(t)`` reads, without changing the model, what ``advance_to(t)`` would leave
-  in the scrape-visible gauges and counters (``EngineObservation``), for any ``t`` from the
-  clock up to ``quiet_until()``; a scraper calls it instead of advancing every replica.
+* ``quiet_until()`` is a time before which the model emits no event unless a request is
+  submitted or aborted: the end of the decode run ahead (see Jumps), else
+  ``next_event_time()``. A simulator wakes the model there, not at every step.
+* ``observe(t)`` reads, without changing the model, what ``advance_to(t)`` would leave in
+  the scrape-visible gauges and counters (``EngineObservation``), for ``t`` from the clock
+  up to ``quiet_until()``: a scraper calls it instead of advancing every replica.
 
 Jumps. When a step is pure decode (every running request decodes, and the waiting head
 cannot be admitted), the following steps keep the same batch until a request emits its
-last token, the free blocks run out, or ``t`` is reached. ``advance_to`` applies such runs
-in bulk, touching no request until the run ends; bulk steps emit no events, since no
-request starts, finishes or is preempted in them. With a fixed batch of ``B`` the total
-context grows by ``B`` a step, so a step costs ``max(F + f*C, M + m*C) + K``
-(``CostModel.decode_lines``) and ``k`` steps cost two arithmetic series: the end of step
-``k`` is O(1) to compute, the number of steps ending by ``t`` a short search on it, and
-the blocks taken after ``k`` steps O(1) from a histogram of each request's free slots in
-its last block. A run's times are the closed form's, so they agree with stepping one by
-one (``jump=False``) to about 1e-12 relative instead of bit for bit; tokens, events and
-their order, blocks and counters are identical, which a test compares. The step of a run
-that ends after ``t`` is started by the run itself, ending at the closed form's time, so
-``observe`` can say exactly where a later ``advance_to`` will stand.
+last token, the free blocks run out, or ``t`` is reached. ``advance_to`` applies such a
+run in bulk, in one pass over the batch however many steps it spans, and emits no events
+for it, since no request starts, finishes or is preempted in it. With a fixed batch of
+``B`` the total context grows by ``B`` a step, so a step costs ``max(F + f*C, M + m*C) +
+K`` (``CostModel.decode_lines``) and ``k`` steps cost two arithmetic series: the end of
+step ``k`` is O(1), the number of steps ending by ``t`` a short search on it, and the
+blocks taken in ``k`` steps O(1) from a histogram of each request's free slots in its last
+block. The run's step that ends after ``t`` is started by the run itself, at the closed
+form's time, and the rest of the run is kept (derived in O(block_size)) until the model
+changes, so ``quiet_until`` is O(1) and ``observe`` O(log steps) and both say exactly
+where ``advance_to`` will stand.
+
+Times inside runs are the closed form's, so they agree with stepping one by one
+(``jump=False``) to about 1e-12 relative rather than bit for bit; tokens, events and their
+order, blocks and counters are identical, which tests compare.
 
 Why admission stays impossible during a run: decode steps only take blocks (free blocks
 and cached prefixes shrink), the running count and token budget do not change, so a head
