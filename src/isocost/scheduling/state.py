@@ -98,6 +98,10 @@ __all__ = [
 DEFAULT_CLASS = "default"  # the route class of a request no route rule claims
 _FACTOR_MIN, _FACTOR_MAX = 0.05, 20.0  # bounds of one observed/predicted ratio
 _BoolArray = npt.NDArray[np.bool_]
+# (maximum, minimum, any) for formulas written once for one slot and for many
+_Ops = tuple[Callable[[Any, Any], Any], Callable[[Any, Any], Any], Callable[[Any], Any]]
+_PYTHON_OPS: _Ops = (max, min, bool)
+_NUMPY_OPS: _Ops = (np.maximum, np.minimum, np.any)
 
 
 def stable_hash64(text: str) -> int:
@@ -627,14 +631,12 @@ class ReplicaSet:
 
     def apply_scrape(self, replica_id: str, metrics: EngineMetrics, now: float) -> None:
         """Engine truth for ``replica_id`` at ``now``: load beyond ours is other gateways'."""
-        self.apply_scrapes(
-            np.array([self.get(replica_id).slot]),
-            np.array([metrics.num_running]),
-            np.array([metrics.num_waiting]),
-            np.array([metrics.kv_usage]),
-            np.array([metrics.prefix_cache_queries]),
-            np.array([metrics.prefix_cache_hits]),
+        self._scrape(
+            self.get(replica_id).slot,
+            (metrics.num_running, metrics.num_waiting, metrics.kv_usage),
+            (metrics.prefix_cache_queries, metrics.prefix_cache_hits),
             now,
+            _PYTHON_OPS,
         )
 
     def apply_scrapes(
@@ -649,32 +651,17 @@ class ReplicaSet:
     ) -> None:
         """``apply_scrape`` for many replicas at once, all scraped at ``now``: ``slots``
         (distinct, of replicas in the set) and the ``EngineMetrics`` fields aligned with it.
-
-        A replica whose cumulative prefix-cache counters went back restarted with an empty
-        cache: its prefix entries are forgotten. The engine's requests beyond the local
-        ones are foreign load (``freshness`` fades it as the scrape ages).
-        """
+        The same state results as from one ``apply_scrape`` per replica."""
         slots = np.asarray(slots, dtype=np.int64)
         if not self.active[slots].all():
             raise ValueError("apply_scrapes: every slot must hold a replica of this set")
-        queries = np.asarray(prefix_cache_queries, dtype=np.float64)
-        hits = np.asarray(prefix_cache_hits, dtype=np.float64)
-        restarted = (queries < self.scraped_prefix_queries[slots]) | (
-            hits < self.scraped_prefix_hits[slots]
-        )
-        for slot in slots[restarted].tolist():
-            self._forget_prefixes(slot)
-        waiting = np.asarray(num_waiting, dtype=np.float64)
-        local_waiting = self.local_waiting[slots]
-        local_total = local_waiting + self.local_running[slots]
-        foreign_waiting = np.maximum(waiting - local_waiting, 0.0)
-        engine_total = np.asarray(num_running, dtype=np.float64) + waiting
-        self.foreign_waiting[slots] = foreign_waiting
-        self.foreign_running[slots] = np.maximum(engine_total - local_total - foreign_waiting, 0.0)
-        self.scraped_kv_usage[slots] = np.clip(np.asarray(kv_usage, dtype=np.float64), 0.0, 1.0)
-        self.scraped_prefix_queries[slots] = queries
-        self.scraped_prefix_hits[slots] = hits
-        self.scrape_s[slots] = now
+
+        def floats(values: npt.ArrayLike) -> FloatArray:
+            return np.asarray(values, dtype=np.float64)
+
+        load = (floats(num_running), floats(num_waiting), floats(kv_usage))
+        counters = (floats(prefix_cache_queries), floats(prefix_cache_hits))
+        self._scrape(slots, load, counters, now, _NUMPY_OPS)
 
     # -- derived load ----------------------------------------------------------------
 
@@ -746,6 +733,38 @@ class ReplicaSet:
         self.local_context_tokens[slot] += record.prompt_tokens + record.generated_tokens
         self.prefill_done_tokens[slot] += record.prompt_tokens - record.cached_tokens
         record.prefill_mark = self.prefill_done_tokens[slot]
+
+    def _scrape(
+        self,
+        key: IndexArray | int,
+        load: tuple[Any, Any, Any],
+        counters: tuple[Any, Any],
+        now: float,
+        ops: _Ops,
+    ) -> None:
+        """A scrape of one slot (Python numbers, ``_PYTHON_OPS``) or of the slots ``key``
+        (aligned arrays, ``_NUMPY_OPS``): one formula for both, as in ``_effective``.
+        ``load`` is (running, waiting, KV usage); ``counters`` the cumulative prefix-cache
+        (queries, hits): when they go back the engine restarted with an empty cache, and
+        the slot's prefix entries are forgotten."""
+        maximum, minimum, any_true = ops
+        running, waiting, kv_usage = load
+        queries, hits = counters
+        restarted = (queries < self.scraped_prefix_queries[key]) | (
+            hits < self.scraped_prefix_hits[key]
+        )
+        if any_true(restarted):
+            for slot in np.extract(restarted, key).tolist():
+                self._forget_prefixes(slot)
+        local_waiting = self.local_waiting[key]
+        local_total = local_waiting + self.local_running[key]
+        foreign_waiting = maximum(waiting - local_waiting, 0.0)
+        self.foreign_waiting[key] = foreign_waiting
+        self.foreign_running[key] = maximum(running + waiting - local_total - foreign_waiting, 0.0)
+        self.scraped_kv_usage[key] = minimum(maximum(kv_usage, 0.0), 1.0)
+        self.scraped_prefix_queries[key] = queries
+        self.scraped_prefix_hits[key] = hits
+        self.scrape_s[key] = now
 
     def _forget_prefixes(self, slot: int) -> None:
         self.prefix.evict(slot, self.prefix.num_blocks(slot))
