@@ -94,14 +94,6 @@ class BlockPool:
         ``block_hashes`` (in order); a hash already cached is shared and its copy freed."""
         refs = self._refs
         free_cached = self._free_cached
-        fresh = dict.fromkeys(block_hashes, 1)
-        if (
-            len(fresh) == len(block_hashes)
-            and refs.keys().isdisjoint(fresh)
-            and free_cached.keys().isdisjoint(fresh)
-        ):
-            refs.update(fresh)  # the usual case, all new: no loop in Python
-            return
         copies = 0
         for block_hash in block_hashes:
             count = refs.get(block_hash)
@@ -121,15 +113,7 @@ class BlockPool:
         self.num_free_uncached += num_private
         refs = self._refs
         free_cached = self._free_cached
-        last_first = cached_hashes[::-1]
-        freed = dict.fromkeys(last_first)
-        counts = list(map(refs.__getitem__, last_first))
-        if len(freed) == len(counts) == counts.count(1):
-            # the usual case, no other holder: all become free, no loop in Python
-            list(map(refs.pop, last_first))
-            free_cached.update(freed)
-            return
-        for block_hash in last_first:
+        for block_hash in reversed(cached_hashes):
             count = refs.pop(block_hash)
             if count > 1:
                 refs[block_hash] = count - 1
