@@ -244,6 +244,7 @@ class Simulator:
             deadline_s=None
             if slo is None
             else request.arrival_s + slo.ttft_limit_s(request.prompt_tokens),
+            tpot_target_s=None if slo is None else slo.tpot_s,
             arrival_s=request.arrival_s,
             stream=True,
         )
