@@ -36,6 +36,7 @@ from isocost.core.models import ModelSpec
 __all__ = [
     "DTYPE_BYTES",
     "CostModel",
+    "DecodeLines",
     "EngineLimits",
     "VramLedger",
     "dtype_bytes",
@@ -88,6 +89,67 @@ class VramLedger:
     @property
     def fits(self) -> bool:
         return self.kv_pool_bytes > 0
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeLines:
+    """A decode step of a fixed batch as a function of its total context ``C``:
+    ``max(compute_s + compute_s_per_token * C, memory_s + memory_s_per_token * C) + fixed_s``.
+
+    In a run of pure decode steps the batch stays fixed and ``C`` grows by ``batch_size``
+    per step, so each side of the roofline is an arithmetic series and a whole run is
+    priced in O(1) (``run_time_s``) instead of one ``step_time_s`` call per step.
+    """
+
+    batch_size: int
+    compute_s: float
+    compute_s_per_token: float
+    memory_s: float
+    memory_s_per_token: float
+    fixed_s: float
+
+    def step_time_s(self, context_tokens: int) -> float:
+        """One step at ``context_tokens``: ``CostModel.step_time_s(0, 0, batch_size, C)``."""
+        return (
+            max(
+                self.compute_s + self.compute_s_per_token * context_tokens,
+                self.memory_s + self.memory_s_per_token * context_tokens,
+            )
+            + self.fixed_s
+        )
+
+    def run_time_s(self, context_tokens: int, steps: int) -> float:
+        """``steps`` consecutive steps, the first at ``context_tokens``: the sum of
+        ``step_time_s(context_tokens + i * batch_size)`` for ``i < steps``.
+
+        The compute line minus the memory line is linear in the step index, so it changes
+        sign at most once: the steps before that index are priced on one line, the rest
+        on the other, each as an arithmetic series.
+        """
+        if steps <= 0:
+            return 0.0
+        batch = self.batch_size
+        slope = self.compute_s_per_token - self.memory_s_per_token
+        gap = self.compute_s - self.memory_s + slope * context_tokens  # at the first step
+        gap_per_step = slope * batch
+        split = steps  # the steps before ``split`` are on the first step's side
+        if gap_per_step != 0.0 and (gap >= 0.0) != (gap_per_step > 0.0):
+            split = min(max(math.ceil(-gap / gap_per_step), 0), steps)
+        rest = steps - split
+        # total context over the steps before and from ``split``, exact in integers
+        head = split * context_tokens + batch * ((split - 1) * split // 2)
+        tail = rest * context_tokens + batch * ((split + steps - 1) * rest // 2)
+        if gap < 0.0:
+            head, tail = tail, head
+            split, rest = rest, split
+        # now ``split`` steps and ``head`` tokens are on the compute line, the rest memory
+        return (
+            split * self.compute_s
+            + self.compute_s_per_token * head
+            + rest * self.memory_s
+            + self.memory_s_per_token * tail
+            + self.fixed_s * steps
+        )
 
 
 class CostModel:
@@ -227,6 +289,22 @@ class CostModel:
         roofline = max(flops / self._compute_rate, (weight_read + kv_read) / self._memory_rate)
         overhead = self.gpu.step_overhead_s + (self.gpu.prefill_overhead_s if n else 0.0)
         return roofline + self.tp_comm_time_s(tokens) + overhead
+
+    def decode_lines(self, batch_size: int) -> DecodeLines:
+        """``step_time_s(0, 0, batch_size, C)`` as lines in ``C`` (see ``DecodeLines``),
+        from the same terms: weights and per-token KV on the memory side, weight FLOPs and
+        attention pairs on the compute side, all-reduces and step overhead fixed."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        weight_read = self.weights_bytes * self.model.expected_weight_fraction_read(batch_size)
+        return DecodeLines(
+            batch_size=batch_size,
+            compute_s=2.0 * self.model.active_params * batch_size / self._compute_rate,
+            compute_s_per_token=self._attn_flops_per_pair / self._compute_rate,
+            memory_s=weight_read / self._memory_rate,
+            memory_s_per_token=self.kv_bytes_per_token / self._memory_rate,
+            fixed_s=self.gpu.step_overhead_s + self.tp_comm_time_s(batch_size),
+        )
 
     def prefill_time_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
         """Prefill of ``new_tokens`` after ``cached_tokens`` reused from the prefix cache,

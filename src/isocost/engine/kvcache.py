@@ -89,27 +89,49 @@ class BlockPool:
             self._free_cached.popitem(last=False)
         return True
 
-    def commit(self, block_hash: int) -> None:
-        """Turn one private block, now full of prompt tokens, into the cached block
-        ``block_hash``; if that hash is already cached, share it and free the copy."""
-        if block_hash in self._refs:
-            self._refs[block_hash] += 1
-            self.num_free_uncached += 1
-        elif block_hash in self._free_cached:
-            del self._free_cached[block_hash]
-            self._refs[block_hash] = 1
-            self.num_free_uncached += 1
-        else:
-            self._refs[block_hash] = 1
+    def commit(self, block_hashes: Sequence[int]) -> None:
+        """Turn private blocks, now full of prompt tokens, into the cached blocks
+        ``block_hashes`` (in order); a hash already cached is shared and its copy freed."""
+        refs = self._refs
+        free_cached = self._free_cached
+        fresh = dict.fromkeys(block_hashes, 1)
+        if (
+            len(fresh) == len(block_hashes)
+            and refs.keys().isdisjoint(fresh)
+            and free_cached.keys().isdisjoint(fresh)
+        ):
+            refs.update(fresh)  # the usual case, all new: no loop in Python
+            return
+        copies = 0
+        for block_hash in block_hashes:
+            count = refs.get(block_hash)
+            if count is not None:
+                refs[block_hash] = count + 1
+                copies += 1
+            else:
+                if block_hash in free_cached:
+                    del free_cached[block_hash]
+                    copies += 1
+                refs[block_hash] = 1
+        self.num_free_uncached += copies
 
     def release(self, cached_hashes: Sequence[int], num_private: int) -> None:
         """Return a request's blocks. Cached ones are released last block first, so a
         prefix's tail is evicted before its head."""
         self.num_free_uncached += num_private
-        for block_hash in reversed(cached_hashes):
-            refs = self._refs[block_hash] - 1
-            if refs:
-                self._refs[block_hash] = refs
+        refs = self._refs
+        free_cached = self._free_cached
+        last_first = cached_hashes[::-1]
+        freed = dict.fromkeys(last_first)
+        counts = list(map(refs.__getitem__, last_first))
+        if len(freed) == len(counts) == counts.count(1):
+            # the usual case, no other holder: all become free, no loop in Python
+            list(map(refs.pop, last_first))
+            free_cached.update(freed)
+            return
+        for block_hash in last_first:
+            count = refs.pop(block_hash)
+            if count > 1:
+                refs[block_hash] = count - 1
             else:
-                del self._refs[block_hash]
-                self._free_cached[block_hash] = None
+                free_cached[block_hash] = None

@@ -40,12 +40,24 @@ Driving contract::
 * ``next_event_time()`` is the end of the step in flight, the clock itself when the
   engine is idle but has work (call ``advance_to`` to start the step), or ``None``.
 
+* ``observe(t)`` reads, without changing the model, what ``advance_to(t)`` would leave
+  in the scrape-visible gauges and counters (``EngineObservation``), for any ``t`` from the
+  clock up to ``quiet_until()``; a scraper calls it instead of advancing every replica.
+
 Jumps. When a step is pure decode (every running request decodes, and the waiting head
 cannot be admitted), the following steps keep the same batch until a request emits its
 last token, the free blocks run out, or ``t`` is reached. ``advance_to`` applies such runs
-in bulk: it still prices every step (so times are bit-identical to stepping one by one,
-which ``jump=False`` does and a test compares) but touches no request until the run
-ends. Bulk steps emit no events, since no request starts, finishes or is preempted in them.
+in bulk, touching no request until the run ends; bulk steps emit no events, since no
+request starts, finishes or is preempted in them. With a fixed batch of ``B`` the total
+context grows by ``B`` a step, so a step costs ``max(F + f*C, M + m*C) + K``
+(``CostModel.decode_lines``) and ``k`` steps cost two arithmetic series: the end of step
+``k`` is O(1) to compute, the number of steps ending by ``t`` a short search on it, and
+the blocks taken after ``k`` steps O(1) from a histogram of each request's free slots in
+its last block. A run's times are the closed form's, so they agree with stepping one by
+one (``jump=False``) to about 1e-12 relative instead of bit for bit; tokens, events and
+their order, blocks and counters are identical, which a test compares. The step of a run
+that ends after ``t`` is started by the run itself, ending at the closed form's time, so
+``observe`` can say exactly where a later ``advance_to`` will stand.
 
 Why admission stays impossible during a run: decode steps only take blocks (free blocks
 and cached prefixes shrink), the running count and token budget do not change, so a head
@@ -54,16 +66,20 @@ that did not fit at the run's first step does not fit at any later one.
 
 from __future__ import annotations
 
+import math
+from bisect import bisect_right
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from itertools import accumulate
 
-from isocost.core.costmodel import CostModel
+from isocost.core.costmodel import CostModel, DecodeLines
 from isocost.engine.kvcache import BlockPool
 
 __all__ = [
     "EngineCounters",
     "EngineEvent",
     "EngineModel",
+    "EngineObservation",
     "Finished",
     "FirstToken",
     "Preempted",
@@ -149,16 +165,126 @@ class EngineCounters:
     inter_token_gaps: list[tuple[float, int]] = field(default_factory=list)
 
 
+@dataclass(frozen=True, slots=True)
+class EngineObservation:
+    """What a metrics scrape reads from the model at one time (``EngineModel.observe``)."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
 def _blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class _DecodeRun:
+    """The run of identical pure-decode steps that starts at ``start_s``: step ``k`` of
+    it (from 1) ends at ``end_s(k)``; at most ``max_steps`` steps, the last one before a
+    request's last token or a step that would lack a block."""
+
+    start_s: float
+    context_tokens: int  # total context of the batch at the run's first step
+    max_steps: int
+    lines: DecodeLines
+    slowdown: float
+    rooms: tuple[int, ...]  # [r]: requests with r free slots in their last block
+    room_below: tuple[int, ...]  # [p]: requests with fewer than p free slots
+
+    @classmethod
+    def of(
+        cls,
+        start_s: float,
+        context_tokens: int,
+        max_steps: int,
+        lines: DecodeLines,
+        slowdown: float,
+        rooms: list[int],
+    ) -> _DecodeRun:
+        below = tuple(accumulate(rooms[:-1], initial=0))
+        return cls(start_s, context_tokens, max_steps, lines, slowdown, tuple(rooms), below)
+
+    def end_s(self, steps: int) -> float:
+        return self.start_s + self.lines.run_time_s(self.context_tokens, steps) * self.slowdown
+
+    def new_blocks(self, steps: int) -> int:
+        """Blocks the batch takes in its first ``steps`` steps: a request with ``r`` free
+        slots takes one at step ``r + 1``, then one every ``block_size`` steps."""
+        rounds, rest = divmod(steps, len(self.rooms))
+        return rounds * self.lines.batch_size + self.room_below[rest]
+
+    def after(self, steps: int, end_s: float) -> _DecodeRun | None:
+        """The rest of the run once its first ``steps`` steps are done, at ``end_s``
+        (None if none is left): each request's free slots drop by ``steps``, modulo the
+        block size."""
+        if steps >= self.max_steps:
+            return None
+        shift = steps % len(self.rooms)
+        return _DecodeRun.of(
+            end_s,
+            self.context_tokens + steps * self.lines.batch_size,
+            self.max_steps - steps,
+            self.lines,
+            self.slowdown,
+            [*self.rooms[shift:], *self.rooms[:shift]],
+        )
+
+    def steps_by(self, t: float) -> tuple[int, float, float]:
+        """``(k, end_s(k), end_s(k + 1))`` for the most steps ``k`` (<= ``max_steps``)
+        that end by ``t`` (``t >= start_s``); the last is inf when ``k == max_steps``.
+
+        Steps only grow along a run, so ``k`` is at most the span over the first step's
+        price and at least the span over the k-th step's: the first guess is usually the
+        answer or one above it, and a bisection on ``end_s`` itself settles the rest, so
+        the answer is exact for the closed form.
+        """
+        lines, slowdown, span = self.lines, self.slowdown, t - self.start_s
+        last = self.max_steps
+        ratio = span / (lines.step_time_s(self.context_tokens) * slowdown)
+        high = last if ratio >= last else int(ratio) + 1
+        end_high = self.end_s(high)
+        if end_high <= t:
+            if high == last:
+                return high, end_high, math.inf
+            high, end_high = last, self.end_s(last)  # rounding fooled the guess
+            if end_high <= t:
+                return high, end_high, math.inf
+        low, end_low = 0, self.start_s
+        guess = high - 1  # the likely answer when step prices barely grow
+        for _ in range(2):
+            if guess <= low:
+                break
+            end_guess = self.end_s(guess)
+            if end_guess <= t:
+                low, end_low = guess, end_guess
+                break
+            high, end_high = guess, end_guess
+            # the k-th step's price bounds the steps from below
+            last_context = self.context_tokens + (high - 1) * lines.batch_size
+            guess = int(span / (lines.step_time_s(last_context) * slowdown)) - 1
+        while high - low > 1:  # end_s(low) <= t < end_s(high)
+            mid = (low + high) // 2
+            end_mid = self.end_s(mid)
+            if end_mid <= t:
+                low, end_low = mid, end_mid
+            else:
+                high, end_high = mid, end_mid
+        return low, end_low, end_high
 
 
 class EngineModel:
     """One replica's scheduler and KV cache over a cost model; see the module docstring."""
 
     __slots__ = (
+        "_ahead",
+        "_ahead_known",
         "_batch",
         "_jump",
+        "_lines",
         "_now_s",
         "_record_gaps",
         "_running",
@@ -204,6 +330,10 @@ class EngineModel:
         self._states: dict[str, RequestState] = {}
         self._batch: list[tuple[RequestState, int]] | None = None  # the step in flight
         self._step_start_s = self._step_end_s = 0.0
+        self._lines: dict[int, DecodeLines] = {}  # decode lines by batch size
+        # the decode run after the step in flight (or, inside advance_to, after now)
+        self._ahead: _DecodeRun | None = None
+        self._ahead_known = False
 
     # -- observation -------------------------------------------------------------------
 
@@ -242,35 +372,45 @@ class EngineModel:
         """A time before which, unless a request is submitted or aborted, the model emits
         no event (None when idle): a simulator wakes the model there, not at every step.
 
-        At least the step in flight's end. When that step is pure decode of every running
-        request and the waiting head cannot be admitted (the condition of a jump), the run
-        that follows only grows contexts, so each later step lasts at least as long as this
-        one; no event comes before the first request's last token or the first step that
-        could lack a block (each request needs at most one new block per ``block_size``
-        steps). One step is left as margin for rounding.
+        The step in flight's end; with jumps, when a pure-decode run follows that step,
+        the end of the run's last step (the step after it may preempt at its start).
         """
-        end = self.next_event_time()
-        batch = self._batch
-        if batch is None or end is None or len(batch) != len(self._running):
-            return end
-        room = self.max_num_batched_tokens - len(batch)
-        if (
-            self._waiting
-            and len(batch) < self.max_num_seqs
-            and room > 0
-            and self._admission(self._waiting[0], room) is not None
-        ):
-            return end  # the next step may admit the head
-        steps = None
-        for state, n in batch:
-            if n != 1 or not state.num_output_tokens:
-                return end
-            left = state.spec.max_output_tokens - state.num_output_tokens - 1
-            steps = left if steps is None or left < steps else steps
-        if not steps:
-            return end
-        steps = min(steps, self.pool.num_free // len(batch) * self.block_size) - 1
-        return end + max(steps, 0) * (end - self._step_start_s)
+        if self._batch is None:
+            return self._now_s if self._waiting else None
+        run = self._run_ahead() if self._jump else None
+        return self._step_end_s if run is None else run.end_s(run.max_steps)
+
+    def observe(self, t: float) -> EngineObservation:
+        """What a scrape at ``t`` would read after ``advance_to(t)``, leaving the model as
+        it is: for ``now_s <= t < quiet_until()``, or any ``t >= now_s`` when the model is
+        idle. Outside that window it raises ``ValueError`` (advance the model instead).
+
+        O(1) plus a short search: steps of a decode run change only the blocks in use,
+        which the run's histogram gives for its step in flight at ``t``.
+        """
+        if t < self._now_s:
+            raise ValueError(f"observe({t}) is before the model clock {self._now_s}")
+        used = self.pool.num_used
+        if self._batch is None:
+            if self._waiting:
+                raise ValueError(f"advance_to({t}) first: a step starts at {self._now_s}")
+        elif t >= self._step_end_s:
+            run = self._run_ahead() if self._jump else None
+            steps = run.steps_by(t)[0] if run is not None else 0
+            if run is None or steps >= run.max_steps:
+                raise ValueError(
+                    f"advance_to({t}) first: the model is quiet only until {self.quiet_until()}"
+                )
+            used += run.new_blocks(steps + 1)
+        counters = self.counters
+        return EngineObservation(
+            num_running=len(self._running),
+            num_waiting=len(self._waiting),
+            kv_usage=used / self.pool.num_blocks,
+            prefix_cache_queries=counters.prefix_cache_queries,
+            prefix_cache_hits=counters.prefix_cache_hits,
+            num_preemptions=counters.num_preemptions,
+        )
 
     # -- driving -----------------------------------------------------------------------
 
@@ -293,7 +433,10 @@ class EngineModel:
         self._now_s = now
         state = RequestState(spec, now)
         self._states[spec.request_id] = state
+        heads = not self._waiting
         self._waiting.append(state)
+        if heads and self._ahead is not None and self._head_fits(len(self._running)):
+            self._ahead = None  # the next step admits it: no run (behind a head: no change)
         return state
 
     def abort(self, request_id: str) -> None:
@@ -302,6 +445,7 @@ class EngineModel:
         if state is None:
             return
         state.aborted = True
+        self._ahead_known = False
         if state in self._running:
             self._running.remove(state)
             self._release(state)
@@ -320,26 +464,38 @@ class EngineModel:
                 self._start_step(events)
             if self._step_end_s > t:
                 break
+            run = self._ahead if self._ahead_known and not self._record_gaps else None
+            if run is not None and run.slowdown == self.slowdown:
+                self._decode(run, t, in_flight=True)  # the step in flight is a run's too
+                continue
             self._finish_step(events)
-            if self._jump:
-                self._bulk_decode(t)
+            if self._jump and self._running and (run := self._run_ahead()) is not None:
+                self._decode(run, t, in_flight=False)
         self._now_s = t
         return events
 
     # -- one step ----------------------------------------------------------------------
 
     def _start_step(self, events: list[EngineEvent]) -> None:
-        """Fix the next batch at the current clock, allocating its blocks."""
+        """Fix the next batch at the current clock, allocate its blocks and price it
+        (prefill chunks as one chunk of their summed size, decodes by batch and context)."""
+        self._ahead_known = False
+        block_size = self.block_size
+        pool = self.pool
         budget = self.max_num_batched_tokens
         batch: list[tuple[RequestState, int]] = []
+        prefill = prefill_context = decode_seqs = decode_context = 0
         preempted = False
         running = self._running
         i = 0
         while i < len(running) and budget > 0:
             state = running[i]
-            n = min(state.num_tokens - state.num_computed_tokens, budget)
-            need = _blocks_for(state.num_computed_tokens + n, self.block_size) - state.num_blocks
-            while need > 0 and not self.pool.allocate(need):
+            computed = state.num_computed_tokens
+            n = state.spec.prompt_tokens + state.num_output_tokens - computed
+            if n > budget:
+                n = budget
+            need = -(-(computed + n) // block_size) - state.num_blocks
+            while need > 0 and not pool.allocate(need):
                 victim = running.pop()  # the newest running request
                 self._preempt(victim, events)
                 preempted = True
@@ -350,31 +506,47 @@ class EngineModel:
             if need > 0:
                 state.num_blocks += need
             batch.append((state, n))
+            if n == 1 and state.num_output_tokens and computed:
+                decode_seqs += 1
+                decode_context += computed
+            else:
+                prefill += n
+                prefill_context += n * computed
             budget -= n
             i += 1
-        while not preempted and self._waiting and budget > 0 and len(running) < self.max_num_seqs:
-            state = self._waiting[0]
+        waiting = self._waiting
+        counters = self.counters
+        while not preempted and waiting and budget > 0 and len(running) < self.max_num_seqs:
+            state = waiting[0]
             plan = self._admission(state, budget)
             if plan is None:
                 break
             hits, n, need = plan
-            self.pool.acquire(state.spec.block_hashes[:hits])
-            self.pool.allocate(need)
+            pool.acquire(state.spec.block_hashes[:hits])
+            pool.allocate(need)
+            computed = hits * block_size
             state.num_cached_blocks = hits
             state.num_blocks = hits + need
-            state.num_computed_tokens = hits * self.block_size
-            state.num_prefix_hit_tokens = state.num_computed_tokens
-            self.counters.prefix_cache_queries += state.num_tokens
-            self.counters.prefix_cache_hits += state.num_computed_tokens
-            self._waiting.popleft()
+            state.num_computed_tokens = state.num_prefix_hit_tokens = computed
+            counters.prefix_cache_queries += state.num_tokens
+            counters.prefix_cache_hits += computed
+            waiting.popleft()
             running.append(state)
             batch.append((state, n))
+            if n == 1 and state.num_output_tokens and computed:
+                decode_seqs += 1
+                decode_context += computed
+            else:
+                prefill += n
+                prefill_context += n * computed
             budget -= n
         if not batch:
             raise RuntimeError("engine model scheduled an empty step with work queued")
+        cached = prefill_context // prefill if prefill else 0
+        step_s = self.cost.step_time_s(prefill, cached, decode_seqs, decode_context)
         self._batch = batch
         self._step_start_s = self._now_s
-        self._step_end_s = self._now_s + self._step_time_s(batch)
+        self._step_end_s = self._now_s + step_s * self.slowdown
 
     def _admission(self, state: RequestState, budget: int) -> tuple[int, int, int] | None:
         """``(prefix hit blocks, tokens to compute now, new blocks)`` to admit ``state``
@@ -388,67 +560,73 @@ class EngineModel:
             return None
         return hits, n, need
 
-    def _step_time_s(self, batch: list[tuple[RequestState, int]]) -> float:
-        prefill = prefill_context = decode_seqs = decode_context = 0
-        for state, n in batch:
-            if n == 1 and state.num_output_tokens and state.num_computed_tokens:
-                decode_seqs += 1
-                decode_context += state.num_computed_tokens
-            else:
-                prefill += n
-                prefill_context += n * state.num_computed_tokens
-        cached = prefill_context // prefill if prefill else 0
-        return self.cost.step_time_s(prefill, cached, decode_seqs, decode_context) * self.slowdown
+    def _head_fits(self, batch_size: int) -> bool:
+        """Whether a step of ``batch_size`` decodes would admit the waiting head."""
+        budget = self.max_num_batched_tokens - batch_size
+        return (
+            batch_size < self.max_num_seqs
+            and budget > 0
+            and self._admission(self._waiting[0], budget) is not None
+        )
 
     def _finish_step(self, events: list[EngineEvent]) -> None:
         """Apply the step in flight at its end time: tokens, cached blocks, finishes."""
         assert self._batch is not None
+        if self._ahead is None:
+            self._ahead_known = False  # a run computed for this step still holds after it
         t = self._step_end_s
         block_size = self.block_size
         counters = self.counters
         counters.num_steps += 1
         counters.busy_s += t - self._step_start_s
         finished = False
-        gaps: dict[float, int] = {}
+        gaps: dict[float, int] | None = {} if self._record_gaps else None
+        generated = 0
         for state, n in self._batch:
             if state.aborted:
                 continue
-            state.num_computed_tokens += n
-            hashes = state.spec.block_hashes
-            full = min(state.num_computed_tokens // block_size, len(hashes))
-            while state.num_cached_blocks < full:
-                self.pool.commit(hashes[state.num_cached_blocks])
-                state.num_cached_blocks += 1
-            if state.num_computed_tokens < state.num_tokens:
+            spec = state.spec
+            computed = state.num_computed_tokens + n
+            state.num_computed_tokens = computed
+            hashes = spec.block_hashes
+            cached = state.num_cached_blocks
+            if cached < len(hashes):
+                full = min(computed // block_size, len(hashes))
+                if full > cached:
+                    self.pool.commit(hashes[cached:full])
+                    state.num_cached_blocks = full
+            if computed < spec.prompt_tokens + state.num_output_tokens:
                 continue  # a prefill chunk that did not reach the end
             state.num_output_tokens += 1
-            counters.num_generation_tokens += 1
+            generated += 1
             if state.first_token_s is None:
                 state.first_token_s = t
-                counters.num_prompt_tokens += state.spec.prompt_tokens
-                events.append(FirstToken(state.spec.request_id, t, t - state.arrival_s))
-            elif self._record_gaps and state.last_token_s is not None:
+                counters.num_prompt_tokens += spec.prompt_tokens
+                events.append(FirstToken(spec.request_id, t, t - state.arrival_s))
+            elif gaps is not None and state.last_token_s is not None:
                 gap = t - state.last_token_s
                 gaps[gap] = gaps.get(gap, 0) + 1
             state.last_token_s = t
-            if state.num_output_tokens >= state.spec.max_output_tokens:
+            if state.num_output_tokens >= spec.max_output_tokens:
                 state.finished_s = t
                 finished = True
                 self._release(state)
-                del self._states[state.spec.request_id]
+                del self._states[spec.request_id]
                 events.append(
                     Finished(
-                        state.spec.request_id,
+                        spec.request_id,
                         t,
-                        state.spec.prompt_tokens,
+                        spec.prompt_tokens,
                         state.num_output_tokens,
                         state.first_token_s - state.arrival_s,
                         t - state.arrival_s,
                     )
                 )
+        counters.num_generation_tokens += generated
         if finished:
             self._running = [s for s in self._running if s.finished_s is None]
-        counters.inter_token_gaps.extend(gaps.items())
+        if gaps:
+            counters.inter_token_gaps.extend(gaps.items())
         self._batch = None
         self._now_s = t
 
@@ -467,86 +645,115 @@ class EngineModel:
 
     # -- jumps -------------------------------------------------------------------------
 
-    def _bulk_decode(self, t: float) -> None:
-        """Apply, without events, the run of identical pure-decode steps that ends
-        before any request's last token, before the blocks run out, and by ``t``."""
+    def _run_ahead(self) -> _DecodeRun | None:
+        """The decode run after the step in flight (after now when none is), cached until
+        the model changes."""
+        run = self._ahead
+        if not self._ahead_known or (run is not None and run.slowdown != self.slowdown):
+            run = self._ahead = self._decode_run()
+            self._ahead_known = True
+        return run
+
+    def _decode_run(self) -> _DecodeRun | None:
+        """The run of pure-decode steps that would follow, or None when the next step is
+        not one: someone prefills, is about to finish, or could be admitted."""
         running = self._running
         batch_size = len(running)
+        batch = self._batch
+        if batch is not None:
+            # the step in flight is the run's step 0: every running request decodes in it
+            if len(batch) != batch_size or any(n != 1 for _, n in batch):
+                return None
+            pending, start_s = 1, self._step_end_s
+        else:
+            pending, start_s = 0, self._now_s
         if not batch_size or batch_size > self.max_num_batched_tokens:
-            return
-        steps = None
+            return None
+        block_size = self.block_size
+        rooms = [0] * block_size
+        context = 0
+        max_steps = None
         for state in running:
-            if state.num_tokens - state.num_computed_tokens != 1 or not state.num_output_tokens:
-                return  # someone is prefilling
-            left = state.spec.max_output_tokens - state.num_output_tokens - 1
-            steps = left if steps is None or left < steps else steps
-        if not steps:
-            return
-        if (
-            self._waiting
-            and batch_size < self.max_num_seqs
-            and self.max_num_batched_tokens > batch_size
-            and self._admission(self._waiting[0], self.max_num_batched_tokens - batch_size)
-            is not None
-        ):
-            return  # the next step admits someone
-        steps = self._steps_within_free_blocks(steps)
-        # price each step exactly as single steps would, stopping at t
-        start = self._now_s
-        context = sum(s.num_computed_tokens for s in running)
-        step_time_s = self.cost.step_time_s
-        slowdown = self.slowdown
-        record = self._record_gaps
-        gaps = self.counters.inter_token_gaps
-        done = 0
-        while done < steps:
-            end = start + step_time_s(0, 0, batch_size, context) * slowdown
-            if end > t:
-                break
-            if record:
-                gaps.append((end - start, batch_size))
-            start = end
-            context += batch_size
-            done += 1
-        if not done:
-            return
-        new_blocks = 0
-        for state in running:
-            state.num_computed_tokens += done
-            state.num_output_tokens += done
-            state.last_token_s = start
-            blocks = _blocks_for(state.num_computed_tokens, self.block_size)
-            if blocks > state.num_blocks:
-                new_blocks += blocks - state.num_blocks
-                state.num_blocks = blocks
-        allocated = self.pool.allocate(new_blocks)
-        assert allocated, "bulk decode outgrew the free blocks it was sized for"
-        counters = self.counters
-        counters.num_generation_tokens += done * batch_size
-        counters.num_steps += done
-        counters.busy_s += start - self._now_s
-        self._now_s = start
-
-    def _steps_within_free_blocks(self, max_steps: int) -> int:
-        """The most decode steps (<= ``max_steps``) whose new blocks all fit."""
-
-        def blocks_needed(steps: int) -> int:
-            return sum(
-                max(
-                    _blocks_for(s.num_computed_tokens + steps, self.block_size) - s.num_blocks,
-                    0,
-                )
-                for s in self._running
-            )
-
+            computed = state.num_computed_tokens
+            outputs = state.num_output_tokens
+            if (
+                state.spec.prompt_tokens + outputs - computed != 1
+                or not outputs
+                or state.num_cached_blocks < len(state.spec.block_hashes)
+            ):
+                return None  # prefilling, or a prompt block still to cache
+            computed += pending
+            left = state.spec.max_output_tokens - outputs - pending - 1
+            if max_steps is None or left < max_steps:
+                max_steps = left
+            context += computed
+            rooms[state.num_blocks * block_size - computed] += 1
+        if max_steps is None or max_steps < 1:
+            return None  # a request emits its last token in the next step
+        if self._waiting and self._head_fits(batch_size):
+            return None  # the next step admits someone
+        run = _DecodeRun.of(
+            start_s, context, max_steps, self._decode_lines(batch_size), self.slowdown, rooms
+        )
+        # the most steps whose blocks fit: q full rounds of one block each, then p steps
         free = self.pool.num_free
-        if blocks_needed(max_steps) <= free:
-            return max_steps
-        lo, hi = 0, max_steps  # blocks_needed(lo) fits, blocks_needed(hi) does not
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if blocks_needed(mid) <= free:
-                lo = mid
-            else:
-                hi = mid
-        return lo
+        rounds = free // batch_size
+        block_steps = (
+            rounds * block_size + bisect_right(run.room_below, free - rounds * batch_size) - 1
+        )
+        if block_steps < 1:
+            return None
+        return run if block_steps >= max_steps else replace(run, max_steps=block_steps)
+
+    def _decode_lines(self, batch_size: int) -> DecodeLines:
+        lines = self._lines.get(batch_size)
+        if lines is None:
+            lines = self._lines[batch_size] = self.cost.decode_lines(batch_size)
+        return lines
+
+    def _decode(self, run: _DecodeRun, t: float, in_flight: bool) -> None:
+        """Apply, without events, the steps of ``run`` that end by ``t`` (after the step in
+        flight when ``in_flight``: a step of the same batch that ends where ``run``
+        starts); start the run's next step when it ends after ``t``."""
+        self._ahead_known = False
+        counters = self.counters
+        if in_flight:
+            counters.num_steps += 1
+            counters.busy_s += self._step_end_s - self._step_start_s
+            self._now_s = self._step_end_s
+        steps, now, next_end = run.steps_by(t)
+        start_next = steps < run.max_steps
+        done = steps + in_flight  # tokens each request gains
+        block_size = self.block_size
+        batch: list[tuple[RequestState, int]] = []
+        for state in self._running:
+            computed = state.num_computed_tokens + done
+            state.num_computed_tokens = computed
+            state.num_output_tokens += done
+            if done:
+                state.last_token_s = now
+            state.num_blocks = -(-(computed + start_next) // block_size)
+            if start_next:
+                batch.append((state, 1))
+        allocated = self.pool.allocate(run.new_blocks(steps + start_next))
+        assert allocated, "a decode run outgrew the free blocks it was sized for"
+        batch_size = run.lines.batch_size
+        if self._record_gaps:
+            step_time_s, context = run.lines.step_time_s, run.context_tokens
+            counters.inter_token_gaps.extend(
+                (step_time_s(context + i * batch_size) * run.slowdown, batch_size)
+                for i in range(steps)
+            )
+        counters.num_generation_tokens += done * batch_size
+        counters.num_steps += steps
+        counters.busy_s += now - self._now_s
+        self._now_s = now
+        if start_next:
+            self._batch = batch
+            self._step_start_s = now
+            self._step_end_s = next_end
+            # what _decode_run would find after that step, in O(block_size)
+            self._ahead = run.after(steps + 1, next_end)
+            self._ahead_known = True
+        else:
+            self._batch = None

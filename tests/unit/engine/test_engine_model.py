@@ -1,7 +1,11 @@
 """The pure engine model: timings against the cost model, prefix caching, KV pressure,
-preemption, aborts, the driving contract, and jumps against single steps."""
+preemption, aborts, the driving contract, jumps against single steps, the decode lines
+jumps price runs with, and what ``observe`` reads."""
 
 from __future__ import annotations
+
+import copy
+from dataclasses import astuple
 
 import pytest
 
@@ -37,6 +41,48 @@ def _drain(model: EngineModel) -> list[EngineEvent]:
 
 def _times(events: list[EngineEvent]) -> dict[tuple[str, str], float]:
     return {(type(e).__name__, e.request_id): e.time_s for e in events}
+
+
+def _exact_and_times(events: list[EngineEvent]) -> tuple[list[list[object]], list[float]]:
+    """Events split into what jumps keep exact and their times (equal to ~1e-12)."""
+    rows = [(type(e).__name__, *astuple(e)) for e in events]
+    exact = [[v for v in row if not isinstance(v, float)] for row in rows]
+    return exact, [v for row in rows for v in row if isinstance(v, float)]
+
+
+@pytest.mark.parametrize(
+    ("model", "gpu", "tp"),
+    [
+        ("llama-3.1-8b", "h100-80g", 1),
+        ("llama-3.1-70b", "h100-80g", 8),
+        ("mixtral-8x7b", "a100-80g", 2),
+        ("deepseek-v3", "h200-141g", 8),
+    ],
+)
+def test_decode_lines_are_the_cost_models_decode_step(model: str, gpu: str, tp: int) -> None:
+    cost = CostModel(CATALOG.model(model), CATALOG.gpu(gpu), tp)
+    for batch in (1, 2, 3, 7, 16, 64, 255, 256, 1000):
+        lines = cost.decode_lines(batch)
+        for context in (0, 1, batch, 17 * batch, 1000 * batch, 100_000 * batch):
+            expected = cost.step_time_s(0, 0, batch, context)
+            assert lines.step_time_s(context) == pytest.approx(expected, rel=1e-12, abs=0)
+
+
+def test_a_decode_run_is_the_sum_of_its_steps_across_the_roofline_crossover() -> None:
+    cost = _cost()
+    lines = cost.decode_lines(256)  # compute-bound while contexts are short, then memory
+    compute_first = lines.compute_s + lines.compute_s_per_token * 256 * 10
+    memory_first = lines.memory_s + lines.memory_s_per_token * 256 * 10
+    assert compute_first > memory_first
+    assert lines.compute_s_per_token < lines.memory_s_per_token
+    for context in (256 * 10, 256 * 11 + 5, 256 * 400):
+        total = 0.0
+        for steps in range(400):
+            assert lines.run_time_s(context, steps) == pytest.approx(total, rel=1e-12, abs=0)
+            total += cost.step_time_s(0, 0, 256, context + steps * 256)
+    assert lines.run_time_s(0, 0) == 0.0
+    with pytest.raises(ValueError, match="batch_size"):
+        cost.decode_lines(0)
 
 
 def test_single_request_timing_is_the_cost_model_step_by_step() -> None:
@@ -201,6 +247,68 @@ def _workload(jump: bool, num_blocks: int | None) -> list[EngineEvent]:
 
 @pytest.mark.parametrize("num_blocks", [None, 200])
 def test_jumps_give_the_same_events_as_single_steps(num_blocks: int | None) -> None:
-    stepped = _workload(jump=False, num_blocks=num_blocks)
-    assert _workload(jump=True, num_blocks=num_blocks) == stepped
-    assert len([e for e in stepped if isinstance(e, Finished)]) == 40
+    stepped, stepped_times = _exact_and_times(_workload(jump=False, num_blocks=num_blocks))
+    jumped, jumped_times = _exact_and_times(_workload(jump=True, num_blocks=num_blocks))
+    assert jumped == stepped
+    assert jumped_times == pytest.approx(stepped_times, rel=1e-9, abs=1e-9)
+    assert sum(row[0] == "Finished" for row in stepped) == 40
+
+
+def _decoding(num_blocks: int | None = None) -> EngineModel:
+    """Two requests decoding together, past their prefill, with a long run ahead."""
+    model = EngineModel(_cost(), num_blocks=num_blocks)
+    model.submit(_spec("a", list(range(40)), 500), 0.0)
+    model.submit(_spec("b", list(range(1000, 1050)), 300), 0.0)
+    for _ in range(3):
+        model.advance_to(model.next_event_time() or 0.0)
+    return model
+
+
+@pytest.mark.parametrize("num_blocks", [None, 40])
+def test_observe_reads_what_advancing_would_without_advancing(num_blocks: int | None) -> None:
+    model = _decoding(num_blocks)
+    start, quiet = model.now_s, model.quiet_until()
+    assert quiet is not None and quiet > start + 0.1
+    before = model.observe(start)
+    for i in range(41):
+        t = start + (quiet - start) * i / 41
+        seen = model.observe(t)
+        future = copy.deepcopy(model)
+        assert future.advance_to(t) == []
+        assert seen == model.observe(t)  # observing changed nothing
+        assert (seen.num_running, seen.kv_usage) == (future.num_running, future.kv_usage)
+        assert seen.num_waiting == future.num_waiting == 0
+    assert model.now_s == start and model.observe(start) == before
+    assert model.observe(quiet - 1e-9).kv_usage > before.kv_usage  # blocks grew on the way
+
+
+def test_observe_refuses_times_outside_the_quiet_window() -> None:
+    model = _decoding()
+    quiet = model.quiet_until()
+    assert quiet is not None
+    with pytest.raises(ValueError, match="before the model clock"):
+        model.observe(model.now_s - 1.0)
+    with pytest.raises(ValueError, match="quiet only until"):
+        model.observe(quiet)
+    model.submit(_spec("c", list(range(5000, 5100)), 5), model.now_s)  # the next step admits
+    with pytest.raises(ValueError, match="quiet only until"):
+        model.observe(model.next_event_time() or 0.0)
+    idle = EngineModel(_cost())
+    assert idle.observe(100.0) == idle.observe(0.0)
+    idle.submit(_spec("d", list(range(10)), 1), 1.0)
+    with pytest.raises(ValueError, match=r"a step starts at 1\.0"):
+        idle.observe(1.0)
+
+
+def test_jumps_record_every_inter_token_gap_of_a_run() -> None:
+    stepped, jumped = (
+        EngineModel(_cost(), jump=jump, record_inter_token_gaps=True) for jump in (False, True)
+    )
+    for model in (stepped, jumped):
+        model.submit(_spec("a", list(range(40)), 200), 0.0)
+        model.submit(_spec("b", list(range(1000, 1050)), 100), 0.0)
+        _drain(model)
+    stepped_gaps, jumped_gaps = (m.counters.inter_token_gaps for m in (stepped, jumped))
+    assert [n for _, n in jumped_gaps] == [n for _, n in stepped_gaps]
+    assert sum(n for _, n in stepped_gaps) == 199 + 99
+    assert [g for g, _ in jumped_gaps] == pytest.approx([g for g, _ in stepped_gaps], rel=1e-9)
