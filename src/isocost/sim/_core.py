@@ -42,7 +42,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
-from isocost.engine.model import EngineEvent, EngineModel, Finished, FirstToken, RequestSpec
+from isocost.engine.model import (
+    EngineEvent,
+    EngineModel,
+    EngineObservation,
+    Finished,
+    FirstToken,
+    RequestSpec,
+)
 from isocost.engine.model import RequestState as EngineRequest
 from isocost.prefix.hashing import ROOT_HASH
 from isocost.scheduling.admission import RequestQueue
@@ -86,6 +93,7 @@ class RequestRecord:
     preemptions: int = 0
     rejected: str | None = None  # reason, when rejected
     failed_on: tuple[str, ...] = ()  # replicas whose attempt broke: retries avoid them
+    hashes: tuple[int, ...] | None = None  # the prompt's block hashes, once computed
 
     @property
     def settled(self) -> bool:
@@ -235,11 +243,13 @@ class Simulator:
             request.request_id if not record.attempts else f"{request.request_id}.{record.attempts}"
         )
         slo = self.slo
+        if record.hashes is None:
+            record.hashes = block_hashes(request)
         return RequestView(
             request_id=str(attempt),
             model=self.model,
             prompt_tokens=request.prompt_tokens,
-            block_hashes=block_hashes(request),
+            block_hashes=record.hashes,
             session_key=request.session_id,
             deadline_s=None
             if slo is None
@@ -346,28 +356,28 @@ class Simulator:
 
     def _on_scrape(self, _: object) -> None:
         now = self._now
+        shadow = self.shadow
         for replica in self.replicas.values():
-            engine = self._advance(replica)
-            if engine is None or replica.config.replica_id not in self.shadow:
+            seen = self._observe(replica)
+            if seen is None or replica.config.replica_id not in shadow:
                 continue
-            counters = engine.counters
             metrics = EngineMetrics(
-                num_running=engine.num_running,
-                num_waiting=engine.num_waiting,
-                kv_usage=engine.kv_usage,
-                prefix_cache_queries=counters.prefix_cache_queries,
-                prefix_cache_hits=counters.prefix_cache_hits,
-                num_preemptions=counters.num_preemptions,
+                num_running=seen.num_running,
+                num_waiting=seen.num_waiting,
+                kv_usage=seen.kv_usage,
+                prefix_cache_queries=seen.prefix_cache_queries,
+                prefix_cache_hits=seen.prefix_cache_hits,
+                num_preemptions=seen.num_preemptions,
             )
-            self.shadow.apply_scrape(replica.config.replica_id, metrics, now)
+            shadow.apply_scrape(replica.config.replica_id, metrics, now)
         self._wake_queue()
         self._push(now + self.scrape_s, SCRAPE, None)
 
     def _on_sample(self, _: object) -> None:
         loads = []
         for replica in self.replicas.values():
-            engine = self._advance(replica)
-            loads.append(0 if engine is None else engine.num_running + engine.num_waiting)
+            seen = self._observe(replica)
+            loads.append(0 if seen is None else seen.num_running + seen.num_waiting)
         self._samples_s.append(self._now)
         self._samples.append(loads)
         assert self.sample_interval_s is not None
@@ -423,6 +433,16 @@ class Simulator:
                 self._push(
                     event.time_s + delay, HOOK, (_DONE, event.request_id, event.num_output_tokens)
                 )
+
+    def _observe(self, replica: _Replica) -> EngineObservation | None:
+        """The replica's engine as a scrape reads it now. Before its wake the engine emits
+        nothing, so it is read in place (``observe``); at its wake it is advanced first."""
+        engine = replica.engine
+        if engine is None:
+            return None
+        if self._now >= replica.wake_s:
+            self._advance(replica)
+        return engine.observe(self._now)
 
     def _schedule_wake(self, replica: _Replica, engine: EngineModel) -> None:
         at = engine.quiet_until()
