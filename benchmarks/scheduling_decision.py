@@ -18,16 +18,28 @@ decision), ``on_first_token`` and ``on_complete``; the last column is their mean
     .venv/bin/python benchmarks/scheduling_decision.py --replicas 1000 --old 20000
     .venv/bin/python benchmarks/scheduling_decision.py --replicas 3 --young 200 --old 2000
 
+With ``--prefix`` it times instead the per-request prefix work of the cluster simulator,
+per prompt block, on three simulator workloads (the scenario mix, multi-turn sessions,
+Mooncake-like 512-token trace blocks): ``PrefixIndex.insert`` into 4 replicas of an
+A100's KV capacity (round robin; the index fills, then evicts as it inserts),
+and chained block hashes from segments, two ways side by side: block keys folded one by one
+with ``hash`` (the simulator's former path) and ``prefix_block_hashes``:
+
+    .venv/bin/python benchmarks/scheduling_decision.py --prefix
+
 Figures depend on the machine and its load; compare rows of one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from random import Random
 
 from rich.console import Console
@@ -37,6 +49,7 @@ from rich.table import Table
 from isocost.core.catalog import Catalog
 from isocost.core.costmodel import CostModel
 from isocost.prefix.hashing import ROOT_HASH
+from isocost.prefix.index import PrefixIndex
 from isocost.scheduling import (
     BUILTIN_POLICIES,
     Policy,
@@ -45,9 +58,21 @@ from isocost.scheduling import (
     RequestView,
     build_policy,
 )
+from isocost.workload import (
+    Segment,
+    SyntheticSpec,
+    WorkloadRequest,
+    poisson_arrivals,
+    prefix_block_hashes,
+    prefix_block_keys,
+    segments_for_blocks,
+    synthetic_workload,
+)
 
 BLOCK_TOKENS = 512
 MODEL = "llama-3.1-8b"
+SIM_BLOCK_TOKENS = 16  # the simulator's block size
+_MASK = (1 << 63) - 1
 
 
 @dataclass
@@ -138,6 +163,87 @@ def _hot_path(fleet: Fleet, probes: list[RequestView]) -> list[float]:
     return timings
 
 
+def _prefix_workloads(count: int, seed: int) -> dict[str, list[WorkloadRequest]]:
+    """The simulator's prompt shapes: one segment each, growing sessions, trace blocks."""
+    rng = Random(seed)
+    mix = synthetic_workload(SyntheticSpec("mix"), rng, poisson_arrivals(rng, 10.0))
+    turns = SyntheticSpec("multi-turn", sessions=count // 8, turns=8)
+    trace = []
+    for i in range(count):
+        prompt = rng.randint(100, 16_000)
+        shared = rng.randint(0, prompt // 512)
+        root = rng.randrange(64)
+        ids = [root * 1000 + k for k in range(shared)] + [10**6 + i * 100 + k for k in range(32)]
+        trace.append(WorkloadRequest(i, 0.0, prompt, 1, segments_for_blocks(ids, prompt)))
+    return {
+        "mix": [next(mix) for _ in range(count)],
+        "multi-turn": list(synthetic_workload(turns, rng, poisson_arrivals(rng, 1.0))),
+        "trace": trace,
+    }
+
+
+def _keys_folded(segments: tuple[Segment, ...]) -> tuple[int, ...]:
+    """Chained hashes as block keys folded one by one (the simulator's former path)."""
+    parent, hashes = ROOT_HASH, []
+    for key in prefix_block_keys(segments, SIM_BLOCK_TOKENS):
+        parent = hash((parent, key)) & _MASK
+        hashes.append(parent)
+    return tuple(hashes)
+
+
+def _per_block_us(run: Callable[[], object], blocks: int) -> float:
+    """Best of three runs of ``run``, in microseconds per block."""
+    best = math.inf
+    for _ in range(3):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best / blocks * 1e6
+
+
+def _hash_all(
+    hasher: Callable[[tuple[Segment, ...]], object], prompts: list[tuple[Segment, ...]]
+) -> None:
+    for segments in prompts:
+        hasher(segments)
+
+
+def _spans_hashed(segments: tuple[Segment, ...]) -> tuple[int, ...]:
+    return prefix_block_hashes(segments, SIM_BLOCK_TOKENS, ROOT_HASH)
+
+
+def _insert_all(chains: list[tuple[int, ...]], capacity_blocks: int) -> None:
+    """Each chain into one of 4 replicas, round robin: with an A100's capacity the index
+    fills during the first half and then evicts as much as it inserts, as in a long run."""
+    index = PrefixIndex()
+    for replica in range(4):
+        index.add_replica(replica, capacity_blocks)
+    for i, chain in enumerate(chains):
+        index.insert(i % 4, chain)
+
+
+def prefix_micro(count: int, seed: int) -> None:
+    """Microseconds per prompt block of the simulator's per-request prefix work."""
+    table = Table(title=f"per-block prefix work, {count} requests per workload (best of 3)")
+    columns = ("blocks/request", "hash: keys + fold µs", "hash: prefix_block_hashes µs")
+    for column in ("workload", *columns, "insert µs"):
+        table.add_column(column, justify="right")
+    cost_model = CostModel(Catalog.builtin().model(MODEL), Catalog.builtin().gpu("a100-80g"))
+    capacity_blocks = cost_model.kv_capacity_tokens // SIM_BLOCK_TOKENS
+    for name, requests in _prefix_workloads(count, seed).items():
+        prompts = [r.segments for r in requests]
+        chains = [_spans_hashed(s) for s in prompts]
+        blocks = sum(map(len, chains))
+        table.add_row(
+            name,
+            f"{blocks / len(chains):.0f}",
+            f"{_per_block_us(partial(_hash_all, _keys_folded, prompts), blocks):.3f}",
+            f"{_per_block_us(partial(_hash_all, _spans_hashed, prompts), blocks):.3f}",
+            f"{_per_block_us(partial(_insert_all, chains, capacity_blocks), blocks):.3f}",
+        )
+    Console().print(table)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replicas", type=int, default=1000)
@@ -147,7 +253,11 @@ def main() -> None:
     parser.add_argument("--in-flight", type=int, default=2000)
     parser.add_argument("--policies", default=",".join(BUILTIN_POLICIES))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prefix", action="store_true", help="time the prefix work per block")
     args = parser.parse_args()
+    if args.prefix:
+        prefix_micro(args.probes * 2, args.seed)
+        return
     if not 0 < args.young <= args.old or args.probes < 100:
         parser.error("need 0 < --young <= --old and --probes >= 100")
     stream = _requests(args.old + args.probes, args.seed)

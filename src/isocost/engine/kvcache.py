@@ -45,7 +45,7 @@ class BlockPool:
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - self.num_free
+        return self.num_blocks - self.num_free_uncached - len(self._free_cached)
 
     @property
     def usage(self) -> float:

@@ -39,25 +39,30 @@ Driving contract::
   in time order; a step ending after ``t`` stays in flight. The clock becomes ``t``.
 * ``next_event_time()`` is the end of the step in flight, the clock itself when the
   engine is idle but has work (call ``advance_to`` to start the step), or ``None``.
-
-* ``observe(t)`` reads, without changing the model, what ``advance_to(t)`` would leave
-  in the scrape-visible gauges and counters (``EngineObservation``), for any ``t`` from the
-  clock up to ``quiet_until()``; a scraper calls it instead of advancing every replica.
+* ``quiet_until()`` is a time before which the model emits no event unless a request is
+  submitted or aborted: the end of the decode run ahead (see Jumps), else
+  ``next_event_time()``. A simulator wakes the model there, not at every step.
+* ``observe(t)`` reads, without changing the model, what ``advance_to(t)`` would leave in
+  the scrape-visible gauges and counters (``EngineObservation``), for ``t`` from the clock
+  up to ``quiet_until()``: a scraper calls it instead of advancing every replica.
 
 Jumps. When a step is pure decode (every running request decodes, and the waiting head
 cannot be admitted), the following steps keep the same batch until a request emits its
-last token, the free blocks run out, or ``t`` is reached. ``advance_to`` applies such runs
-in bulk, touching no request until the run ends; bulk steps emit no events, since no
-request starts, finishes or is preempted in them. With a fixed batch of ``B`` the total
-context grows by ``B`` a step, so a step costs ``max(F + f*C, M + m*C) + K``
-(``CostModel.decode_lines``) and ``k`` steps cost two arithmetic series: the end of step
-``k`` is O(1) to compute, the number of steps ending by ``t`` a short search on it, and
-the blocks taken after ``k`` steps O(1) from a histogram of each request's free slots in
-its last block. A run's times are the closed form's, so they agree with stepping one by
-one (``jump=False``) to about 1e-12 relative instead of bit for bit; tokens, events and
-their order, blocks and counters are identical, which a test compares. The step of a run
-that ends after ``t`` is started by the run itself, ending at the closed form's time, so
-``observe`` can say exactly where a later ``advance_to`` will stand.
+last token, the free blocks run out, or ``t`` is reached. ``advance_to`` applies such a
+run in bulk, in one pass over the batch however many steps it spans, and emits no events
+for it, since no request starts, finishes or is preempted in it. With a fixed batch of
+``B`` the total context grows by ``B`` a step, so a step costs ``max(F + f*C, M + m*C) +
+K`` (``CostModel.decode_lines``) and ``k`` steps cost two arithmetic series: the end of
+step ``k`` is O(1), the number of steps ending by ``t`` a short search on it, and the
+blocks taken in ``k`` steps O(1) from a histogram of each request's free slots in its last
+block. The run's step that ends after ``t`` is started by the run itself, at the closed
+form's time, and the rest of the run is kept (derived in O(block_size)) until the model
+changes, so ``quiet_until`` is O(1) and ``observe`` O(log steps) and both say exactly
+where ``advance_to`` will stand.
+
+Times inside runs are the closed form's, so they agree with stepping one by one
+(``jump=False``) to about 1e-12 relative rather than bit for bit; tokens, events and their
+order, blocks and counters are identical, which tests compare.
 
 Why admission stays impossible during a run: decode steps only take blocks (free blocks
 and cached prefixes shrink), the running count and token budget do not change, so a head
@@ -288,6 +293,7 @@ class EngineModel:
         "_now_s",
         "_record_gaps",
         "_running",
+        "_seen",
         "_states",
         "_step_end_s",
         "_step_start_s",
@@ -334,6 +340,7 @@ class EngineModel:
         # the decode run after the step in flight (or, inside advance_to, after now)
         self._ahead: _DecodeRun | None = None
         self._ahead_known = False
+        self._seen: EngineObservation | None = None  # observe() until the model changes
 
     # -- observation -------------------------------------------------------------------
 
@@ -390,7 +397,6 @@ class EngineModel:
         """
         if t < self._now_s:
             raise ValueError(f"observe({t}) is before the model clock {self._now_s}")
-        used = self.pool.num_used
         if self._batch is None:
             if self._waiting:
                 raise ValueError(f"advance_to({t}) first: a step starts at {self._now_s}")
@@ -401,15 +407,22 @@ class EngineModel:
                 raise ValueError(
                     f"advance_to({t}) first: the model is quiet only until {self.quiet_until()}"
                 )
-            used += run.new_blocks(steps + 1)
-        counters = self.counters
+            return self._reading(run.new_blocks(steps + 1))
+        seen = self._seen
+        if seen is None:
+            seen = self._seen = self._reading(0)
+        return seen
+
+    def _reading(self, extra_blocks: int) -> EngineObservation:
+        """The gauges and counters as they are, with ``extra_blocks`` more in use."""
+        pool, counters = self.pool, self.counters
         return EngineObservation(
-            num_running=len(self._running),
-            num_waiting=len(self._waiting),
-            kv_usage=used / self.pool.num_blocks,
-            prefix_cache_queries=counters.prefix_cache_queries,
-            prefix_cache_hits=counters.prefix_cache_hits,
-            num_preemptions=counters.num_preemptions,
+            len(self._running),
+            len(self._waiting),
+            (pool.num_used + extra_blocks) / pool.num_blocks,
+            counters.prefix_cache_queries,
+            counters.prefix_cache_hits,
+            counters.num_preemptions,
         )
 
     # -- driving -----------------------------------------------------------------------
@@ -435,6 +448,7 @@ class EngineModel:
         self._states[spec.request_id] = state
         heads = not self._waiting
         self._waiting.append(state)
+        self._seen = None
         if heads and self._ahead is not None and self._head_fits(len(self._running)):
             self._ahead = None  # the next step admits it: no run (behind a head: no change)
         return state
@@ -446,6 +460,7 @@ class EngineModel:
             return
         state.aborted = True
         self._ahead_known = False
+        self._seen = None
         if state in self._running:
             self._running.remove(state)
             self._release(state)
@@ -480,6 +495,7 @@ class EngineModel:
         """Fix the next batch at the current clock, allocate its blocks and price it
         (prefill chunks as one chunk of their summed size, decodes by batch and context)."""
         self._ahead_known = False
+        self._seen = None
         block_size = self.block_size
         pool = self.pool
         budget = self.max_num_batched_tokens
@@ -574,6 +590,7 @@ class EngineModel:
         assert self._batch is not None
         if self._ahead is None:
             self._ahead_known = False  # a run computed for this step still holds after it
+        self._seen = None
         t = self._step_end_s
         block_size = self.block_size
         counters = self.counters
@@ -716,6 +733,7 @@ class EngineModel:
         flight when ``in_flight``: a step of the same batch that ends where ``run``
         starts); start the run's next step when it ends after ``t``."""
         self._ahead_known = False
+        self._seen = None
         counters = self.counters
         if in_flight:
             counters.num_steps += 1

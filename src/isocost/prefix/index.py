@@ -9,7 +9,9 @@ only by capacity; that is the price of needing no engine cooperation.
 
 Layout, chosen so that a lookup costs time in the request's blocks, not in replicas:
 
-* ``holders[h]``: the set of replicas holding block hash ``h``;
+* ``holders[h]``: the replica holding block hash ``h``, as a plain int while it is the only
+  one (the common case, and no set to build or free per block), as a set of two or more
+  replicas otherwise;
 * ``lru[r]``: replica ``r``'s blocks in recency order, capacity ``capacity[r]`` blocks.
 
 Insertion touches a request's blocks deepest-first, so a prefix's first block is the most
@@ -45,7 +47,7 @@ class PrefixIndex:
     __slots__ = ("_capacity", "_counts", "_holders", "_lru")
 
     def __init__(self) -> None:
-        self._holders: dict[int, set[int]] = {}
+        self._holders: dict[int, int | set[int]] = {}  # one holder: the int; more: a set
         self._lru: dict[int, OrderedDict[int, None]] = {}
         self._capacity: dict[int, int] = {}
         self._counts = np.zeros(16, dtype=np.int64)  # blocks held per replica
@@ -85,27 +87,41 @@ class PrefixIndex:
     def insert(self, replica: int, block_hashes: Sequence[int]) -> None:
         """Record that ``replica`` now caches these blocks (a prompt's chained hashes)."""
         lru = self._lru[replica]
+        holders = self._holders
+        claim = holders.setdefault
+        before = len(lru)
         for block in reversed(block_hashes):
             if block in lru:
                 lru.move_to_end(block)
                 continue
             lru[block] = None
-            self._counts[replica] += 1
-            self._holders.setdefault(block, set()).add(replica)
-        self.evict(replica, len(lru) - self._capacity[replica])
+            owners = claim(block, replica)
+            if owners != replica:  # held elsewhere already (never here: it was not in lru)
+                if isinstance(owners, int):
+                    holders[block] = {owners, replica}
+                else:
+                    owners.add(replica)
+        added = len(lru) - before
+        if added:
+            self._counts[replica] += added
+            self.evict(replica, len(lru) - self._capacity[replica])
 
     def evict(self, replica: int, num_blocks: int) -> int:
         """Forget the ``num_blocks`` least recently used blocks of ``replica``; returns how many."""
         lru = self._lru.get(replica)
         if lru is None or num_blocks <= 0:
             return 0
-        evicted = 0
-        while evicted < num_blocks and lru:
-            block, _ = lru.popitem(last=False)
-            self._counts[replica] -= 1
-            self._drop_holder(block, replica)
-            evicted += 1
-        return evicted
+        num_blocks = min(num_blocks, len(lru))
+        holders, pop = self._holders, lru.popitem
+        for _ in range(num_blocks):
+            block = pop(last=False)[0]
+            owners = holders[block]
+            if isinstance(owners, int):  # it was the only holder (no function call: hot)
+                del holders[block]
+            else:
+                self._drop_shared(block, owners, replica)
+        self._counts[replica] -= num_blocks
+        return num_blocks
 
     def remove_replica(self, replica: int) -> None:
         """Forget everything about ``replica`` (it left the fleet or restarted)."""
@@ -114,8 +130,13 @@ class PrefixIndex:
         if lru is None:
             return
         self._counts[replica] = 0
+        holders = self._holders
         for block in lru:
-            self._drop_holder(block, replica)
+            owners = holders[block]
+            if isinstance(owners, int):
+                del holders[block]
+            else:
+                self._drop_shared(block, owners, replica)
 
     def match(
         self, block_hashes: Sequence[int]
@@ -126,9 +147,10 @@ class PrefixIndex:
         ``replicas`` match nothing.
         """
         holders = self._holders
-        current = holders.get(block_hashes[0]) if block_hashes else None
-        if not current:
+        first = holders.get(block_hashes[0]) if block_hashes else None
+        if first is None:
             return _EMPTY, _EMPTY
+        current = {first} if isinstance(first, int) else first
         depth: dict[int, int] = {}
         for i in range(1, len(block_hashes)):
             if len(current) == 1:  # one replica left: walk its own blocks, no set algebra
@@ -136,7 +158,12 @@ class PrefixIndex:
                 depth[replica] = i + self._run_length(replica, block_hashes, i)
                 break
             deeper = holders.get(block_hashes[i])
-            kept = current & deeper if deeper else set()
+            if deeper is None:
+                kept: set[int] = set()
+            elif isinstance(deeper, int):
+                kept = {deeper} if deeper in current else set()
+            else:
+                kept = current & deeper
             if len(kept) < len(current):
                 for replica in current - kept:
                     depth[replica] = i
@@ -161,10 +188,8 @@ class PrefixIndex:
             return 0
         return len(list(takewhile(lru.__contains__, islice(block_hashes, start, None))))
 
-    def _drop_holder(self, block: int, replica: int) -> None:
-        holders = self._holders.get(block)
-        if holders is None:
-            return
-        holders.discard(replica)
-        if not holders:
-            del self._holders[block]
+    def _drop_shared(self, block: int, owners: set[int], replica: int) -> None:
+        """``replica`` no longer holds ``block``, which ``owners`` (2 or more) held."""
+        owners.discard(replica)
+        if len(owners) == 1:
+            self._holders[block] = owners.pop()

@@ -21,6 +21,7 @@ Who calls what (the gateway and the cluster simulator do exactly the same)::
     else:                                     # Outcome.REJECT: decision.reason, .retry_after_s
 
     replicas.apply_scrape("r0", EngineMetrics(num_running=12, num_waiting=3, kv_usage=0.41), now)
+    replicas.apply_scrapes(slots, num_running, num_waiting, kv_usage, queries, hits, now)  # many
     replicas.set_health("r0", False); replicas.set_draining("r0", True); replicas.remove("r0")
 
 Time is the caller's clock in seconds (``now``; the simulator's virtual time, the gateway's
@@ -100,6 +101,10 @@ __all__ = [
 DEFAULT_CLASS = "default"  # the route class of a request no route rule claims
 _FACTOR_MIN, _FACTOR_MAX = 0.05, 20.0  # bounds of one observed/predicted ratio
 _BoolArray = npt.NDArray[np.bool_]
+# (maximum, minimum, any) for formulas written once for one slot and for many
+_Ops = tuple[Callable[[Any, Any], Any], Callable[[Any, Any], Any], Callable[[Any], Any]]
+_PYTHON_OPS: _Ops = (max, min, bool)
+_NUMPY_OPS: _Ops = (np.maximum, np.minimum, np.any)
 
 
 def stable_hash64(text: str) -> int:
@@ -215,8 +220,6 @@ class ReplicaState:
         "awaiting",
         "coefficients",
         "in_flight",
-        "metrics",
-        "scrape_s",
         "slot",
         "spec",
     )
@@ -228,8 +231,6 @@ class ReplicaState:
         self.coefficients = StepCoefficients.fit(spec.cost_model)  # its timing, fitted once
         self.in_flight: dict[str, InFlight] = {}
         self.awaiting: dict[str, InFlight] = {}  # no first token yet, in dispatch order
-        self.metrics: EngineMetrics | None = None  # latest scrape
-        self.scrape_s: float | None = None  # when it was taken
 
     @property
     def replica_id(self) -> str:
@@ -261,6 +262,12 @@ class ReplicaState:
     def itl_factor(self) -> float:
         return float(self._set.itl_factor[self.slot])
 
+    @property
+    def scrape_s(self) -> float | None:
+        """When the latest scrape was taken, None before the first one."""
+        taken = float(self._set.scrape_s[self.slot])
+        return None if taken == -math.inf else taken
+
     def staleness_s(self, now: float) -> float | None:
         """Age of the latest scrape, None before the first one."""
         return None if self.scrape_s is None else now - self.scrape_s
@@ -282,6 +289,8 @@ _ARRAYS_FLOAT = (
     "foreign_waiting",
     "foreign_running",
     "scraped_kv_usage",
+    "scraped_prefix_queries",
+    "scraped_prefix_hits",
     "scrape_s",
     "ttft_factor",
     "itl_factor",
@@ -360,7 +369,9 @@ class ReplicaSet:
     foreign_waiting: FloatArray
     foreign_running: FloatArray
     scraped_kv_usage: FloatArray
-    scrape_s: FloatArray
+    scraped_prefix_queries: FloatArray  # the latest scrape's cumulative counters, -inf before
+    scraped_prefix_hits: FloatArray
+    scrape_s: FloatArray  # when the latest scrape was taken, -inf before the first
     ttft_factor: FloatArray
     itl_factor: FloatArray
     prefill_done_tokens: FloatArray  # cumulative uncached prompt tokens whose first token came
@@ -398,6 +409,7 @@ class ReplicaSet:
         self.max_queue[slot] = spec.max_queue
         self.max_num_seqs[slot] = cm.limits.max_num_seqs
         self.scrape_s[slot] = -math.inf
+        self.scraped_prefix_queries[slot] = self.scraped_prefix_hits[slot] = -math.inf
         self.awaiting_since_s[slot] = math.inf
         self.awaiting_ttft_s[slot] = 1.0
         self.ttft_factor[slot] = 1.0
@@ -632,24 +644,37 @@ class ReplicaSet:
 
     def apply_scrape(self, replica_id: str, metrics: EngineMetrics, now: float) -> None:
         """Engine truth for ``replica_id`` at ``now``: load beyond ours is other gateways'."""
-        state = self.get(replica_id)
-        slot = state.slot
-        previous = state.metrics
-        if previous is not None and (
-            metrics.prefix_cache_queries < previous.prefix_cache_queries
-            or metrics.prefix_cache_hits < previous.prefix_cache_hits
-        ):
-            self._forget_prefixes(slot)  # cumulative counters went back: the engine restarted
-        local_waiting = self.local_waiting[slot]
-        local_total = local_waiting + self.local_running[slot]
-        foreign_waiting = max(metrics.num_waiting - local_waiting, 0.0)
-        engine_total = metrics.num_running + metrics.num_waiting
-        self.foreign_waiting[slot] = foreign_waiting
-        self.foreign_running[slot] = max(engine_total - local_total - foreign_waiting, 0.0)
-        self.scraped_kv_usage[slot] = min(max(metrics.kv_usage, 0.0), 1.0)
-        self.scrape_s[slot] = now
-        state.metrics = metrics
-        state.scrape_s = now
+        self._scrape(
+            self.get(replica_id).slot,
+            (metrics.num_running, metrics.num_waiting, metrics.kv_usage),
+            (metrics.prefix_cache_queries, metrics.prefix_cache_hits),
+            now,
+            _PYTHON_OPS,
+        )
+
+    def apply_scrapes(
+        self,
+        slots: IndexArray,
+        num_running: npt.ArrayLike,
+        num_waiting: npt.ArrayLike,
+        kv_usage: npt.ArrayLike,
+        prefix_cache_queries: npt.ArrayLike,
+        prefix_cache_hits: npt.ArrayLike,
+        now: float,
+    ) -> None:
+        """``apply_scrape`` for many replicas at once, all scraped at ``now``: ``slots``
+        (distinct, of replicas in the set) and the ``EngineMetrics`` fields aligned with it.
+        The same state results as from one ``apply_scrape`` per replica."""
+        slots = np.asarray(slots, dtype=np.int64)
+        if not self.active[slots].all():
+            raise ValueError("apply_scrapes: every slot must hold a replica of this set")
+
+        def floats(values: npt.ArrayLike) -> FloatArray:
+            return np.asarray(values, dtype=np.float64)
+
+        load = (floats(num_running), floats(num_waiting), floats(kv_usage))
+        counters = (floats(prefix_cache_queries), floats(prefix_cache_hits))
+        self._scrape(slots, load, counters, now, _NUMPY_OPS)
 
     # -- derived load ----------------------------------------------------------------
 
@@ -728,6 +753,38 @@ class ReplicaSet:
         self.local_context_tokens[slot] += record.prompt_tokens + record.generated_tokens
         self.prefill_done_tokens[slot] += record.prompt_tokens - record.cached_tokens
         record.prefill_mark = self.prefill_done_tokens[slot]
+
+    def _scrape(
+        self,
+        key: IndexArray | int,
+        load: tuple[Any, Any, Any],
+        counters: tuple[Any, Any],
+        now: float,
+        ops: _Ops,
+    ) -> None:
+        """A scrape of one slot (Python numbers, ``_PYTHON_OPS``) or of the slots ``key``
+        (aligned arrays, ``_NUMPY_OPS``): one formula for both, as in ``_effective``.
+        ``load`` is (running, waiting, KV usage); ``counters`` the cumulative prefix-cache
+        (queries, hits): when they go back the engine restarted with an empty cache, and
+        the slot's prefix entries are forgotten."""
+        maximum, minimum, any_true = ops
+        running, waiting, kv_usage = load
+        queries, hits = counters
+        restarted = (queries < self.scraped_prefix_queries[key]) | (
+            hits < self.scraped_prefix_hits[key]
+        )
+        if any_true(restarted):
+            for slot in np.extract(restarted, key).tolist():
+                self._forget_prefixes(slot)
+        local_waiting = self.local_waiting[key]
+        local_total = local_waiting + self.local_running[key]
+        foreign_waiting = maximum(waiting - local_waiting, 0.0)
+        self.foreign_waiting[key] = foreign_waiting
+        self.foreign_running[key] = maximum(running + waiting - local_total - foreign_waiting, 0.0)
+        self.scraped_kv_usage[key] = minimum(maximum(kv_usage, 0.0), 1.0)
+        self.scraped_prefix_queries[key] = queries
+        self.scraped_prefix_hits[key] = hits
+        self.scrape_s[key] = now
 
     def _forget_prefixes(self, slot: int) -> None:
         self.prefix.evict(slot, self.prefix.num_blocks(slot))

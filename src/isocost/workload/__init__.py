@@ -17,6 +17,7 @@ from isocost.workload._request import (
     TRACE_BLOCK_TOKENS,
     Segment,
     WorkloadRequest,
+    prefix_block_hashes,
     prefix_block_keys,
     segments_for_blocks,
 )
@@ -56,6 +57,7 @@ __all__ = [
     "multi_turn",
     "parse_trace",
     "poisson_arrivals",
+    "prefix_block_hashes",
     "prefix_block_keys",
     "scale_to_rate",
     "scenario_mix",

@@ -230,3 +230,67 @@ def test_schedule_expects_the_output_lengths_completions_taught(
     probe = policy.schedule(RequestView("probe", MODEL, 300, max_tokens=2048), replicas, 99.0)
     assert probe.route_class == "default"
     assert probe.predicted_output_tokens == 40
+
+
+# One scrape of one replica: running, waiting, KV usage (beyond 1 too), counters.
+_scrape = st.tuples(
+    st.integers(0, 12),
+    st.integers(0, 12),
+    st.floats(-0.5, 1.5),
+    st.integers(0, 400),
+    st.integers(0, 400),
+)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(rounds=st.lists(st.lists(_scrape, min_size=4, max_size=4), min_size=1, max_size=4))
+def test_batch_scrapes_leave_the_state_per_replica_scrapes_leave(
+    rounds: list[list[tuple[int, int, float, int, int]]],
+) -> None:
+    sets = []
+    for _ in range(2):
+        replicas = ReplicaSet()
+        for i, gpu in enumerate(["a100-80g", "h100-80g", "a100-80g", "l40s-48g"]):
+            replicas.add(ReplicaSpec(f"r{i}", MODEL, cost_model(gpu)))
+        for n in range(8):  # local load and prefix entries on every replica
+            view = RequestView(f"q{n}", MODEL, 200 + 50 * n, block_hashes=(n, 100 + n))
+            replicas.on_dispatch(view, f"r{n % 4}", 0.0)
+        sets.append(replicas)
+    one_by_one, batched = sets
+    slots = np.array([batched.get(f"r{i}").slot for i in range(4)])
+    previous: list[tuple[int, int, float, int, int] | None] = [None] * 4
+    forgotten = [False] * 4  # a scrape's counters went back: the engine restarted
+    assert batched.get("r0").staleness_s(0.0) is None
+    for t, scrapes in enumerate(rounds, start=1):
+        for i, (running, waiting, kv, queries, hits) in enumerate(scrapes):
+            metrics = EngineMetrics(running, waiting, kv, queries, hits)
+            one_by_one.apply_scrape(f"r{i}", metrics, float(t))
+        columns = (np.array(column) for column in zip(*scrapes, strict=True))
+        batched.apply_scrapes(slots, *columns, float(t))
+        for name, array in vars(batched).items():  # every per-slot array, bit for bit
+            if isinstance(array, np.ndarray) and array.dtype != object:
+                assert np.array_equal(getattr(one_by_one, name), array), name
+        # Each replica has 2 local requests waiting: the engine's beyond them are foreign.
+        foreign_waiting = [max(s[1] - 2, 0) for s in scrapes]
+        assert batched.foreign_waiting[slots].tolist() == foreign_waiting
+        assert batched.foreign_running[slots].tolist() == [
+            max(s[0] + s[1] - 2 - f, 0) for s, f in zip(scrapes, foreign_waiting, strict=True)
+        ]
+        assert batched.scraped_kv_usage[slots].tolist() == [min(max(s[2], 0), 1) for s in scrapes]
+        for i, scrape in enumerate(scrapes):
+            before = previous[i]
+            if before is not None and (scrape[3] < before[3] or scrape[4] < before[4]):
+                forgotten[i] = True
+            previous[i] = scrape
+            held = batched.prefix.num_blocks(int(slots[i]))
+            assert held == one_by_one.prefix.num_blocks(int(slots[i]))
+            assert (held == 0) == forgotten[i]
+        assert batched.get("r0").staleness_s(t + 1.0) == 1.0
+
+
+def test_batch_scrape_of_an_empty_slot_is_refused(make_replicas: Factory) -> None:
+    replicas = make_replicas(["a100-80g", "a100-80g"])
+    replicas.remove("r1")
+    one = np.array([1])
+    with pytest.raises(ValueError, match="every slot"):
+        replicas.apply_scrapes(np.array([0, 1]), one, one, one * 0.5, one, one, 1.0)
