@@ -18,12 +18,13 @@ decision), ``on_first_token`` and ``on_complete``; the last column is their mean
     .venv/bin/python benchmarks/scheduling_decision.py --replicas 1000 --old 20000
     .venv/bin/python benchmarks/scheduling_decision.py --replicas 3 --young 200 --old 2000
 
-With ``--prefix`` it times instead the per-request prefix work of the cluster simulator,
-per prompt block, on three simulator workloads (the scenario mix, multi-turn sessions,
-Mooncake-like 512-token trace blocks): ``PrefixIndex.insert`` into 4 replicas of an
-A100's KV capacity (round robin; the index fills, then evicts as it inserts),
-and chained block hashes from segments, two ways side by side: block keys folded one by one
-with ``hash`` (the simulator's former path) and ``prefix_block_hashes``:
+With ``--prefix [REQUESTS]`` (default 2,000) it times instead the cluster simulator's
+per-request prefix work, per prompt block, on REQUESTS of each of three workloads (the
+scenario mix, multi-turn sessions, Mooncake-like 512-token trace blocks):
+``PrefixIndex.insert`` into 4 replicas of an A100's KV capacity (round robin; the index
+fills, then evicts as it inserts), and chained block hashes from segments two ways side by
+side: "keys folded", block keys folded one by one with ``hash`` (the simulator's former
+path), and "spans", ``prefix_block_hashes``:
 
     .venv/bin/python benchmarks/scheduling_decision.py --prefix
 
@@ -225,8 +226,8 @@ def _insert_all(chains: list[tuple[int, ...]], capacity_blocks: int) -> None:
 def prefix_micro(count: int, seed: int) -> None:
     """Microseconds per prompt block of the simulator's per-request prefix work."""
     table = Table(title=f"per-block prefix work, {count} requests per workload (best of 3)")
-    columns = ("blocks/request", "hash: keys + fold µs", "hash: prefix_block_hashes µs")
-    for column in ("workload", *columns, "insert µs"):
+    columns = ("blocks/req", "hash: keys folded µs", "hash: spans µs", "insert µs")
+    for column in ("workload", *columns):
         table.add_column(column, justify="right")
     cost_model = CostModel(Catalog.builtin().model(MODEL), Catalog.builtin().gpu("a100-80g"))
     capacity_blocks = cost_model.kv_capacity_tokens // SIM_BLOCK_TOKENS
@@ -253,10 +254,17 @@ def main() -> None:
     parser.add_argument("--in-flight", type=int, default=2000)
     parser.add_argument("--policies", default=",".join(BUILTIN_POLICIES))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--prefix", action="store_true", help="time the prefix work per block")
+    parser.add_argument(
+        "--prefix",
+        type=int,
+        nargs="?",
+        const=2000,
+        metavar="REQUESTS",
+        help="time the simulator's prefix work per block instead, on REQUESTS per workload",
+    )
     args = parser.parse_args()
-    if args.prefix:
-        prefix_micro(args.probes * 2, args.seed)
+    if args.prefix is not None:
+        prefix_micro(args.prefix, args.seed)
         return
     if not 0 < args.young <= args.old or args.probes < 100:
         parser.error("need 0 < --young <= --old and --probes >= 100")
