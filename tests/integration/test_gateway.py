@@ -619,13 +619,20 @@ def test_deadline_that_cannot_be_met_is_refused_with_retry_after(cluster: Cluste
     )
     _assert_error(status, answer, 429, "deadline")
     assert int(headers["Retry-After"]) >= 1
+    # no replica streams a token every microsecond
     status, _, answer = http(
         "POST",
         cluster.gateway.url + "/v1/chat/completions",
         chat_body(),
-        {**AUTH, "x-priority": "high"},
+        {**AUTH, "x-tpot-ms": "0.001"},
     )
-    _assert_error(status, answer, 400, "bad_header")
+    _assert_error(status, answer, 429, "deadline")
+    for bad in ({"x-priority": "high"}, {"x-tpot-ms": "fast"}, {"x-deadline-ms": "-5"}):
+        status, _, answer = http(
+            "POST", cluster.gateway.url + "/v1/chat/completions", chat_body(), {**AUTH, **bad}
+        )
+        _assert_error(status, answer, 400, "bad_header")
+        assert next(iter(bad)) in answer["error"]["message"]
 
 
 def test_prompt_over_the_token_limit(cluster: Cluster) -> None:

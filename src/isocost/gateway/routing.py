@@ -30,7 +30,7 @@ import math
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from random import Random
 from typing import Any
@@ -76,6 +76,7 @@ class GatewayRequest:
     session_key: str | None  # x-session-id header, else the body's user field
     priority: int
     deadline_at: float | None  # monotonic seconds by which the first token is due
+    tpot_target_s: float | None  # x-tpot-ms: mean time per output token wanted
     route_class: str | None  # x-isocost-class, else classified by the policy's routes
     key_name: str | None
 
@@ -89,17 +90,15 @@ class GatewayRequest:
         arrived_at: float,
         key_name: str | None,
     ) -> GatewayRequest:
-        """Read ``x-session-id``, ``x-priority``, ``x-deadline-ms`` and ``x-isocost-class``."""
+        """Read ``x-session-id``, ``x-priority``, ``x-deadline-ms``, ``x-tpot-ms`` and
+        ``x-isocost-class``."""
         headers = http.headers
         try:
             priority = int(headers.get("x-priority", "0"))
-            deadline_ms = float(headers["x-deadline-ms"]) if "x-deadline-ms" in headers else None
         except ValueError:
-            raise ApiError(
-                400, "x-priority must be an integer and x-deadline-ms a number", code="bad_header"
-            ) from None
-        if deadline_ms is not None and not (deadline_ms > 0 and math.isfinite(deadline_ms)):
-            raise ApiError(400, "x-deadline-ms must be a positive number", code="bad_header")
+            raise ApiError(400, "x-priority must be an integer", code="bad_header") from None
+        deadline_ms = _positive_ms(headers, "x-deadline-ms")
+        tpot_ms = _positive_ms(headers, "x-tpot-ms")
         return cls(
             request_id=headers.get("x-request-id") or uuid.uuid4().hex,
             view=view,
@@ -108,9 +107,23 @@ class GatewayRequest:
             session_key=headers.get("x-session-id") or view.user,
             priority=priority,
             deadline_at=None if deadline_ms is None else arrived_at + deadline_ms / 1000,
+            tpot_target_s=None if tpot_ms is None else tpot_ms / 1000,
             route_class=headers.get("x-isocost-class"),
             key_name=key_name,
         )
+
+
+def _positive_ms(headers: Mapping[str, str], name: str) -> float | None:
+    """The header ``name`` as a positive finite number of milliseconds, None when absent."""
+    if name not in headers:
+        return None
+    try:
+        value = float(headers[name])
+    except ValueError:
+        value = math.nan
+    if not (value > 0 and math.isfinite(value)):
+        raise ApiError(400, f"{name} must be a positive number", code="bad_header")
+    return value
 
 
 @dataclass(slots=True)
@@ -258,6 +271,7 @@ class Router:
             session_key=request.session_key,
             priority=request.priority,
             deadline_s=request.deadline_at,
+            tpot_target_s=request.tpot_target_s,
             route_class=request.route_class,
             stream=view.stream,
             arrival_s=request.arrived_at,

@@ -35,7 +35,7 @@ class RejectReason(StrEnum):
     NO_REPLICA = "no_replica"  # no replica serves this model / route class
     UNAVAILABLE = "unavailable"  # replicas exist but none is healthy and not draining
     SHED = "shed"  # too few replicas available: global load shedding
-    DEADLINE = "deadline"  # predicted TTFT is past the request's deadline
+    DEADLINE = "deadline"  # predicted TTFT past the deadline, or inter-token time past target
     QUEUE_FULL = "queue_full"  # the gateway queue is full (set by admission.RequestQueue)
 
 

@@ -13,7 +13,9 @@ the candidate slots ``ctx.idx``):
 2. Filters (plugins) narrow the candidates further; one that empties the set is ignored
    (recorded in the explanation) rather than failing the request.
 3. SLO admission (``admission.slo``): candidates whose predicted TTFT misses the request's
-   deadline are dropped; none left: REJECT ``deadline`` with ``retry_after_s`` = the least
+   deadline, or whose predicted inter-token time (the request's own, or that of the
+   requests already running there once its prefill joins them) exceeds its TPOT target,
+   are dropped; none left: REJECT ``deadline`` with ``retry_after_s`` = the least
    predicted wait among them (the time their queued work needs to clear).
 4. Scorers (plugins) return one score per candidate; the engine clamps each to [0, 1]
    (NaN counts as 0) and sums them with the profile's weights.
@@ -312,10 +314,18 @@ class Policy:
                 ctx.narrow(keep)
             else:
                 notes[plugin.type_name] = "ignored: would remove every replica"
-        if self.admission.slo and request.deadline_s is not None:
-            meets = ctx.prediction.ttft_s <= request.deadline_s - now
+        if self.admission.slo and (
+            request.deadline_s is not None or request.tpot_target_s is not None
+        ):
+            prediction = ctx.prediction
+            meets = np.ones(ctx.idx.size, dtype=bool)
+            if request.deadline_s is not None:
+                meets &= prediction.ttft_s <= request.deadline_s - now
+            if request.tpot_target_s is not None:
+                meets &= prediction.tpot_s <= request.tpot_target_s
+                meets &= prediction.others_tpot_s <= request.tpot_target_s
             if not meets.any():
-                retry = max(float(ctx.prediction.wait_s.min()), self.admission.retry_after_s)
+                retry = max(float(prediction.wait_s.min()), self.admission.retry_after_s)
                 return self._reject(RejectReason.DEADLINE, route.name, retry)
             ctx.narrow(meets)
 

@@ -9,7 +9,19 @@ coefficients (``timing``)::
     prefill   = T_pre(n - c, c)
     ttft      = ttft_factor * (wait + prefill)
     step      = T_step(b + 1, K + n + m / 2)     b running sequences over K context tokens
-    decode    = itl_factor * m * step
+    stall     = 1 / (1 - min(rho, 0.9))          rho = the replica's prefill duty
+    tpot      = itl_factor * step * stall
+    decode    = m * tpot
+    others    = itl_factor * T_step(b, K) / (1 - min(rho + prefill / tau, 0.9))   (b > 0)
+
+Why ``stall``: with chunked prefill every step that carries a prefill chunk also decodes
+one token for each running sequence, so if a share ``rho`` of a replica's time goes to
+prefill chunks, a decode step of ``T`` seconds becomes an inter-token time of
+``T / (1 - rho)``. ``rho`` is the replica's prefill duty (``ReplicaSet``): the predicted
+prefill seconds recently dispatched to it, decayed over ``tau = DUTY_TAU_S`` (about one
+reply's decode), per second. The request's own prefill stalls the ``b`` sequences already
+running there, not itself: ``others`` is their inter-token time once it is added, which
+SLO admission checks against the request's TPOT target as well as its own ``tpot``.
 
 ``kv_wait`` is the time for running requests to free the KV tokens the prompt lacks:
 running requests free their ``K`` tokens over their mean remaining time
@@ -36,9 +48,11 @@ from isocost.scheduling.timing import (
     prefill_s,
 )
 
-__all__ = ["Load", "Prediction", "RawTimes", "predict", "predict_one"]
+__all__ = ["DUTY_TAU_S", "Load", "Prediction", "RawTimes", "predict", "predict_one"]
 
 IndexArray = npt.NDArray[np.int64]
+_MAX_DUTY = 0.9  # a replica prefilling more than this is priced as if at this share
+DUTY_TAU_S = 10.0  # memory of the prefill duty: about one reply's decode
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +67,7 @@ class Load:
     remaining_decode_tokens: FloatArray  # R
     kv_used_tokens: FloatArray
     kv_capacity_tokens: FloatArray
+    prefill_duty: FloatArray  # share of the replica's time recently given to prefill
 
     @property
     def in_flight(self) -> FloatArray:
@@ -75,6 +90,9 @@ class Prediction:
     ttft_s: FloatArray
     step_s: FloatArray  # one decode step with the request in the batch (uncorrected)
     base_step_s: FloatArray  # one decode step without it (uncorrected)
+    stall: FloatArray  # inter-token time / decode step (prefill chunks interleaved)
+    tpot_s: FloatArray  # its mean inter-token time
+    others_tpot_s: FloatArray  # the running requests' once it prefills there (0: none run)
     decode_s: FloatArray
     output_tokens: float
     uncorrected_wait_s: FloatArray
@@ -91,6 +109,7 @@ class Prediction:
             float(self.uncorrected_prefill_s[position]),
             float(self.step_s[position]),
             float(self.base_step_s[position]),
+            float(self.stall[position]),
             self.output_tokens,
         )
 
@@ -103,6 +122,7 @@ class RawTimes:
     prefill_s: float
     step_s: float  # one decode step with the request in the batch
     base_step_s: float  # one decode step without it
+    stall: float  # inter-token time / decode step (prefill chunks interleaved)
     output_tokens: float
 
     @property
@@ -112,23 +132,23 @@ class RawTimes:
     def corrected(self, ttft_factor: float, itl_factor: float) -> tuple[float, float]:
         """(TTFT, end-to-end) with the replica's correction factors, as ``predict`` has them."""
         ttft = ttft_factor * (self.wait_s + self.prefill_s)
-        return ttft, ttft + itl_factor * self.output_tokens * self.step_s
+        return ttft, ttft + itl_factor * self.output_tokens * self.step_s * self.stall
 
 
 def predict_one(
     coef: StepCoefficients,
-    load: tuple[float, float, float, float, float, float],
+    load: tuple[float, float, float, float, float, float, float],
     prompt_tokens: float,
     cached_tokens: float,
     output_tokens: float,
 ) -> RawTimes:
     """The module formulas for one replica; ``load`` is (running, context, queued prefill,
-    remaining decode, KV used, KV capacity) tokens as in ``Load``."""
+    remaining decode, KV used, KV capacity, prefill duty) as in ``Load``."""
     n, m = float(prompt_tokens), float(output_tokens)
-    wait, pre, step, base_step = _times(
+    wait, pre, step, base_step, stall, _ = _times(
         coef.prefill_s, coef.decode_step_s, max, min, _if, *load, n, float(cached_tokens), m
     )
-    return RawTimes(wait, pre, step, base_step, m)
+    return RawTimes(wait, pre, step, base_step, stall, m)
 
 
 def predict(
@@ -150,7 +170,7 @@ def predict(
     def step(batch: Any, context: Any) -> FloatArray:
         return decode_step_s(coef, batch, context, idx)
 
-    wait, pre_s, own_step, base_step = _times(
+    wait, pre_s, own_step, base_step, stall, stall_after = _times(
         pre,
         step,
         np.maximum,
@@ -162,6 +182,7 @@ def predict(
         load.remaining_decode_tokens,
         load.kv_used_tokens,
         load.kv_capacity_tokens,
+        load.prefill_duty,
         n,
         cached_tokens,
         m,
@@ -172,7 +193,12 @@ def predict(
         ttft_s=np.asarray(ttft_factor * (wait + pre_s), dtype=np.float64),
         step_s=own_step,
         base_step_s=base_step,
-        decode_s=np.asarray(itl_factor * m * own_step, dtype=np.float64),
+        stall=stall,
+        tpot_s=np.asarray(itl_factor * own_step * stall, dtype=np.float64),
+        others_tpot_s=np.asarray(
+            np.where(load.running > 0, itl_factor * base_step * stall_after, 0.0), dtype=np.float64
+        ),
+        decode_s=np.asarray(itl_factor * m * own_step * stall, dtype=np.float64),
         output_tokens=m,
         uncorrected_wait_s=np.asarray(wait, dtype=np.float64),
         uncorrected_prefill_s=np.asarray(pre_s, dtype=np.float64),
@@ -198,11 +224,13 @@ def _times(
     remaining_decode: Any,
     kv_used: Any,
     kv_capacity: Any,
+    prefill_duty: Any,
     n: float,
     cached_tokens: Any,
     m: float,
-) -> tuple[Any, Any, Any, Any]:
-    """(wait, prefill, step, base step), uncorrected, on floats or arrays alike."""
+) -> tuple[Any, Any, Any, Any, Any, Any]:
+    """(wait, prefill, step, base step, stall, stall once this prefill is added),
+    uncorrected, on floats or arrays alike."""
     b, k = running, context
     base_step = step(maximum(b, 1.0), k)
     mean_remaining_s = remaining_decode / maximum(b, 1.0) * base_step
@@ -211,4 +239,6 @@ def _times(
     wait = pre(queued_prefill, 0.0) + kv_wait
     cached = minimum(cached_tokens, max(n - 1.0, 0.0))  # the last token is always computed
     prefill = pre(n - cached, cached)
-    return wait, prefill, step(b + 1.0, k + n + m / 2.0), base_step
+    stall = 1.0 / (1.0 - minimum(prefill_duty, _MAX_DUTY))
+    stall_after = 1.0 / (1.0 - minimum(prefill_duty + prefill / DUTY_TAU_S, _MAX_DUTY))
+    return wait, prefill, step(b + 1.0, k + n + m / 2.0), base_step, stall, stall_after

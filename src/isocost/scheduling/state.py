@@ -43,6 +43,9 @@ with its decode steps plus the prefills of the requests that started streaming m
 (each prefill stalls every running stream). Waiting is evidence too: ``ttft_factor_at``
 raises a replica's TTFT factor to (elapsed / predicted) of its oldest request still
 awaiting a first token, so a replica that slowed down is priced before it answers.
+Prefill duty (``scheduling.predict``): the predicted prefill seconds dispatched to each
+replica, decayed over ``DUTY_TAU_S``, per second: the share of its time that prefill
+chunks will take from the streams decoding there.
 The prefix index remembers what was routed, not what the engine holds: a replica's
 entries are forgotten when it comes back healthy and when a scrape's cumulative
 prefix-cache counters go backwards (the engine restarted with an empty cache).
@@ -76,7 +79,7 @@ from isocost.core.costmodel import CostModel
 from isocost.core.errors import UnknownEntryError
 from isocost.prefix.index import PrefixIndex
 from isocost.scheduling.estimate import OutputLengthEstimator
-from isocost.scheduling.predict import IndexArray, Load, RawTimes
+from isocost.scheduling.predict import DUTY_TAU_S, IndexArray, Load, RawTimes
 from isocost.scheduling.predict import predict_one as _predict_one
 from isocost.scheduling.timing import CoefficientArrays, FloatArray, StepCoefficients
 
@@ -121,6 +124,7 @@ class RequestView:
     session_key: str | None = None  # affinity key: x-session-id, else the user field
     priority: int = 0  # higher is served first
     deadline_s: float | None = None  # absolute, caller's clock: first token wanted by then
+    tpot_target_s: float | None = None  # mean time per output token wanted after the first
     route_class: str | None = None  # None: classified by the policy's route table
     stream: bool = False
     arrival_s: float = 0.0
@@ -293,6 +297,8 @@ _ARRAYS_FLOAT = (
     "prefill_done_tokens",
     "awaiting_since_s",
     "awaiting_ttft_s",
+    "prefill_busy_s",
+    "prefill_busy_at_s",
 )
 _ARRAYS_BOOL = ("active", "healthy", "draining")
 
@@ -371,6 +377,8 @@ class ReplicaSet:
     prefill_done_tokens: FloatArray  # cumulative uncached prompt tokens whose first token came
     awaiting_since_s: FloatArray  # dispatch of the oldest request awaiting its first token
     awaiting_ttft_s: FloatArray  # its uncorrected predicted TTFT
+    prefill_busy_s: FloatArray  # predicted prefill seconds dispatched, decayed to ...
+    prefill_busy_at_s: FloatArray  # ... this time (see ``_prefill_duty``)
     active: _BoolArray
     healthy: _BoolArray
     draining: _BoolArray
@@ -557,6 +565,11 @@ class ReplicaSet:
         self.local_queued_prefill_tokens[slot] += request.prompt_tokens - cached
         self.local_kv_tokens[slot] += request.prompt_tokens
         self.local_remaining_tokens[slot] += record.remaining_tokens
+        decay = math.exp((self.prefill_busy_at_s[slot] - now) / DUTY_TAU_S)
+        self.prefill_busy_s[slot] = self.prefill_busy_s[slot] * decay + known.prefill_s * float(
+            self.ttft_factor[slot]
+        )
+        self.prefill_busy_at_s[slot] = now
         self.prefix.insert(slot, request.block_hashes)
         self.mean_prompt_tokens += 0.05 * (request.prompt_tokens - self.mean_prompt_tokens)
         for listener in self._listeners:
@@ -694,16 +707,16 @@ class ReplicaSet:
     ) -> RawTimes:
         """Uncorrected predicted times of one request on the replica in ``slot`` at ``now``
         (``predict`` for one replica, in Python floats: no numpy overhead per call)."""
-        _, running, queued, context, remaining, kv_used, kv_capacity = self._effective(
+        _, running, queued, context, remaining, kv_used, kv_capacity, duty = self._effective(
             now, slot, max
         )
-        load = (running, context, queued, remaining, kv_used, kv_capacity)
+        load = (running, context, queued, remaining, kv_used, kv_capacity, duty)
         coefficients = self.state_at(slot).coefficients
         return _predict_one(coefficients, load, prompt_tokens, cached_tokens, output_tokens)
 
     def _effective(
         self, now: float, key: IndexArray | int, maximum: Callable[[Any, Any], Any]
-    ) -> tuple[Any, Any, Any, Any, Any, Any, Any]:
+    ) -> tuple[Any, Any, Any, Any, Any, Any, Any, Any]:
         """``Load``'s fields but ``idx``, for the slots ``key`` (arrays) or one slot (floats)."""
         fresh = self.freshness(now, key)
         foreign_waiting = fresh * self.foreign_waiting[key]
@@ -719,7 +732,14 @@ class ReplicaSet:
             self.local_remaining_tokens[key] + (foreign_running + foreign_waiting) * mean_out / 2.0,
             maximum(self.local_kv_tokens[key], fresh * self.scraped_kv_usage[key] * capacity),
             capacity,
+            self._prefill_duty(now, key),
         )
+
+    def _prefill_duty(self, now: float, key: IndexArray | int) -> Any:
+        """Share of time the slots ``key`` will spend prefilling, from what was recently
+        dispatched to them: predicted prefill seconds, decayed over ``DUTY_TAU_S``."""
+        age = now - self.prefill_busy_at_s[key]
+        return self.prefill_busy_s[key] * np.exp(-age / DUTY_TAU_S) / DUTY_TAU_S
 
     # -- internals -------------------------------------------------------------------
 

@@ -42,34 +42,30 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
+import numpy as np
+
 from isocost.engine.model import EngineEvent, EngineModel, Finished, FirstToken, RequestSpec
 from isocost.engine.model import RequestState as EngineRequest
 from isocost.prefix.hashing import ROOT_HASH
 from isocost.scheduling.admission import RequestQueue
 from isocost.scheduling.decision import Decision, Outcome
 from isocost.scheduling.framework import Policy
-from isocost.scheduling.state import EngineMetrics, ReplicaSet, ReplicaSpec, RequestView
+from isocost.scheduling.state import ReplicaSet, ReplicaSpec, RequestView
 from isocost.sim._cluster import ClusterConfig, SimReplica
 from isocost.sim._metrics import Slo
-from isocost.workload import WorkloadRequest, prefix_block_keys
+from isocost.workload import WorkloadRequest, prefix_block_hashes
 
 __all__ = ["BLOCK_TOKENS", "RequestRecord", "SimResult", "Simulator", "block_hashes"]
 
 FAULT, ENGINE, HOOK, SCRAPE, ARRIVAL, DELIVER, SAMPLE = range(7)
 _FIRST, _DONE, _FAILED, _TIMEOUT = range(4)  # hook kinds
 BLOCK_TOKENS = 16  # prompt block size of engines and the prefix index (vLLM's default)
-_MASK = (1 << 63) - 1
 
 
 def block_hashes(request: WorkloadRequest, block_tokens: int = BLOCK_TOKENS) -> tuple[int, ...]:
     """Chained hashes of the prompt's full blocks, from its segments (no text rendered):
     equal hashes exactly where two prompts share the whole prefix, as token hashes would."""
-    parent = ROOT_HASH
-    hashes = []
-    for key in prefix_block_keys(request.segments, block_tokens):
-        parent = hash((parent, key)) & _MASK
-        hashes.append(parent)
-    return tuple(hashes)
+    return prefix_block_hashes(request.segments, block_tokens, ROOT_HASH)
 
 
 @dataclass(slots=True)
@@ -86,6 +82,7 @@ class RequestRecord:
     preemptions: int = 0
     rejected: str | None = None  # reason, when rejected
     failed_on: tuple[str, ...] = ()  # replicas whose attempt broke: retries avoid them
+    hashes: tuple[int, ...] | None = None  # the prompt's block hashes, once computed
 
     @property
     def settled(self) -> bool:
@@ -113,6 +110,7 @@ class SimResult:
 @dataclass(slots=True)
 class _Replica:
     config: SimReplica
+    index: int  # position in the simulator's replica order (its column in the readings)
     engine: EngineModel | None = None  # None: not started, failed or cold-starting
     in_flight: dict[str, tuple[RequestRecord, EngineRequest]] = field(default_factory=dict)
     wake_s: float = math.inf  # the pending ENGINE event's time; others are stale
@@ -156,7 +154,14 @@ class Simulator:
         self.shadow = ReplicaSet(block_tokens=BLOCK_TOKENS)
         self.shadow.add_listener(policy)
         self.queue = RequestQueue(cluster.queue_size)
-        self.replicas = {r.replica_id: _Replica(r) for r in replicas}
+        self.replicas = {r.replica_id: _Replica(r, i) for i, r in enumerate(replicas)}
+        # Engine readings, a column per replica (running, waiting, KV usage, prefix-cache
+        # queries and hits), refreshed only for the replicas in ``_live``: an idle engine's
+        # reading cannot change until a request reaches it.
+        self._readings = np.zeros((5, len(self.replicas)))
+        self._up = np.zeros(len(self.replicas), dtype=bool)  # engine running, in the shadow
+        self._slots = np.zeros(len(self.replicas), dtype=np.int64)  # shadow slot of each
+        self._live: dict[int, _Replica] = {}
         self.records = [RequestRecord(r) for r in requests]
         self._heap: list[_Event] = []
         self._seq = 0
@@ -235,15 +240,18 @@ class Simulator:
             request.request_id if not record.attempts else f"{request.request_id}.{record.attempts}"
         )
         slo = self.slo
+        if record.hashes is None:
+            record.hashes = block_hashes(request)
         return RequestView(
             request_id=str(attempt),
             model=self.model,
             prompt_tokens=request.prompt_tokens,
-            block_hashes=block_hashes(request),
+            block_hashes=record.hashes,
             session_key=request.session_id,
             deadline_s=None
             if slo is None
             else request.arrival_s + slo.ttft_limit_s(request.prompt_tokens),
+            tpot_target_s=None if slo is None else slo.tpot_s,
             arrival_s=request.arrival_s,
             stream=True,
         )
@@ -345,30 +353,19 @@ class Simulator:
 
     def _on_scrape(self, _: object) -> None:
         now = self._now
-        for replica in self.replicas.values():
-            engine = self._advance(replica)
-            if engine is None or replica.config.replica_id not in self.shadow:
-                continue
-            counters = engine.counters
-            metrics = EngineMetrics(
-                num_running=engine.num_running,
-                num_waiting=engine.num_waiting,
-                kv_usage=engine.kv_usage,
-                prefix_cache_queries=counters.prefix_cache_queries,
-                prefix_cache_hits=counters.prefix_cache_hits,
-                num_preemptions=counters.num_preemptions,
-            )
-            self.shadow.apply_scrape(replica.config.replica_id, metrics, now)
+        self._refresh_readings()
+        up = self._up
+        running, waiting, kv_usage, queries, hits = self._readings[:, up]
+        self.shadow.apply_scrapes(self._slots[up], running, waiting, kv_usage, queries, hits, now)
         self._wake_queue()
         self._push(now + self.scrape_s, SCRAPE, None)
 
     def _on_sample(self, _: object) -> None:
-        loads = []
-        for replica in self.replicas.values():
-            engine = self._advance(replica)
-            loads.append(0 if engine is None else engine.num_running + engine.num_waiting)
+        self._refresh_readings()
+        running, waiting = self._readings[0], self._readings[1]
+        loads = np.where(self._up, running + waiting, 0.0).astype(np.int64)
         self._samples_s.append(self._now)
-        self._samples.append(loads)
+        self._samples.append(loads.tolist())
         assert self.sample_interval_s is not None
         self._push(self._now + self.sample_interval_s, SAMPLE, None)
 
@@ -390,6 +387,7 @@ class Simulator:
             attempt_id, request.prompt_tokens, request.output_tokens, view.block_hashes
         )
         replica.in_flight[attempt_id] = (record, engine.submit(spec, self._now))
+        self._live[replica.index] = replica
         self._schedule_wake(replica, engine)
 
     def _on_engine(self, payload: object) -> None:
@@ -423,6 +421,30 @@ class Simulator:
                     event.time_s + delay, HOOK, (_DONE, event.request_id, event.num_output_tokens)
                 )
 
+    def _refresh_readings(self) -> None:
+        """Read every live engine as a scrape would now. Before its wake an engine emits
+        nothing, so it is read in place (``observe``); at its wake it is advanced first.
+        Engines found idle leave ``_live`` until a request reaches them."""
+        readings = self._readings
+        now = self._now
+        for index, replica in list(self._live.items()):
+            engine = replica.engine
+            if engine is None:
+                del self._live[index]
+                continue
+            if now >= replica.wake_s:
+                self._advance(replica)
+            seen = engine.observe(now)
+            readings[:, index] = (
+                seen.num_running,
+                seen.num_waiting,
+                seen.kv_usage,
+                seen.prefix_cache_queries,
+                seen.prefix_cache_hits,
+            )
+            if engine.next_event_time() is None:
+                del self._live[index]
+
     def _schedule_wake(self, replica: _Replica, engine: EngineModel) -> None:
         at = engine.quiet_until()
         if at is not None and at < replica.wake_s:
@@ -453,6 +475,9 @@ class Simulator:
                         groups=config.groups,
                     )
                 )
+            self._slots[replica.index] = self.shadow.get(config.replica_id).slot
+            self._up[replica.index] = True
+            self._live[replica.index] = replica  # a fresh engine: its counters start at 0
             self._wake_queue()
         elif action == "fail":
             engine = self._advance(replica)
@@ -467,6 +492,8 @@ class Simulator:
                 self._push(back, HOOK, (_FAILED, attempt_id, "failed"))
             replica.in_flight.clear()
             self.shadow.set_health(config.replica_id, False)
+            self._up[replica.index] = False
+            self._live.pop(replica.index, None)
         elif action == "recover":
             if replica.engine is None:
                 self._push(now + config.cold_start_s, FAULT, ("ready", replica, 0.0))

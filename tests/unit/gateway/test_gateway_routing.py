@@ -53,6 +53,7 @@ def request(
         session_key=None,
         priority=priority,
         deadline_at=None if deadline_s is None else now + deadline_s,
+        tpot_target_s=None,
         route_class=None,
         key_name=None,
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from conftest import MODEL, Factory, cost_model
 
 from isocost.scheduling.admission import RequestQueue
@@ -132,3 +133,52 @@ def test_excluded_replicas_are_skipped_for_this_request_only(make_replicas: Fact
     both_failed = policy.schedule(_req(0), replicas, 0.0, exclude={"r0", "r1", "gone"})
     assert both_failed.reason is RejectReason.UNAVAILABLE
     assert policy.schedule(_req(0), replicas, 0.0).replica_id == "r0"
+
+
+def test_prefill_duty_stretches_the_predicted_inter_token_time_then_fades(
+    make_replicas: Factory,
+) -> None:
+    replicas = make_replicas(["a100-80g"] * 2, factor_alpha=0.0)
+    for i in range(3):  # 3 x 16k-token prompts: seconds of prefill chunks on r0
+        replicas.on_dispatch(_req(100 + i, prompt=16_000), "r0", 0.0)
+    busy = replicas.predict_one(0, 0.0, 500, 0, 64)
+    idle = replicas.predict_one(1, 0.0, 500, 0, 64)
+    assert idle.stall == 1.0
+    assert busy.stall > 1.3  # a third of r0's next seconds go to prefill chunks
+    _, busy_e2e = busy.corrected(1.0, 1.0)
+    assert busy_e2e - busy.ttft_s == pytest.approx(64 * busy.step_s * busy.stall)
+    later = replicas.predict_one(0, 100.0, 500, 0, 64)  # ten duty time constants on
+    assert 1.0 <= later.stall < 1.001
+
+
+def test_tpot_target_rejects_where_prefill_chunks_would_slow_the_streams(
+    make_replicas: Factory,
+) -> None:
+    replicas = make_replicas(["a100-80g"], factor_alpha=0.0)
+    policy = build_policy("equal_cost")
+    for i in range(3):
+        replicas.on_dispatch(_req(100 + i, prompt=16_000), "r0", 0.0)
+        replicas.on_first_token(f"q{100 + i}", 0.0)  # streaming now: no queue ahead
+    raw = replicas.predict_one(0, 0.0, 500, 0, 64)
+    target = raw.step_s * (1.0 + raw.stall) / 2.0  # met by the step alone, not with stalls
+    rejected = policy.schedule(_req(1, tpot_target_s=target), replicas, 0.0)
+    assert (rejected.outcome, rejected.reason) == (Outcome.REJECT, RejectReason.DEADLINE)
+    assert policy.schedule(_req(2, tpot_target_s=target), replicas, 100.0).admitted
+
+
+def test_a_long_prefill_is_kept_away_from_streams_it_would_stall(make_replicas: Factory) -> None:
+    replicas = make_replicas(["a100-80g"] * 2, factor_alpha=0.0)
+    policy = build_policy("equal_cost")
+    replicas.on_dispatch(_req(100), "r0", 0.0)
+    replicas.on_first_token("q100", 0.0)  # one short stream decodes on r0, r1 is idle
+    alone_step_s = replicas.predict_one(1, 0.0, 30_000, 0, 64).step_s
+    # a target the new request meets on either replica; r0's stream meets it only unstalled
+    long_prompt = _req(1, prompt=30_000, tpot_target_s=1.2 * alone_step_s)
+    decision = policy.schedule(long_prompt, replicas, 0.0)
+    assert decision.replica_id == "r1"
+    replicas.set_health("r1", False)  # only r0 is left: its stream would miss the target
+    alone = policy.schedule(long_prompt, replicas, 0.0)
+    assert (alone.outcome, alone.reason) == (Outcome.REJECT, RejectReason.DEADLINE)
+    assert policy.schedule(_req(2, prompt=30_000), replicas, 0.0).admitted  # no target
+    replicas.on_complete("q100", 0.5, ok=True, output_tokens=64)  # the stream is done
+    assert policy.schedule(long_prompt, replicas, 0.5).replica_id == "r0"

@@ -8,7 +8,9 @@ from r's shadow state (``scheduling.predict`` has the timing formulas)::
                 ttft_r   = f_ttft_r * (wait_r + T_pre_r(n - c_r, c_r))
                            wait_r: queued prefill work ahead of q, plus waiting for KV room
                            c_r: q's prefix blocks the prefix index holds on r
-                decode_r = f_itl_r * m * T_step_r(b_r + 1, K_r + n + m/2)
+                decode_r = f_itl_r * m * T_step_r(b_r + 1, K_r + n + m/2) / (1 - rho_r)
+                           rho_r: r's prefill duty, the share of its time prefill chunks
+                           recently dispatched there will take from its streams
     delay_r   = b_r * (prefill_r + f_itl_r * min(m, R_r / b_r) * dstep_r)
                 the slowdown q inflicts on r's b_r running requests: its prefill stalls
                 their steps, then each shared step is dstep_r = T_step(b+1) - T_step(b)
