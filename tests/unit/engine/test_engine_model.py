@@ -10,7 +10,7 @@ from dataclasses import astuple
 import pytest
 
 from isocost.core.catalog import Catalog
-from isocost.core.costmodel import CostModel, EngineLimits
+from isocost.core.costmodel import CostModel, DecodeLines, EngineLimits
 from isocost.engine.model import (
     EngineEvent,
     EngineModel,
@@ -83,6 +83,27 @@ def test_a_decode_run_is_the_sum_of_its_steps_across_the_roofline_crossover() ->
     assert lines.run_time_s(0, 0) == 0.0
     with pytest.raises(ValueError, match="batch_size"):
         cost.decode_lines(0)
+
+
+@pytest.mark.parametrize(
+    ("compute_s", "compute_per", "memory_s", "memory_per"),
+    [
+        (1.0, 0.01, 2.0, 0.001),  # memory-bound first, compute-bound from C = 111.1
+        (2.0, 0.001, 1.0, 0.01),  # compute-bound first, memory-bound from C = 111.1
+        (1.0, 0.01, 2.0, 0.01),  # parallel lines: memory all along
+        (1.0, 0.01, 1.0, 0.01),  # the same line
+        (1.0, 0.0101, 2.0, 0.0001),  # crossing exactly at a step (C = 100)
+    ],
+)
+def test_a_decode_run_sums_its_steps_whichever_line_comes_first(
+    compute_s: float, compute_per: float, memory_s: float, memory_per: float
+) -> None:
+    lines = DecodeLines(4, compute_s, compute_per, memory_s, memory_per, fixed_s=0.25)
+    for context in (0, 3, 100, 112, 400):
+        total = 0.0
+        for steps in range(80):
+            assert lines.run_time_s(context, steps) == pytest.approx(total, rel=1e-12, abs=0)
+            total += lines.step_time_s(context + 4 * steps)
 
 
 def test_single_request_timing_is_the_cost_model_step_by_step() -> None:
