@@ -492,15 +492,13 @@ class EngineModel:
     # -- one step ----------------------------------------------------------------------
 
     def _start_step(self, events: list[EngineEvent]) -> None:
-        """Fix the next batch at the current clock, allocate its blocks and price it
-        (prefill chunks as one chunk of their summed size, decodes by batch and context)."""
+        """Fix the next batch at the current clock, allocating its blocks."""
         self._ahead_known = False
         self._seen = None
         block_size = self.block_size
         pool = self.pool
         budget = self.max_num_batched_tokens
         batch: list[tuple[RequestState, int]] = []
-        prefill = prefill_context = decode_seqs = decode_context = 0
         preempted = False
         running = self._running
         i = 0
@@ -522,12 +520,6 @@ class EngineModel:
             if need > 0:
                 state.num_blocks += need
             batch.append((state, n))
-            if n == 1 and state.num_output_tokens and computed:
-                decode_seqs += 1
-                decode_context += computed
-            else:
-                prefill += n
-                prefill_context += n * computed
             budget -= n
             i += 1
         waiting = self._waiting
@@ -549,20 +541,12 @@ class EngineModel:
             waiting.popleft()
             running.append(state)
             batch.append((state, n))
-            if n == 1 and state.num_output_tokens and computed:
-                decode_seqs += 1
-                decode_context += computed
-            else:
-                prefill += n
-                prefill_context += n * computed
             budget -= n
         if not batch:
             raise RuntimeError("engine model scheduled an empty step with work queued")
-        cached = prefill_context // prefill if prefill else 0
-        step_s = self.cost.step_time_s(prefill, cached, decode_seqs, decode_context)
         self._batch = batch
         self._step_start_s = self._now_s
-        self._step_end_s = self._now_s + step_s * self.slowdown
+        self._step_end_s = self._now_s + self._step_time_s(batch) * self.slowdown
 
     def _admission(self, state: RequestState, budget: int) -> tuple[int, int, int] | None:
         """``(prefix hit blocks, tokens to compute now, new blocks)`` to admit ``state``
@@ -584,6 +568,21 @@ class EngineModel:
             and budget > 0
             and self._admission(self._waiting[0], budget) is not None
         )
+
+    def _step_time_s(self, batch: list[tuple[RequestState, int]]) -> float:
+        """Prefill chunks priced as one chunk of their summed size, decodes by batch and
+        context."""
+        prefill = prefill_context = decode_seqs = decode_context = 0
+        for state, n in batch:
+            computed = state.num_computed_tokens
+            if n == 1 and state.num_output_tokens and computed:
+                decode_seqs += 1
+                decode_context += computed
+            else:
+                prefill += n
+                prefill_context += n * computed
+        cached = prefill_context // prefill if prefill else 0
+        return self.cost.step_time_s(prefill, cached, decode_seqs, decode_context)
 
     def _finish_step(self, events: list[EngineEvent]) -> None:
         """Apply the step in flight at its end time: tokens, cached blocks, finishes."""
