@@ -148,7 +148,7 @@ def predict_one(
     wait, pre, step, base_step, stall, _ = _times(
         coef.prefill_s, coef.decode_step_s, max, min, _if, *load, n, float(cached_tokens), m
     )
-    return RawTimes(wait, pre, step, base_step, stall, m)
+    return RawTimes(wait, pre, step, base_step, float(stall), m)
 
 
 def predict(

@@ -182,3 +182,14 @@ def test_a_long_prefill_is_kept_away_from_streams_it_would_stall(make_replicas: 
     assert policy.schedule(_req(2, prompt=30_000), replicas, 0.0).admitted  # no target
     replicas.on_complete("q100", 0.5, ok=True, output_tokens=64)  # the stream is done
     assert policy.schedule(long_prompt, replicas, 0.5).replica_id == "r0"
+
+
+def test_predicted_times_are_plain_floats_for_json(make_replicas: Factory) -> None:
+    """Decisions are encoded as JSON by /v1/route: numpy scalars must not leak into them."""
+    replicas = make_replicas(["a100-80g"])
+    replicas.on_dispatch(_req(100, prompt=4000), "r0", 0.0)
+    decision = build_policy("session").schedule(_req(1, session_key="u"), replicas, 0.1)
+    raw = decision.raw_times
+    assert raw is not None
+    for value in (raw.wait_s, raw.prefill_s, raw.step_s, raw.stall, decision.predicted_e2e_s):
+        assert type(value) is float
