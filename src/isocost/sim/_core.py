@@ -12,8 +12,10 @@ push new events; the loop only pops and dispatches. Phases at one instant, in or
    (``on_complete(ok=True, output_tokens=...)``) or a failed connection
    (``on_complete(ok=False)``, then a retry); a completion lets the most urgent queued request
    try again (late binding).
-3. ``SCRAPE``: the gateway reads every engine's metrics (``apply_scrape``); between
+3. ``SCRAPE``: the gateway reads every engine's metrics (``apply_scrapes``); between
    scrapes the shadow state knows engines only through its own hooks, as in the gateway.
+   An engine is read in place (``EngineModel.observe``) unless its wake is due, and only
+   engines that had work since they were last idle are read again.
 4. ``ARRIVAL``: a request reaches the gateway; ``policy.schedule(request, replicas, now)``
    is called exactly as the gateway calls it (a retry excludes the replicas that failed
    it). ADMIT: ``on_dispatch(decision=...)`` and the request
@@ -23,8 +25,8 @@ push new events; the loop only pops and dispatches. Phases at one instant, in or
 5. ``DELIVER``: the request enters the replica's engine (advanced to now first).
 6. ``SAMPLE``: per-replica load is recorded for plots.
 
-Engines are advanced lazily: only when a request is delivered, a scrape or sample reads
-them, or at ``EngineModel.quiet_until()``, the earliest time they could emit an event.
+Engines are advanced lazily: only when a request is delivered, or at
+``EngineModel.quiet_until()``, the earliest time they could emit an event.
 A replica decoding a steady batch is therefore woken around its completions, and the
 decode run between them is applied as one jump; the cost of a run grows with events
 (requests, completions, scrapes), not with decode steps.
