@@ -89,6 +89,8 @@ pools:
 {replicas}
 limits:
   retry_backoff_ms: 5
+  connect_timeout_ms: 10000   # two CPU vLLM replicas saturate both cores: the gateway's
+                              # event loop can stall past 1 s; a dead replica still refuses
 health:
   interval_ms: 200
   timeout_ms: 10000
