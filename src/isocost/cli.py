@@ -447,7 +447,9 @@ def sim(
     ),
     slo_tpot_ms: float = typer.Option(100.0, "--slo-tpot-ms", help="TPOT target."),
     deadlines: bool = typer.Option(
-        True, "--deadlines/--no-deadlines", help="Requests carry their TTFT target."
+        True,
+        "--deadlines/--no-deadlines",
+        help="Requests carry their TTFT and TPOT targets (SLO admission sees them).",
     ),
     rate: float | None = typer.Option(
         None, "--rate", help="Mean req/s: scales a trace's time; Poisson for --workload."
