@@ -9,6 +9,7 @@ The screenshot lands in ``test-artifacts/dashboard.png``.
 
 from __future__ import annotations
 
+import re
 import socket
 import urllib.error
 import urllib.request
@@ -129,6 +130,11 @@ def test_dashboard_shows_replicas_and_live_numbers(live: Live, browser: BrowserC
         arg=before,
         timeout=30_000,
     )
+    # Every replica's prefill duty (the shadow state's, so known from the start) is shown.
+    duties = page.eval_on_selector_all(
+        "#replicas td.prefill-duty", "cells => cells.map(c => c.textContent)"
+    )
+    assert len(duties) == len(LAYOUT) and all(re.fullmatch(r"\d+ %", d) for d in duties), duties
     # Decisions carry each plugin's score; the policy is the one configured.
     page.wait_for_selector("#decisions tbody tr td.scores div")
     first_decision = page.inner_text("#decisions tbody tr")

@@ -360,6 +360,7 @@ def test_admin_snapshot_describes_every_replica(cluster: Cluster) -> None:
         assert row["state"] == "healthy"
         assert row["kv_usage"] is not None and 0 <= row["kv_usage"] <= 1
         assert row["ttft_factor"] > 0 and row["itl_factor"] > 0
+        assert 0 <= row["prefill_duty"] < 1
     assert snap["pools"][0]["model"] == MODEL and snap["pools"][0]["healthy"] == 3
     decision = snap["decisions"][-1]
     assert decision["outcome"] == "admit" and decision["scores"]

@@ -96,6 +96,7 @@ def replica_row(
         "scrape_error": replica.scrape_error,
         "ttft_factor": round(state.ttft_factor, 4) if state else None,
         "itl_factor": round(state.itl_factor, 4) if state else None,
+        "prefill_duty": round(state.prefill_duty(now), 4) if state else None,
         "recent_ttft_p50_ms": _p50_ms(replica.recent_ttft_s),
         "recent_itl_p50_ms": _p50_ms(replica.recent_itl_s),
         "last_ttft_ms": round(replica.recent_ttft_s[-1] * 1000, 2)

@@ -268,6 +268,10 @@ class ReplicaState:
         taken = float(self._set.scrape_s[self.slot])
         return None if taken == -math.inf else taken
 
+    def prefill_duty(self, now: float) -> float:
+        """Share of its time prefill chunks recently dispatched here will take (0..)."""
+        return float(self._set.prefill_duty(now, self.slot))
+
     def staleness_s(self, now: float) -> float | None:
         """Age of the latest scrape, None before the first one."""
         return None if self.scrape_s is None else now - self.scrape_s
@@ -378,7 +382,7 @@ class ReplicaSet:
     awaiting_since_s: FloatArray  # dispatch of the oldest request awaiting its first token
     awaiting_ttft_s: FloatArray  # its uncorrected predicted TTFT
     prefill_busy_s: FloatArray  # predicted prefill seconds dispatched, decayed to ...
-    prefill_busy_at_s: FloatArray  # ... this time (see ``_prefill_duty``)
+    prefill_busy_at_s: FloatArray  # ... this time (see ``prefill_duty``)
     active: _BoolArray
     healthy: _BoolArray
     draining: _BoolArray
@@ -732,10 +736,10 @@ class ReplicaSet:
             self.local_remaining_tokens[key] + (foreign_running + foreign_waiting) * mean_out / 2.0,
             maximum(self.local_kv_tokens[key], fresh * self.scraped_kv_usage[key] * capacity),
             capacity,
-            self._prefill_duty(now, key),
+            self.prefill_duty(now, key),
         )
 
-    def _prefill_duty(self, now: float, key: IndexArray | int) -> Any:
+    def prefill_duty(self, now: float, key: IndexArray | int) -> Any:
         """Share of time the slots ``key`` will spend prefilling, from what was recently
         dispatched to them: predicted prefill seconds, decayed over ``DUTY_TAU_S``."""
         age = now - self.prefill_busy_at_s[key]
