@@ -439,6 +439,9 @@ def test_metrics_and_logs(cluster: Cluster) -> None:
         "isocost_e2e_seconds_bucket",
         'isocost_decisions_total{policy="equal_cost"}',
         "isocost_replica_healthy",
+        "isocost_replica_ttft_factor",
+        "isocost_replica_itl_factor",
+        "isocost_replica_prefill_duty",
         'isocost_rejections_total{reason="invalid_body"}',
     ):
         assert series in text, series

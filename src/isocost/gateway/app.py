@@ -308,6 +308,11 @@ class Gateway:
         age = replica.scrape_age_s(now)
         if age is not None:
             self.metrics.scrape_age.labels(*labels).set(age)
+        if replica.name in self.router.replicas:
+            state = self.router.replicas.get(replica.name)
+            self.metrics.ttft_factor.labels(*labels).set(state.ttft_factor)
+            self.metrics.itl_factor.labels(*labels).set(state.itl_factor)
+            self.metrics.prefill_duty.labels(*labels).set(state.prefill_duty(now))
 
     # -- requests -----------------------------------------------------------------------
 

@@ -81,3 +81,21 @@ class GatewayMetrics:
             ["pool", "replica"],
             registry=r,
         )
+        self.ttft_factor = Gauge(
+            "isocost_replica_ttft_factor",
+            "Learned observed / predicted TTFT of the replica (1: as its spec; 3: 3x slower).",
+            ["pool", "replica"],
+            registry=r,
+        )
+        self.itl_factor = Gauge(
+            "isocost_replica_itl_factor",
+            "Learned observed / predicted inter-token time of the replica.",
+            ["pool", "replica"],
+            registry=r,
+        )
+        self.prefill_duty = Gauge(
+            "isocost_replica_prefill_duty",
+            "Share of the replica's time that prefill recently sent there will take.",
+            ["pool", "replica"],
+            registry=r,
+        )
