@@ -14,6 +14,7 @@ from rich.console import Console
 
 from isocost import __version__
 from isocost.core.errors import IsocostError
+from isocost.workload import SYNTHETIC_WORKLOADS, SyntheticSpec
 
 app = typer.Typer(
     name="isocost",
@@ -61,6 +62,37 @@ def _choice(flag: str, value: str | None, valid: tuple[_Choice, ...]) -> _Choice
         if value == option:
             return option
     fail(f"unknown {flag} {value!r}; valid: {', '.join(valid)}")
+
+
+def _synthetic(
+    workload: str | None,
+    max_prompt_tokens: int | None,
+    groups: int,
+    prompts_per_group: int,
+    sessions: int,
+    turns: int,
+    system_tokens: int,
+    question_tokens: int,
+    output_tokens: int,
+    think_time_s: float = 5.0,
+) -> SyntheticSpec | None:
+    """The synthetic workload ``--workload`` names, shaped by its options (bench and sim
+    share them); None when no workload is named (a trace is replayed)."""
+    name = _choice("workload", workload, SYNTHETIC_WORKLOADS)
+    if name is None:
+        return None
+    return SyntheticSpec(
+        name,
+        max_prompt_tokens=max_prompt_tokens,
+        num_groups=groups,
+        prompts_per_group=prompts_per_group,
+        sessions=sessions,
+        turns=turns,
+        system_tokens=system_tokens,
+        question_tokens=question_tokens,
+        output_tokens=output_tokens,
+        think_time_s=think_time_s,
+    )
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
@@ -484,7 +516,6 @@ def sim(
     from isocost.files import load_catalog, read_text
 
     trace_format = _choice("trace format", trace_format, simulator.TRACE_FORMATS)
-    workload = _choice("workload", workload, simulator.SIM_WORKLOADS)
     names = tuple(p.strip() for p in policies.split(",") if p.strip())
     simulator.check_policies(names)
     try:
@@ -507,23 +538,17 @@ def sim(
         config = simulator.with_settings(config, cluster, **overrides)
     else:
         config = simulator.uniform_cluster(replicas, gpu, model, tp, **overrides)
+    synthetic = _synthetic(workload, max_prompt_tokens, groups, prompts_per_group, sessions,
+                           turns, system_tokens, question_tokens, output_tokens)  # fmt: skip
     choice = simulator.WorkloadChoice(
         trace=trace,
         trace_format=trace_format,
-        workload=workload,
+        synthetic=synthetic,
         rate_rps=rate,
         speedup=speedup,
         max_requests=max_requests,
         duration_s=duration,
         seed=seed,
-        max_prompt_tokens=max_prompt_tokens,
-        num_groups=groups,
-        prompts_per_group=prompts_per_group,
-        sessions=sessions,
-        turns=turns,
-        system_tokens=system_tokens,
-        question_tokens=question_tokens,
-        output_tokens=output_tokens,
     )
     plan = simulator.SimPlan(
         cluster=config,
@@ -593,29 +618,22 @@ def bench(
     """Replay a trace or a synthetic workload against URL; print TTFT/TPOT/E2E and goodput."""
     if ctx.invoked_subcommand is not None:
         return
-    from isocost.bench import TRACE_FORMATS, WORKLOADS, BenchOptions, WorkloadSpec, bench_command
+    from isocost.bench import TRACE_FORMATS, BenchOptions, WorkloadSpec, bench_command
 
     if url is None:
         fail("give the endpoint with --url")
     trace_format = _choice("trace format", trace_format, TRACE_FORMATS)
-    workload = _choice("workload", workload, WORKLOADS)
+    synthetic = _synthetic(workload, max_prompt_tokens, groups, prompts_per_group, sessions,
+                           turns, system_tokens, question_tokens, output_tokens,
+                           think_time)  # fmt: skip
     spec = WorkloadSpec(
         trace=trace,
         trace_format=trace_format,
-        workload=workload,
+        synthetic=synthetic,
         rate_rps=rate,
         burstiness=burstiness,
         speedup=speedup,
         seed=seed,
-        num_groups=groups,
-        prompts_per_group=prompts_per_group,
-        sessions=sessions,
-        turns=turns,
-        system_tokens=system_tokens,
-        question_tokens=question_tokens,
-        output_tokens=output_tokens,
-        think_time_s=think_time,
-        max_prompt_tokens=max_prompt_tokens,
     )
     options = BenchOptions(
         model=model,

@@ -18,6 +18,7 @@ import pytest
 from cluster import API_KEY, MODEL, open_fds, rss_bytes, start_cluster
 
 from isocost.bench import BenchOptions, WorkloadSpec, build_workload, run_bench
+from isocost.workload import SyntheticSpec
 
 SOAK_S = float(os.environ.get("ISOCOST_SOAK_S", "180"))
 WINDOW_S = 15.0
@@ -32,7 +33,9 @@ def test_soak_keeps_memory_and_connections_flat(tmp_path: Path) -> None:
         samples: list[tuple[int, int]] = []
         windows = max(4, round(SOAK_S / WINDOW_S))
         for window in range(windows):
-            spec = WorkloadSpec(workload="mix", rate_rps=20, seed=window, max_prompt_tokens=512)
+            spec = WorkloadSpec(
+                synthetic=SyntheticSpec("mix", max_prompt_tokens=512), rate_rps=20, seed=window
+            )
             options = BenchOptions(
                 model=MODEL, max_tokens=64, duration_s=WINDOW_S, api_key=API_KEY, timeout_s=60
             )

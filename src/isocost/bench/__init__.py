@@ -21,19 +21,17 @@ from isocost.bench._runner import (
     normalize_url,
     run_bench,
 )
-from isocost.bench._workloads import WORKLOADS, WorkloadName, WorkloadSpec, build_workload
+from isocost.bench._workloads import WorkloadSpec, build_workload
 from isocost.workload import TRACE_FORMATS
 
 __all__ = [
     "TRACE_FORMATS",
-    "WORKLOADS",
     "BenchOptions",
     "BenchProgress",
     "BenchResult",
     "BenchSummary",
     "EndpointError",
     "RequestRecord",
-    "WorkloadName",
     "WorkloadSpec",
     "bench_command",
     "build_workload",

@@ -35,7 +35,7 @@ def bench_command(
     json_path: str | None = None,
 ) -> BenchResult:
     """Run, with a live view; print the summary and write ``--records`` / ``--json``."""
-    endless = spec.workload == "mix"
+    endless = spec.synthetic is not None and spec.synthetic.name == "mix"
     if endless and options.max_requests is None and options.duration_s is None:
         raise ConfigError("bench", "--workload mix is endless: give --max-requests or --duration")
     requests = build_workload(spec, closed_loop=options.concurrency is not None)

@@ -15,8 +15,6 @@ from random import Random
 from isocost.core.errors import ConfigError
 from isocost.files import load_trace
 from isocost.workload import (
-    SYNTHETIC_WORKLOADS,
-    SyntheticName,
     SyntheticSpec,
     TraceFormat,
     WorkloadRequest,
@@ -26,37 +24,25 @@ from isocost.workload import (
     with_arrivals,
 )
 
-__all__ = ["WORKLOADS", "WorkloadName", "WorkloadSpec", "build_workload"]
-
-WorkloadName = SyntheticName
-WORKLOADS = SYNTHETIC_WORKLOADS
+__all__ = ["WorkloadSpec", "build_workload"]
 
 
 @dataclass(frozen=True, slots=True)
 class WorkloadSpec:
-    """What to send. Exactly one of ``trace`` and ``workload``."""
+    """What to send. Exactly one of ``trace`` and ``synthetic``."""
 
     trace: str | None = None
     trace_format: TraceFormat | None = None
-    workload: WorkloadName | None = None
+    synthetic: SyntheticSpec | None = None
     rate_rps: float | None = None
     burstiness: float = 1.0  # coefficient of variation of gaps; 1 = Poisson
     speedup: float = 1.0
     seed: int = 0
-    max_prompt_tokens: int | None = None  # caps the mix's long prompts
-    num_groups: int = 8
-    prompts_per_group: int = 16
-    sessions: int = 16
-    turns: int = 4
-    system_tokens: int = 2048
-    question_tokens: int = 128
-    output_tokens: int = 128
-    think_time_s: float = 5.0
 
 
 def build_workload(spec: WorkloadSpec, closed_loop: bool) -> Iterator[WorkloadRequest]:
     """The requests of ``spec``; a ConfigError for contradictory or incomplete choices."""
-    if (spec.trace is None) == (spec.workload is None):
+    if (spec.trace is None) == (spec.synthetic is None):
         raise ConfigError("bench", "give exactly one of --trace and --workload")
     rng = Random(spec.seed)
     arrivals = gamma_arrivals(rng, spec.rate_rps or 1.0, spec.burstiness)
@@ -67,18 +53,9 @@ def build_workload(spec: WorkloadSpec, closed_loop: bool) -> Iterator[WorkloadRe
         if len({r.arrival_s for r in requests}) == 1 and len(requests) > 1 and not closed_loop:
             raise ConfigError(spec.trace, "the trace has no arrival times; pass --rate")
         return speedup(requests, spec.speedup)
+    assert spec.synthetic is not None
     if spec.rate_rps is None and not closed_loop:
-        raise ConfigError("bench", f"--workload {spec.workload} needs --rate or --concurrency")
-    synthetic = SyntheticSpec(
-        name=spec.workload or "mix",
-        max_prompt_tokens=spec.max_prompt_tokens,
-        num_groups=spec.num_groups,
-        prompts_per_group=spec.prompts_per_group,
-        sessions=spec.sessions,
-        turns=spec.turns,
-        system_tokens=spec.system_tokens,
-        question_tokens=spec.question_tokens,
-        output_tokens=spec.output_tokens,
-        think_time_s=spec.think_time_s,
-    )
-    return synthetic_workload(synthetic, rng, arrivals)  # a closed loop ignores the times
+        raise ConfigError(
+            "bench", f"--workload {spec.synthetic.name} needs --rate or --concurrency"
+        )
+    return synthetic_workload(spec.synthetic, rng, arrivals)  # a closed loop ignores the times

@@ -48,7 +48,7 @@ from isocost.demo._live import LiveState, poll_snapshot, render
 from isocost.demo._processes import Services
 from isocost.demo._report import headline, replica_table, write_report
 from isocost.scheduling.policies import BUILTIN_POLICIES
-from isocost.workload import TraceFormat
+from isocost.workload import SyntheticSpec, TraceFormat
 
 __all__ = ["DEFAULT_POLICIES", "DemoInterrupted", "DemoOptions", "run_demo"]
 
@@ -113,10 +113,11 @@ def _workload(options: DemoOptions) -> WorkloadSpec:
     return WorkloadSpec(
         trace=options.trace,
         trace_format=options.trace_format,
-        workload=None if options.trace else "mix",
+        synthetic=None
+        if options.trace
+        else SyntheticSpec("mix", max_prompt_tokens=options.max_prompt_tokens),
         rate_rps=options.rate_rps,
         seed=options.seed,
-        max_prompt_tokens=options.max_prompt_tokens,
     )
 
 

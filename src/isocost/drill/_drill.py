@@ -44,7 +44,7 @@ from isocost.bench import (
     run_bench,
 )
 from isocost.core.errors import ConfigError, IsocostError
-from isocost.workload import WorkloadRequest
+from isocost.workload import SyntheticSpec, WorkloadRequest
 
 __all__ = ["FAULTS", "DrillError", "DrillOptions", "DrillReport", "Fault", "Restart", "run_drill"]
 
@@ -301,10 +301,9 @@ async def run_drill(
         stop = asyncio.Event()
         started: asyncio.Future[float] = loop.create_future()
         spec = WorkloadSpec(
-            workload="mix",
+            synthetic=SyntheticSpec("mix", max_prompt_tokens=options.max_prompt_tokens),
             rate_rps=options.rate_rps,
             seed=options.seed,
-            max_prompt_tokens=options.max_prompt_tokens,
         )
         bench_options = BenchOptions(
             model=options.model or rows[targets[0]]["pool"],

@@ -63,39 +63,30 @@ class GatewayMetrics:
             ["reason"],
             registry=r,
         )
-        self.replica_healthy = Gauge(
+
+        def per_replica(name: str, documentation: str) -> Gauge:
+            return Gauge(name, documentation, ["pool", "replica"], registry=r)
+
+        self.replica_healthy = per_replica(
             "isocost_replica_healthy",
             "1 when the replica's circuit is closed and it is not drained.",
-            ["pool", "replica"],
-            registry=r,
         )
-        self.in_flight = Gauge(
-            "isocost_replica_in_flight",
-            "Requests this gateway has in flight on the replica.",
-            ["pool", "replica"],
-            registry=r,
+        self.in_flight = per_replica(
+            "isocost_replica_in_flight", "Requests this gateway has in flight on the replica."
         )
-        self.scrape_age = Gauge(
+        self.scrape_age = per_replica(
             "isocost_replica_scrape_age_seconds",
             "Seconds since the replica's /metrics was last read successfully.",
-            ["pool", "replica"],
-            registry=r,
         )
-        self.ttft_factor = Gauge(
+        self.ttft_factor = per_replica(
             "isocost_replica_ttft_factor",
             "Learned observed / predicted TTFT of the replica (1: as its spec; 3: 3x slower).",
-            ["pool", "replica"],
-            registry=r,
         )
-        self.itl_factor = Gauge(
+        self.itl_factor = per_replica(
             "isocost_replica_itl_factor",
             "Learned observed / predicted inter-token time of the replica.",
-            ["pool", "replica"],
-            registry=r,
         )
-        self.prefill_duty = Gauge(
+        self.prefill_duty = per_replica(
             "isocost_replica_prefill_duty",
             "Share of the replica's time that prefill recently sent there will take.",
-            ["pool", "replica"],
-            registry=r,
         )

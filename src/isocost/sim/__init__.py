@@ -29,12 +29,11 @@ from isocost.sim._metrics import (
 )
 from isocost.sim._report import json_rows, print_results, sim_command, write_json
 from isocost.sim._run import RunOutput, SimPlan, SweepOutput, check_policies, run_plan
-from isocost.sim._workload import SIM_WORKLOADS, WorkloadChoice, at_rate, load_requests
+from isocost.sim._workload import WorkloadChoice, at_rate, load_requests
 from isocost.workload import TRACE_FORMATS
 
 __all__ = [
     "BLOCK_TOKENS",
-    "SIM_WORKLOADS",
     "TRACE_FORMATS",
     "ClusterConfig",
     "ClusterEvent",

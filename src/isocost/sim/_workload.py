@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 from random import Random
-from typing import Literal
 
 from isocost.core.errors import ConfigError
 from isocost.files import load_trace
@@ -26,39 +25,28 @@ from isocost.workload import (
     synthetic_workload,
 )
 
-__all__ = ["SIM_WORKLOADS", "WorkloadChoice", "at_rate", "load_requests"]
+__all__ = ["WorkloadChoice", "at_rate", "load_requests"]
 
-SimWorkload = Literal["mix", "shared-prefix", "multi-turn"]
-SIM_WORKLOADS: tuple[SimWorkload, ...] = ("mix", "shared-prefix", "multi-turn")
 _DEFAULT_SYNTHETIC_REQUESTS = 1000
 
 
 @dataclass(frozen=True, slots=True)
 class WorkloadChoice:
-    """What to replay: exactly one of ``trace`` and ``workload``."""
+    """What to replay: exactly one of ``trace`` and ``synthetic``."""
 
     trace: str | None = None
     trace_format: TraceFormat | None = None
-    workload: SimWorkload | None = None
+    synthetic: SyntheticSpec | None = None
     rate_rps: float | None = None
     speedup: float = 1.0
     max_requests: int | None = None
     duration_s: float | None = None
     seed: int = 0
-    max_prompt_tokens: int | None = None  # mix: cap long prompts
-    num_groups: int = 8
-    prompts_per_group: int = 16
-    sessions: int = 16
-    turns: int = 4
-    system_tokens: int = 2048
-    question_tokens: int = 128
-    output_tokens: int = 128
-    think_time_s: float = 5.0
 
 
 def load_requests(choice: WorkloadChoice) -> list[WorkloadRequest]:
     """The requests of ``choice`` in arrival order; ConfigError for bad choices or files."""
-    if (choice.trace is None) == (choice.workload is None):
+    if (choice.trace is None) == (choice.synthetic is None):
         raise ConfigError("sim", "give exactly one of --trace and --workload")
     for name, value in (("--rate", choice.rate_rps), ("--speedup", choice.speedup)):
         if value is not None and value <= 0:
@@ -72,7 +60,8 @@ def load_requests(choice: WorkloadChoice) -> list[WorkloadRequest]:
         else:
             requests = list(speedup(requests, choice.speedup))
     else:
-        requests = _synthetic(choice)
+        assert choice.synthetic is not None
+        requests = _synthetic(choice, choice.synthetic)
     if choice.duration_s is not None:
         requests = [r for r in requests if r.arrival_s < choice.duration_s]
     if choice.max_requests is not None:
@@ -87,20 +76,8 @@ def at_rate(requests: list[WorkloadRequest], rate_rps: float) -> list[WorkloadRe
     return list(scale_to_rate(requests, rate_rps))
 
 
-def _synthetic(choice: WorkloadChoice) -> list[WorkloadRequest]:
+def _synthetic(choice: WorkloadChoice, spec: SyntheticSpec) -> list[WorkloadRequest]:
     rng = Random(choice.seed)
-    spec = SyntheticSpec(
-        name=choice.workload or "mix",
-        max_prompt_tokens=choice.max_prompt_tokens,
-        num_groups=choice.num_groups,
-        prompts_per_group=choice.prompts_per_group,
-        sessions=choice.sessions,
-        turns=choice.turns,
-        system_tokens=choice.system_tokens,
-        question_tokens=choice.question_tokens,
-        output_tokens=choice.output_tokens,
-        think_time_s=choice.think_time_s,
-    )
     requests = synthetic_workload(spec, rng, poisson_arrivals(rng, choice.rate_rps or 1.0))
     if spec.name != "mix":
         return list(requests)

@@ -9,6 +9,7 @@ import pytest
 
 from isocost.bench import BenchOptions, EndpointError, WorkloadSpec, build_workload, normalize_url
 from isocost.core.errors import ConfigError
+from isocost.workload import SyntheticSpec
 
 TRACES = Path(__file__).resolve().parents[2] / "fixtures" / "traces"
 
@@ -30,11 +31,12 @@ def test_rate_replaces_trace_times_and_lengths_only_traces_need_it() -> None:
 
 
 def test_synthetic_workloads_are_seeded() -> None:
-    spec = WorkloadSpec(workload="mix", rate_rps=3.0, seed=4)
+    spec = WorkloadSpec(synthetic=SyntheticSpec("mix"), rate_rps=3.0, seed=4)
     first = list(itertools.islice(build_workload(spec, closed_loop=False), 20))
     again = list(itertools.islice(build_workload(spec, closed_loop=False), 20))
     assert first == again
-    sessions = list(build_workload(WorkloadSpec(workload="multi-turn", sessions=2, turns=3), True))
+    multi_turn = SyntheticSpec("multi-turn", sessions=2, turns=3)
+    sessions = list(build_workload(WorkloadSpec(synthetic=multi_turn), True))
     assert len(sessions) == 6 and {r.session_id for r in sessions} == {"session-0", "session-1"}
 
 
@@ -42,8 +44,8 @@ def test_synthetic_workloads_are_seeded() -> None:
     ("spec", "message"),
     [
         (WorkloadSpec(), "exactly one of --trace and --workload"),
-        (WorkloadSpec(trace="t.jsonl", workload="mix"), "exactly one of"),
-        (WorkloadSpec(workload="mix"), "needs --rate or --concurrency"),
+        (WorkloadSpec(trace="t.jsonl", synthetic=SyntheticSpec("mix")), "exactly one of"),
+        (WorkloadSpec(synthetic=SyntheticSpec("mix")), "needs --rate or --concurrency"),
         (WorkloadSpec(trace="/no/such/trace.jsonl"), "no such file"),
     ],
 )
