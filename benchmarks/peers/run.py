@@ -39,7 +39,6 @@ the rows of one run, not runs across machines.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import os
@@ -58,18 +57,14 @@ from typing import Any, Literal
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
-from rich.live import Live
 from rich.table import Table
 
 from isocost.bench import (
     BenchOptions,
-    BenchProgress,
-    BenchResult,
     BenchSummary,
     WorkloadSpec,
     build_workload,
-    live_table,
-    run_bench,
+    run_with_live_view,
 )
 from isocost.core.catalog import Catalog
 from isocost.core.costmodel import CostModel
@@ -250,19 +245,6 @@ def replica_counters(url: str) -> tuple[int, float, float]:
     )
 
 
-async def replay(
-    url: str, spec: WorkloadSpec, options: BenchOptions, console: Console
-) -> BenchResult:
-    progress = BenchProgress()
-    with Live(
-        get_renderable=lambda: live_table(progress),
-        console=console,
-        refresh_per_second=2,
-        transient=True,
-    ):
-        return await run_bench(url, build_workload(spec, closed_loop=False), options, progress)
-
-
 def run_router(
     router: Router,
     settings: ClusterSettings,
@@ -290,7 +272,8 @@ def run_router(
     try:
         wait_router_ready(service, router, url, num_replicas)
         console.print(f"{router.label}: ready at {url}; replaying")
-        result = asyncio.run(replay(url, spec, options, console))
+        requests = build_workload(spec, closed_loop=False)
+        result, _ = run_with_live_view(url, requests, options, console)
         counters = [replica_counters(u) for u in urls]
     finally:
         for started in (service, engines):

@@ -4,7 +4,7 @@ Talks HTTP only, so it measures an engine, the gateway, vLLM or another router a
 ``run_bench`` from Python (the demo and drills do); the CLI wraps it with a live view.
 """
 
-from isocost.bench._main import bench_command, compare_command
+from isocost.bench._main import bench_command, compare_command, run_with_live_view
 from isocost.bench._records import BenchSummary, RequestRecord, meets_slo, summarize
 from isocost.bench._report import (
     compare_table,
@@ -43,6 +43,7 @@ __all__ = [
     "normalize_url",
     "plot_comparison",
     "run_bench",
+    "run_with_live_view",
     "summarize",
     "summary_table",
 ]

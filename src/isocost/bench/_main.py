@@ -23,7 +23,7 @@ from isocost.bench._workloads import WorkloadSpec, build_workload
 from isocost.core.errors import ConfigError
 from isocost.workload import WorkloadRequest
 
-__all__ = ["bench_command", "compare_command"]
+__all__ = ["bench_command", "compare_command", "run_with_live_view"]
 
 
 def bench_command(
@@ -39,14 +39,7 @@ def bench_command(
     if endless and options.max_requests is None and options.duration_s is None:
         raise ConfigError("bench", "--workload mix is endless: give --max-requests or --duration")
     requests = build_workload(spec, closed_loop=options.concurrency is not None)
-    progress = BenchProgress()
-    with Live(
-        get_renderable=lambda: live_table(progress),
-        console=console,
-        refresh_per_second=4,
-        transient=True,
-    ):
-        result, stopped = asyncio.run(_run_until_interrupted(url, requests, options, progress))
+    result, stopped = run_with_live_view(url, requests, options, console)
     if stopped:
         console.print("stopped by Ctrl-C: the summary covers the requests sent until then")
     console.print(summary_table(result.summary))
@@ -57,6 +50,20 @@ def bench_command(
     if json_path is not None:
         Path(json_path).write_bytes(msgspec.json.format(msgspec.json.encode(result.summary)))
     return result
+
+
+def run_with_live_view(
+    url: str, requests: Iterable[WorkloadRequest], options: BenchOptions, console: Console
+) -> tuple[BenchResult, bool]:
+    """``run_bench`` under a live progress table; the result, and whether Ctrl-C stopped it."""
+    progress = BenchProgress()
+    with Live(
+        get_renderable=lambda: live_table(progress),
+        console=console,
+        refresh_per_second=4,
+        transient=True,
+    ):
+        return asyncio.run(_run_until_interrupted(url, requests, options, progress))
 
 
 async def _run_until_interrupted(
