@@ -15,7 +15,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+from gateway_harness import gateway_config, http, wait_for
 from isocost_procs import ISOCOST, Proc, start_isocost
 
 MODEL = "llama-3.1-8b"
@@ -56,35 +57,20 @@ def write_config(
     keys: str = "",
     health: str = "",
 ) -> None:
-    """A gateway config for ``engine_urls`` (fast health checks, small body limit)."""
-    replicas = "\n".join(f"      - {{url: '{url}', {replica_fields}}}" for url in engine_urls)
+    """The suites' gateway config for ``engine_urls`` with this module's key, written."""
     path.write_text(
-        f"""
-policy: {policy}
-scrape_interval_ms: 100
-pools:
-  - model: {MODEL}
-    replicas:
-{replicas}
-limits:
-  max_body_bytes: {MAX_BODY_BYTES}
-  max_tokens: 4096
-  max_prompt_tokens: 8000
-  retry_backoff_ms: 5
-  body_timeout_ms: 1000
-{limits}
-health:
-  interval_ms: 100
-  timeout_ms: 500
-  open_ms: 300
-{health}
-auth:
-  admin_token: {ADMIN_TOKEN}
-  api_keys:
-    - name: team-a
-      key: {API_KEY}
-{keys}
-"""
+        gateway_config(
+            engine_urls,
+            model=MODEL,
+            admin_token=ADMIN_TOKEN,
+            api_key=API_KEY,
+            policy=policy,
+            replica_fields=replica_fields,
+            limits=limits,
+            health=health,
+            keys=keys,
+            max_body_bytes=MAX_BODY_BYTES,
+        )
     )
 
 
@@ -93,19 +79,6 @@ def start_gateway(config: Path, log_path: Path) -> Proc:
         return _start(
             ["serve", "--config", str(config), "--port", "0"], "isocost serve", stderr=log
         )
-
-
-def http(
-    method: str, url: str, body: bytes | None = None, headers: dict[str, str] | None = None
-) -> tuple[int, dict[str, str], Any]:
-    """One request; returns status, headers and the decoded JSON body."""
-    request = urllib.request.Request(url, data=body, method=method, headers=headers or {})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            status, got, raw = response.status, dict(response.headers), response.read()
-    except urllib.error.HTTPError as exc:
-        status, got, raw = exc.code, dict(exc.headers), exc.read()
-    return status, got, json.loads(raw) if raw else None
 
 
 def chat_body(content: str = "hello there", max_tokens: int = 8, **extra: Any) -> bytes:
@@ -128,15 +101,6 @@ def admin(gateway: Proc, method: str, path: str, body: Any = None) -> Any:
 
 def replica_rows(gateway: Proc) -> dict[str, dict[str, Any]]:
     return {row["url"]: row for row in admin(gateway, "GET", "/admin/replicas")["replicas"]}
-
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float = 20, what: str = "") -> None:
-    """Poll ``predicate`` every 50 ms until it holds; fail after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 @dataclass

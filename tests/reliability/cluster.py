@@ -8,15 +8,11 @@ after 20 s), so no process outlives a test.
 
 from __future__ import annotations
 
-import json
-import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gateway_harness import gateway_config, http
 from isocost_procs import Proc, start_isocost
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,34 +45,19 @@ def config_text(
     gpu: str = "a100-80g",
     idle_timeout_ms: int = 1500,
 ) -> str:
-    """Fast health checks, short timeouts, an admin token and one API key."""
-    replicas = "\n".join(f"      - {{url: '{url}', gpu: {gpu}}}" for url in engine_urls)
-    return f"""
-policy: {policy}
-scrape_interval_ms: 100
-pools:
-  - model: {MODEL}
-    replicas:
-{replicas}
-limits:
-  max_body_bytes: 65536
-  max_tokens: {max_tokens}
-  max_prompt_tokens: 8000
-  retry_backoff_ms: 5
-  body_timeout_ms: 1000
-  idle_timeout_ms: {idle_timeout_ms}
-{limits}
-health:
-  interval_ms: 100
-  timeout_ms: 300
-  open_ms: 300
-auth:
-  admin_token: {ADMIN_TOKEN}
-  api_keys:
-    - name: team-a
-      key: {API_KEY}
-{keys}
-"""
+    """The suites' gateway config with this suite's key, short idle timeout and GPU."""
+    return gateway_config(
+        engine_urls,
+        model=MODEL,
+        admin_token=ADMIN_TOKEN,
+        api_key=API_KEY,
+        policy=policy,
+        replica_fields=f"gpu: {gpu}",
+        limits=f"  idle_timeout_ms: {idle_timeout_ms}\n{limits}",
+        keys=keys,
+        max_tokens=max_tokens,
+        health_timeout_ms=300,
+    )
 
 
 @dataclass
@@ -135,36 +116,10 @@ def start_cluster(
     return Cluster(engines, gateway, config, log)
 
 
-def http(
-    method: str,
-    url: str,
-    body: bytes | None = None,
-    headers: dict[str, str] | None = None,
-    timeout_s: float = 30,
-) -> tuple[int, dict[str, str], Any]:
-    """One request; status, headers and the JSON body (None when empty)."""
-    request = urllib.request.Request(url, data=body, method=method, headers=headers or {})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            status, got, raw = response.status, dict(response.headers), response.read()
-    except urllib.error.HTTPError as exc:
-        status, got, raw = exc.code, dict(exc.headers), exc.read()
-    return status, got, json.loads(raw) if raw else None
-
-
 def replica_rows(gateway: Proc) -> dict[str, dict[str, Any]]:
     status, _, body = http("GET", gateway.url + "/admin/replicas", headers=ADMIN)
     assert status == 200, body
     return {row["url"]: row for row in body["replicas"]}
-
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float = 20, what: str = "") -> None:
-    """Poll ``predicate`` every 50 ms until it holds; fail after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def rss_bytes(pid: int) -> int:

@@ -29,8 +29,8 @@ from cluster import (
     http,
     replica_rows,
     start_cluster,
-    wait_for,
 )
+from gateway_harness import wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -1,0 +1,89 @@
+"""What the HTTP test suites share around ``isocost serve``: its config, one request, a poll.
+
+``gateway_config``: fast health checks and short timeouts (a test notices a dead replica
+in well under a second), a small body limit, an admin token and one API key (``team-a``).
+Suites add their own lines: per-replica fields, more ``limits``, ``health`` and
+``api_keys`` entries.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+def gateway_config(
+    engine_urls: Sequence[str],
+    *,
+    model: str,
+    admin_token: str,
+    api_key: str,
+    policy: str = "equal_cost",
+    replica_fields: str = "",
+    limits: str = "",
+    health: str = "",
+    keys: str = "",
+    max_body_bytes: int = 64 * 1024,
+    max_tokens: int = 4096,
+    health_timeout_ms: int = 500,
+) -> str:
+    """YAML for one pool of ``model`` over ``engine_urls``; the extra strings are indented
+    lines appended to their sections (``replica_fields``: ``key: value, ...`` per replica)."""
+    fields = f", {replica_fields}" if replica_fields else ""
+    replicas = "\n".join(f"      - {{url: '{url}'{fields}}}" for url in engine_urls)
+    return f"""
+policy: {policy}
+scrape_interval_ms: 100
+pools:
+  - model: {model}
+    replicas:
+{replicas}
+limits:
+  max_body_bytes: {max_body_bytes}
+  max_tokens: {max_tokens}
+  max_prompt_tokens: 8000
+  retry_backoff_ms: 5
+  body_timeout_ms: 1000
+{limits}
+health:
+  interval_ms: 100
+  timeout_ms: {health_timeout_ms}
+  open_ms: 300
+{health}
+auth:
+  admin_token: {admin_token}
+  api_keys:
+    - name: team-a
+      key: {api_key}
+{keys}
+"""
+
+
+def http(
+    method: str,
+    url: str,
+    body: bytes | None = None,
+    headers: dict[str, str] | None = None,
+    timeout_s: float = 30,
+) -> tuple[int, dict[str, str], Any]:
+    """One request; status, headers and the JSON body (None when empty)."""
+    request = urllib.request.Request(url, data=body, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            status, got, raw = response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as exc:
+        status, got, raw = exc.code, dict(exc.headers), exc.read()
+    return status, got, json.loads(raw) if raw else None
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float = 20, what: str = "") -> None:
+    """Poll ``predicate`` every 50 ms until it holds; fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
