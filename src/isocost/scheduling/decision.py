@@ -47,7 +47,7 @@ class Explanation:
     clamped [0, 1] values each scorer returned, ``total`` their weighted sum.
     """
 
-    replica_ids: tuple[str, ...]
+    replica_ids: npt.NDArray[np.object_]  # of str
     scores: Mapping[str, npt.NDArray[np.float64]]
     weights: Mapping[str, float]
     total: npt.NDArray[np.float64]
@@ -58,7 +58,7 @@ class Explanation:
         order = np.argsort(-self.total, kind="stable")[:n]
         rows: list[dict[str, float | str]] = []
         for i in order:
-            row: dict[str, float | str] = {"replica_id": self.replica_ids[i]}
+            row: dict[str, float | str] = {"replica_id": str(self.replica_ids[i])}
             for name, values in self.scores.items():
                 row[name] = float(values[i])
             row["total"] = float(self.total[i])

@@ -47,7 +47,7 @@ import numpy as np
 import numpy.typing as npt
 
 from isocost.scheduling.decision import Decision, Explanation, Outcome, RejectReason
-from isocost.scheduling.predict import IndexArray, Load, Prediction, predict
+from isocost.scheduling.predict import IndexArray, Load, Prediction, SlotKey, predict
 from isocost.scheduling.routes import RouteTable
 from isocost.scheduling.state import InFlight, ReplicaSet, RequestView, stable_hash64
 from isocost.scheduling.timing import FloatArray
@@ -76,6 +76,7 @@ class Context:
         "_request_hash",
         "expected_output_tokens",
         "idx",
+        "key",
         "now",
         "replicas",
         "request",
@@ -97,6 +98,7 @@ class Context:
         self.now = now
         self.rng = rng
         self.idx = idx  # candidate slots, ascending
+        self.key = _slot_key(idx)  # the same slots, to read arrays with
         self.route_class = route_class
         self.expected_output_tokens = replicas.estimator.expected_tokens(
             request.model, route_class, request.max_tokens
@@ -108,7 +110,10 @@ class Context:
 
     def narrow(self, keep: BoolArray) -> None:
         """Keep only the candidates where ``keep`` is true (derived arrays follow)."""
+        if keep.all():
+            return
         self.idx = self.idx[keep]
+        self.key = _slot_key(self.idx)
         if self._load is not None:
             self._load = _take(self._load, keep)
         if self._cached is not None:
@@ -119,7 +124,7 @@ class Context:
     @property
     def load(self) -> Load:
         if self._load is None:
-            self._load = self.replicas.load(self.now, self.idx)
+            self._load = self.replicas.load(self.now, self.key)
         return self._load
 
     @property
@@ -130,7 +135,7 @@ class Context:
             slots, matched = replicas.prefix.match(self.request.block_hashes)
             blocks = np.zeros(replicas.capacity)
             blocks[slots] = matched
-            self._cached = blocks[self.idx]
+            self._cached = blocks[self.key]
         return self._cached
 
     @property
@@ -154,15 +159,16 @@ class Context:
     @property
     def prediction(self) -> Prediction:
         if self._prediction is None:
-            r, idx = self.replicas, self.idx
+            r, key = self.replicas, self.key
             self._prediction = predict(
                 r.coef,
+                key,
                 self.load,
                 self.request.prompt_tokens,
                 self.cached_tokens,
                 self.expected_output_tokens,
-                r.ttft_factor[idx],
-                r.itl_factor[idx],
+                r.ttft_factor[key],
+                r.itl_factor[key],
             )
         return self._prediction
 
@@ -305,7 +311,7 @@ class Policy:
         ctx = Context(
             request, replicas, now, self.rng, np.flatnonzero(eligible).astype(np.int64), route.name
         )
-        ctx.narrow(replicas.waiting(now, ctx.idx) < replicas.max_queue[ctx.idx])
+        ctx.narrow(replicas.waiting(now, ctx.key) < replicas.max_queue[ctx.key])
         if ctx.idx.size == 0:
             return Decision(Outcome.QUEUE, self.name, route_class=route.name)
         for plugin in self.filters:
@@ -352,7 +358,7 @@ class Policy:
         ttft_s, e2e_s = chosen_times.corrected(
             float(replicas.ttft_factor[slot]), float(replicas.itl_factor[slot])
         )
-        ids = replicas.ids[ctx.idx]
+        ids = replicas.ids[ctx.key].copy()  # a copy: the set may reuse a slot later
         return Decision(
             Outcome.ADMIT,
             self.name,
@@ -362,7 +368,7 @@ class Policy:
             predicted_e2e_s=e2e_s,
             predicted_output_tokens=ctx.expected_output_tokens,
             cached_tokens=cached_tokens,
-            explanation=Explanation(tuple(ids.tolist()), scores, weights, total, notes),
+            explanation=Explanation(ids, scores, weights, total, notes),
             raw_times=chosen_times,
         )
 
@@ -371,6 +377,14 @@ class Policy:
         return Decision(
             Outcome.REJECT, self.name, reason=reason, retry_after_s=retry, route_class=route_class
         )
+
+
+def _slot_key(idx: IndexArray) -> SlotKey:
+    """``idx`` as a slice when it is one contiguous run of slots (the usual case: every
+    replica eligible), so that reading arrays gives views instead of gathered copies."""
+    if idx.size and int(idx[-1]) - int(idx[0]) + 1 == idx.size:
+        return slice(int(idx[0]), int(idx[-1]) + 1)
+    return idx
 
 
 _T = TypeVar("_T", Load, Prediction)

@@ -26,7 +26,7 @@ SLO admission checks against the request's TPOT target as well as its own ``tpot
 ``kv_wait`` is the time for running requests to free the KV tokens the prompt lacks:
 running requests free their ``K`` tokens over their mean remaining time
 ``mean_remaining_s = (R / b) * T_step(b, K)`` (``R`` = their remaining decode tokens).
-``predict`` is vectorised over the replica slots in ``idx``; ``predict_one`` evaluates the same
+``predict`` is vectorised over the replica slots in ``key``; ``predict_one`` evaluates the same
 formulas (``_times``) on Python floats for one replica (the chosen one), where numpy's
 per-call overhead would dominate.
 """
@@ -48,18 +48,21 @@ from isocost.scheduling.timing import (
     prefill_s,
 )
 
-__all__ = ["DUTY_TAU_S", "Load", "Prediction", "RawTimes", "predict", "predict_one"]
+__all__ = ["DUTY_TAU_S", "Load", "Prediction", "RawTimes", "SlotKey", "predict", "predict_one"]
 
 IndexArray = npt.NDArray[np.int64]
+# Which slots to read: an index array, or a slice when they are one contiguous run (basic
+# indexing gives views, where gathering a thousand slots through an array copies them).
+SlotKey = IndexArray | slice
 _MAX_DUTY = 0.9  # a replica prefilling more than this is priced as if at this share
 DUTY_TAU_S = 10.0  # memory of the prefill duty: about one reply's decode
 
 
 @dataclass(frozen=True, slots=True)
 class Load:
-    """Effective load of the replicas in ``idx``: local shadow state blended with scrapes."""
+    """Effective load of some replicas (the slots it was read for): local shadow state
+    blended with scrapes."""
 
-    idx: IndexArray
     waiting: FloatArray  # requests queued for prefill
     running: FloatArray  # sequences decoding
     queued_prefill_tokens: FloatArray
@@ -83,7 +86,7 @@ class Load:
 
 @dataclass(frozen=True, slots=True)
 class Prediction:
-    """Per-replica predicted times for one request, in seconds (aligned with ``Load.idx``)."""
+    """Per-replica predicted times for one request, in seconds (aligned with its ``Load``)."""
 
     wait_s: FloatArray
     prefill_s: FloatArray
@@ -153,6 +156,7 @@ def predict_one(
 
 def predict(
     coef: CoefficientArrays,
+    key: SlotKey,
     load: Load,
     prompt_tokens: float,
     cached_tokens: FloatArray,
@@ -160,15 +164,15 @@ def predict(
     ttft_factor: FloatArray,
     itl_factor: FloatArray,
 ) -> Prediction:
-    """The module formulas for every replica of ``load`` (``cached_tokens`` aligned to it)."""
-    idx = load.idx
+    """The module formulas for the slots ``key`` whose ``load`` is given (``cached_tokens``
+    and the factors aligned to it)."""
     n, m = float(prompt_tokens), float(output_tokens)
 
     def pre(new: Any, cached: Any) -> FloatArray:
-        return prefill_s(coef, new, cached, idx)
+        return prefill_s(coef, new, cached, key)
 
     def step(batch: Any, context: Any) -> FloatArray:
-        return decode_step_s(coef, batch, context, idx)
+        return decode_step_s(coef, batch, context, key)
 
     wait, pre_s, own_step, base_step, stall, stall_after = _times(
         pre,

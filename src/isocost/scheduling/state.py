@@ -79,7 +79,7 @@ from isocost.core.costmodel import CostModel
 from isocost.core.errors import UnknownEntryError
 from isocost.prefix.index import PrefixIndex
 from isocost.scheduling.estimate import OutputLengthEstimator
-from isocost.scheduling.predict import DUTY_TAU_S, IndexArray, Load, RawTimes
+from isocost.scheduling.predict import DUTY_TAU_S, IndexArray, Load, RawTimes, SlotKey
 from isocost.scheduling.predict import predict_one as _predict_one
 from isocost.scheduling.timing import CoefficientArrays, FloatArray, StepCoefficients
 
@@ -682,28 +682,28 @@ class ReplicaSet:
 
     # -- derived load ----------------------------------------------------------------
 
-    def freshness(self, now: float, idx: IndexArray | int) -> FloatArray:
+    def freshness(self, now: float, key: SlotKey | int) -> FloatArray:
         """Weight of each slot's latest scrape: ``exp(-age / staleness_tau_s)``, 0 if none."""
-        age = np.maximum(now - self.scrape_s[idx], 0.0)
+        age = np.maximum(now - self.scrape_s[key], 0.0)
         return np.asarray(np.exp(-age / self.staleness_tau_s), dtype=np.float64)
 
-    def waiting(self, now: float, idx: IndexArray) -> FloatArray:
-        """Effective waiting requests of the slots ``idx`` (the queue-cap test)."""
-        fresh = self.freshness(now, idx)
-        return np.asarray(self.local_waiting[idx] + fresh * self.foreign_waiting[idx])
+    def waiting(self, now: float, key: SlotKey) -> FloatArray:
+        """Effective waiting requests of the slots ``key`` (the queue-cap test)."""
+        fresh = self.freshness(now, key)
+        return np.asarray(self.local_waiting[key] + fresh * self.foreign_waiting[key])
 
-    def load(self, now: float, idx: IndexArray) -> Load:
-        """Effective load of the slots ``idx`` at ``now`` (local state plus fresh scrapes)."""
-        return Load(idx, *self._effective(now, idx, np.maximum))
+    def load(self, now: float, key: SlotKey) -> Load:
+        """Effective load of the slots ``key`` at ``now`` (local state plus fresh scrapes)."""
+        return Load(*self._effective(now, key, np.maximum))
 
-    def ttft_factor_at(self, now: float, idx: IndexArray) -> FloatArray:
-        """``ttft_factor`` of the slots ``idx``, raised to what waiting already proves: the
+    def ttft_factor_at(self, now: float, key: SlotKey) -> FloatArray:
+        """``ttft_factor`` of the slots ``key``, raised to what waiting already proves: the
         oldest request still awaiting its first token has taken (now - dispatch) / predicted
         times its uncorrected prediction at least. A replica that slowed down is seen before
         it answers, instead of looking cheap (and collecting a burst) until it does."""
-        overdue = (now - self.awaiting_since_s[idx]) / self.awaiting_ttft_s[idx]
+        overdue = (now - self.awaiting_since_s[key]) / self.awaiting_ttft_s[key]
         return np.asarray(
-            np.maximum(self.ttft_factor[idx], np.minimum(overdue, _FACTOR_MAX)), dtype=np.float64
+            np.maximum(self.ttft_factor[key], np.minimum(overdue, _FACTOR_MAX)), dtype=np.float64
         )
 
     def predict_one(
@@ -719,9 +719,9 @@ class ReplicaSet:
         return _predict_one(coefficients, load, prompt_tokens, cached_tokens, output_tokens)
 
     def _effective(
-        self, now: float, key: IndexArray | int, maximum: Callable[[Any, Any], Any]
+        self, now: float, key: SlotKey | int, maximum: Callable[[Any, Any], Any]
     ) -> tuple[Any, Any, Any, Any, Any, Any, Any, Any]:
-        """``Load``'s fields but ``idx``, for the slots ``key`` (arrays) or one slot (floats)."""
+        """``Load``'s fields for the slots ``key`` (arrays) or one slot (floats)."""
         fresh = self.freshness(now, key)
         foreign_waiting = fresh * self.foreign_waiting[key]
         foreign_running = fresh * self.foreign_running[key]
@@ -739,7 +739,7 @@ class ReplicaSet:
             self.prefill_duty(now, key),
         )
 
-    def prefill_duty(self, now: float, key: IndexArray | int) -> Any:
+    def prefill_duty(self, now: float, key: SlotKey | int) -> Any:
         """Share of time the slots ``key`` will spend prefilling, from what was recently
         dispatched to them: predicted prefill seconds, decayed over ``DUTY_TAU_S``."""
         age = now - self.prefill_busy_at_s[key]

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from isocost.scheduling.policies import build_policy
-from isocost.scheduling.predict import predict
+from isocost.scheduling.predict import Prediction, SlotKey, predict
 from isocost.scheduling.state import EngineMetrics, ReplicaSet, ReplicaSpec, RequestView
 from isocost.scheduling.timing import StepCoefficients
 
@@ -167,15 +167,18 @@ def test_one_replica_prediction_is_bit_identical_to_the_vector_one(
     replicas.apply_scrape("r1", EngineMetrics(scrape[0], scrape[1], scrape[2]), 1.0)
     now = 1.0 + scrape_age_s
     idx = np.arange(3, dtype=np.int64)
-    vector = predict(
-        replicas.coef,
-        replicas.load(now, idx),
-        prompt,
-        np.full(3, float(cached)),
-        output,
-        np.ones(3),
-        np.ones(3),
-    )
+
+    def predict_for(key: SlotKey) -> Prediction:
+        load = replicas.load(now, key)
+        ones = np.ones(3)
+        return predict(
+            replicas.coef, key, load, prompt, np.full(3, float(cached)), output, ones, ones
+        )
+
+    vector = predict_for(idx)
+    as_slice = predict_for(slice(0, 3))  # a contiguous run is read through views
+    for field in ("wait_s", "prefill_s", "ttft_s", "tpot_s", "others_tpot_s", "decode_s"):
+        assert np.array_equal(getattr(as_slice, field), getattr(vector, field))
     for slot in range(3):
         one = replicas.predict_one(slot, now, prompt, cached, output)
         assert one.wait_s == vector.wait_s[slot]

@@ -98,11 +98,11 @@ class EqualCostScorer:
 
     def cost_s(self, ctx: Context) -> FloatArray:
         """``cost_r`` of the module docstring for every candidate, in seconds."""
-        p, replicas, idx = self.params, ctx.replicas, ctx.idx
+        p, replicas, key = self.params, ctx.replicas, ctx.key
         load, pred = ctx.load, ctx.prediction
         n, m = float(ctx.request.prompt_tokens), pred.output_tokens
-        ttft_factor = replicas.ttft_factor_at(ctx.now, idx)
-        itl_factor = replicas.itl_factor[idx]
+        ttft_factor = replicas.ttft_factor_at(ctx.now, key)
+        itl_factor = replicas.itl_factor[key]
         wait, prefill = (
             ttft_factor * pred.uncorrected_wait_s,
             ttft_factor * pred.uncorrected_prefill_s,
@@ -113,15 +113,15 @@ class EqualCostScorer:
         shared_steps = np.minimum(m, load.remaining_decode_tokens / np.maximum(b, 1.0))
         delay = b * (prefill + itl_factor * shared_steps * (pred.step_s - pred.base_step_s))
         overflow = np.clip(load.kv_used_tokens + n + m - load.kv_capacity_tokens, 0.0, m)
-        preempt = ttft_factor * prefill_s(replicas.coef, overflow, 0.0, idx)
+        preempt = ttft_factor * prefill_s(replicas.coef, overflow, 0.0, key)
         cost = own + p.lambda_delay * delay + preempt
         if p.gpu_price_weight > 0.0:
             busy_r = np.minimum(np.maximum(load.kv_usage, wait / p.busy_wait_s), 1.0)
-            usd = replicas.usd_per_hour[idx]
+            usd = replicas.usd_per_hour[key]
             occupy = prefill + itl_factor * m * dstep
             mean_usd = float(usd.mean()) or 1.0
             cost = cost + p.gpu_price_weight * float(busy_r.mean()) * occupy * usd / mean_usd
-        return np.asarray(cost / replicas.weight[idx], dtype=np.float64)
+        return np.asarray(cost / replicas.weight[key], dtype=np.float64)
 
     def score(self, ctx: Context) -> FloatArray:
         p = self.params
@@ -135,7 +135,7 @@ class EqualCostScorer:
 
     def _apply_affinity(self, ctx: Context, cost: FloatArray) -> FloatArray:
         p, replicas, idx, load = self.params, ctx.replicas, ctx.idx, ctx.load
-        weights = rendezvous(replicas.salt[idx], session_hash(ctx))
+        weights = rendezvous(replicas.salt[ctx.key], session_hash(ctx))
         k = min(p.affinity_replicas, idx.size)
         preferred = np.argpartition(weights, idx.size - k)[idx.size - k :]
         fine = (

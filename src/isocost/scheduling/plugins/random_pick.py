@@ -26,7 +26,7 @@ class RandomPicker:
         del params
 
     def pick(self, ctx: Context, total: FloatArray) -> int:
-        weights = ctx.replicas.weight[ctx.idx].tolist()
+        weights = ctx.replicas.weight[ctx.key].tolist()
         cumulative = list(accumulate(weights))
         point = ctx.rng.random() * cumulative[-1]
         return min(bisect.bisect_right(cumulative, point), len(cumulative) - 1)

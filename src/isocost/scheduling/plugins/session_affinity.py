@@ -35,7 +35,7 @@ class SessionAffinityScorer:
         del params
 
     def score(self, ctx: Context) -> FloatArray:
-        weights = rendezvous(ctx.replicas.salt[ctx.idx], session_hash(ctx))
+        weights = rendezvous(ctx.replicas.salt[ctx.key], session_hash(ctx))
         scores = np.zeros(ctx.idx.size)
         scores[int(np.argmax(weights))] = 1.0
         return scores

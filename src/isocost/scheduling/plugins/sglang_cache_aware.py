@@ -58,8 +58,8 @@ class SglangCacheAwareScorer:
             raise ValueError("cache_threshold must be in [0, 1]")
 
     def score(self, ctx: Context) -> FloatArray:
-        p, replicas, idx = self.params, ctx.replicas, ctx.idx
-        load = replicas.local_waiting[idx] + replicas.local_running[idx]
+        p, replicas, key = self.params, ctx.replicas, ctx.key
+        load = replicas.local_waiting[key] + replicas.local_running[key]
         low, high = float(load.min()), float(load.max())
         if high - low > p.balance_abs_threshold and high > p.balance_rel_threshold * low:
             return np.asarray(load == low, dtype=np.float64)
@@ -68,5 +68,5 @@ class SglangCacheAwareScorer:
         best = float(matched.max()) if total_blocks else 0.0
         if total_blocks and best / total_blocks > p.cache_threshold:
             return np.asarray(matched == best, dtype=np.float64)
-        tree_blocks = replicas.prefix.block_counts[idx]
+        tree_blocks = replicas.prefix.block_counts[key]
         return np.asarray(tree_blocks == tree_blocks.min(), dtype=np.float64)
