@@ -2,7 +2,9 @@
 
 ``Policy.schedule(request, replicas, now)`` runs one fixed pipeline over the replica slots
 of a ``ReplicaSet``, vectorised (every plugin sees and returns numpy arrays aligned with
-the candidate slots ``ctx.idx``):
+the candidate slots ``ctx.idx``, and reads per-replica arrays through ``ctx.key``, a slice
+when the candidates are one contiguous run of slots, as they are when every replica is
+eligible, so that reading is a view rather than a copy):
 
 1. Eligibility, enforced by the engine for every policy: the replica is in the set, serves
    ``request.model``, belongs to the first route-class tier that has an available replica,
