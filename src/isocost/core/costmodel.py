@@ -27,6 +27,7 @@ per candidate replica per request.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 from isocost.core.errors import UnknownEntryError
@@ -37,6 +38,7 @@ __all__ = [
     "DTYPE_BYTES",
     "CostModel",
     "DecodeLines",
+    "DecodeSeries",
     "EngineLimits",
     "VramLedger",
     "dtype_bytes",
@@ -98,7 +100,8 @@ class DecodeLines:
 
     In a run of pure decode steps the batch stays fixed and ``C`` grows by ``batch_size``
     per step, so each side of the roofline is an arithmetic series and a whole run is
-    priced in O(1) (``run_time_s``) instead of one ``step_time_s`` call per step.
+    priced in O(1) (``run_time_s``, or ``series`` for many prices of one run) instead of
+    one ``step_time_s`` call per step.
     """
 
     batch_size: int
@@ -120,35 +123,62 @@ class DecodeLines:
 
     def run_time_s(self, context_tokens: int, steps: int) -> float:
         """``steps`` consecutive steps, the first at ``context_tokens``: the sum of
-        ``step_time_s(context_tokens + i * batch_size)`` for ``i < steps``.
+        ``step_time_s(context_tokens + i * batch_size)`` for ``i < steps``."""
+        return self.series(context_tokens).time_s(steps)
+
+    def series(self, context_tokens: int) -> DecodeSeries:
+        """The run whose first step is at ``context_tokens``, with the step where its lines
+        cross found once, so that each ``DecodeSeries.time_s`` is a few multiplications.
 
         The compute line minus the memory line is linear in the step index, so it changes
-        sign at most once: the steps before that index are priced on one line, the rest
-        on the other, each as an arithmetic series.
+        sign at most once: the steps before that index are priced on the first step's
+        line, the rest on the other.
         """
-        if steps <= 0:
-            return 0.0
-        batch = self.batch_size
         slope = self.compute_s_per_token - self.memory_s_per_token
         gap = self.compute_s - self.memory_s + slope * context_tokens  # at the first step
-        gap_per_step = slope * batch
-        split = steps  # the steps before ``split`` are on the first step's side
+        gap_per_step = slope * self.batch_size
+        crossing = _NEVER
         if gap_per_step != 0.0 and (gap >= 0.0) != (gap_per_step > 0.0):
-            split = min(max(math.ceil(-gap / gap_per_step), 0), steps)
+            crossing = max(math.ceil(-gap / gap_per_step), 0)
+        return DecodeSeries(self, context_tokens, crossing, gap >= 0.0)
+
+
+_NEVER = sys.maxsize  # a crossing step no run reaches
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeSeries:
+    """The steps of a ``DecodeLines`` run from ``context_tokens`` (``DecodeLines.series``):
+    the first ``crossing`` of them on the compute line when ``compute_first``, else on the
+    memory line, the rest on the other."""
+
+    lines: DecodeLines
+    context_tokens: int
+    crossing: int
+    compute_first: bool
+
+    def time_s(self, steps: int) -> float:
+        """The first ``steps`` steps: two arithmetic series, exact in integers up to the
+        last few multiplications."""
+        if steps <= 0:
+            return 0.0
+        lines = self.lines
+        context, batch = self.context_tokens, lines.batch_size
+        split = self.crossing if self.crossing < steps else steps
         rest = steps - split
         # total context over the steps before and from ``split``, exact in integers
-        head = split * context_tokens + batch * ((split - 1) * split // 2)
-        tail = rest * context_tokens + batch * ((split + steps - 1) * rest // 2)
-        if gap < 0.0:
+        head = split * context + batch * ((split - 1) * split // 2)
+        tail = rest * context + batch * ((split + steps - 1) * rest // 2)
+        if not self.compute_first:
             head, tail = tail, head
             split, rest = rest, split
         # now ``split`` steps and ``head`` tokens are on the compute line, the rest memory
         return (
-            split * self.compute_s
-            + self.compute_s_per_token * head
-            + rest * self.memory_s
-            + self.memory_s_per_token * tail
-            + self.fixed_s * steps
+            split * lines.compute_s
+            + lines.compute_s_per_token * head
+            + rest * lines.memory_s
+            + lines.memory_s_per_token * tail
+            + lines.fixed_s * steps
         )
 
 

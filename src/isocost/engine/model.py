@@ -72,9 +72,10 @@ that did not fit at the run's first step does not fit at any later one.
 from __future__ import annotations
 
 import math
+import sys
 from bisect import bisect_right
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from itertools import accumulate
 
 from isocost.core.costmodel import CostModel, DecodeLines
@@ -186,98 +187,114 @@ def _blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-@dataclass(frozen=True, slots=True)
 class _DecodeRun:
     """The run of identical pure-decode steps that starts at ``start_s``: step ``k`` of
     it (from 1) ends at ``end_s(k)``; at most ``max_steps`` steps, the last one before a
-    request's last token or a step that would lack a block."""
+    request's last token or a step that would lack a block.
 
-    start_s: float
-    context_tokens: int  # total context of the batch at the run's first step
-    max_steps: int
-    lines: DecodeLines
-    slowdown: float
-    rooms: tuple[int, ...]  # [r]: requests with r free slots in their last block
-    room_below: tuple[int, ...]  # [p]: requests with fewer than p free slots
+    Mutable and private to one model: ``advance`` moves its start past the steps applied,
+    in O(1), so that its times are always the closed form's from its latest start.
+    """
 
-    @classmethod
-    def of(
-        cls,
+    __slots__ = (
+        "_below",
+        "_last_end_s",
+        "_series",
+        "_skipped",
+        "_taken",
+        "context_tokens",
+        "lines",
+        "max_steps",
+        "slowdown",
+        "start_s",
+    )
+
+    def __init__(
+        self,
         start_s: float,
         context_tokens: int,
         max_steps: int,
         lines: DecodeLines,
         slowdown: float,
-        rooms: list[int],
-    ) -> _DecodeRun:
-        below = tuple(accumulate(rooms[:-1], initial=0))
-        return cls(start_s, context_tokens, max_steps, lines, slowdown, tuple(rooms), below)
+        below: tuple[int, ...],
+    ) -> None:
+        self.start_s = start_s
+        self.context_tokens = context_tokens
+        self.max_steps = max_steps
+        self.lines = lines
+        self.slowdown = slowdown
+        # [p]: requests with fewer than p free slots in their last block at the first step
+        # (of the run as found, before any ``advance``; ``_skipped`` steps ago)
+        self._below = below
+        self._skipped = self._taken = 0  # steps advanced past, blocks they took
+        self._series = lines.series(context_tokens)
+        self._last_end_s: float | None = None
 
     def end_s(self, steps: int) -> float:
-        return self.start_s + self.lines.run_time_s(self.context_tokens, steps) * self.slowdown
+        return self.start_s + self._series.time_s(steps) * self.slowdown
+
+    @property
+    def last_end_s(self) -> float:
+        """``end_s(max_steps)``, computed once."""
+        end = self._last_end_s
+        if end is None:
+            end = self._last_end_s = self.end_s(self.max_steps)
+        return end
+
+    def _blocks_by(self, steps: int) -> int:
+        """Blocks the batch takes in the first ``steps`` steps as found: a request with
+        ``r`` free slots takes one at step ``r + 1``, then one every ``block_size`` steps."""
+        below = self._below
+        rounds, rest = divmod(steps, len(below))
+        return rounds * self.lines.batch_size + below[rest]
 
     def new_blocks(self, steps: int) -> int:
-        """Blocks the batch takes in its first ``steps`` steps: a request with ``r`` free
-        slots takes one at step ``r + 1``, then one every ``block_size`` steps."""
-        rounds, rest = divmod(steps, len(self.rooms))
-        return rounds * self.lines.batch_size + self.room_below[rest]
+        """Blocks the batch takes in its next ``steps`` steps."""
+        return self._blocks_by(self._skipped + steps) - self._taken
 
-    def after(self, steps: int, end_s: float) -> _DecodeRun | None:
-        """The rest of the run once its first ``steps`` steps are done, at ``end_s``
-        (None if none is left): each request's free slots drop by ``steps``, modulo the
-        block size."""
+    def advance(self, steps: int, end_s: float) -> bool:
+        """Start the run after its first ``steps`` steps, which end at ``end_s``; False
+        when none is left."""
         if steps >= self.max_steps:
-            return None
-        shift = steps % len(self.rooms)
-        return _DecodeRun.of(
-            end_s,
-            self.context_tokens + steps * self.lines.batch_size,
-            self.max_steps - steps,
-            self.lines,
-            self.slowdown,
-            [*self.rooms[shift:], *self.rooms[:shift]],
-        )
+            return False
+        self.start_s = end_s
+        self.context_tokens += steps * self.lines.batch_size
+        self.max_steps -= steps
+        self._skipped += steps
+        self._taken = self._blocks_by(self._skipped)
+        self._series = self.lines.series(self.context_tokens)
+        self._last_end_s = None
+        return True
 
     def steps_by(self, t: float) -> tuple[int, float, float]:
         """``(k, end_s(k), end_s(k + 1))`` for the most steps ``k`` (<= ``max_steps``)
         that end by ``t`` (``t >= start_s``); the last is inf when ``k == max_steps``.
 
-        Steps only grow along a run, so ``k`` is at most the span over the first step's
-        price and at least the span over the k-th step's: the first guess is usually the
-        answer or one above it, and a bisection on ``end_s`` itself settles the rest, so
-        the answer is exact for the closed form.
+        ``end_s`` grows with ``k``, nearly in a straight line (steps of one batch cost
+        almost the same), so the search interpolates between two steps that bracket
+        ``t``: the first guess is usually the answer or one off, and bisection takes over
+        should interpolation be slow. The answer is exact for the closed form.
         """
-        lines, slowdown, span = self.lines, self.slowdown, t - self.start_s
-        last = self.max_steps
-        ratio = span / (lines.step_time_s(self.context_tokens) * slowdown)
-        high = last if ratio >= last else int(ratio) + 1
-        end_high = self.end_s(high)
-        if end_high <= t:
-            if high == last:
-                return high, end_high, math.inf
-            high, end_high = last, self.end_s(last)  # rounding fooled the guess
-            if end_high <= t:
-                return high, end_high, math.inf
-        low, end_low = 0, self.start_s
-        guess = high - 1  # the likely answer when step prices barely grow
-        for _ in range(2):
-            if guess <= low:
-                break
-            end_guess = self.end_s(guess)
+        start, slowdown, time_s = self.start_s, self.slowdown, self._series.time_s
+        if t <= start:
+            return 0, start, start + time_s(1) * slowdown
+        last, end_last = self.max_steps, self.last_end_s
+        if end_last <= t:
+            return last, end_last, math.inf
+        low, end_low, high, end_high = 0, start, last, end_last
+        tries = 0
+        while high - low > 1:  # end_s(low) <= t < end_s(high)
+            if tries < 3:
+                guess = low + int((t - end_low) / (end_high - end_low) * (high - low))
+                guess = low + 1 if guess <= low else high - 1 if guess >= high else guess
+            else:
+                guess = (low + high) // 2
+            tries += 1
+            end_guess = start + time_s(guess) * slowdown
             if end_guess <= t:
                 low, end_low = guess, end_guess
-                break
-            high, end_high = guess, end_guess
-            # the k-th step's price bounds the steps from below
-            last_context = self.context_tokens + (high - 1) * lines.batch_size
-            guess = int(span / (lines.step_time_s(last_context) * slowdown)) - 1
-        while high - low > 1:  # end_s(low) <= t < end_s(high)
-            mid = (low + high) // 2
-            end_mid = self.end_s(mid)
-            if end_mid <= t:
-                low, end_low = mid, end_mid
             else:
-                high, end_high = mid, end_mid
+                high, end_high = guess, end_guess
         return low, end_low, end_high
 
 
@@ -385,7 +402,7 @@ class EngineModel:
         if self._batch is None:
             return self._now_s if self._waiting else None
         run = self._run_ahead() if self._jump else None
-        return self._step_end_s if run is None else run.end_s(run.max_steps)
+        return self._step_end_s if run is None else run.last_end_s
 
     def observe(self, t: float) -> EngineObservation:
         """What a scrape at ``t`` would read after ``advance_to(t)``, leaving the model as
@@ -402,12 +419,11 @@ class EngineModel:
                 raise ValueError(f"advance_to({t}) first: a step starts at {self._now_s}")
         elif t >= self._step_end_s:
             run = self._run_ahead() if self._jump else None
-            steps = run.steps_by(t)[0] if run is not None else 0
-            if run is None or steps >= run.max_steps:
+            if run is None or t >= run.last_end_s:
                 raise ValueError(
                     f"advance_to({t}) first: the model is quiet only until {self.quiet_until()}"
                 )
-            return self._reading(run.new_blocks(steps + 1))
+            return self._reading(run.new_blocks(run.steps_by(t)[0] + 1))
         seen = self._seen
         if seen is None:
             seen = self._seen = self._reading(0)
@@ -675,51 +691,56 @@ class EngineModel:
         not one: someone prefills, is about to finish, or could be admitted."""
         running = self._running
         batch_size = len(running)
+        if not batch_size or batch_size > self.max_num_batched_tokens:
+            return None
         batch = self._batch
         if batch is not None:
             # the step in flight is the run's step 0: every running request decodes in it
-            if len(batch) != batch_size or any(n != 1 for _, n in batch):
+            # (the checks below find any that prefills in it)
+            if len(batch) != batch_size:
                 return None
             pending, start_s = 1, self._step_end_s
         else:
             pending, start_s = 0, self._now_s
-        if not batch_size or batch_size > self.max_num_batched_tokens:
-            return None
         block_size = self.block_size
         rooms = [0] * block_size
         context = 0
-        max_steps = None
+        max_steps = sys.maxsize
         for state in running:
+            spec = state.spec
             computed = state.num_computed_tokens
             outputs = state.num_output_tokens
             if (
-                state.spec.prompt_tokens + outputs - computed != 1
+                spec.prompt_tokens + outputs - computed != 1
                 or not outputs
-                or state.num_cached_blocks < len(state.spec.block_hashes)
+                or state.num_cached_blocks < len(spec.block_hashes)
             ):
                 return None  # prefilling, or a prompt block still to cache
             computed += pending
-            left = state.spec.max_output_tokens - outputs - pending - 1
-            if max_steps is None or left < max_steps:
+            left = spec.max_output_tokens - outputs - pending - 1
+            if left < max_steps:
                 max_steps = left
             context += computed
             rooms[state.num_blocks * block_size - computed] += 1
-        if max_steps is None or max_steps < 1:
+        if max_steps < 1:
             return None  # a request emits its last token in the next step
         if self._waiting and self._head_fits(batch_size):
             return None  # the next step admits someone
-        run = _DecodeRun.of(
-            start_s, context, max_steps, self._decode_lines(batch_size), self.slowdown, rooms
-        )
+        below = tuple(accumulate(rooms[:-1], initial=0))
         # the most steps whose blocks fit: q full rounds of one block each, then p steps
         free = self.pool.num_free
         rounds = free // batch_size
-        block_steps = (
-            rounds * block_size + bisect_right(run.room_below, free - rounds * batch_size) - 1
-        )
+        block_steps = rounds * block_size + bisect_right(below, free - rounds * batch_size) - 1
         if block_steps < 1:
             return None
-        return run if block_steps >= max_steps else replace(run, max_steps=block_steps)
+        return _DecodeRun(
+            start_s,
+            context,
+            min(max_steps, block_steps),
+            self._decode_lines(batch_size),
+            self.slowdown,
+            below,
+        )
 
     def _decode_lines(self, batch_size: int) -> DecodeLines:
         lines = self._lines.get(batch_size)
@@ -731,7 +752,6 @@ class EngineModel:
         """Apply, without events, the steps of ``run`` that end by ``t`` (after the step in
         flight when ``in_flight``: a step of the same batch that ends where ``run``
         starts); start the run's next step when it ends after ``t``."""
-        self._ahead_known = False
         self._seen = None
         counters = self.counters
         if in_flight:
@@ -742,16 +762,17 @@ class EngineModel:
         start_next = steps < run.max_steps
         done = steps + in_flight  # tokens each request gains
         block_size = self.block_size
-        batch: list[tuple[RequestState, int]] = []
-        for state in self._running:
-            computed = state.num_computed_tokens + done
-            state.num_computed_tokens = computed
-            state.num_output_tokens += done
-            if done:
+        running = self._running
+        if done:
+            for state in running:
+                computed = state.num_computed_tokens + done
+                state.num_computed_tokens = computed
+                state.num_output_tokens += done
                 state.last_token_s = now
-            state.num_blocks = -(-(computed + start_next) // block_size)
-            if start_next:
-                batch.append((state, 1))
+                state.num_blocks = -(-(computed + start_next) // block_size)
+        else:  # the run's first step starts now
+            for state in running:
+                state.num_blocks = -(-(state.num_computed_tokens + 1) // block_size)
         allocated = self.pool.allocate(run.new_blocks(steps + start_next))
         assert allocated, "a decode run outgrew the free blocks it was sized for"
         batch_size = run.lines.batch_size
@@ -766,11 +787,12 @@ class EngineModel:
         counters.busy_s += now - self._now_s
         self._now_s = now
         if start_next:
-            self._batch = batch
+            self._batch = [(state, 1) for state in running]
             self._step_start_s = now
             self._step_end_s = next_end
-            # what _decode_run would find after that step, in O(block_size)
-            self._ahead = run.after(steps + 1, next_end)
+            # what _decode_run would find after that step, in O(1)
+            self._ahead = run if run.advance(steps + 1, next_end) else None
             self._ahead_known = True
         else:
             self._batch = None
+            self._ahead_known = False
