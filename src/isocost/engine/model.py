@@ -40,8 +40,9 @@ Driving contract::
 * ``next_event_time()`` is the end of the step in flight, the clock itself when the
   engine is idle but has work (call ``advance_to`` to start the step), or ``None``.
 * ``quiet_until()`` is a time before which the model emits no event unless a request is
-  submitted or aborted: the end of the decode run ahead (see Jumps), else
-  ``next_event_time()``. A simulator wakes the model there, not at every step.
+  submitted or aborted: the end of the decode run ahead (see Jumps) or of the step that
+  closes it, else ``next_event_time()``. A simulator wakes the model there, not at every
+  step.
 * ``observe(t)`` reads, without changing the model, what ``advance_to(t)`` would leave in
   the scrape-visible gauges and counters (``EngineObservation``), for ``t`` from the clock
   up to ``quiet_until()``: a scraper calls it instead of advancing every replica.
@@ -56,9 +57,12 @@ K`` (``CostModel.decode_lines``) and ``k`` steps cost two arithmetic series: the
 step ``k`` is O(1), the number of steps ending by ``t`` a short search on it, and the
 blocks taken in ``k`` steps O(1) from a histogram of each request's free slots in its last
 block. The run's step that ends after ``t`` is started by the run itself, at the closed
-form's time, and the rest of the run is kept (derived in O(block_size)) until the model
-changes, so ``quiet_until`` is O(1) and ``observe`` O(log steps) and both say exactly
-where ``advance_to`` will stand.
+form's time, and the rest of the run is kept (moved past the steps done in O(1)) until
+the model changes, so ``quiet_until`` is O(1) and ``observe`` O(log steps) and both say
+exactly where ``advance_to`` will stand. When the run ends because a request is one token
+from its last, with blocks to spare, the step after it is known too (the same batch, no
+preemption, no admission) and the quiet time reaches its end, where that request
+finishes: a simulator wakes the model once per run, not twice.
 
 Times inside runs are the closed form's, so they agree with stepping one by one
 (``jump=False``) to about 1e-12 relative rather than bit for bit; tokens, events and their
@@ -198,7 +202,10 @@ class _DecodeRun:
 
     __slots__ = (
         "_below",
+        "_closing_cost",
+        "_closing_s",
         "_last_end_s",
+        "_quiet_end_s",
         "_series",
         "_skipped",
         "_taken",
@@ -217,6 +224,7 @@ class _DecodeRun:
         lines: DecodeLines,
         slowdown: float,
         below: tuple[int, ...],
+        closing_cost: CostModel | None,
     ) -> None:
         self.start_s = start_s
         self.context_tokens = context_tokens
@@ -228,7 +236,11 @@ class _DecodeRun:
         self._below = below
         self._skipped = self._taken = 0  # steps advanced past, blocks they took
         self._series = lines.series(context_tokens)
+        # prices the step after the run when that step surely starts (None: it may not)
+        self._closing_cost = closing_cost
+        self._closing_s: float | None = None  # its price, the same after any ``advance``
         self._last_end_s: float | None = None
+        self._quiet_end_s: float | None = None
 
     def end_s(self, steps: int) -> float:
         return self.start_s + self._series.time_s(steps) * self.slowdown
@@ -239,6 +251,32 @@ class _DecodeRun:
         end = self._last_end_s
         if end is None:
             end = self._last_end_s = self.end_s(self.max_steps)
+        return end
+
+    @property
+    def closes(self) -> bool:
+        """Whether the step after the run surely starts as the same batch's decode (no
+        preemption, no admission): the run ends a token before a request's last."""
+        return self._closing_cost is not None
+
+    @property
+    def quiet_end_s(self) -> float:
+        """Where the model's next event may be: the end of the step after the run when
+        it is the step in which a request emits its last token and nothing else can
+        happen (enough blocks, no admission), else the end of the run. Computed once."""
+        end = self._quiet_end_s
+        if end is None:
+            end = self.last_end_s
+            cost = self._closing_cost
+            if cost is not None:
+                closing = self._closing_s
+                if closing is None:
+                    batch = self.lines.batch_size
+                    context = self.context_tokens + self.max_steps * batch
+                    closing = cost.step_time_s(0, 0, batch, context) * self.slowdown
+                    self._closing_s = closing
+                end += closing
+            self._quiet_end_s = end
         return end
 
     def _blocks_by(self, steps: int) -> int:
@@ -263,7 +301,7 @@ class _DecodeRun:
         self._skipped += steps
         self._taken = self._blocks_by(self._skipped)
         self._series = self.lines.series(self.context_tokens)
-        self._last_end_s = None
+        self._last_end_s = self._quiet_end_s = None
         return True
 
     def steps_by(self, t: float) -> tuple[int, float, float]:
@@ -397,12 +435,14 @@ class EngineModel:
         no event (None when idle): a simulator wakes the model there, not at every step.
 
         The step in flight's end; with jumps, when a pure-decode run follows that step,
-        the end of the run's last step (the step after it may preempt at its start).
+        the end of the run's last step (the step after it may preempt at its start), or
+        of the step after it when that one surely starts and emits the run's first last
+        token (the run ran out of tokens with blocks to spare).
         """
         if self._batch is None:
             return self._now_s if self._waiting else None
         run = self._run_ahead() if self._jump else None
-        return self._step_end_s if run is None else run.last_end_s
+        return self._step_end_s if run is None else run.quiet_end_s
 
     def observe(self, t: float) -> EngineObservation:
         """What a scrape at ``t`` would read after ``advance_to(t)``, leaving the model as
@@ -419,7 +459,7 @@ class EngineModel:
                 raise ValueError(f"advance_to({t}) first: a step starts at {self._now_s}")
         elif t >= self._step_end_s:
             run = self._run_ahead() if self._jump else None
-            if run is None or t >= run.last_end_s:
+            if run is None or t >= run.quiet_end_s:
                 raise ValueError(
                     f"advance_to({t}) first: the model is quiet only until {self.quiet_until()}"
                 )
@@ -740,6 +780,7 @@ class EngineModel:
             self._decode_lines(batch_size),
             self.slowdown,
             below,
+            self.cost if block_steps > max_steps else None,
         )
 
     def _decode_lines(self, batch_size: int) -> DecodeLines:
@@ -751,7 +792,8 @@ class EngineModel:
     def _decode(self, run: _DecodeRun, t: float, in_flight: bool) -> None:
         """Apply, without events, the steps of ``run`` that end by ``t`` (after the step in
         flight when ``in_flight``: a step of the same batch that ends where ``run``
-        starts); start the run's next step when it ends after ``t``."""
+        starts); start the run's next step when it ends after ``t``, or the step after
+        the run when the run ``closes``."""
         self._seen = None
         counters = self.counters
         if in_flight:
@@ -760,6 +802,8 @@ class EngineModel:
             self._now_s = self._step_end_s
         steps, now, next_end = run.steps_by(t)
         start_next = steps < run.max_steps
+        if not start_next and run.closes:
+            start_next, next_end = True, run.quiet_end_s  # the step after the run
         done = steps + in_flight  # tokens each request gains
         block_size = self.block_size
         running = self._running
@@ -790,7 +834,8 @@ class EngineModel:
             self._batch = [(state, 1) for state in running]
             self._step_start_s = now
             self._step_end_s = next_end
-            # what _decode_run would find after that step, in O(1)
+            # what _decode_run would find after that step, in O(1) (none after the
+            # step after the run: a request emits its last token in it)
             self._ahead = run if run.advance(steps + 1, next_end) else None
             self._ahead_known = True
         else:
