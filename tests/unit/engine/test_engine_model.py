@@ -303,6 +303,31 @@ def test_observe_reads_what_advancing_would_without_advancing(num_blocks: int | 
     assert model.observe(quiet - 1e-9).kv_usage > before.kv_usage  # blocks grew on the way
 
 
+@pytest.mark.parametrize(
+    ("num_blocks", "first"),
+    [(None, Finished("b", 0.0, 50, 300, 0.0, 0.0)), (40, Preempted("b", 0.0))],
+)
+def test_the_quiet_time_is_the_next_event_whether_a_run_ends_on_tokens_or_blocks(
+    num_blocks: int | None, first: EngineEvent
+) -> None:
+    """With blocks to spare the run ends a token before ``b``'s last and the quiet time
+    reaches the end of the step that emits it; short of blocks it is the run's end, where
+    the next step preempts ``b``. Either way stepping one by one gets there too."""
+    model = _decoding(num_blocks)
+    quiet = model.quiet_until()
+    assert quiet is not None
+    assert model.advance_to(quiet - 1e-9) == []
+    events = model.advance_to(quiet)
+    assert [(type(e), e.request_id) for e in events] == [(type(first), first.request_id)]
+    assert events[0].time_s == quiet
+    stepped = EngineModel(_cost(), num_blocks=num_blocks, jump=False)
+    stepped.submit(_spec("a", list(range(40)), 500), 0.0)
+    stepped.submit(_spec("b", list(range(1000, 1050)), 300), 0.0)
+    events = [e for e in _drain(stepped) if not isinstance(e, FirstToken)]
+    assert (type(events[0]), events[0].request_id) == (type(first), first.request_id)
+    assert events[0].time_s == pytest.approx(quiet, rel=1e-12)
+
+
 def test_observe_refuses_times_outside_the_quiet_window() -> None:
     model = _decoding()
     quiet = model.quiet_until()
