@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from isocost.engine.kvcache import BlockPool
 
@@ -62,3 +64,119 @@ def test_a_block_held_twice_by_one_request_is_released_twice() -> None:
     assert pool.num_used == 1 and pool.match([8], 1) == (1, 0)
     pool.release([8], 0)
     assert pool.num_used == 0 and pool.match([7, 8], 2) == (2, 2)
+
+
+class _ListPool:
+    """The pool's contract spelled out with a plain list as the LRU of free cached blocks."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.uncached = num_blocks
+        self.num_blocks = num_blocks
+        self.refs: dict[int, int] = {}
+        self.free: list[int] = []  # least recently freed first
+
+    def match(self, hashes: list[int], max_blocks: int) -> tuple[int, int]:
+        hits = free_hits = 0
+        for block in hashes[:max_blocks]:
+            if block not in self.refs and block not in self.free:
+                break
+            hits += 1
+            free_hits += block in self.free
+        return hits, free_hits
+
+    def take(self, block: int) -> None:
+        """One more reference on a cached block."""
+        if block in self.free:
+            self.free.remove(block)
+        self.refs[block] = self.refs.get(block, 0) + 1
+
+    def allocate(self, num_blocks: int) -> bool:
+        if num_blocks > self.uncached + len(self.free):
+            return False
+        from_uncached = min(num_blocks, self.uncached)
+        self.uncached -= from_uncached
+        del self.free[: num_blocks - from_uncached]
+        return True
+
+    def commit(self, hashes: list[int]) -> None:
+        for block in hashes:
+            if block in self.refs or block in self.free:
+                self.uncached += 1  # its private copy is freed
+            self.take(block)
+
+    def release(self, hashes: list[int], num_private: int) -> None:
+        self.uncached += num_private
+        for block in reversed(hashes):
+            self.refs[block] -= 1
+            if not self.refs[block]:
+                del self.refs[block]
+                self.free.append(block)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.uncached - len(self.free)
+
+
+_pool_ops = st.lists(
+    st.tuples(
+        st.sampled_from(["admit"] * 3 + ["raw", "commit", "commit", "grow", "release"]),
+        st.one_of(  # a prompt as block ids: often one of a few that share prefixes
+            st.sampled_from([[0, 1, 2, 3], [0, 1, 2, 4], [0, 1], [3, 3, 1]]),
+            st.lists(st.integers(0, 4), min_size=1, max_size=7),
+        ),
+        st.integers(0, 3),  # which request, or how many blocks
+    ),
+    min_size=8,
+    max_size=60,
+)
+
+
+@settings(max_examples=300, derandomize=True)
+@given(ops=_pool_ops, num_blocks=st.integers(1, 24))
+def test_pool_agrees_with_a_plain_list_model(
+    ops: list[tuple[str, list[int], int]], num_blocks: int
+) -> None:
+    """Requests admitted, committed in chunks, grown and released in any interleaving,
+    sharing prefixes (chained ids) or repeating blocks (raw ids): every answer, count and
+    eviction is the model's."""
+    pool, model = BlockPool(num_blocks), _ListPool(num_blocks)
+    running: list[list[int]] = []  # per request: [cached, private, *chain]
+    seen: set[int] = set()
+    for op, prompt, k in ops:
+        if op in ("admit", "raw"):
+            chained = [hash(tuple(prompt[: i + 1])) for i in range(len(prompt))]
+            chain = prompt if op == "raw" else chained
+            seen.update(chain)
+            hits, free_hits = pool.match(chain, len(chain) - k % 2)
+            assert (hits, free_hits) == model.match(chain, len(chain) - k % 2)
+            need = len(chain) - hits + k
+            if need > pool.num_free - free_hits:
+                continue
+            pool.acquire(chain[:hits])
+            for block in chain[:hits]:
+                model.take(block)
+            assert pool.allocate(need) and model.allocate(need)
+            running.append([hits, need, *chain])
+        elif running:
+            request = running[k % len(running)]
+            cached, private, chain = request[0], request[1], request[2:]
+            if op == "commit":
+                full = min(cached + len(prompt), cached + private, len(chain))
+                pool.commit(chain[cached:full])
+                model.commit(chain[cached:full])
+                request[0], request[1] = full, private - (full - cached)
+            elif op == "grow":
+                grown = pool.allocate(k)
+                assert grown == model.allocate(k)
+                request[1] += k if grown else 0
+            else:
+                pool.release(chain[:cached], private)
+                model.release(chain[:cached], private)
+                running.remove(request)
+        assert (pool.num_free, pool.num_used) == (model.uncached + len(model.free), model.num_used)
+        assert {b for b in seen if pool.is_cached(b)} == set(model.refs) | set(model.free)
+    while model.free:  # what is left is evicted in LRU order, one block at a time
+        oldest = model.free[0]
+        assert pool.allocate(pool.num_free_uncached + 1) and model.allocate(model.uncached + 1)
+        assert not pool.is_cached(oldest)
+        assert all(map(pool.is_cached, model.free))
