@@ -279,16 +279,14 @@ class _DecodeRun:
             self._quiet_end_s = end
         return end
 
-    def _blocks_by(self, steps: int) -> int:
-        """Blocks the batch takes in the first ``steps`` steps as found: a request with
-        ``r`` free slots takes one at step ``r + 1``, then one every ``block_size`` steps."""
-        below = self._below
-        rounds, rest = divmod(steps, len(below))
-        return rounds * self.lines.batch_size + below[rest]
-
     def new_blocks(self, steps: int) -> int:
-        """Blocks the batch takes in its next ``steps`` steps."""
-        return self._blocks_by(self._skipped + steps) - self._taken
+        """Blocks the batch takes in its next ``steps`` steps: those it takes in its
+        first ``_skipped + steps`` steps as found, less those already taken. In the run as
+        found, a request with ``r`` free slots takes one at step ``r + 1``, then one every
+        ``block_size`` steps."""
+        below = self._below
+        rounds, rest = divmod(self._skipped + steps, len(below))
+        return rounds * self.lines.batch_size + below[rest] - self._taken
 
     def advance(self, steps: int, end_s: float) -> bool:
         """Start the run after its first ``steps`` steps, which end at ``end_s``; False
@@ -298,8 +296,8 @@ class _DecodeRun:
         self.start_s = end_s
         self.context_tokens += steps * self.lines.batch_size
         self.max_steps -= steps
+        self._taken += self.new_blocks(steps)
         self._skipped += steps
-        self._taken = self._blocks_by(self._skipped)
         self._series = self.lines.series(self.context_tokens)
         self._last_end_s = self._quiet_end_s = None
         return True
@@ -463,7 +461,7 @@ class EngineModel:
                 raise ValueError(
                     f"advance_to({t}) first: the model is quiet only until {self.quiet_until()}"
                 )
-            return self._reading(run.new_blocks(run.steps_by(t)[0] + 1))
+            return self._reading(run.new_blocks(run.steps_by(t)[0] + 1))  # the step at t
         seen = self._seen
         if seen is None:
             seen = self._seen = self._reading(0)
@@ -642,7 +640,8 @@ class EngineModel:
 
     def _finish_step(self, events: list[EngineEvent]) -> None:
         """Apply the step in flight at its end time: tokens, cached blocks, finishes."""
-        assert self._batch is not None
+        batch = self._batch
+        assert batch is not None
         if self._ahead is None:
             self._ahead_known = False  # a run computed for this step still holds after it
         self._seen = None
@@ -654,7 +653,7 @@ class EngineModel:
         finished = False
         gaps: dict[float, int] | None = {} if self._record_gaps else None
         generated = 0
-        for state, n in self._batch:
+        for state, n in batch:
             if state.aborted:
                 continue
             spec = state.spec
@@ -662,14 +661,14 @@ class EngineModel:
             state.num_computed_tokens = computed
             hashes = spec.block_hashes
             cached = state.num_cached_blocks
-            if cached < len(hashes):
+            if cached < len(hashes) and computed // block_size > cached:
                 full = min(computed // block_size, len(hashes))
-                if full > cached:
-                    self.pool.commit(hashes[cached:full])
-                    state.num_cached_blocks = full
-            if computed < spec.prompt_tokens + state.num_output_tokens:
+                self.pool.commit(hashes[cached:full])
+                state.num_cached_blocks = full
+            outputs = state.num_output_tokens
+            if computed < spec.prompt_tokens + outputs:
                 continue  # a prefill chunk that did not reach the end
-            state.num_output_tokens += 1
+            outputs = state.num_output_tokens = outputs + 1
             generated += 1
             if state.first_token_s is None:
                 state.first_token_s = t
@@ -679,7 +678,7 @@ class EngineModel:
                 gap = t - state.last_token_s
                 gaps[gap] = gaps.get(gap, 0) + 1
             state.last_token_s = t
-            if state.num_output_tokens >= spec.max_output_tokens:
+            if outputs >= spec.max_output_tokens:
                 state.finished_s = t
                 finished = True
                 self._release(state)
@@ -689,7 +688,7 @@ class EngineModel:
                         spec.request_id,
                         t,
                         spec.prompt_tokens,
-                        state.num_output_tokens,
+                        outputs,
                         state.first_token_s - state.arrival_s,
                         t - state.arrival_s,
                     )

@@ -106,6 +106,24 @@ def test_a_decode_run_sums_its_steps_whichever_line_comes_first(
             total += lines.step_time_s(context + 4 * steps)
 
 
+@pytest.mark.parametrize(
+    ("compute_s", "compute_per", "memory_s", "memory_per"),
+    [(1.0, 0.01, 2.0, 0.001), (2.0, 0.001, 1.0, 0.01), (1.0, 0.01, 2.0, 0.01)],
+)
+def test_a_series_prices_its_steps_on_the_larger_line_until_the_lines_cross(
+    compute_s: float, compute_per: float, memory_s: float, memory_per: float
+) -> None:
+    lines = DecodeLines(4, compute_s, compute_per, memory_s, memory_per, fixed_s=0.25)
+    for context in (0, 3, 100, 112, 400):
+        series = lines.series(context)
+        for step in range(80):
+            tokens = context + 4 * step
+            compute = compute_s + compute_per * tokens
+            memory = memory_s + memory_per * tokens
+            on_compute = series.compute_first == (step < series.crossing)
+            assert (compute >= memory - 1e-12) if on_compute else (memory >= compute - 1e-12)
+
+
 def test_single_request_timing_is_the_cost_model_step_by_step() -> None:
     cost = _cost()
     model = EngineModel(cost)
