@@ -112,9 +112,11 @@ class EqualCostScorer:
         own = wait + prefill + pred.decode_s
         shared_steps = np.minimum(m, load.remaining_decode_tokens / np.maximum(b, 1.0))
         delay = b * (prefill + itl_factor * shared_steps * (pred.step_s - pred.base_step_s))
-        overflow = np.clip(load.kv_used_tokens + n + m - load.kv_capacity_tokens, 0.0, m)
-        preempt = ttft_factor * prefill_s(replicas.coef, overflow, 0.0, key)
-        cost = own + p.lambda_delay * delay + preempt
+        cost = own + p.lambda_delay * delay
+        overflow = load.kv_used_tokens + n + m - load.kv_capacity_tokens
+        if (overflow > 0.0).any():  # KV pressure: priced only where there is some
+            overflow = np.minimum(np.maximum(overflow, 0.0), m)
+            cost = cost + ttft_factor * prefill_s(replicas.coef, overflow, 0.0, key)
         if p.gpu_price_weight > 0.0:
             busy_r = np.minimum(np.maximum(load.kv_usage, wait / p.busy_wait_s), 1.0)
             usd = replicas.usd_per_hour[key]
