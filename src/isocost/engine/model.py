@@ -640,8 +640,7 @@ class EngineModel:
 
     def _finish_step(self, events: list[EngineEvent]) -> None:
         """Apply the step in flight at its end time: tokens, cached blocks, finishes."""
-        batch = self._batch
-        assert batch is not None
+        assert self._batch is not None
         if self._ahead is None:
             self._ahead_known = False  # a run computed for this step still holds after it
         self._seen = None
@@ -653,7 +652,7 @@ class EngineModel:
         finished = False
         gaps: dict[float, int] | None = {} if self._record_gaps else None
         generated = 0
-        for state, n in batch:
+        for state, n in self._batch:
             if state.aborted:
                 continue
             spec = state.spec
@@ -661,14 +660,14 @@ class EngineModel:
             state.num_computed_tokens = computed
             hashes = spec.block_hashes
             cached = state.num_cached_blocks
-            if cached < len(hashes) and computed // block_size > cached:
+            if cached < len(hashes):
                 full = min(computed // block_size, len(hashes))
-                self.pool.commit(hashes[cached:full])
-                state.num_cached_blocks = full
-            outputs = state.num_output_tokens
-            if computed < spec.prompt_tokens + outputs:
+                if full > cached:
+                    self.pool.commit(hashes[cached:full])
+                    state.num_cached_blocks = full
+            if computed < spec.prompt_tokens + state.num_output_tokens:
                 continue  # a prefill chunk that did not reach the end
-            outputs = state.num_output_tokens = outputs + 1
+            state.num_output_tokens += 1
             generated += 1
             if state.first_token_s is None:
                 state.first_token_s = t
@@ -678,7 +677,7 @@ class EngineModel:
                 gap = t - state.last_token_s
                 gaps[gap] = gaps.get(gap, 0) + 1
             state.last_token_s = t
-            if outputs >= spec.max_output_tokens:
+            if state.num_output_tokens >= spec.max_output_tokens:
                 state.finished_s = t
                 finished = True
                 self._release(state)
@@ -688,7 +687,7 @@ class EngineModel:
                         spec.request_id,
                         t,
                         spec.prompt_tokens,
-                        outputs,
+                        state.num_output_tokens,
                         state.first_token_s - state.arrival_s,
                         t - state.arrival_s,
                     )
@@ -806,16 +805,13 @@ class EngineModel:
         done = steps + in_flight  # tokens each request gains
         block_size = self.block_size
         running = self._running
-        if done:
-            for state in running:
-                computed = state.num_computed_tokens + done
-                state.num_computed_tokens = computed
-                state.num_output_tokens += done
+        for state in running:
+            computed = state.num_computed_tokens + done
+            state.num_computed_tokens = computed
+            state.num_output_tokens += done
+            if done:
                 state.last_token_s = now
-                state.num_blocks = -(-(computed + start_next) // block_size)
-        else:  # the run's first step starts now
-            for state in running:
-                state.num_blocks = -(-(state.num_computed_tokens + 1) // block_size)
+            state.num_blocks = -(-(computed + start_next) // block_size)
         allocated = self.pool.allocate(run.new_blocks(steps + start_next))
         assert allocated, "a decode run outgrew the free blocks it was sized for"
         batch_size = run.lines.batch_size
