@@ -8,11 +8,15 @@ and one ``Policy`` per pool; it never scores replicas itself. For each attempt i
   (the first of them is the first token) and completion back through ``on_tokens`` and
   ``release`` (which calls ``on_complete``).
 * QUEUE: every eligible replica is at its queue cap; the request waits in the pool's
-  ``RequestQueue`` (priority, then deadline, then arrival) and is scheduled again, in that
-  order, when a replica frees a slot, comes back or a scrape shows room (late binding);
-  an admitted one wakes the next, so a freed burst of capacity drains the queue. It waits
-  until its deadline (429 ``deadline``) or ``limits.queue_timeout_ms`` (503); a full
-  queue refuses the least urgent request (429 ``queue_full``).
+  ``dispatch.Dispatcher`` (the simulator's discipline: priority, then deadline, then
+  arrival) and is scheduled again, in that order, when a replica frees a slot, comes back
+  or a scrape shows room (late binding); an admitted one passes the turn to the next, so a
+  freed burst of capacity drains the queue, and one that still finds every replica full
+  keeps its place. It waits until its deadline (429) or ``limits.queue_timeout_ms`` (503,
+  both ``queue_timeout``; 429 ``deadline`` when a wake finds its deadline passed); a full
+  queue refuses the least urgent request (429 ``queue_full``). The dispatcher binds the
+  request (``on_dispatch``) inside the wake and resolves the waiting attempt's future with
+  its ``Grant``; a client that leaves cancels that future, which leaves the queue at once.
 * REJECT: ``no_replica`` 404, ``unavailable``/``shed`` 503, ``deadline``/``queue_full``
   429, with ``Retry-After`` from the decision's ``retry_after_s``.
 
@@ -30,7 +34,7 @@ import math
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from random import Random
 from typing import Any
@@ -46,8 +50,8 @@ from isocost.gateway.config import GatewayConfig
 from isocost.gateway.errors import ApiError
 from isocost.gateway.metrics import GatewayMetrics
 from isocost.gateway.replicas import Pool, Replica
-from isocost.scheduling.admission import RequestQueue
-from isocost.scheduling.decision import Decision, Outcome, RejectReason
+from isocost.scheduling.decision import Decision, RejectReason
+from isocost.scheduling.dispatch import Dispatcher
 from isocost.scheduling.framework import Policy
 from isocost.scheduling.policies import SchedulingConfig, build_policy
 from isocost.scheduling.state import EngineMetrics, InFlight, ReplicaSet, ReplicaSpec, RequestView
@@ -62,6 +66,13 @@ _REJECT_STATUS = {
     RejectReason.SHED: 503,
     RejectReason.DEADLINE: 429,
     RejectReason.QUEUE_FULL: 429,
+}
+_REJECT_MESSAGE = {
+    RejectReason.NO_REPLICA: "no replica serves this model or route class",
+    RejectReason.UNAVAILABLE: "no healthy replica is available",
+    RejectReason.SHED: "too few replicas are available; shedding load",
+    RejectReason.DEADLINE: "the deadline cannot be met at the current load",
+    RejectReason.QUEUE_FULL: "the gateway queue is full",
 }
 
 
@@ -154,11 +165,13 @@ class Router:
         queue_size: int,
         queue_timeout_s: float,
         seed: int = 0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.catalog = catalog
         self.metrics = metrics
         self.on_idle = on_idle  # a removed replica's last request ended
         self.on_reject = on_reject  # counts a refusal by reason
+        self.clock = clock  # monotonic seconds, the clock of every ``now`` it is given
         self.replicas = ReplicaSet(block_tokens=BLOCK_TOKENS)
         self.block_tokens = BLOCK_TOKENS
         self.policies: dict[str, Policy] = {}  # by pool model
@@ -168,12 +181,31 @@ class Router:
         self._by_id: dict[str, Replica] = {}
         self._seed = seed
         self.scheduling = SchedulingConfig()
-        self.queue_size = queue_size
-        self.queue_timeout_s = queue_timeout_s
-        self._queues: dict[str, RequestQueue] = {}  # by pool model
-        self._waiters: dict[str, asyncio.Future[None]] = {}  # by attempt id
+        self._queue_size = queue_size
+        self._queue_timeout_s = queue_timeout_s
+        self._dispatchers: dict[str, Dispatcher[_Waiter]] = {}  # by pool model
 
     # -- configuration ------------------------------------------------------------------
+
+    @property
+    def queue_size(self) -> int:
+        return self._queue_size
+
+    @queue_size.setter
+    def queue_size(self, value: int) -> None:
+        self._queue_size = value
+        for dispatcher in self._dispatchers.values():
+            dispatcher.max_size = value
+
+    @property
+    def queue_timeout_s(self) -> float:
+        return self._queue_timeout_s
+
+    @queue_timeout_s.setter
+    def queue_timeout_s(self, value: float) -> None:
+        self._queue_timeout_s = value
+        for dispatcher in self._dispatchers.values():
+            dispatcher.queue_timeout_s = value
 
     def build(self, name: str, scheduling: SchedulingConfig | None = None) -> Policy:
         return build_policy(
@@ -212,9 +244,10 @@ class Router:
     def remove_pool(self, model: str) -> None:
         """Forget a pool's policy and queue (its replicas are gone already)."""
         self.policies.pop(model, None)
-        queue = self._queues.pop(model, None)
-        while queue and (view := queue.pop(-math.inf)) is not None:
-            self._settle(view.request_id, ApiError(404, "model removed", code="model_not_found"))
+        dispatcher = self._dispatchers.pop(model, None)
+        for waiter in dispatcher.clear() if dispatcher else ():
+            self.on_reject("model_not_found")
+            waiter.set_exception(ApiError(404, "model removed", code="model_not_found"))
 
     def add_replica(self, pool: Pool, replica: Replica) -> None:
         config = replica.config
@@ -278,21 +311,24 @@ class Router:
             prompt_tokens_exact=view.prompt_tokens_exact,
         )
 
-    def _schedule(self, request: RequestView, exclude: frozenset[str], now: float) -> Decision:
-        return self.policies[request.model].schedule(request, self.replicas, now, exclude=exclude)
+    def _schedule(self, request: RequestView, exclude: Collection[str], now: float) -> Decision:
+        """``policy.schedule`` of the request's pool, recorded (metrics, admin API)."""
+        policy = self.policies[request.model]
+        decision = policy.schedule(request, self.replicas, now, exclude=exclude)
+        self._record(decision, request, now)
+        return decision
 
     def has_candidate(self, request: GatewayRequest, exclude: frozenset[str]) -> bool:
-        now = time.monotonic()
+        now = self.clock()
         return any(
             r.routable(now) and r.name not in exclude for r in request.pool.replicas.values()
         )
 
     def decide_only(self, request: GatewayRequest) -> dict[str, Any]:
         """The decision for ``request`` without dispatching it (``POST /v1/route``)."""
-        now = time.monotonic()
+        now = self.clock()
         view = self._view(request, uuid.uuid4().hex, now)
         decision = self._schedule(view, frozenset(), now)
-        self._record(decision, view, now)
         body = self._describe(decision)
         if decision.replica_id is not None:
             body["replica_url"] = self._by_id[decision.replica_id].url
@@ -301,106 +337,93 @@ class Router:
     async def acquire(self, request: GatewayRequest, exclude: frozenset[str]) -> Grant:
         """A replica for one attempt, waiting in the pool queue if the policy says so."""
         attempt_id = uuid.uuid4().hex
-        queued = False
-        while True:
-            now = time.monotonic()
-            view = self._view(request, attempt_id, now)
-            decision = self._schedule(view, exclude, now)
-            self._record(decision, view, now)
-            if decision.outcome is Outcome.ADMIT:
-                assert decision.replica_id is not None
-                replica = self._by_id[decision.replica_id]
-                self.replicas.on_dispatch(view, replica.name, now, decision=decision)
-                replica.num_in_flight += 1
-                if queued:
-                    self._wake(request.pool.model)  # pass the turn on while capacity lasts
-                return Grant(replica, attempt_id, decision)
-            if decision.outcome is Outcome.REJECT:
-                raise self._rejection(decision)
-            queued = True
-            await self._wait_in_queue(request, view)
-
-    def _rejection(self, decision: Decision) -> ApiError:
-        reason = decision.reason or RejectReason.UNAVAILABLE
-        self.on_reject(str(reason))
-        status = _REJECT_STATUS.get(reason, 503)
-        messages = {
-            RejectReason.NO_REPLICA: "no replica serves this model or route class",
-            RejectReason.UNAVAILABLE: "no healthy replica is available",
-            RejectReason.SHED: "too few replicas are available; shedding load",
-            RejectReason.DEADLINE: "the deadline cannot be met at the current load",
-            RejectReason.QUEUE_FULL: "the gateway queue is full",
-        }
-        return ApiError(
-            status,
-            messages.get(reason, str(reason)),
-            code=str(reason),
-            retry_after_s=decision.retry_after_s,
-        )
-
-    async def _wait_in_queue(self, request: GatewayRequest, view: RequestView) -> None:
-        """Park ``view`` in its pool's queue until woken; ApiError if it may not wait."""
-        queue = self._queues.setdefault(request.pool.model, RequestQueue(self.queue_size))
-        pushed = queue.push(view)
-        if pushed.rejected is not None and pushed.rejected.request_id != view.request_id:
-            self._settle(pushed.rejected.request_id, _queue_full())
-        if not pushed.queued:
-            self.on_reject("queue_full")
-            raise _queue_full()
-        waiter = asyncio.get_running_loop().create_future()
-        self._waiters[view.request_id] = waiter
-        self.metrics.queue_depth.labels(request.pool.model).set(len(queue))
-        limit_at = request.arrived_at + self.queue_timeout_s
-        if request.deadline_at is not None:
-            limit_at = min(limit_at, request.deadline_at)
+        now = self.clock()
+        loop = asyncio.get_running_loop()
+        dispatcher = self._dispatcher(request.pool.model)
+        waiter = _Waiter(dispatcher, attempt_id, loop)
+        view = self._view(request, attempt_id, now)
+        limit = dispatcher.submit(waiter, view, now, exclude)
+        if limit is None:  # bound or refused at once
+            return waiter.result()
+        gauge = self.metrics.queue_depth.labels(request.pool.model)
+        gauge.set(len(dispatcher))
+        timer = loop.call_at(loop.time() + (limit - self.clock()), dispatcher.time_out, attempt_id)
         try:
-            async with asyncio.timeout_at(_loop_time(limit_at)):
-                await waiter
-        except TimeoutError:
-            self.on_reject("queue_timeout")
-            raise ApiError(
-                503 if request.deadline_at is None else 429,
-                "no replica freed up in time",
-                code="queue_timeout",
-                retry_after_s=1.0,
-            ) from None
+            return await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                # bound, but the client left before the attempt could start
+                self.release(waiter.result(), self.clock(), ok=False, output_tokens=0)
+            raise
         finally:
-            self._waiters.pop(view.request_id, None)
-            queue.cancel(view.request_id)
-            self.metrics.queue_depth.labels(request.pool.model).set(len(queue))
+            timer.cancel()
+            dispatcher.cancel(attempt_id)
+            gauge.set(len(dispatcher))
+
+    def _dispatcher(self, pool: str) -> Dispatcher[_Waiter]:
+        dispatcher = self._dispatchers.get(pool)
+        if dispatcher is None:
+            dispatcher = self._dispatchers[pool] = Dispatcher(
+                self.queue_size,
+                self.queue_timeout_s,
+                schedule=self._schedule,
+                bind=self._bind,
+                reject=self._refuse,
+            )
+        return dispatcher
+
+    def _bind(self, waiter: _Waiter, view: RequestView, decision: Decision, now: float) -> None:
+        """The dispatcher admitted the attempt: dispatch it to the decision's replica."""
+        assert decision.replica_id is not None
+        replica = self._by_id[decision.replica_id]
+        self.replicas.on_dispatch(view, replica.name, now, decision=decision)
+        replica.num_in_flight += 1
+        waiter.set_result(Grant(replica, view.request_id, decision))
+
+    def _refuse(
+        self,
+        waiter: _Waiter,
+        view: RequestView,
+        reason: RejectReason,
+        decision: Decision | None,
+    ) -> None:
+        """The attempt is refused: by the policy (``decision``) or by the queue itself."""
+        self.on_reject(str(reason))
+        if decision is not None:
+            error = ApiError(
+                _REJECT_STATUS.get(reason, 503),
+                _REJECT_MESSAGE.get(reason, str(reason)),
+                code=str(reason),
+                retry_after_s=decision.retry_after_s,
+            )
+        elif reason is RejectReason.QUEUE_FULL:
+            error = ApiError(429, _REJECT_MESSAGE[reason], code=str(reason), retry_after_s=1.0)
+        elif reason is RejectReason.DEADLINE:
+            error = ApiError(
+                429, "deadline passed in the queue", code=str(reason), retry_after_s=1.0
+            )
+        else:  # QUEUE_TIMEOUT
+            error = ApiError(
+                503 if view.deadline_s is None else 429,
+                "no replica freed up in time",
+                code=str(reason),
+                retry_after_s=1.0,
+            )
+        waiter.set_exception(error)
 
     def _wake(self, pool: str) -> None:
-        """A replica of ``pool`` freed capacity: the most urgent queued request tries again."""
-        queue = self._queues.get(pool)
-        if not queue:
-            return
-        now = time.monotonic()
-        woken = queue.pop(now)
-        for late in queue.expire(now):
-            self._settle(
-                late.request_id,
-                ApiError(429, "deadline passed in the queue", code="deadline", retry_after_s=1),
-            )
-        if woken is not None:
-            self._settle(woken.request_id, None)
-
-    def _settle(self, attempt_id: str, error: ApiError | None) -> None:
-        waiter = self._waiters.pop(attempt_id, None)
-        if waiter is None or waiter.done():
-            return
-        if error is None:
-            waiter.set_result(None)
-        else:
-            self.on_reject(error.code or "error")
-            waiter.set_exception(error)
+        """A replica of ``pool`` freed capacity: queued requests try again, in order."""
+        dispatcher = self._dispatchers.get(pool)
+        if dispatcher:
+            dispatcher.wake(self.clock())
 
     def queue_depth(self, pool: str) -> int:
-        queue = self._queues.get(pool)
-        return len(queue) if queue else 0
+        dispatcher = self._dispatchers.get(pool)
+        return len(dispatcher) if dispatcher else 0
 
     def wake_all(self) -> None:
         """Give queued requests a chance after fresh load figures (scrapes) arrive."""
-        for pool in self._queues:
+        for pool in self._dispatchers:
             self._wake(pool)
 
     def _record(self, decision: Decision, view: RequestView, now: float) -> None:
@@ -478,13 +501,21 @@ class _PolicyHooks:
             policy.on_complete(record, now, ok)
 
 
-def _queue_full() -> ApiError:
-    return ApiError(429, "the gateway queue is full", code="queue_full", retry_after_s=1.0)
+class _Waiter(asyncio.Future[Grant]):
+    """The future of one queued attempt: the dispatcher resolves it with its ``Grant`` or
+    an ``ApiError``. Cancelling it (the client went away) takes the attempt out of the
+    queue at once, so that no wake binds an attempt nobody awaits any more."""
 
+    def __init__(
+        self, dispatcher: Dispatcher[_Waiter], attempt_id: str, loop: asyncio.AbstractEventLoop
+    ) -> None:
+        super().__init__(loop=loop)
+        self._dispatcher = dispatcher
+        self._attempt_id = attempt_id
 
-def _loop_time(monotonic_s: float) -> float:
-    """``monotonic_s`` on the event loop's clock (uvloop's is not ``time.monotonic``)."""
-    return asyncio.get_running_loop().time() + (monotonic_s - time.monotonic())
+    def cancel(self, msg: Any | None = None) -> bool:
+        self._dispatcher.cancel(self._attempt_id)
+        return super().cancel(msg)
 
 
 def _ms(seconds: float | None) -> float | None:

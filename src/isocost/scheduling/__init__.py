@@ -2,7 +2,8 @@
 
 Start with ``scheduling.state`` (the contract the gateway and the simulator code against),
 then ``framework`` (the pipeline), ``policies`` (named profiles, YAML), ``plugins`` (one
-module per plugin, each docstring its reference) and ``admission`` (the gateway queue).
+module per plugin, each docstring its reference) and ``dispatch`` (the late-binding queue
+that the gateway and the simulator both drive).
 """
 
 from isocost.scheduling.decision import Decision, Explanation, Outcome, RejectReason

@@ -3,12 +3,13 @@
 Outcomes (``Outcome``) and how the gateway answers them:
 
 * ``ADMIT``: send the request to ``replica_id`` now, then call ``ReplicaSet.on_dispatch``.
-* ``QUEUE``: every eligible replica is at its queue cap; hold the request in a bounded
-  ``admission.RequestQueue`` and schedule it again when a replica frees (late binding).
+* ``QUEUE``: every eligible replica is at its queue cap; hold the request in the bounded
+  queue of a ``dispatch.Dispatcher``, which schedules it again when a replica frees (late
+  binding).
 * ``REJECT``: answer now; ``reason`` (``RejectReason``) says why and ``retry_after_s`` when
   to retry. Suggested HTTP mapping: ``NO_REPLICA`` 404 (no replica serves the model),
   ``UNAVAILABLE`` and ``SHED`` 503, ``DEADLINE`` and ``QUEUE_FULL`` 429, all with
-  ``Retry-After`` where ``retry_after_s`` is set.
+  ``Retry-After`` where ``retry_after_s`` is set. The dispatcher adds ``QUEUE_TIMEOUT``.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ class RejectReason(StrEnum):
     UNAVAILABLE = "unavailable"  # replicas exist but none is healthy and not draining
     SHED = "shed"  # too few replicas available: global load shedding
     DEADLINE = "deadline"  # predicted TTFT past the deadline, or inter-token time past target
-    QUEUE_FULL = "queue_full"  # the gateway queue is full (set by admission.RequestQueue)
+    QUEUE_FULL = "queue_full"  # the gateway queue is full (set by dispatch.Dispatcher)
+    QUEUE_TIMEOUT = "queue_timeout"  # waited in the queue past its limit (dispatch.Dispatcher)
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,10 +18,11 @@ push new events; the loop only pops and dispatches. Phases at one instant, in or
    engines that had work since they were last idle are read again.
 4. ``ARRIVAL``: a request reaches the gateway; ``policy.schedule(request, replicas, now)``
    is called exactly as the gateway calls it (a retry excludes the replicas that failed
-   it). ADMIT: ``on_dispatch(decision=...)`` and the request
-   reaches the replica ``network_delay_s`` later; QUEUE: it waits in an
-   ``admission.RequestQueue`` until a completion or a scrape frees room, its deadline, or
-   the queue timeout; REJECT: it ends rejected.
+   it), through the gateway's own late-binding ``dispatch.Dispatcher``. ADMIT:
+   ``on_dispatch(decision=...)`` and the request reaches the replica ``network_delay_s``
+   later; QUEUE: it waits in the dispatcher's queue until a completion, a failure, a
+   replica ready or a scrape frees room, its deadline, or the queue timeout; REJECT: it
+   ends rejected.
 5. ``DELIVER``: the request enters the replica's engine (advanced to now first).
 6. ``SAMPLE``: per-replica load is recorded for plots.
 
@@ -40,7 +41,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -49,8 +50,8 @@ import numpy as np
 from isocost.engine.model import EngineEvent, EngineModel, Finished, FirstToken, RequestSpec
 from isocost.engine.model import RequestState as EngineRequest
 from isocost.prefix.hashing import ROOT_HASH
-from isocost.scheduling.admission import RequestQueue
-from isocost.scheduling.decision import Decision, Outcome
+from isocost.scheduling.decision import Decision, RejectReason
+from isocost.scheduling.dispatch import Dispatcher
 from isocost.scheduling.framework import Policy
 from isocost.scheduling.state import ReplicaSet, ReplicaSpec, RequestView
 from isocost.sim._cluster import ClusterConfig, SimReplica
@@ -149,13 +150,18 @@ class Simulator:
         self.slo = slo  # when set, each request carries its TTFT target as a deadline
         self.delay_s = cluster.network_delay_ms / 1000.0
         self.scrape_s = cluster.scrape_interval_ms / 1000.0
-        self.queue_timeout_s = cluster.queue_timeout_ms / 1000.0
         self.max_retries = cluster.max_retries
         self.sample_interval_s = sample_interval_s
         self.on_progress = on_progress
         self.shadow = ReplicaSet(block_tokens=BLOCK_TOKENS)
         self.shadow.add_listener(policy)
-        self.queue = RequestQueue(cluster.queue_size)
+        self.dispatcher: Dispatcher[RequestRecord] = Dispatcher(
+            cluster.queue_size,
+            cluster.queue_timeout_ms / 1000.0,
+            schedule=self._schedule,
+            bind=self._bind,
+            reject=self._refuse,
+        )
         self.replicas = {r.replica_id: _Replica(r, i) for i, r in enumerate(replicas)}
         # Engine readings, a column per replica (running, waiting, KV usage, prefix-cache
         # queries and hits), refreshed only for the replicas in ``_live``: an idle engine's
@@ -171,7 +177,6 @@ class Simulator:
         self._num_events = 0
         self._unsettled = len(self.records)
         self._attempts: dict[str, RequestRecord] = {}  # live attempt id -> record
-        self._queued: dict[str, RequestRecord] = {}
         self._sessions: dict[str, list[RequestRecord]] = {}  # turns held behind their previous
         self._session_busy: set[str] = set()
         self._samples_s: list[float] = []
@@ -261,29 +266,19 @@ class Simulator:
     def _try_schedule(self, record: RequestRecord) -> None:
         """Schedule a new attempt of ``record``: dispatch, reject, or queue it."""
         view = self._view(record)
-        decision = self.policy.schedule(view, self.shadow, self._now, exclude=record.failed_on)
-        if decision.outcome is not Outcome.QUEUE:
-            self._apply(record, view, decision)
-            return
-        pushed = self.queue.push(view)
-        if pushed.rejected is not None:
-            evicted = self._queued.pop(pushed.rejected.request_id, record)
-            self._reject(evicted, "queue_full")
-        if pushed.queued:
-            self._queued[view.request_id] = record
-            limit = record.request.arrival_s + self.queue_timeout_s
-            if view.deadline_s is not None:
-                limit = min(limit, view.deadline_s)
-            self._push(max(limit, self._now), HOOK, (_TIMEOUT, view.request_id, 0))
+        limit = self.dispatcher.submit(record, view, self._now, record.failed_on)
+        if limit is not None:
+            self._push(limit, HOOK, (_TIMEOUT, view.request_id, 0))
 
-    def _apply(self, record: RequestRecord, view: RequestView, decision: Decision) -> None:
-        """Act on an ADMIT (dispatch, the request reaches the replica later) or REJECT."""
-        if decision.outcome is Outcome.REJECT:
-            self._reject(record, str(decision.reason))
-            return
+    def _schedule(self, view: RequestView, exclude: Collection[str], now: float) -> Decision:
+        return self.policy.schedule(view, self.shadow, now, exclude=exclude)
+
+    def _bind(
+        self, record: RequestRecord, view: RequestView, decision: Decision, now: float
+    ) -> None:
+        """An ADMIT: dispatch, the request reaches the replica later."""
         replica_id = decision.replica_id
         assert replica_id is not None
-        now = self._now
         self.shadow.on_dispatch(view, replica_id, now, decision=decision)
         record.replica_id = replica_id
         record.attempts += 1
@@ -291,24 +286,14 @@ class Simulator:
         replica = self.replicas[replica_id]
         self._push(now + self.delay_s, DELIVER, (replica, view, record, replica.epoch))
 
-    def _wake_queue(self) -> None:
-        """Late binding: the most urgent queued request tries again, then the next, until
-        one still finds every replica full (it keeps its place) or the queue is empty."""
-        now = self._now
-        queue = self.queue
-        while len(queue):
-            for late in queue.expire(now):
-                self._reject(self._queued.pop(late.request_id), "deadline")
-            view = queue.peek()
-            if view is None:
-                return
-            record = self._queued[view.request_id]
-            decision = self.policy.schedule(view, self.shadow, now, exclude=record.failed_on)
-            if decision.outcome is Outcome.QUEUE:
-                return
-            queue.cancel(view.request_id)
-            del self._queued[view.request_id]
-            self._apply(record, view, decision)
+    def _refuse(
+        self,
+        record: RequestRecord,
+        view: RequestView,
+        reason: RejectReason,
+        decision: Decision | None,
+    ) -> None:
+        self._reject(record, str(reason))
 
     def _on_hook(self, payload: object) -> None:
         kind, attempt_id, value = cast(_Hook, payload)
@@ -322,11 +307,9 @@ class Simulator:
             record.finished_s = now
             record.output_tokens = int(value)
             self._settle(record)
-            self._wake_queue()
+            self.dispatcher.wake(self._now)
         elif kind == _TIMEOUT:
-            queued = self._queued.pop(attempt_id, None)
-            if queued is not None and self.queue.cancel(attempt_id):
-                self._reject(queued, "queue_timeout")
+            self.dispatcher.time_out(attempt_id)
         else:  # _FAILED: the attempt's connection broke, or the engine refused it
             record = self._attempts.pop(attempt_id)
             self.shadow.on_complete(attempt_id, now, ok=False)
@@ -337,7 +320,7 @@ class Simulator:
                 self._reject(record, str(value))
             else:
                 self._try_schedule(record)
-            self._wake_queue()
+            self.dispatcher.wake(self._now)
 
     def _reject(self, record: RequestRecord, reason: str) -> None:
         record.rejected = reason
@@ -359,7 +342,7 @@ class Simulator:
         up = self._up
         running, waiting, kv_usage, queries, hits = self._readings[:, up]
         self.shadow.apply_scrapes(self._slots[up], running, waiting, kv_usage, queries, hits, now)
-        self._wake_queue()
+        self.dispatcher.wake(self._now)
         self._push(now + self.scrape_s, SCRAPE, None)
 
     def _on_sample(self, _: object) -> None:
@@ -480,7 +463,7 @@ class Simulator:
             self._slots[replica.index] = self.shadow.get(config.replica_id).slot
             self._up[replica.index] = True
             self._live[replica.index] = replica  # a fresh engine: its counters start at 0
-            self._wake_queue()
+            self.dispatcher.wake(self._now)
         elif action == "fail":
             engine = self._advance(replica)
             if engine is None:

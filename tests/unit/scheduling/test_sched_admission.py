@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from conftest import MODEL, Factory, cost_model
 
-from isocost.scheduling.admission import RequestQueue
 from isocost.scheduling.decision import Outcome, RejectReason
+from isocost.scheduling.dispatch import RequestQueue
 from isocost.scheduling.policies import build_policy, parse_scheduling_yaml
 from isocost.scheduling.state import ReplicaSet, ReplicaSpec, RequestView
 
@@ -97,8 +97,13 @@ def test_queue_orders_by_priority_then_deadline_then_arrival() -> None:
     queue.push(RequestView("late", MODEL, 1, priority=1, deadline_s=9.0, arrival_s=1.0))
     queue.push(RequestView("soon", MODEL, 1, priority=1, deadline_s=5.0, arrival_s=2.0))
     queue.push(RequestView("low2", MODEL, 1, arrival_s=0.5))
-    order = [queue.pop(0.0) for _ in range(5)]
-    assert [r.request_id if r else None for r in order] == ["soon", "late", "low", "low2", None]
+    order: list[str | None] = []
+    for _ in range(5):
+        head = queue.peek()
+        order.append(head.request_id if head else None)
+        if head is not None:
+            assert queue.cancel(head.request_id)
+    assert order == ["soon", "late", "low", "low2", None]
 
 
 def test_full_queue_evicts_the_least_urgent_or_rejects_the_newcomer() -> None:
@@ -120,9 +125,9 @@ def test_queue_expires_deadlines_and_cancels() -> None:
     queue.push(RequestView("z", MODEL, 1))
     assert queue.cancel("z") and not queue.cancel("z")
     assert [r.request_id for r in queue.expire(2.0)] == ["x"]
-    popped = queue.pop(2.0)
-    assert popped is not None and popped.request_id == "y"
-    assert queue.pop(2.0) is None and len(queue) == 0
+    head = queue.peek()
+    assert head is not None and head.request_id == "y"
+    assert queue.cancel("y") and queue.peek() is None and len(queue) == 0
 
 
 def test_excluded_replicas_are_skipped_for_this_request_only(make_replicas: Factory) -> None:
