@@ -130,3 +130,24 @@ def test_unhealthy_replica_is_not_chosen_and_exclusion_is_temporary() -> None:
         assert grant.replica is replica and not router.replicas.get(replica.name).draining
 
     asyncio.run(scenario())
+
+
+def test_a_leaving_client_leaves_the_queue_at_once_and_a_late_grant_is_released() -> None:
+    async def scenario() -> None:
+        router, pool, replica, _ = setup()
+        first = await router.acquire(request(pool, "first"), frozenset())
+        gone = asyncio.create_task(router.acquire(request(pool, "gone"), frozenset()))
+        late = asyncio.create_task(router.acquire(request(pool, "late"), frozenset()))
+        await asyncio.sleep(0)
+        assert router.queue_depth(MODEL) == 2
+        gone.cancel()  # the client went away: out of the queue before its task even runs
+        assert router.queue_depth(MODEL) == 1
+        router.release(first, time.monotonic(), ok=True, output_tokens=8)  # binds "late"
+        assert replica.num_in_flight == 1 and router.queue_depth(MODEL) == 0
+        late.cancel()  # its client leaves before the granted attempt could start
+        for task in (gone, late):
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        assert replica.num_in_flight == 0 and router.replicas.get(replica.name).num_waiting == 0
+
+    asyncio.run(scenario())
