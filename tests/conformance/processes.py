@@ -17,15 +17,16 @@ from __future__ import annotations
 
 import contextlib
 import os
-import select
 import signal
 import socket
 import subprocess
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from gateway_harness import wait_for
+from isocost_procs import NotReady, ready_urls
 
 __all__ = [
     "ISOCOST",
@@ -181,15 +182,17 @@ class VllmFleet:
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
         """Poll every replica's ``/health`` until all answer 200."""
-        deadline = time.monotonic() + timeout_s
         pending = list(self.replicas)
-        while pending:
-            pending = [replica for replica in pending if not replica.ready()]
-            if pending and time.monotonic() > deadline:
-                tails = "\n".join(r.log_tail() for r in pending)
-                raise TimeoutError(f"vLLM not ready after {timeout_s:.0f} s:\n{tails}")
-            if pending:
-                time.sleep(0.5)
+
+        def all_ready() -> bool:
+            pending[:] = [replica for replica in pending if not replica.ready()]
+            return not pending
+
+        try:
+            wait_for(all_ready, timeout_s, "vLLM", interval_s=0.5)
+        except AssertionError:
+            tails = "\n".join(r.log_tail() for r in pending)
+            raise TimeoutError(f"vLLM not ready after {timeout_s:.0f} s:\n{tails}") from None
 
     def revive(self) -> None:
         """Restart, on its old port, any replica a test killed."""
@@ -216,19 +219,13 @@ class IsocostProcess:
         self.url = self._wait_ready(marker, timeout_s)
 
     def _wait_ready(self, marker: str, timeout_s: float) -> str:
-        stdout = self.popen.stdout
-        assert stdout is not None
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if select.select([stdout], [], [], 0.5)[0]:
-                line = stdout.readline()
-                if marker in line and " ready at " in line:
-                    return line.rsplit(" ready at ", 1)[1].strip()
-                if not line and self.popen.poll() is not None:
-                    break
-        self.stop()
-        log = self.log_path.read_text(errors="replace")
-        raise RuntimeError(f"isocost {marker!r} did not become ready:\n{log}")
+        try:
+            (url,) = ready_urls(self.popen, marker, timeout_s=timeout_s)
+        except NotReady:
+            self.stop()
+            log = self.log_path.read_text(errors="replace")
+            raise RuntimeError(f"isocost {marker!r} did not become ready:\n{log}") from None
+        return url
 
     def stop(self) -> int:
         """SIGTERM (SIGKILL after a timeout); the exit code."""

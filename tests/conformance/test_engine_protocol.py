@@ -29,6 +29,7 @@ from typing import Any
 
 import openai
 import pytest
+from gateway_harness import wait_for
 from processes import Endpoint, IsocostProcess
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
@@ -276,13 +277,6 @@ def test_metric_names_types_and_labels(endpoint: Endpoint) -> None:
     assert ("vllm:gpu_cache_usage_perc" in families) == (endpoint.kind == "isocost-engine")
 
 
-def _wait_for(predicate: Any, what: str, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
 def _stream_fully(client: openai.OpenAI, model: str, max_tokens: int) -> int:
     """One streamed completion of exactly ``max_tokens``, read to the end; its chunks."""
     stream = client.completions.create(
@@ -316,7 +310,7 @@ def test_gauges_follow_running_requests_and_the_gateway_reads_them(
     with ThreadPoolExecutor(4) as pool:
         workers = [pool.submit(keep_streaming) for _ in range(4)]
         try:
-            _wait_for(busy, "a scrape with requests running and KV in use")
+            wait_for(busy, 30, "a scrape with requests running and KV in use", interval_s=0.02)
         finally:
             stop.set()
         assert all(f.result() > 0 for f in workers)
@@ -334,7 +328,7 @@ def test_gauges_follow_running_requests_and_the_gateway_reads_them(
         after = parse_engine_metrics(_scrape(endpoint.url)[0])
         return (after.num_running, after.num_waiting, after.kv_usage) == (0, 0, 0.0)
 
-    _wait_for(drained, "running, waiting and KV usage back to 0")
+    wait_for(drained, 30, "running, waiting and KV usage back to 0", interval_s=0.02)
 
 
 def test_counters_and_histograms_move_per_request(

@@ -16,9 +16,8 @@ import asyncio
 import json
 import random
 import subprocess
-import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Any
 
 import openai
 import pytest
+from gateway_harness import wait_for
 from processes import (
     ROOT,
     SERVED_NAME,
@@ -118,26 +118,14 @@ def gateway(vllm_fleet: VllmFleet, tmp_path_factory: pytest.TempPathFactory) -> 
 @pytest.fixture
 def live(gateway: Gateway, vllm: VllmFleet) -> Gateway:
     """The gateway with both replicas alive, seen healthy, on round robin."""
-    _wait_for(
+    wait_for(
         lambda: all(row["state"] == "healthy" for row in gateway.rows().values()),
+        60,
         "both replicas healthy",
-        gateway.rows,
+        state=gateway.rows,
     )
     gateway.use_policy("round_robin")
     return gateway
-
-
-def _wait_for(
-    predicate: Callable[[], bool],
-    what: str,
-    state: Callable[[], object] = lambda: None,
-    timeout_s: float = 60,
-) -> None:
-    """Poll every 50 ms; on timeout the message shows ``state()``, what was last seen."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}; saw {state()}"
-        time.sleep(0.05)
 
 
 def _vllm_counter(url: str, family: str) -> float:
@@ -198,13 +186,19 @@ def test_real_metrics_are_scraped_into_the_gateway(live: Gateway) -> None:
 
     with live.client(max_retries=0) as client, ThreadPoolExecutor(8) as pool:
         streams = [pool.submit(stream, client) for _ in range(8)]
-        _wait_for(scraped_busy, "a scrape with requests running and KV in use", lambda: seen[-1])
+        wait_for(
+            scraped_busy,
+            60,
+            "a scrape with requests running and KV in use",
+            state=lambda: seen[-1],
+        )
         assert all(f.result() > 0 for f in streams)
     assert all(r["scrape_error"] is None and r["engine_waiting"] == 0 for r in seen[-1].values())
-    _wait_for(
+    wait_for(
         lambda: all(r["engine_running"] == 0 for r in live.rows().values()),
+        60,
         "the gateway to scrape both replicas idle",
-        live.rows,
+        state=live.rows,
     )
 
 
@@ -413,10 +407,11 @@ def test_a_killed_replica_loses_nothing_that_had_not_started_streaming(
         ) as client:
             tasks = [asyncio.create_task(one(client, i)) for i in range(24)]
             await asyncio.to_thread(
-                _wait_for,
+                wait_for,
                 lambda: victim.url in streams_started,
+                60,
                 "a stream started on the victim",
-                lambda: (streams_started, live.rows()),
+                state=lambda: (streams_started, live.rows()),
             )
             victim.kill()
             return list(await asyncio.gather(*tasks))
@@ -439,7 +434,7 @@ def test_a_killed_replica_loses_nothing_that_had_not_started_streaming(
             f"{sum(o.error is None for o in outcomes)} completed"
         )
     assert all(o.error is None for o in outcomes if not o.streamed)
-    _wait_for(lambda: live.rows()[victim.url]["state"] == "ejected", "the victim's ejection")
+    wait_for(lambda: live.rows()[victim.url]["state"] == "ejected", 60, "the victim's ejection")
     with live.client(max_retries=0) as client:
         after = [
             _served_by(

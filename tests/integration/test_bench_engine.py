@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from isocost_procs import ready_urls
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
@@ -40,9 +41,7 @@ def _running_engine(*extra: str) -> Iterator[str]:
     )  # fmt: skip
     assert proc.stdout is not None
     try:
-        line = proc.stdout.readline()  # printed once the replica listens
-        assert " ready at http://" in line, line
-        yield line.rsplit(" ready at ", 1)[1].strip()
+        yield ready_urls(proc, "isocost engine")[0]  # printed once the replica listens
     finally:
         proc.terminate()
         proc.wait(timeout=20)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from isocost_procs import NotReady, ready_urls
 from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -49,14 +50,11 @@ def _start(*args: str, replicas: int) -> Engine:
         stderr=subprocess.PIPE,
         text=True,
     )
-    assert proc.stdout is not None
-    urls: list[str] = []
-    while len(urls) < replicas and (line := proc.stdout.readline()):
-        assert line.startswith(f"isocost engine: replica {len(urls)} "), line
-        urls.append(line.rsplit(" ready at ", 1)[1].strip())
-    if len(urls) < replicas:
+    try:
+        urls = ready_urls(proc, "isocost engine: replica ", count=replicas)
+    except NotReady:
         _, err = proc.communicate(timeout=20)
-        raise AssertionError(f"engine did not start: {err}")
+        raise AssertionError(f"engine did not start: {err}") from None
     return Engine(proc, urls)
 
 

@@ -80,10 +80,20 @@ def http(
     return status, got, json.loads(raw) if raw else None
 
 
-def wait_for(predicate: Callable[[], bool], timeout_s: float = 20, what: str = "") -> None:
-    """Poll ``predicate`` every 50 ms until it holds; fail after ``timeout_s``."""
+def wait_for(
+    predicate: Callable[[], bool],
+    timeout_s: float = 20,
+    what: str = "",
+    *,
+    interval_s: float = 0.05,
+    state: Callable[[], object] | None = None,
+) -> None:
+    """Poll ``predicate`` every ``interval_s`` until it holds; fail after ``timeout_s``, the
+    message showing ``state()`` (what was last seen) when given. The one polling loop of
+    the test suites (a condition, a ``/health`` answer)."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
+            seen = "" if state is None else f"; saw {state()}"
+            raise AssertionError(f"timed out waiting for {what}{seen}")
+        time.sleep(interval_s)

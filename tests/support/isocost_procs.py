@@ -1,11 +1,14 @@
 """`isocost` subprocesses for tests: start one, wait for its "ready at URL" line, stop it.
 
-Shared by the gateway integration tests and the reliability suite (pytest puts this folder
-on ``sys.path``, see ``pythonpath`` in pyproject.toml).
+Shared by the gateway integration tests, the reliability suite and the conformance suite
+(pytest puts this folder on ``sys.path``, see ``pythonpath`` in pyproject.toml).
+``ready_urls`` is the one place that reads ``... ready at URL`` lines off a process's
+stdout, for every suite that starts ``isocost engine`` or ``isocost serve``.
 """
 
 from __future__ import annotations
 
+import os
 import select
 import signal
 import subprocess
@@ -46,16 +49,44 @@ def start_isocost(
     popen = subprocess.Popen(
         [ISOCOST, *args], stdout=subprocess.PIPE, stderr=stderr, text=True, bufsize=1
     )
+    try:
+        (url,) = ready_urls(popen, marker, timeout_s=timeout_s)
+    except NotReady:
+        popen.kill()
+        popen.wait()
+        raise AssertionError(
+            f"isocost {args[0]} did not become ready (exit {popen.returncode})"
+        ) from None
+    return Proc(popen, url)
+
+
+class NotReady(AssertionError):
+    """The process exited, or ``timeout_s`` passed, before all its ready lines came."""
+
+
+def ready_urls(
+    popen: subprocess.Popen[str], marker: str = "", count: int = 1, timeout_s: float = 60
+) -> list[str]:
+    """Read ``popen``'s stdout until ``count`` lines ``<marker> ... ready at URL`` have
+    come, skipping other lines; their URLs, in order. NotReady when the process exits or
+    ``timeout_s`` passes first. Reads the pipe's file descriptor directly (several lines
+    may come in one read), so nothing else should read that stdout afterwards."""
     assert popen.stdout is not None
+    fd = popen.stdout.fileno()
+    urls: list[str] = []
+    pending = b""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([popen.stdout], [], [], 0.5)
-        if ready:
-            line = popen.stdout.readline()
+    while len(urls) < count and (left_s := deadline - time.monotonic()) > 0:
+        if not select.select([fd], [], [], min(left_s, 0.5))[0]:
+            continue
+        chunk = os.read(fd, 65536)
+        if not chunk:  # end of file: it exited
+            break
+        *lines, pending = (pending + chunk).split(b"\n")
+        for raw in lines:
+            line = raw.decode(errors="replace")
             if marker in line and " ready at " in line:
-                return Proc(popen, line.rsplit(" ready at ", 1)[1].strip())
-            if not line and popen.poll() is not None:
-                break
-    popen.kill()
-    popen.wait()
-    raise AssertionError(f"isocost {args[0]} did not become ready (exit {popen.returncode})")
+                urls.append(line.rsplit(" ready at ", 1)[1].strip())
+    if len(urls) < count:
+        raise NotReady(f"{len(urls)} of {count} {marker!r} ready lines (exit {popen.poll()})")
+    return urls[:count]
