@@ -82,12 +82,21 @@ class RequestQueue:
     """Bounded priority queue of requests waiting for a replica (see module docstring)."""
 
     def __init__(self, max_size: int) -> None:
-        if max_size < 0:
-            raise ValueError("max_size must be >= 0")
         self.max_size = max_size
         self._heap: list[tuple[_Key, RequestView]] = []
         self._live: dict[str, _Key] = {}  # request id -> key of its live heap entry
         self._sequence = 0
+
+    @property
+    def max_size(self) -> int:
+        return self._max_size
+
+    @max_size.setter
+    def max_size(self, value: int) -> None:
+        """Resizable in place (a reload); a smaller size evicts as new requests come."""
+        if value < 0:
+            raise ValueError("max_size must be >= 0")
+        self._max_size = value
 
     def __len__(self) -> int:
         return len(self._live)
@@ -190,8 +199,6 @@ class Dispatcher(Generic[T]):
 
     @max_size.setter
     def max_size(self, value: int) -> None:
-        if value < 0:
-            raise ValueError("max_size must be >= 0")
         self.queue.max_size = value
 
     def __len__(self) -> int:
