@@ -28,7 +28,6 @@ ALLOWED: dict[str, set[str]] = {
     "bench": {"core", "workload", "files"},
     "gateway": {"core", "prefix", "workload", "scheduling", "files", "openai_api"},
     "control": {"core", "prefix", "workload", "scheduling", "files"},
-    "planview": {"core"},
     "demo": {"core", "prefix", "workload", "scheduling", "files", "engine", "bench", "gateway"},
     "drill": {"core", "workload", "files", "bench"},
     "cli": {

@@ -279,7 +279,7 @@ def plan(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
 ) -> None:
     """Size a deployment: the VRAM ledger, TP, replicas, throughput and $ per token."""
-    from isocost import planview
+    from isocost.cli import planview
     from isocost.core.planner import PlanRequest
     from isocost.core.planner import plan as run_plan
     from isocost.files import load_catalog, resolve_model
