@@ -1,0 +1,130 @@
+"""``isocost sim``: policies side by side on a simulated cluster."""
+
+from __future__ import annotations
+
+import typer
+
+from isocost.cli._app import app, console, fail
+from isocost.cli._options import (
+    CatalogOption,
+    GroupsOption,
+    MaxPromptTokensOption,
+    PromptsPerGroupOption,
+    QuestionTokensOption,
+    SessionsOption,
+    SpeedupOption,
+    SystemTokensOption,
+    TraceFormatOption,
+    TraceOption,
+    TurnsOption,
+    WorkloadOption,
+    one_of,
+    synthetic_workload,
+)
+
+
+@app.command()
+def sim(
+    trace: TraceOption = None,
+    trace_format: TraceFormatOption = None,
+    workload: WorkloadOption = None,
+    cluster: str | None = typer.Option(None, "--cluster", help="Cluster YAML (mixed fleets)."),
+    replicas: int = typer.Option(16, "--replicas", help="Identical replicas (no --cluster)."),
+    gpu: str = typer.Option("a100-80g", "--gpu", "-g", help="GPU catalog id."),
+    model: str = typer.Option("llama-3.1-8b", "--model", "-m", help="Model id or HF folder."),
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel GPUs per replica."),
+    policies: str = typer.Option(
+        "equal_cost,round_robin,least_request", "--policies", help="Comma-separated policies."
+    ),
+    slo_ttft_ms: float = typer.Option(2000.0, "--slo-ttft-ms", help="TTFT target."),
+    slo_ttft_per_1k_ms: float = typer.Option(
+        0.0, "--slo-ttft-per-1k-ms", help="Added to the TTFT target per 1,000 prompt tokens."
+    ),
+    slo_tpot_ms: float = typer.Option(100.0, "--slo-tpot-ms", help="TPOT target."),
+    deadlines: bool = typer.Option(
+        True,
+        "--deadlines/--no-deadlines",
+        help="Requests carry their TTFT and TPOT targets (SLO admission sees them).",
+    ),
+    rate: float | None = typer.Option(
+        None, "--rate", help="Mean req/s: scales a trace's time; Poisson for --workload."
+    ),
+    speedup: SpeedupOption = 1.0,
+    sweep_rate: str | None = typer.Option(
+        None, "--sweep-rate", help="r1,r2,...: replay at each mean rate; capacity at SLO."
+    ),
+    target: float = typer.Option(0.9, "--target", help="Share meeting SLOs for capacity."),
+    max_requests: int | None = typer.Option(None, "--max-requests", help="First N requests."),
+    duration: float | None = typer.Option(None, "--duration", help="Arrivals before s."),
+    network_delay_ms: float | None = typer.Option(None, "--network-delay-ms", help="Each way."),
+    scrape_interval_ms: float | None = typer.Option(
+        None, "--scrape-interval-ms", help="Engine metrics scrape period (0: never)."
+    ),
+    seed: int = typer.Option(0, "--seed", help="Seed of policies and synthetic workloads."),
+    jobs: int = typer.Option(2, "--jobs", "-j", help="Parallel processes."),
+    json_out: str | None = typer.Option(None, "--json", help="Write results JSON."),
+    plot: str | None = typer.Option(None, "--plot", help="Write a PNG of CDFs, load, goodput."),
+    catalog: CatalogOption = None,
+    groups: GroupsOption = 8,
+    prompts_per_group: PromptsPerGroupOption = 16,
+    sessions: SessionsOption = 16,
+    turns: TurnsOption = 4,
+    system_tokens: SystemTokensOption = 2048,
+    question_tokens: QuestionTokensOption = 128,
+    output_tokens: int = typer.Option(128, "--output-tokens", help="Synthetic output length."),
+    max_prompt_tokens: MaxPromptTokensOption = None,
+) -> None:
+    """Replay a trace through scheduling policies on a simulated cluster, side by side."""
+    from isocost import sim as simulator
+    from isocost.files import load_catalog, read_text
+
+    trace_format = one_of("trace format", trace_format, simulator.TRACE_FORMATS)
+    names = tuple(p.strip() for p in policies.split(",") if p.strip())
+    simulator.check_policies(names)
+    try:
+        rates = tuple(float(r) for r in sweep_rate.split(",")) if sweep_rate else ()
+        slo = simulator.Slo(slo_ttft_ms / 1000, slo_tpot_ms / 1000, slo_ttft_per_1k_ms / 1000)
+    except ValueError as exc:
+        fail(f"--sweep-rate or SLO: {exc}")
+    if any(r <= 0 for r in rates) or not 0 < target <= 1 or jobs < 1:
+        fail("--sweep-rate rates must be positive, --target in (0, 1], --jobs >= 1")
+    overrides = {
+        k: v
+        for k, v in (
+            ("network_delay_ms", network_delay_ms),
+            ("scrape_interval_ms", scrape_interval_ms),
+        )
+        if v is not None
+    }
+    if cluster is not None:
+        config = simulator.parse_cluster_yaml(read_text(cluster), cluster)
+        config = simulator.with_settings(config, cluster, **overrides)
+    else:
+        config = simulator.uniform_cluster(replicas, gpu, model, tp, **overrides)
+    synthetic = synthetic_workload(workload, max_prompt_tokens, groups, prompts_per_group,
+                                   sessions, turns, system_tokens, question_tokens,
+                                   output_tokens)  # fmt: skip
+    choice = simulator.WorkloadChoice(
+        trace=trace,
+        trace_format=trace_format,
+        synthetic=synthetic,
+        rate_rps=rate,
+        speedup=speedup,
+        max_requests=max_requests,
+        duration_s=duration,
+        seed=seed,
+    )
+    plan = simulator.SimPlan(
+        cluster=config,
+        catalog=load_catalog(catalog or []),
+        requests=simulator.load_requests(choice),
+        policies=names,
+        slo=slo,
+        seed=seed,
+        deadlines=deadlines,
+        rates_rps=rates,
+        target_attainment=target,
+        sample_points=200 if plot else 0,
+        jobs=jobs,
+    )
+    simulator.sim_command(console, plan, json_out, plot)
