@@ -42,13 +42,13 @@ def serve(
     import msgspec
 
     from isocost.files import load_catalog, read_text
-    from isocost.gateway.config import parse_config
     from isocost.gateway.server import (
         configure_logging,
         discover_config,
         load_gateway,
         run_gateway,
     )
+    from isocost.runtime.config import parse_config
 
     if (config is None) == (not replica):
         fail("give either --config FILE or one or more --replica URL")
@@ -63,7 +63,7 @@ def serve(
                 replica or [],
                 policy=policy or "equal_cost",
                 gpu=gpu,
-                tensor_parallel=tp,
+                tp=tp,
                 cost_model=cost_model,
                 catalog=cat,
                 admin_token_env=admin_token_env,
