@@ -28,13 +28,22 @@ def sim(
     trace: TraceOption = None,
     trace_format: TraceFormatOption = None,
     workload: WorkloadOption = None,
+    config: str | None = typer.Option(
+        None, "--config", "-c", help="isocost serve's YAML: one pool, its scheduling and queue."
+    ),
+    pool: str | None = typer.Option(
+        None, "--pool", help="With --config: the pool (model) requests ask for (default: the only)."
+    ),
     cluster: str | None = typer.Option(None, "--cluster", help="Cluster YAML (mixed fleets)."),
     replicas: int = typer.Option(16, "--replicas", help="Identical replicas (no --cluster)."),
     gpu: str = typer.Option("a100-80g", "--gpu", "-g", help="GPU catalog id."),
     model: str = typer.Option("llama-3.1-8b", "--model", "-m", help="Model id or HF folder."),
     tp: int = typer.Option(1, "--tp", help="Tensor-parallel GPUs per replica."),
-    policies: str = typer.Option(
-        "equal_cost,round_robin,least_request", "--policies", help="Comma-separated policies."
+    policies: str | None = typer.Option(
+        None,
+        "--policies",
+        help="Comma-separated policies [default: equal_cost,round_robin,least_request; "
+        "with --config: the pool's].",
     ),
     slo_ttft_ms: float = typer.Option(2000.0, "--slo-ttft-ms", help="TTFT target."),
     slo_ttft_per_1k_ms: float = typer.Option(
@@ -77,10 +86,23 @@ def sim(
     """Replay a trace through scheduling policies on a simulated cluster, side by side."""
     from isocost import sim as simulator
     from isocost.files import load_catalog, read_text
+    from isocost.runtime.config import check_references, parse_config
+    from isocost.scheduling.policies import SchedulingConfig
 
     trace_format = one_of("trace format", trace_format, simulator.TRACE_FORMATS)
-    names = tuple(p.strip() for p in policies.split(",") if p.strip())
-    simulator.check_policies(names)
+    if config is not None and cluster is not None:
+        fail("give --config (a gateway's file) or --cluster, not both")
+    if pool is not None and config is None:
+        fail("--pool chooses a pool of --config's file")
+    cat = load_catalog(catalog or [])
+    scheduling, default_policies = SchedulingConfig(), "equal_cost,round_robin,least_request"
+    if config is not None:  # read exactly as `isocost serve` reads it, secrets aside
+        gateway = parse_config(read_text(config), config, secrets=False)
+        check_references(gateway, cat)
+        chosen = simulator.gateway_pool(gateway, pool, config)
+        scheduling, default_policies = gateway.scheduling, chosen.policy or gateway.policy
+    names = tuple(p.strip() for p in (policies or default_policies).split(",") if p.strip())
+    simulator.check_policies(names, scheduling)
     try:
         rates = tuple(float(r) for r in sweep_rate.split(",")) if sweep_rate else ()
         slo = simulator.Slo(slo_ttft_ms / 1000, slo_tpot_ms / 1000, slo_ttft_per_1k_ms / 1000)
@@ -96,11 +118,15 @@ def sim(
         )
         if v is not None
     }
-    if cluster is not None:
-        config = simulator.parse_cluster_yaml(read_text(cluster), cluster)
-        config = simulator.with_settings(config, cluster, **overrides)
+    if config is not None:
+        fleet, members = simulator.gateway_cluster(gateway, chosen, cat, config, **overrides)
     else:
-        config = simulator.uniform_cluster(replicas, gpu, model, tp, **overrides)
+        if cluster is not None:
+            fleet = simulator.parse_cluster_yaml(read_text(cluster), cluster)
+            fleet = simulator.with_settings(fleet, cluster, **overrides)
+        else:
+            fleet = simulator.uniform_cluster(replicas, gpu, model, tp, **overrides)
+        members = simulator.resolve_cluster(fleet, cat)
     synthetic = synthetic_workload(workload, max_prompt_tokens, groups, prompts_per_group,
                                    sessions, turns, system_tokens, question_tokens,
                                    output_tokens)  # fmt: skip
@@ -115,11 +141,12 @@ def sim(
         seed=seed,
     )
     plan = simulator.SimPlan(
-        cluster=config,
-        catalog=load_catalog(catalog or []),
+        cluster=fleet,
+        replicas=tuple(members),
         requests=simulator.load_requests(choice),
         policies=names,
         slo=slo,
+        scheduling=scheduling,
         seed=seed,
         deadlines=deadlines,
         rates_rps=rates,

@@ -14,15 +14,14 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from random import Random
 
 import numpy as np
 import numpy.typing as npt
 
-from isocost.core.catalog import Catalog
-from isocost.scheduling.policies import build_policy
-from isocost.sim._cluster import ClusterConfig, resolve_cluster, served_model
+from isocost.scheduling.policies import SchedulingConfig, build_policy
+from isocost.sim._cluster import ClusterConfig, SimReplica, served_model
 from isocost.sim._core import SimResult, Simulator
 from isocost.sim._metrics import (
     Isolated,
@@ -46,11 +45,12 @@ Progress = Callable[[int, float], None]  # (task index, simulated seconds)
 class SimPlan:
     """Everything a set of runs needs."""
 
-    cluster: ClusterConfig
-    catalog: Catalog
+    cluster: ClusterConfig  # its settings and events; its replicas are resolved below
+    replicas: tuple[SimReplica, ...]
     requests: list[WorkloadRequest]
     policies: tuple[str, ...]
     slo: Slo
+    scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)  # added policies
     seed: int = 0
     deadlines: bool = True  # requests carry their TTFT target (SLO admission can use it)
     rates_rps: tuple[float, ...] = ()  # a sweep: replay the requests at each mean rate
@@ -85,17 +85,17 @@ class SweepOutput:
     capacity_rps: dict[str, float | None]  # per policy (sweeps only)
 
 
-def check_policies(names: Sequence[str]) -> None:
-    """Raise UnknownConfigEntryError, listing the valid names, for an unknown policy."""
+def check_policies(names: Sequence[str], scheduling: SchedulingConfig | None = None) -> None:
+    """Raise UnknownConfigEntryError, listing the valid names, for an unknown policy
+    (the built-ins and those ``scheduling`` defines)."""
     for name in names:
-        build_policy(name, source="--policies")
+        build_policy(name, config=scheduling, source="--policies")
 
 
 def run_plan(plan: SimPlan, progress: Progress | None = None) -> SweepOutput:
     """Every policy at every rate (or once at the requests' own rate)."""
-    replicas = resolve_cluster(plan.cluster, plan.catalog)
     isolated = isolated_times(
-        plan.requests, [r.cost_model for r in replicas], plan.cluster.network_delay_ms / 1000
+        plan.requests, [r.cost_model for r in plan.replicas], plan.cluster.network_delay_ms / 1000
     )
     rates: tuple[float | None, ...] = plan.rates_rps or (None,)
     tasks = [(policy, rate) for policy in plan.policies for rate in rates]
@@ -168,12 +168,14 @@ def _run_task(
     assert _SHARED is not None
     plan, isolated = _SHARED
     requests = plan.requests if rate is None else at_rate(plan.requests, rate)
-    replicas = resolve_cluster(plan.cluster, plan.catalog)
     span = max((r.arrival_s for r in requests), default=0.0)
+    policy = build_policy(
+        policy_name, config=plan.scheduling, rng=Random(plan.seed), source="--policies"
+    )
     simulator = Simulator(
         plan.cluster,
-        replicas,
-        build_policy(policy_name, rng=Random(plan.seed), source="--policies"),
+        plan.replicas,
+        policy,
         requests,
         model=served_model(plan.cluster),
         slo=plan.slo if plan.deadlines else None,
