@@ -10,13 +10,13 @@ from hypothesis import strategies as st
 
 from isocost.core.catalog import Catalog
 from isocost.core.costmodel import CostModel
+from isocost.core.slo import SloTargets
 from isocost.engine.model import EngineModel, RequestSpec
 from isocost.sim import (
     ClusterConfig,
     ClusterEvent,
     ReplicaGroup,
     SimPlan,
-    Slo,
     isolated_times,
     json_rows,
     resolve_cluster,
@@ -104,7 +104,7 @@ def test_every_arrival_ends_once_completed_or_rejected_and_runs_repeat_exactly(
         replicas=tuple(resolve_cluster(cluster_config, CATALOG)),
         requests=requests,
         policies=(policy,),
-        slo=Slo(ttft_s=0.5, tpot_s=0.05, ttft_per_1k_s=0.2),
+        slo=SloTargets(ttft_s=0.5, tpot_s=0.05, ttft_per_1k_s=0.2),
         jobs=1,
     )
     first = run_plan(plan)

@@ -8,9 +8,12 @@ from isocost.cli._app import app, console, fail
 from isocost.cli._options import (
     GroupsOption,
     MaxPromptTokensOption,
+    OptionalSloTpotOption,
+    OptionalSloTtftOption,
     PromptsPerGroupOption,
     QuestionTokensOption,
     SessionsOption,
+    SloTtftPer1kOption,
     SpeedupOption,
     SystemTokensOption,
     TraceFormatOption,
@@ -20,6 +23,7 @@ from isocost.cli._options import (
     one_of,
     synthetic_workload,
 )
+from isocost.core.slo import DEFAULT_SLO_TTFT_PER_1K_MS
 
 bench_app = typer.Typer(
     help="Load generator against any OpenAI-compatible endpoint; `bench compare` for runs.",
@@ -49,8 +53,9 @@ def bench(
     stream: bool = typer.Option(True, "--stream/--no-stream", help="Stream with SSE."),
     max_tokens: int | None = typer.Option(None, "--max-tokens", help="Fix every output length."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Ask for exactly max_tokens."),
-    slo_ttft_ms: float | None = typer.Option(None, "--slo-ttft-ms", help="TTFT SLO (goodput)."),
-    slo_tpot_ms: float | None = typer.Option(None, "--slo-tpot-ms", help="TPOT SLO (goodput)."),
+    slo_ttft_ms: OptionalSloTtftOption = None,
+    slo_ttft_per_1k_ms: SloTtftPer1kOption = DEFAULT_SLO_TTFT_PER_1K_MS,
+    slo_tpot_ms: OptionalSloTpotOption = None,
     timeout: float = typer.Option(600.0, "--timeout", help="Per-request timeout, s."),
     seed: int = typer.Option(0, "--seed", help="Seed of synthetic workloads and arrivals."),
     text_salt: int = typer.Option(0, "--text-salt", help="New prompt text (cold cache)."),
@@ -102,6 +107,7 @@ def bench(
         timeout_s=timeout,
         slo_ttft_ms=slo_ttft_ms,
         slo_tpot_ms=slo_tpot_ms,
+        slo_ttft_per_1k_ms=slo_ttft_per_1k_ms,
         text_salt=text_salt,
         api_key=api_key,
         label=label,

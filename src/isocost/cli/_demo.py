@@ -5,7 +5,14 @@ from __future__ import annotations
 import typer
 
 from isocost.cli._app import app, console, err_console
-from isocost.cli._options import TraceFormatOption, one_of
+from isocost.cli._options import (
+    SloTpotOption,
+    SloTtftOption,
+    SloTtftPer1kOption,
+    TraceFormatOption,
+    one_of,
+)
+from isocost.core.slo import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, DEFAULT_SLO_TTFT_PER_1K_MS
 
 
 @app.command()
@@ -20,6 +27,9 @@ def demo(
     ),
     time_scale: float = typer.Option(2.0, "--time-scale", help="Engine wall s per GPU s."),
     seed: int = typer.Option(0, "--seed", help="Seed of the workload."),
+    slo_ttft_ms: SloTtftOption = DEFAULT_SLO_TTFT_MS,
+    slo_ttft_per_1k_ms: SloTtftPer1kOption = DEFAULT_SLO_TTFT_PER_1K_MS,
+    slo_tpot_ms: SloTpotOption = DEFAULT_SLO_TPOT_MS,
     port: int = typer.Option(0, "--port", help="Gateway port (0: a free one)."),
     keep_running: bool = typer.Option(
         False, "--keep-running", help="Leave the last cluster up for the dashboard."
@@ -41,6 +51,9 @@ def demo(
         policies=tuple(p.strip() for p in policies.split(",") if p.strip()),
         time_scale=time_scale,
         seed=seed,
+        slo_ttft_ms=slo_ttft_ms,
+        slo_ttft_per_1k_ms=slo_ttft_per_1k_ms,
+        slo_tpot_ms=slo_tpot_ms,
         port=port,
         keep_running=keep_running,
     )

@@ -30,6 +30,19 @@ MaxPromptTokensOption = Annotated[
     int | None, typer.Option("--max-prompt-tokens", help="mix: cap prompt lengths.")
 ]
 CatalogOption = Annotated[list[str] | None, typer.Option("--catalog", help="Extra catalog YAML.")]
+# The SLO that goodput and capacity at SLO count against (isocost.core.slo), in sim, bench
+# and demo alike.
+# bench measures any endpoint and may be given no target at all (its Optional variants).
+_SLO_TTFT = typer.Option("--slo-ttft-ms", help="TTFT target (goodput).")
+_SLO_TPOT = typer.Option("--slo-tpot-ms", help="TPOT target (goodput).")
+SloTtftOption = Annotated[float, _SLO_TTFT]
+SloTpotOption = Annotated[float, _SLO_TPOT]
+OptionalSloTtftOption = Annotated[float | None, _SLO_TTFT]
+OptionalSloTpotOption = Annotated[float | None, _SLO_TPOT]
+SloTtftPer1kOption = Annotated[
+    float,
+    typer.Option("--slo-ttft-per-1k-ms", help="Added to the TTFT target per 1,000 prompt tokens."),
+]
 
 
 _Choice = TypeVar("_Choice", bound=str)

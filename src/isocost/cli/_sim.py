@@ -12,6 +12,9 @@ from isocost.cli._options import (
     PromptsPerGroupOption,
     QuestionTokensOption,
     SessionsOption,
+    SloTpotOption,
+    SloTtftOption,
+    SloTtftPer1kOption,
     SpeedupOption,
     SystemTokensOption,
     TraceFormatOption,
@@ -20,6 +23,13 @@ from isocost.cli._options import (
     WorkloadOption,
     one_of,
     synthetic_workload,
+)
+from isocost.core.slo import (
+    DEFAULT_SLO_SHARE,
+    DEFAULT_SLO_TPOT_MS,
+    DEFAULT_SLO_TTFT_MS,
+    DEFAULT_SLO_TTFT_PER_1K_MS,
+    SloTargets,
 )
 
 
@@ -42,14 +52,12 @@ def sim(
     policies: str | None = typer.Option(
         None,
         "--policies",
-        help="Comma-separated policies [default: equal_cost,round_robin,least_request; "
-        "with --config: the pool's].",
+        help="Comma-separated policies (default: equal_cost,round_robin,least_request; "
+        "with --config: the pool's).",
     ),
-    slo_ttft_ms: float = typer.Option(2000.0, "--slo-ttft-ms", help="TTFT target."),
-    slo_ttft_per_1k_ms: float = typer.Option(
-        0.0, "--slo-ttft-per-1k-ms", help="Added to the TTFT target per 1,000 prompt tokens."
-    ),
-    slo_tpot_ms: float = typer.Option(100.0, "--slo-tpot-ms", help="TPOT target."),
+    slo_ttft_ms: SloTtftOption = DEFAULT_SLO_TTFT_MS,
+    slo_ttft_per_1k_ms: SloTtftPer1kOption = DEFAULT_SLO_TTFT_PER_1K_MS,
+    slo_tpot_ms: SloTpotOption = DEFAULT_SLO_TPOT_MS,
     deadlines: bool = typer.Option(
         True,
         "--deadlines/--no-deadlines",
@@ -62,7 +70,9 @@ def sim(
     sweep_rate: str | None = typer.Option(
         None, "--sweep-rate", help="r1,r2,...: replay at each mean rate; capacity at SLO."
     ),
-    target: float = typer.Option(0.9, "--target", help="Share meeting SLOs for capacity."),
+    target: float = typer.Option(
+        DEFAULT_SLO_SHARE, "--target", help="Share meeting SLOs for capacity."
+    ),
     max_requests: int | None = typer.Option(None, "--max-requests", help="First N requests."),
     duration: float | None = typer.Option(None, "--duration", help="Arrivals before s."),
     network_delay_ms: float | None = typer.Option(None, "--network-delay-ms", help="Each way."),
@@ -103,13 +113,16 @@ def sim(
         scheduling, default_policies = gateway.scheduling, chosen.policy or gateway.policy
     names = tuple(p.strip() for p in (policies or default_policies).split(",") if p.strip())
     simulator.check_policies(names, scheduling)
+    bounds = "--sweep-rate rates must be positive, --target in (0, 1], --jobs >= 1"
+    if not 0 < target <= 1 or jobs < 1:
+        fail(bounds)
     try:
         rates = tuple(float(r) for r in sweep_rate.split(",")) if sweep_rate else ()
-        slo = simulator.Slo(slo_ttft_ms / 1000, slo_tpot_ms / 1000, slo_ttft_per_1k_ms / 1000)
+        slo = SloTargets.from_ms(slo_ttft_ms, slo_tpot_ms, slo_ttft_per_1k_ms, share=target)
     except ValueError as exc:
         fail(f"--sweep-rate or SLO: {exc}")
-    if any(r <= 0 for r in rates) or not 0 < target <= 1 or jobs < 1:
-        fail("--sweep-rate rates must be positive, --target in (0, 1], --jobs >= 1")
+    if any(r <= 0 for r in rates):
+        fail(bounds)
     overrides = {
         k: v
         for k, v in (
@@ -150,7 +163,6 @@ def sim(
         seed=seed,
         deadlines=deadlines,
         rates_rps=rates,
-        target_attainment=target,
         sample_points=200 if plot else 0,
         jobs=jobs,
     )

@@ -46,6 +46,7 @@ from typing import cast
 
 import numpy as np
 
+from isocost.core.slo import SloTargets
 from isocost.engine.model import EngineEvent, EngineModel, Finished, FirstToken, RequestSpec
 from isocost.engine.model import RequestState as EngineRequest
 from isocost.prefix.hashing import ROOT_HASH
@@ -54,7 +55,6 @@ from isocost.scheduling.decision import Decision, Outcome
 from isocost.scheduling.framework import Policy
 from isocost.scheduling.state import ReplicaSet, ReplicaSpec, RequestView
 from isocost.sim._cluster import ClusterConfig, SimReplica
-from isocost.sim._metrics import Slo
 from isocost.workload import WorkloadRequest, prefix_block_hashes
 
 __all__ = ["BLOCK_TOKENS", "RequestRecord", "SimResult", "Simulator", "block_hashes"]
@@ -140,7 +140,7 @@ class Simulator:
         requests: Sequence[WorkloadRequest],
         *,
         model: str,
-        slo: Slo | None = None,
+        slo: SloTargets | None = None,
         sample_interval_s: float | None = None,
         on_progress: Callable[[float], None] | None = None,
     ) -> None:
@@ -252,7 +252,7 @@ class Simulator:
             session_key=request.session_id,
             deadline_s=None
             if slo is None
-            else request.arrival_s + slo.ttft_limit_s(request.prompt_tokens),
+            else request.arrival_s + slo.ttft_target_s(request.prompt_tokens),
             tpot_target_s=None if slo is None else slo.tpot_s,
             arrival_s=request.arrival_s,
             stream=True,

@@ -20,17 +20,17 @@ from random import Random
 import numpy as np
 import numpy.typing as npt
 
+from isocost.core.slo import SloTargets
 from isocost.scheduling.policies import SchedulingConfig, build_policy
 from isocost.sim._cluster import ClusterConfig, SimReplica, served_model
 from isocost.sim._core import SimResult, Simulator
 from isocost.sim._metrics import (
     Isolated,
     PolicySummary,
-    Slo,
     capacity_at_slo,
     isolated_times,
     oracle_summary,
-    summarize,
+    summarize_sim,
 )
 from isocost.sim._workload import at_rate
 from isocost.workload import WorkloadRequest
@@ -49,12 +49,11 @@ class SimPlan:
     replicas: tuple[SimReplica, ...]
     requests: list[WorkloadRequest]
     policies: tuple[str, ...]
-    slo: Slo
+    slo: SloTargets  # its share is the target for capacity at SLO
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)  # added policies
     seed: int = 0
     deadlines: bool = True  # requests carry their TTFT target (SLO admission can use it)
     rates_rps: tuple[float, ...] = ()  # a sweep: replay the requests at each mean rate
-    target_attainment: float = 0.9
     sample_points: int = 0  # load samples per run, for plots (0: none)
     jobs: int = 2
 
@@ -118,7 +117,7 @@ def run_plan(plan: SimPlan, progress: Progress | None = None) -> SweepOutput:
                 for r in runs
                 if r.summary.policy == policy
             ]
-            capacity[policy] = capacity_at_slo(points, plan.target_attainment)
+            capacity[policy] = capacity_at_slo(points, plan.slo.share)
     return SweepOutput(runs, oracle_summary(plan.requests, plan.slo, isolated), capacity)
 
 
@@ -189,7 +188,7 @@ def _run_task(
 def _output(
     result: SimResult,
     requests: list[WorkloadRequest],
-    slo: Slo,
+    slo: SloTargets,
     isolated: Isolated,
     rate: float | None,
 ) -> RunOutput:
@@ -201,7 +200,7 @@ def _output(
             arrival = record.request.arrival_s
             ttft[i] = record.first_token_s - arrival
             e2e[i] = record.finished_s - arrival
-    summary = summarize(
+    summary = summarize_sim(
         result.policy,
         requests,
         ttft,
