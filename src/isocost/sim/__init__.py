@@ -20,7 +20,7 @@ from isocost.sim._cluster import (
     uniform_cluster,
     with_settings,
 )
-from isocost.sim._core import BLOCK_TOKENS, RequestRecord, SimResult, Simulator, block_hashes
+from isocost.sim._core import BLOCK_TOKENS, SimRecord, SimResult, Simulator, block_hashes
 from isocost.sim._metrics import (
     Isolated,
     PolicySummary,
@@ -41,9 +41,9 @@ __all__ = [
     "Isolated",
     "PolicySummary",
     "ReplicaGroup",
-    "RequestRecord",
     "RunOutput",
     "SimPlan",
+    "SimRecord",
     "SimReplica",
     "SimResult",
     "Simulator",
