@@ -4,7 +4,7 @@ Replays a trace or a synthetic workload through the real scheduling brain
 (``isocost.scheduling``) onto engine models (``isocost.engine.model``), one per replica,
 in simulated time. Start with ``_core`` (the event loop), then ``_run`` (policies side by
 side, sweeps), ``_metrics`` (SLOs, the oracle, capacity at SLO) and ``_cluster`` (the
-cluster file).
+cluster file, or one pool of a gateway config).
 """
 
 from isocost.sim._cluster import (

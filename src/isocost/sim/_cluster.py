@@ -189,18 +189,19 @@ def gateway_cluster(
     model)."""
     if not pool.replicas:
         raise ConfigError(source, "lists no replica to simulate", f"pool {pool.model}")
+    names = [replica_name(r) for r in pool.replicas]
     groups = [
         ReplicaGroup(
             gpu=r.gpu,
             model=r.cost_model or pool.model,
             tp=r.tp,
-            name=replica_name(r),
+            name=name,
             weight=r.weight,
             max_queue=r.max_queue,
             usd_per_hour=r.usd_per_hour,
             groups=r.groups,
         )
-        for r in pool.replicas
+        for r, name in zip(pool.replicas, names, strict=True)
     ]
     limits = config.limits
     cluster = ClusterConfig(
@@ -214,8 +215,7 @@ def gateway_cluster(
     cluster = with_settings(cluster, source, **settings)
     replicas = resolve_cluster(cluster, catalog)  # one per group, each named <name>-0
     named = [
-        dataclasses.replace(r, replica_id=g.name or r.replica_id)
-        for r, g in zip(replicas, groups, strict=True)
+        dataclasses.replace(r, replica_id=name) for r, name in zip(replicas, names, strict=True)
     ]
     return cluster, named
 
