@@ -24,7 +24,7 @@ import pytest
 from isocost.bench import load_summary
 from isocost.demo._cluster import ClusterSettings, DemoReplica, engine_args, gateway_config
 from isocost.engine.config import parse_replica_spec
-from isocost.gateway.config import parse_config
+from isocost.runtime.config import parse_config
 
 ROOT = Path(__file__).resolve().parents[2]
 ISOCOST = str(ROOT / ".venv" / "bin" / "isocost")

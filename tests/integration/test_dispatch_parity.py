@@ -23,11 +23,11 @@ from isocost.core.catalog import Catalog
 from isocost.core.costmodel import CostModel
 from isocost.files import resolve_model
 from isocost.gateway.body import RoutingView
-from isocost.gateway.config import HealthConfig, ReplicaConfig
 from isocost.gateway.errors import ApiError
 from isocost.gateway.metrics import GatewayMetrics
 from isocost.gateway.replicas import Pool, Replica
 from isocost.gateway.routing import GatewayRequest, Grant, Router
+from isocost.runtime.config import HealthConfig, ReplicaConfig
 from isocost.scheduling.decision import Decision, RejectReason
 from isocost.scheduling.dispatch import Dispatcher
 from isocost.scheduling.policies import build_policy

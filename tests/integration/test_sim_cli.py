@@ -8,6 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from isocost.core.catalog import Catalog
+from isocost.core.errors import IsocostError
+from isocost.runtime.config import check_references, parse_config
+
 ISOCOST = Path(sys.executable).with_name("isocost")
 TRACE = (
     Path(__file__).resolve().parents[1] / "fixtures" / "traces" / "mooncake_conversation_head.jsonl"
@@ -94,3 +100,92 @@ def test_a_mixed_cluster_file_runs_and_a_bad_one_is_named(tmp_path: Path) -> Non
     assert done.returncode == 2
     assert str(bad) in done.stderr and "colour" in done.stderr
     assert done.stderr.strip().count("\n") == 0
+
+
+GATEWAY_EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "gateway.yaml"
+
+# A policy that exists only in this file: a declared plugin instance with its own
+# parameters, composed with an affinity scorer, behind SLO admission, plus a route.
+CUSTOM_POLICY = """\
+policy: cheap_affinity
+pools:
+  - model: llama-3.1-8b
+    replicas:
+      - {url: "http://10.0.0.1:8000", name: fast, gpu: h100-80g, groups: [fast]}
+      - {url: "http://10.0.0.2:8000", gpu: l20-48g, tp: 2, weight: 0.5, max_queue: 8}
+scheduling:
+  plugins:
+    - {name: gentle-cost, type: equal-cost-scorer, parameters: {lambda_delay: 0.5}}
+  policies:
+    - name: cheap_affinity
+      scorers:
+        - {plugin: gentle-cost, weight: 1.0}
+        - {plugin: session-affinity-scorer, weight: 0.3}
+      admission: {slo: true}
+  routes:
+    - {name: short, max_prompt_tokens: 4000, groups: [[fast], []]}
+limits: {max_queue: 16, queue_timeout_ms: 5000, max_retries: 1}
+"""
+
+
+def test_the_gateway_example_runs_its_pool_policy(tmp_path: Path) -> None:
+    done = run("--config", str(GATEWAY_EXAMPLE), "--pool", "llama-3.1-8b", "--trace", str(TRACE),
+               "--max-requests", "40", "--json", str(tmp_path / "g.json"))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = json.loads((tmp_path / "g.json").read_text())
+    assert [r["policy"] for r in rows] == ["cost_with_affinity", "oracle"]
+    assert rows[0]["completed"] + rows[0]["rejected"] == 40
+
+
+def test_a_policy_defined_only_in_the_file_is_simulated(tmp_path: Path) -> None:
+    config = tmp_path / "gateway.yaml"
+    config.write_text(CUSTOM_POLICY)
+    done = run("--config", str(config), "--trace", str(TRACE), "--max-requests", "40",
+               "--policies", "cheap_affinity,round_robin", "--plot", str(tmp_path / "p.png"),
+               "--json", str(tmp_path / "c.json"))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = json.loads((tmp_path / "c.json").read_text())
+    assert [r["policy"] for r in rows] == ["cheap_affinity", "round_robin", "oracle"]
+    assert all(r["completed"] + r["rejected"] == 40 for r in rows)
+    default = run("--config", str(config), "--trace", str(TRACE), "--max-requests", "10")
+    assert default.returncode == 0, default.stderr
+    assert "cheap_affinity" in default.stdout and "round_robin" not in default.stdout
+
+
+def test_several_pools_need_pool_and_the_error_lists_them() -> None:
+    done = run("--config", str(GATEWAY_EXAMPLE), "--trace", str(TRACE))
+    assert done.returncode == 2
+    assert done.stderr.strip().count("\n") == 0
+    assert "llama-3.1-8b, llama-3.1-70b" in done.stderr and "--pool" in done.stderr
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "pools: [{model: llama-3.1-8b, replicas: [{url: 'http://a:1', gpuu: a100-80g}]}]",
+        "pools: [{model: llama-3.1-8b, replicas: [{url: 'http://a:1', tensor_parallel: 2}]}]",
+        "pools: [{model: llama-3.1-8b, replicas: [{url: 'http://a:1', name: x},"
+        " {url: 'http://b:1', name: x}]}]",
+        "pools: [{model: llama-3.1-8b, policy: fastest, replicas: [{url: 'http://a:1'}]}]",
+    ],
+    ids=["unknown-key", "renamed-key", "duplicate-name", "unknown-policy"],
+)
+def test_a_bad_gateway_file_gets_the_same_line_as_serve(tmp_path: Path, text: str) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_text(text + "\n")
+    with pytest.raises(IsocostError) as parsed:
+        check_references(parse_config(text, str(config)), Catalog.builtin())
+    expected = f"error: {parsed.value}"
+    simulated = run("--config", str(config), "--trace", str(TRACE))
+    env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1"}
+    served = subprocess.run(
+        [str(ISOCOST), "serve", "--config", str(config), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
+    for done in (simulated, served):
+        assert done.returncode == 2
+        assert done.stderr.strip() == expected

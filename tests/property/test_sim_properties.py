@@ -10,13 +10,13 @@ from hypothesis import strategies as st
 
 from isocost.core.catalog import Catalog
 from isocost.core.costmodel import CostModel
+from isocost.core.slo import SloTargets
 from isocost.engine.model import EngineModel, RequestSpec
 from isocost.sim import (
     ClusterConfig,
     ClusterEvent,
     ReplicaGroup,
     SimPlan,
-    Slo,
     isolated_times,
     json_rows,
     resolve_cluster,
@@ -98,12 +98,13 @@ def test_every_arrival_ends_once_completed_or_rejected_and_runs_repeat_exactly(
     delay_ms: float,
 ) -> None:
     requests = workload(specs)
+    cluster_config = cluster(count, slowdown, max_queue, fail_at, delay_ms)
     plan = SimPlan(
-        cluster=cluster(count, slowdown, max_queue, fail_at, delay_ms),
-        catalog=CATALOG,
+        cluster=cluster_config,
+        replicas=tuple(resolve_cluster(cluster_config, CATALOG)),
         requests=requests,
         policies=(policy,),
-        slo=Slo(ttft_s=0.5, tpot_s=0.05, ttft_per_1k_s=0.2),
+        slo=SloTargets(ttft_s=0.5, tpot_s=0.05, ttft_per_1k_s=0.2),
         jobs=1,
     )
     first = run_plan(plan)
@@ -113,9 +114,7 @@ def test_every_arrival_ends_once_completed_or_rejected_and_runs_repeat_exactly(
     completed = ~np.isnan(run.ttft_s)
     assert int(completed.sum()) == row["completed"]
     # no request beats running alone on an empty replica, unless the cache served it
-    isolated = isolated_times(
-        requests, [r.cost_model for r in resolve_cluster(plan.cluster, CATALOG)], delay_ms / 1000
-    )
+    isolated = isolated_times(requests, [r.cost_model for r in plan.replicas], delay_ms / 1000)
     unshared = np.array([len(r.segments) == 1 for r in requests])
     mask = completed & unshared
     assert np.all(run.ttft_s[mask] >= isolated.ttft_s[mask] - 1e-9)

@@ -18,7 +18,7 @@ import pytest
 from cluster import ADMIN_TOKEN, API_KEY, AUTH, MODEL, Cluster, http, start_cluster
 
 from isocost.gateway.auth import Authenticator
-from isocost.gateway.config import ApiKeyConfig, AuthConfig
+from isocost.runtime.config import ApiKeyConfig, AuthConfig
 
 LIMITED_KEY = "sk-limited-key-0a9c77"
 ADMIN_ROUTES = [

@@ -5,7 +5,7 @@ Talks HTTP only, so it measures an engine, the gateway, vLLM or another router a
 """
 
 from isocost.bench._main import bench_command, compare_command, run_with_live_view
-from isocost.bench._records import BenchSummary, RequestRecord, meets_slo, summarize
+from isocost.bench._records import BenchRecord, BenchSummary, meets_slo, summarize_bench
 from isocost.bench._report import (
     compare_table,
     live_table,
@@ -28,10 +28,10 @@ __all__ = [
     "TRACE_FORMATS",
     "BenchOptions",
     "BenchProgress",
+    "BenchRecord",
     "BenchResult",
     "BenchSummary",
     "EndpointError",
-    "RequestRecord",
     "WorkloadSpec",
     "bench_command",
     "build_workload",
@@ -44,6 +44,6 @@ __all__ = [
     "plot_comparison",
     "run_bench",
     "run_with_live_view",
-    "summarize",
+    "summarize_bench",
     "summary_table",
 ]

@@ -1,6 +1,6 @@
 """One OpenAI request over HTTP, timed chunk by chunk; every failure becomes an error kind.
 
-Error kinds (``RequestRecord.error_kind``):
+Error kinds (``BenchRecord.error_kind``):
 
 - ``connect``: no connection (refused, reset before a response, DNS).
 - ``timeout``: no complete answer within the per-request timeout.
@@ -24,7 +24,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from isocost.bench._records import RequestRecord
+from isocost.bench._records import BenchRecord
 
 __all__ = ["send_request"]
 
@@ -44,9 +44,9 @@ async def send_request(
     payload: dict[str, Any],
     headers: dict[str, str],
     clock: Callable[[], float],
-    record: RequestRecord,
+    record: BenchRecord,
     timeout_s: float,
-) -> RequestRecord:
+) -> BenchRecord:
     """POST ``payload`` to ``url`` and fill ``record`` with its timeline and outcome."""
     record.sent_s = clock()
     try:
@@ -105,7 +105,7 @@ def _text(event: dict[str, Any]) -> str:
     return text if isinstance(text, str) else ""
 
 
-def _usage(event: dict[str, Any], record: RequestRecord) -> None:
+def _usage(event: dict[str, Any], record: BenchRecord) -> None:
     usage = event.get("usage")
     if isinstance(usage, dict):
         prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
@@ -116,7 +116,7 @@ def _usage(event: dict[str, Any], record: RequestRecord) -> None:
 
 
 async def _read_stream(
-    response: aiohttp.ClientResponse, clock: Callable[[], float], record: RequestRecord
+    response: aiohttp.ClientResponse, clock: Callable[[], float], record: BenchRecord
 ) -> None:
     chunks = 0
     async for raw in response.content:
@@ -144,7 +144,7 @@ async def _read_stream(
     raise _Garbage("truncated", "the stream ended without data: [DONE]")
 
 
-def _read_body(body: bytes, clock: Callable[[], float], record: RequestRecord) -> None:
+def _read_body(body: bytes, clock: Callable[[], float], record: BenchRecord) -> None:
     now = clock()
     event = _decode(body)
     _usage(event, record)

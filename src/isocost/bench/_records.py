@@ -4,22 +4,27 @@ Times are seconds on the run's monotonic clock, 0 at the start of the run. Laten
 from ``intended_s``, the time the request was *due* (its arrival in an open-loop run, or
 the end of its session's previous turn if later), not from when it was actually sent: a
 late send then shows as latency instead of vanishing (no coordinated omission).
-``send_lag_s`` reports how late the generator itself was.
+``send_lag_s`` reports how late the generator itself was. Goodput counts the requests that
+meet the SLO as ``core.slo.SloTargets`` defines it, the same definition as ``isocost sim``'s
+(the TTFT target grows with the planned prompt length when a per-1k target is given).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections import Counter
 from collections.abc import Sequence
 
 import msgspec
 import numpy as np
 
-__all__ = ["BenchSummary", "RequestRecord", "meets_slo", "summarize"]
+from isocost.core.slo import SloTargets
+
+__all__ = ["BenchRecord", "BenchSummary", "meets_slo", "summarize_bench"]
 
 
-class RequestRecord(msgspec.Struct, kw_only=True):
+class BenchRecord(msgspec.Struct, kw_only=True):
     """One request's timeline and outcome (one JSONL line of ``--records``)."""
 
     request_id: int
@@ -64,8 +69,10 @@ class RequestRecord(msgspec.Struct, kw_only=True):
         return [b - a for a, b in itertools.pairwise(self.chunk_times_s)]
 
 
-class BenchSummary(msgspec.Struct, kw_only=True):
-    """A run's figures (the ``--json`` file); percentiles are None without samples."""
+class BenchSummary(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A run's figures (the ``--json`` file); percentiles are None without samples.
+    ``slo_ttft_per_1k_ms`` is left out of the file while it is 0 (files from before it
+    existed read as 0)."""
 
     label: str
     url: str
@@ -81,6 +88,7 @@ class BenchSummary(msgspec.Struct, kw_only=True):
     goodput_rps: float
     slo_ttft_ms: float | None
     slo_tpot_ms: float | None
+    slo_ttft_per_1k_ms: float = 0.0
     ttft_p50_s: float | None
     ttft_p90_s: float | None
     ttft_p99_s: float | None
@@ -103,24 +111,28 @@ def _percentile(values: Sequence[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
-def meets_slo(record: RequestRecord, slo_ttft_s: float | None, slo_tpot_s: float | None) -> bool:
-    """Completed, and within both SLOs (an SLO not given always holds)."""
+def meets_slo(record: BenchRecord, slo: SloTargets) -> bool:
+    """Completed, and within both targets (a target not given is infinite, so it holds;
+    no text chunk counts as an infinite TTFT, fewer than two output tokens as TPOT 0)."""
     if not record.ok:
         return False
     ttft_s, tpot_s = record.ttft_s, record.tpot_s
-    if slo_ttft_s is not None and (ttft_s is None or ttft_s > slo_ttft_s):
-        return False
-    return slo_tpot_s is None or tpot_s is None or tpot_s <= slo_tpot_s
+    return slo.met(
+        record.prompt_tokens,
+        math.inf if ttft_s is None else ttft_s,
+        0.0 if tpot_s is None else tpot_s,
+    )
 
 
-def summarize(
-    records: Sequence[RequestRecord],
+def summarize_bench(
+    records: Sequence[BenchRecord],
     *,
     label: str,
     url: str,
     model: str,
     slo_ttft_ms: float | None = None,
     slo_tpot_ms: float | None = None,
+    slo_ttft_per_1k_ms: float = 0.0,
 ) -> BenchSummary:
     """Percentiles, rates and goodput over ``records``; rates are over the run's span."""
     done = [r for r in records if r.ok]
@@ -135,9 +147,8 @@ def summarize(
     def per_s(count: int) -> float:
         return count / duration_s if duration_s > 0 else 0.0
 
-    slo_ttft_s = None if slo_ttft_ms is None else slo_ttft_ms / 1000
-    slo_tpot_s = None if slo_tpot_ms is None else slo_tpot_ms / 1000
-    good = sum(1 for r in done if meets_slo(r, slo_ttft_s, slo_tpot_s))
+    slo = SloTargets.from_ms(slo_ttft_ms, slo_tpot_ms, slo_ttft_per_1k_ms)
+    good = sum(1 for r in done if meets_slo(r, slo))
     kinds = Counter(r.error_kind for r in records if r.error_kind is not None)
     return BenchSummary(
         label=label,
@@ -154,6 +165,7 @@ def summarize(
         goodput_rps=per_s(good),
         slo_ttft_ms=slo_ttft_ms,
         slo_tpot_ms=slo_tpot_ms,
+        slo_ttft_per_1k_ms=slo_ttft_per_1k_ms,
         ttft_p50_s=_percentile(ttft, 50),
         ttft_p90_s=_percentile(ttft, 90),
         ttft_p99_s=_percentile(ttft, 99),

@@ -45,8 +45,10 @@ _LATENCY_ROWS = [
 
 def _rows(summary: BenchSummary) -> list[tuple[str, str]]:
     errors = ", ".join(f"{k} {n}" for k, n in summary.errors_by_kind.items()) or "none"
+    per_1k = summary.slo_ttft_per_1k_ms
+    scaled = f" + {per_1k:g} ms per 1k prompt tokens" if per_1k else ""
     slos = [
-        f"{name} <= {value:g} ms"
+        f"{name} <= {value:g} ms{scaled if name == 'TTFT' else ''}"
         for name, value in (("TTFT", summary.slo_ttft_ms), ("TPOT", summary.slo_tpot_ms))
         if value is not None
     ]

@@ -31,8 +31,9 @@ import msgspec
 import numpy as np
 
 from isocost.bench._client import send_request
-from isocost.bench._records import BenchSummary, RequestRecord, summarize
+from isocost.bench._records import BenchRecord, BenchSummary, summarize_bench
 from isocost.core.errors import ConfigError, IsocostError
+from isocost.core.slo import SloTargets
 from isocost.workload import TextRenderer, WorkloadRequest
 
 __all__ = [
@@ -66,6 +67,7 @@ class BenchOptions:
     timeout_s: float = 600.0  # per request
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
+    slo_ttft_per_1k_ms: float = 0.0  # added to the TTFT target per 1,000 prompt tokens
     text_salt: int = 0  # a new salt gives new prompt text (a cold prefix cache)
     api_key: str | None = None
     label: str = "bench"
@@ -75,6 +77,10 @@ class BenchOptions:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError("bench options", f"{name} must be positive")
+        try:
+            SloTargets.from_ms(self.slo_ttft_ms, self.slo_tpot_ms, self.slo_ttft_per_1k_ms)
+        except ValueError as exc:
+            raise ConfigError("bench options", str(exc)) from None
 
 
 @dataclass(slots=True)
@@ -87,7 +93,7 @@ class BenchProgress:
     ttft_s: list[float] = field(default_factory=list)
     e2e_s: list[float] = field(default_factory=list)
 
-    def add(self, record: RequestRecord) -> None:
+    def add(self, record: BenchRecord) -> None:
         if record.ok:
             self.done += 1
             if record.ttft_s is not None:
@@ -104,7 +110,7 @@ class BenchProgress:
 
 @dataclass(frozen=True, slots=True)
 class BenchResult:
-    records: list[RequestRecord]
+    records: list[BenchRecord]
     summary: BenchSummary
 
 
@@ -193,7 +199,7 @@ class _Run:
             f"{base}/v1/{'chat/completions' if options.api == 'chat' else 'completions'}"
         )
         self.renderer = TextRenderer(salt=options.text_salt)
-        self.records: list[RequestRecord] = []
+        self.records: list[BenchRecord] = []
         self.session_ends: dict[str, asyncio.Future[float]] = {}
         loop = asyncio.get_running_loop()
         start = loop.time()
@@ -222,7 +228,7 @@ class _Run:
             headers["x-session-id"] = request.session_id
         if self.options.api_key:
             headers["authorization"] = f"Bearer {self.options.api_key}"
-        record = RequestRecord(
+        record = BenchRecord(
             request_id=request.request_id,
             session_id=request.session_id,
             turn_index=request.turn_index,
@@ -332,12 +338,13 @@ async def run_bench(
         else:
             await run.closed_loop(requests, options.concurrency)
     records = sorted(run.records, key=lambda r: r.request_id)
-    summary = summarize(
+    summary = summarize_bench(
         records,
         label=options.label,
         url=base,
         model=model,
         slo_ttft_ms=options.slo_ttft_ms,
         slo_tpot_ms=options.slo_tpot_ms,
+        slo_ttft_per_1k_ms=options.slo_ttft_per_1k_ms,
     )
     return BenchResult(records, summary)

@@ -18,7 +18,7 @@ from pathlib import Path
 import msgspec
 
 from isocost.demo._processes import DemoError, Service, Services
-from isocost.gateway.config import (
+from isocost.runtime.config import (
     AuthConfig,
     GatewayConfig,
     HealthConfig,

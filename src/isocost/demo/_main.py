@@ -37,6 +37,12 @@ from rich.live import Live
 from isocost.bench import BenchOptions, BenchResult, WorkloadSpec, build_workload, run_bench
 from isocost.bench._report import compare_table
 from isocost.core.errors import ConfigError
+from isocost.core.slo import (
+    DEFAULT_SLO_TPOT_MS,
+    DEFAULT_SLO_TTFT_MS,
+    DEFAULT_SLO_TTFT_PER_1K_MS,
+    SloTargets,
+)
 from isocost.demo._cluster import (
     DEFAULT_LAYOUT,
     Cluster,
@@ -74,8 +80,9 @@ class DemoOptions:
     time_scale: float = 2.0
     stream_interval: int = 1
     max_prompt_tokens: int = 8192
-    slo_ttft_ms: float = 2000.0
-    slo_tpot_ms: float = 100.0
+    slo_ttft_ms: float = DEFAULT_SLO_TTFT_MS
+    slo_ttft_per_1k_ms: float = DEFAULT_SLO_TTFT_PER_1K_MS
+    slo_tpot_ms: float = DEFAULT_SLO_TPOT_MS
     timeout_s: float = 60.0
     seed: int = 0
     host: str = "127.0.0.1"
@@ -96,6 +103,12 @@ class DemoOptions:
         for flag, ok, message in checks:
             if not ok:
                 raise ConfigError(flag, message)
+        try:
+            SloTargets.from_ms(self.slo_ttft_ms, self.slo_tpot_ms, self.slo_ttft_per_1k_ms)
+        except ValueError as exc:
+            raise ConfigError(
+                "--slo-ttft-ms, --slo-ttft-per-1k-ms, --slo-tpot-ms", str(exc)
+            ) from None
 
 
 def _valid_policies() -> str:
@@ -169,6 +182,7 @@ async def _run_policy(
         timeout_s=options.timeout_s,
         slo_ttft_ms=options.slo_ttft_ms,
         slo_tpot_ms=options.slo_tpot_ms,
+        slo_ttft_per_1k_ms=options.slo_ttft_per_1k_ms,
         label=policy,
     )
     state = LiveState(policy, options.duration_s, loop, loop.time())
@@ -199,8 +213,14 @@ def _setup_rows(options: DemoOptions) -> list[tuple[str, str]]:
         ("workload", f"{workload}, Poisson {options.rate_rps:g} req/s, seed {options.seed}"),
         ("duration", f"{options.duration_s:g} s of arrivals per policy"),
         ("engine time scale", f"{options.time_scale:g} (wall s per modelled GPU s)"),
-        ("SLOs (goodput)", f"TTFT {options.slo_ttft_ms:g} ms, TPOT {options.slo_tpot_ms:g} ms"),
+        ("SLOs (goodput)", _slo_text(options)),
     ]
+
+
+def _slo_text(options: DemoOptions) -> str:
+    per_1k = options.slo_ttft_per_1k_ms
+    scaled = f" + {per_1k:g} ms per 1k prompt tokens" if per_1k else ""
+    return f"TTFT {options.slo_ttft_ms:g} ms{scaled}, TPOT {options.slo_tpot_ms:g} ms"
 
 
 def run_demo(options: DemoOptions, console: Console) -> Path:

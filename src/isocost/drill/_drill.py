@@ -37,7 +37,7 @@ import msgspec
 from isocost.bench import (
     BenchOptions,
     BenchProgress,
-    RequestRecord,
+    BenchRecord,
     WorkloadSpec,
     build_workload,
     normalize_url,
@@ -331,7 +331,7 @@ async def run_drill(
     return _report(base, names, options, timeline, result.records)
 
 
-def _share(records: list[RequestRecord], names: set[str]) -> float | None:
+def _share(records: list[BenchRecord], names: set[str]) -> float | None:
     served = [r.replica for r in records if r.ok]
     return sum(name in names for name in served) / len(served) if served else None
 
@@ -341,7 +341,7 @@ def _report(
     names: list[str],
     options: DrillOptions,
     timeline: _Timeline,
-    records: list[RequestRecord],
+    records: list[BenchRecord],
 ) -> DrillReport:
     assert timeline.injected_at is not None
     injected = timeline.injected_at

@@ -25,9 +25,9 @@ from aiohttp import web
 
 from isocost.core.errors import IsocostError
 from isocost.gateway.auth import bearer_token
-from isocost.gateway.config import ReplicaConfig
 from isocost.gateway.errors import ApiError
 from isocost.gateway.replicas import Replica
+from isocost.runtime.config import ReplicaConfig
 
 if TYPE_CHECKING:
     from isocost.gateway.app import Gateway
@@ -83,7 +83,7 @@ def replica_row(
         "success_rate": round(replica.breaker.success_rate(), 3),
         "last_error": replica.breaker.last_error,
         "gpu": config.gpu,
-        "tensor_parallel": config.tensor_parallel,
+        "tensor_parallel": config.tp,
         "weight": config.weight,
         "usd_per_hour": state.spec.price_usd_per_hour if state else config.usd_per_hour,
         "in_flight": replica.num_in_flight,

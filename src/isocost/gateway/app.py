@@ -30,13 +30,6 @@ from isocost.files import read_text
 from isocost.gateway.admin import add_admin_routes
 from isocost.gateway.auth import ApiKey, Authenticator, bearer_token
 from isocost.gateway.body import BodyError, decode_body
-from isocost.gateway.config import (
-    GatewayConfig,
-    LimitsConfig,
-    ReplicaConfig,
-    normalize_replica_url,
-    parse_config,
-)
 from isocost.gateway.dashboard import add_dashboard_routes
 from isocost.gateway.errors import ApiError, error_body, error_response
 from isocost.gateway.health import BreakerState
@@ -45,6 +38,13 @@ from isocost.gateway.proxy import Forwarder, ForwardSettings, Outcome
 from isocost.gateway.replicas import Pool, Replica
 from isocost.gateway.routing import GatewayRequest, Router
 from isocost.gateway.scrape import ScrapeError, parse_engine_metrics
+from isocost.runtime.config import (
+    GatewayConfig,
+    LimitsConfig,
+    ReplicaConfig,
+    normalize_replica_url,
+    parse_config,
+)
 
 __all__ = ["GATEWAY", "Gateway", "build_app"]
 

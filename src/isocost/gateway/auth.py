@@ -16,7 +16,7 @@ import hmac
 import os
 from dataclasses import dataclass
 
-from isocost.gateway.config import AuthConfig
+from isocost.runtime.config import AuthConfig
 
 __all__ = ["ApiKey", "Authenticator", "TokenBucket", "bearer_token"]
 

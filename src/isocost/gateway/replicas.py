@@ -11,10 +11,9 @@ from __future__ import annotations
 import os
 from collections import deque
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
 
-from isocost.gateway.config import HealthConfig, ReplicaConfig, normalize_replica_url
 from isocost.gateway.health import Breaker, BreakerState
+from isocost.runtime.config import HealthConfig, ReplicaConfig, normalize_replica_url, replica_name
 from isocost.scheduling.state import EngineMetrics
 
 __all__ = ["Pool", "Replica"]
@@ -27,8 +26,7 @@ class Replica:
 
     def __init__(self, config: ReplicaConfig, pool: str, health: HealthConfig) -> None:
         self.url = normalize_replica_url(config.url)
-        parts = urlsplit(self.url)
-        self.name = config.name or f"{parts.hostname}:{parts.port}"
+        self.name = replica_name(config)
         self.pool = pool
         self.config = config
         self.breaker = Breaker(

@@ -42,14 +42,12 @@ from typing import Any
 from aiohttp import web
 
 from isocost.core.catalog import Catalog
-from isocost.core.costmodel import CostModel
 from isocost.core.errors import IsocostError
-from isocost.files import resolve_model
 from isocost.gateway.body import RoutingView
-from isocost.gateway.config import GatewayConfig
 from isocost.gateway.errors import ApiError
 from isocost.gateway.metrics import GatewayMetrics
 from isocost.gateway.replicas import Pool, Replica
+from isocost.runtime.config import GatewayConfig, check_references, replica_cost_model
 from isocost.scheduling.decision import Decision, RejectReason
 from isocost.scheduling.dispatch import Dispatcher
 from isocost.scheduling.framework import Policy
@@ -217,13 +215,7 @@ class Router:
 
     def check_config(self, config: GatewayConfig) -> None:
         """Raise IsocostError if ``config`` names an unknown policy, plugin or cost model."""
-        names = {p.name for p in config.scheduling.policies} | {config.policy}
-        names.update(pool.policy for pool in config.pools if pool.policy)
-        for name in sorted(names):
-            self.build(name, config.scheduling)
-        for pool in config.pools:
-            for replica in pool.replicas:
-                self.cost_model(replica.cost_model or pool.model, replica.gpu, 1)
+        check_references(config, self.catalog)
 
     def set_scheduling(self, scheduling: SchedulingConfig) -> None:
         """New plugin declarations, profiles and routes; rebuilds every pool's policy."""
@@ -231,9 +223,6 @@ class Router:
             self.scheduling = scheduling
             for model in self.policies:
                 self.policies[model] = self.build(self.policies[model].name)
-
-    def cost_model(self, model: str, gpu: str, tensor_parallel: int) -> CostModel:
-        return CostModel(resolve_model(model, self.catalog), self.catalog.gpu(gpu), tensor_parallel)
 
     def set_policy(self, pool: Pool, name: str) -> None:
         if pool.model in self.policies and pool.policy == name:
@@ -256,9 +245,7 @@ class Router:
         spec = ReplicaSpec(
             replica_id=replica.name,
             model=pool.model,
-            cost_model=self.cost_model(
-                config.cost_model or pool.model, config.gpu, config.tensor_parallel
-            ),
+            cost_model=replica_cost_model(config, pool.model, self.catalog),
             weight=config.weight,
             usd_per_hour=config.usd_per_hour,
             max_queue=config.max_queue,

@@ -20,7 +20,7 @@ from aiohttp import web
 from isocost.core.catalog import Catalog
 from isocost.core.errors import ConfigError, IsocostError
 from isocost.gateway.app import Gateway, build_app
-from isocost.gateway.config import (
+from isocost.runtime.config import (
     AuthConfig,
     GatewayConfig,
     PoolConfig,
@@ -85,7 +85,7 @@ async def discover_config(
     *,
     policy: str,
     gpu: str,
-    tensor_parallel: int,
+    tp: int,
     cost_model: str | None,
     catalog: Catalog,
     admin_token_env: str | None,
@@ -110,7 +110,7 @@ async def discover_config(
                 url, f"serves {model!r}, which is not in the catalog; pass --cost-model"
             )
         pools.setdefault(model, []).append(
-            ReplicaConfig(url=url, gpu=gpu, cost_model=spec_model, tensor_parallel=tensor_parallel)
+            ReplicaConfig(url=url, gpu=gpu, cost_model=spec_model, tp=tp)
         )
     return GatewayConfig(
         pools=[PoolConfig(model=m, replicas=r) for m, r in pools.items()],

@@ -4,7 +4,7 @@ Replays a trace or a synthetic workload through the real scheduling brain
 (``isocost.scheduling``) onto engine models (``isocost.engine.model``), one per replica,
 in simulated time. Start with ``_core`` (the event loop), then ``_run`` (policies side by
 side, sweeps), ``_metrics`` (SLOs, the oracle, capacity at SLO) and ``_cluster`` (the
-cluster file).
+cluster file, or one pool of a gateway config).
 """
 
 from isocost.sim._cluster import (
@@ -12,17 +12,18 @@ from isocost.sim._cluster import (
     ClusterEvent,
     ReplicaGroup,
     SimReplica,
+    gateway_cluster,
+    gateway_pool,
     parse_cluster_yaml,
     resolve_cluster,
     served_model,
     uniform_cluster,
     with_settings,
 )
-from isocost.sim._core import BLOCK_TOKENS, RequestRecord, SimResult, Simulator, block_hashes
+from isocost.sim._core import BLOCK_TOKENS, SimRecord, SimResult, Simulator, block_hashes
 from isocost.sim._metrics import (
     Isolated,
     PolicySummary,
-    Slo,
     capacity_at_slo,
     isolated_times,
     oracle_summary,
@@ -40,19 +41,20 @@ __all__ = [
     "Isolated",
     "PolicySummary",
     "ReplicaGroup",
-    "RequestRecord",
     "RunOutput",
     "SimPlan",
+    "SimRecord",
     "SimReplica",
     "SimResult",
     "Simulator",
-    "Slo",
     "SweepOutput",
     "WorkloadChoice",
     "at_rate",
     "block_hashes",
     "capacity_at_slo",
     "check_policies",
+    "gateway_cluster",
+    "gateway_pool",
     "isolated_times",
     "json_rows",
     "load_requests",

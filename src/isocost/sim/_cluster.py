@@ -24,10 +24,17 @@ A replica group expands to ``count`` replicas named ``<name>-<i>`` (``name`` def
 running when the simulation starts; a later ``start_s`` launches the replica then, ready
 ``cold_start_s`` later, and a recovered replica also pays its cold start, with an empty
 cache. ``slowdown`` multiplies every step time (a degraded node).
+
+``gateway_cluster`` reads the cluster from ``isocost serve``'s own config instead
+(``isocost sim --config gateway.yaml``): one pool's replicas, by their gateway names, with
+their GPU, ``tp``, cost model, weight, price, groups and ``max_queue``, and the gateway's
+scrape interval, queue size, queue timeout and retries. URLs and secrets play no part: the
+simulator simulates each replica from its GPU, model and ``tp``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -38,12 +45,16 @@ from isocost.core.catalog import Catalog
 from isocost.core.costmodel import CostModel
 from isocost.core.errors import ConfigError
 from isocost.files import resolve_model
+from isocost.runtime.config import GatewayConfig, PoolConfig, replica_name
+from isocost.scheduling.policies import UnknownConfigEntryError
 
 __all__ = [
     "ClusterConfig",
     "ClusterEvent",
     "ReplicaGroup",
     "SimReplica",
+    "gateway_cluster",
+    "gateway_pool",
     "parse_cluster_yaml",
     "resolve_cluster",
     "served_model",
@@ -153,6 +164,60 @@ def resolve_cluster(config: ClusterConfig, catalog: Catalog) -> list[SimReplica]
                 )
             )
     return out
+
+
+def gateway_pool(config: GatewayConfig, pool: str | None, source: str) -> PoolConfig:
+    """The pool named ``pool`` (the model its clients ask for); None: the file's only pool."""
+    models = [p.model for p in config.pools]
+    if pool is None:
+        if len(models) != 1:
+            found = f"pools {', '.join(models)}" if models else "no pool"
+            raise ConfigError(source, f"{found}: name the one to simulate with --pool")
+        return config.pools[0]
+    for candidate in config.pools:
+        if candidate.model == pool:
+            return candidate
+    raise UnknownConfigEntryError("pool", pool, models, "--pool")
+
+
+def gateway_cluster(
+    config: GatewayConfig, pool: PoolConfig, catalog: Catalog, source: str, **settings: float
+) -> tuple[ClusterConfig, list[SimReplica]]:
+    """``pool`` of a gateway config as a simulated cluster (see the module docstring), with
+    command-line ``settings`` applied; the cluster and its replicas, by their gateway names.
+    Cost models resolve as the gateway resolves them (``cost_model``, else the pool's
+    model)."""
+    if not pool.replicas:
+        raise ConfigError(source, "lists no replica to simulate", f"pool {pool.model}")
+    names = [replica_name(r) for r in pool.replicas]
+    groups = [
+        ReplicaGroup(
+            gpu=r.gpu,
+            model=r.cost_model or pool.model,
+            tp=r.tp,
+            name=name,
+            weight=r.weight,
+            max_queue=r.max_queue,
+            usd_per_hour=r.usd_per_hour,
+            groups=r.groups,
+        )
+        for r, name in zip(pool.replicas, names, strict=True)
+    ]
+    limits = config.limits
+    cluster = ClusterConfig(
+        replicas=groups,
+        served_model=pool.model,
+        scrape_interval_ms=config.scrape_interval_ms,
+        queue_size=limits.max_queue,
+        queue_timeout_ms=limits.queue_timeout_ms,
+        max_retries=limits.max_retries,
+    )
+    cluster = with_settings(cluster, source, **settings)
+    replicas = resolve_cluster(cluster, catalog)  # one per group, each named <name>-0
+    named = [
+        dataclasses.replace(r, replica_id=name) for r, name in zip(replicas, names, strict=True)
+    ]
+    return cluster, named
 
 
 def served_model(config: ClusterConfig) -> str:

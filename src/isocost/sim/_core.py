@@ -47,6 +47,7 @@ from typing import cast
 
 import numpy as np
 
+from isocost.core.slo import SloTargets
 from isocost.engine.model import EngineEvent, EngineModel, Finished, FirstToken, RequestSpec
 from isocost.engine.model import RequestState as EngineRequest
 from isocost.prefix.hashing import ROOT_HASH
@@ -55,10 +56,9 @@ from isocost.scheduling.dispatch import Dispatcher
 from isocost.scheduling.framework import Policy
 from isocost.scheduling.state import ReplicaSet, ReplicaSpec, RequestView
 from isocost.sim._cluster import ClusterConfig, SimReplica
-from isocost.sim._metrics import Slo
 from isocost.workload import WorkloadRequest, prefix_block_hashes
 
-__all__ = ["BLOCK_TOKENS", "RequestRecord", "SimResult", "Simulator", "block_hashes"]
+__all__ = ["BLOCK_TOKENS", "SimRecord", "SimResult", "Simulator", "block_hashes"]
 
 FAULT, ENGINE, HOOK, SCRAPE, ARRIVAL, DELIVER, SAMPLE = range(7)
 _FIRST, _DONE, _FAILED, _TIMEOUT = range(4)  # hook kinds
@@ -72,7 +72,7 @@ def block_hashes(request: WorkloadRequest, block_tokens: int = BLOCK_TOKENS) -> 
 
 
 @dataclass(slots=True)
-class RequestRecord:
+class SimRecord:
     """What happened to one arrival (times are the simulator's, seen at the gateway)."""
 
     request: WorkloadRequest
@@ -97,7 +97,7 @@ class SimResult:
     """One policy's run over one request list."""
 
     policy: str
-    records: list[RequestRecord]
+    records: list[SimRecord]
     replica_ids: list[str]
     busy_s: list[float]  # per replica, engine busy time over the run
     prefix_queries: int  # tokens looked up in engine prefix caches
@@ -111,11 +111,14 @@ class SimResult:
 
 
 @dataclass(slots=True)
-class _Replica:
+class _SimulatedReplica:
+    """A replica while the run goes: its engine model (built from its ``SimReplica``) and
+    what is in flight there."""
+
     config: SimReplica
     index: int  # position in the simulator's replica order (its column in the readings)
     engine: EngineModel | None = None  # None: not started, failed or cold-starting
-    in_flight: dict[str, tuple[RequestRecord, EngineRequest]] = field(default_factory=dict)
+    in_flight: dict[str, tuple[SimRecord, EngineRequest]] = field(default_factory=dict)
     wake_s: float = math.inf  # the pending ENGINE event's time; others are stale
     epoch: int = 0  # bumped on failure, so deliveries to the old engine fail
     busy_s: float = 0.0  # totals of retired engines (failed ones, and all at the end)
@@ -126,8 +129,8 @@ class _Replica:
 
 _Event = tuple[float, int, int, object]  # (time, phase, sequence, payload)
 _Hook = tuple[int, str, int | str]  # (kind, attempt id, output tokens | failure reason)
-_Delivery = tuple[_Replica, RequestView, RequestRecord, int]  # (..., replica epoch)
-_Fault = tuple[str, _Replica, float]  # (action, replica, factor)
+_Delivery = tuple[_SimulatedReplica, RequestView, SimRecord, int]  # (..., replica epoch)
+_Fault = tuple[str, _SimulatedReplica, float]  # (action, replica, factor)
 
 
 class Simulator:
@@ -141,7 +144,7 @@ class Simulator:
         requests: Sequence[WorkloadRequest],
         *,
         model: str,
-        slo: Slo | None = None,
+        slo: SloTargets | None = None,
         sample_interval_s: float | None = None,
         on_progress: Callable[[float], None] | None = None,
     ) -> None:
@@ -155,29 +158,29 @@ class Simulator:
         self.on_progress = on_progress
         self.shadow = ReplicaSet(block_tokens=BLOCK_TOKENS)
         self.shadow.add_listener(policy)
-        self.dispatcher: Dispatcher[RequestRecord] = Dispatcher(
+        self.dispatcher: Dispatcher[SimRecord] = Dispatcher(
             cluster.queue_size,
             cluster.queue_timeout_ms / 1000.0,
             schedule=self._schedule,
             bind=self._bind,
             reject=self._refuse,
         )
-        self.replicas = {r.replica_id: _Replica(r, i) for i, r in enumerate(replicas)}
+        self.replicas = {r.replica_id: _SimulatedReplica(r, i) for i, r in enumerate(replicas)}
         # Engine readings, a column per replica (running, waiting, KV usage, prefix-cache
         # queries and hits), refreshed only for the replicas in ``_live``: an idle engine's
         # reading cannot change until a request reaches it.
         self._readings = np.zeros((5, len(self.replicas)))
         self._up = np.zeros(len(self.replicas), dtype=bool)  # engine running, in the shadow
         self._slots = np.zeros(len(self.replicas), dtype=np.int64)  # shadow slot of each
-        self._live: dict[int, _Replica] = {}
-        self.records = [RequestRecord(r) for r in requests]
+        self._live: dict[int, _SimulatedReplica] = {}
+        self.records = [SimRecord(r) for r in requests]
         self._heap: list[_Event] = []
         self._seq = 0
         self._now = 0.0
         self._num_events = 0
         self._unsettled = len(self.records)
-        self._attempts: dict[str, RequestRecord] = {}  # live attempt id -> record
-        self._sessions: dict[str, list[RequestRecord]] = {}  # turns held behind their previous
+        self._attempts: dict[str, SimRecord] = {}  # live attempt id -> record
+        self._sessions: dict[str, list[SimRecord]] = {}  # turns held behind their previous
         self._session_busy: set[str] = set()
         self._samples_s: list[float] = []
         self._samples: list[list[int]] = []
@@ -229,7 +232,7 @@ class Simulator:
     # -- gateway side ------------------------------------------------------------------
 
     def _on_arrival(self, payload: object) -> None:
-        record = cast(RequestRecord, payload)
+        record = cast(SimRecord, payload)
         session = record.request.session_id
         if session in self._session_busy and record.request.turn_index > 0:
             # the user has not seen the previous reply yet: the turn waits for it
@@ -239,7 +242,7 @@ class Simulator:
             self._session_busy.add(session)
         self._try_schedule(record)
 
-    def _view(self, record: RequestRecord) -> RequestView:
+    def _view(self, record: SimRecord) -> RequestView:
         """The request as the gateway sees it: no ``max_tokens`` (the brain estimates output
         lengths online), the TTFT target as its deadline when an SLO is set."""
         request = record.request
@@ -257,13 +260,13 @@ class Simulator:
             session_key=request.session_id,
             deadline_s=None
             if slo is None
-            else request.arrival_s + slo.ttft_limit_s(request.prompt_tokens),
+            else request.arrival_s + slo.ttft_target_s(request.prompt_tokens),
             tpot_target_s=None if slo is None else slo.tpot_s,
             arrival_s=request.arrival_s,
             stream=True,
         )
 
-    def _try_schedule(self, record: RequestRecord) -> None:
+    def _try_schedule(self, record: SimRecord) -> None:
         """Schedule a new attempt of ``record``: dispatch, reject, or queue it."""
         view = self._view(record)
         limit = self.dispatcher.submit(record, view, self._now, record.failed_on)
@@ -273,9 +276,7 @@ class Simulator:
     def _schedule(self, view: RequestView, exclude: Collection[str], now: float) -> Decision:
         return self.policy.schedule(view, self.shadow, now, exclude=exclude)
 
-    def _bind(
-        self, record: RequestRecord, view: RequestView, decision: Decision, now: float
-    ) -> None:
+    def _bind(self, record: SimRecord, view: RequestView, decision: Decision, now: float) -> None:
         """An ADMIT: dispatch, the request reaches the replica later."""
         replica_id = decision.replica_id
         assert replica_id is not None
@@ -288,7 +289,7 @@ class Simulator:
 
     def _refuse(
         self,
-        record: RequestRecord,
+        record: SimRecord,
         view: RequestView,
         reason: RejectReason,
         decision: Decision | None,
@@ -322,11 +323,11 @@ class Simulator:
                 self._try_schedule(record)
             self.dispatcher.wake(self._now)
 
-    def _reject(self, record: RequestRecord, reason: str) -> None:
+    def _reject(self, record: SimRecord, reason: str) -> None:
         record.rejected = reason
         self._settle(record)
 
-    def _settle(self, record: RequestRecord) -> None:
+    def _settle(self, record: SimRecord) -> None:
         self._unsettled -= 1
         session = record.request.session_id
         if session is None:
@@ -376,13 +377,13 @@ class Simulator:
         self._schedule_wake(replica, engine)
 
     def _on_engine(self, payload: object) -> None:
-        replica = cast(_Replica, payload)
+        replica = cast(_SimulatedReplica, payload)
         if self._now != replica.wake_s:
             return  # superseded by an earlier wake
         replica.wake_s = math.inf
         self._advance(replica)
 
-    def _advance(self, replica: _Replica) -> EngineModel | None:
+    def _advance(self, replica: _SimulatedReplica) -> EngineModel | None:
         """Bring the replica's engine to now, forward its events, re-arm its wake."""
         engine = replica.engine
         if engine is None:
@@ -393,7 +394,7 @@ class Simulator:
         self._schedule_wake(replica, engine)
         return engine
 
-    def _forward(self, replica: _Replica, events: list[EngineEvent]) -> None:
+    def _forward(self, replica: _SimulatedReplica, events: list[EngineEvent]) -> None:
         delay = self.delay_s
         for event in events:
             if isinstance(event, FirstToken):
@@ -430,7 +431,7 @@ class Simulator:
             if engine.next_event_time() is None:
                 del self._live[index]
 
-    def _schedule_wake(self, replica: _Replica, engine: EngineModel) -> None:
+    def _schedule_wake(self, replica: _SimulatedReplica, engine: EngineModel) -> None:
         at = engine.quiet_until()
         if at is not None and at < replica.wake_s:
             replica.wake_s = at
@@ -490,7 +491,7 @@ class Simulator:
                 self._schedule_wake(replica, engine)
 
     @staticmethod
-    def _retire(replica: _Replica, engine: EngineModel) -> None:
+    def _retire(replica: _SimulatedReplica, engine: EngineModel) -> None:
         counters = engine.counters
         replica.busy_s += counters.busy_s
         replica.prefix_queries += counters.prefix_cache_queries

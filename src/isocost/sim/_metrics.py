@@ -5,8 +5,9 @@
   over completed requests.
 * A request meets the SLO when it completed with TTFT <= ``ttft_s + ttft_per_1k_s *
   prompt_tokens / 1000`` (long prompts get proportionally more time, DESIGN §4) and
-  TPOT <= ``tpot_s``. Goodput = such requests per second of the run's span (first arrival
-  to the last request settled); ``slo_attainment`` = their share of all arrivals.
+  TPOT <= ``tpot_s`` (``core.slo.SloTargets``, the definition bench and demo use too).
+  Goodput = such requests per second of the run's span (first arrival to the last
+  request settled); ``slo_attainment`` = their share of all arrivals.
 * Isolated service time: the request alone on an empty replica of the fastest kind in the
   cluster, cold cache, plus both network legs: the prefill in chunks, then ``m - 1``
   decode steps. A lone sequence decodes memory-bound, where a step's time is linear in
@@ -14,7 +15,7 @@
   Slowdown = E2E / isolated E2E (below 1 only through prefix-cache hits).
 * Load imbalance = coefficient of variation (std / mean) of per-replica busy time.
 * Capacity at SLO over a rate sweep: the highest offered rate whose SLO attainment is at
-  least the target share (e.g. 0.9).
+  least the target share (e.g. 0.9, ``SloTargets.share``).
 """
 
 from __future__ import annotations
@@ -28,34 +29,19 @@ import numpy as np
 import numpy.typing as npt
 
 from isocost.core.costmodel import CostModel
+from isocost.core.slo import SloTargets
 from isocost.workload import WorkloadRequest
 
 __all__ = [
     "Isolated",
     "PolicySummary",
-    "Slo",
     "capacity_at_slo",
     "isolated_times",
     "oracle_summary",
+    "summarize_sim",
 ]
 
 FloatArray = npt.NDArray[np.float64]
-
-
-@dataclass(frozen=True, slots=True)
-class Slo:
-    """Latency targets in seconds; see the module docstring."""
-
-    ttft_s: float
-    tpot_s: float
-    ttft_per_1k_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.ttft_s <= 0 or self.tpot_s <= 0 or self.ttft_per_1k_s < 0:
-            raise ValueError("SLO targets must be positive (per-1k: >= 0)")
-
-    def ttft_limit_s(self, prompt_tokens: int) -> float:
-        return self.ttft_s + self.ttft_per_1k_s * prompt_tokens / 1000.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,13 +105,13 @@ class PolicySummary:
     span_s: float
 
 
-def summarize(
+def summarize_sim(
     policy: str,
     requests: Sequence[WorkloadRequest],
     ttft_s: FloatArray,
     e2e_s: FloatArray,
     rejected: Sequence[str | None],
-    slo: Slo,
+    slo: SloTargets,
     isolated: Isolated,
     end_s: float,
     *,
@@ -138,9 +124,8 @@ def summarize(
     prompt = np.array([r.prompt_tokens for r in requests], dtype=np.float64)
     output = np.array([r.output_tokens for r in requests], dtype=np.float64)
     tpot = np.where(output > 1, (e2e_s - ttft_s) / np.maximum(output - 1, 1), 0.0)
-    ttft_limit = slo.ttft_s + slo.ttft_per_1k_s * prompt / 1000.0
     with np.errstate(invalid="ignore"):
-        good = done & (ttft_s <= ttft_limit) & (tpot <= slo.tpot_s)
+        good = done & slo.met(prompt, ttft_s, tpot)
         slowdown = e2e_s[done] / isolated.e2e_s[done]
     start = min((r.arrival_s for r in requests), default=0.0)
     span = max(end_s - start, 1e-9)
@@ -177,14 +162,14 @@ def summarize(
 
 
 def oracle_summary(
-    requests: Sequence[WorkloadRequest], slo: Slo, isolated: Isolated
+    requests: Sequence[WorkloadRequest], slo: SloTargets, isolated: Isolated
 ) -> PolicySummary:
     """The isolated-service lower bound as a results row (every request alone)."""
     fits = ~np.isnan(isolated.e2e_s)
     ends = np.array([r.arrival_s for r in requests]) + np.nan_to_num(isolated.e2e_s)
     rejected = [None if ok else "too_long" for ok in fits]
     end_s = float(ends.max()) if ends.size else 0.0
-    return summarize(
+    return summarize_sim(
         "oracle", requests, isolated.ttft_s, isolated.e2e_s, rejected, slo, isolated, end_s
     )
 

@@ -137,7 +137,7 @@ def sim_command(
     ]
     with progress_bar(console, bars) as update:
         output = run_plan(plan, update)
-    print_results(console, output, plan.target_attainment)
+    print_results(console, output, plan.slo.share)
     if json_path is not None:
         write_json(output, json_path)
         console.print(f"wrote {json_path}", highlight=False)

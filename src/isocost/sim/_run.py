@@ -14,24 +14,23 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from random import Random
 
 import numpy as np
 import numpy.typing as npt
 
-from isocost.core.catalog import Catalog
-from isocost.scheduling.policies import build_policy
-from isocost.sim._cluster import ClusterConfig, resolve_cluster, served_model
+from isocost.core.slo import SloTargets
+from isocost.scheduling.policies import SchedulingConfig, build_policy
+from isocost.sim._cluster import ClusterConfig, SimReplica, served_model
 from isocost.sim._core import SimResult, Simulator
 from isocost.sim._metrics import (
     Isolated,
     PolicySummary,
-    Slo,
     capacity_at_slo,
     isolated_times,
     oracle_summary,
-    summarize,
+    summarize_sim,
 )
 from isocost.sim._workload import at_rate
 from isocost.workload import WorkloadRequest
@@ -46,15 +45,15 @@ Progress = Callable[[int, float], None]  # (task index, simulated seconds)
 class SimPlan:
     """Everything a set of runs needs."""
 
-    cluster: ClusterConfig
-    catalog: Catalog
+    cluster: ClusterConfig  # its settings and events; its replicas are resolved below
+    replicas: tuple[SimReplica, ...]
     requests: list[WorkloadRequest]
     policies: tuple[str, ...]
-    slo: Slo
+    slo: SloTargets  # its share is the target for capacity at SLO
+    scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)  # added policies
     seed: int = 0
     deadlines: bool = True  # requests carry their TTFT target (SLO admission can use it)
     rates_rps: tuple[float, ...] = ()  # a sweep: replay the requests at each mean rate
-    target_attainment: float = 0.9
     sample_points: int = 0  # load samples per run, for plots (0: none)
     jobs: int = 2
 
@@ -85,17 +84,17 @@ class SweepOutput:
     capacity_rps: dict[str, float | None]  # per policy (sweeps only)
 
 
-def check_policies(names: Sequence[str]) -> None:
-    """Raise UnknownConfigEntryError, listing the valid names, for an unknown policy."""
+def check_policies(names: Sequence[str], scheduling: SchedulingConfig | None = None) -> None:
+    """Raise UnknownConfigEntryError, listing the valid names, for an unknown policy
+    (the built-ins and those ``scheduling`` defines)."""
     for name in names:
-        build_policy(name, source="--policies")
+        build_policy(name, config=scheduling, source="--policies")
 
 
 def run_plan(plan: SimPlan, progress: Progress | None = None) -> SweepOutput:
     """Every policy at every rate (or once at the requests' own rate)."""
-    replicas = resolve_cluster(plan.cluster, plan.catalog)
     isolated = isolated_times(
-        plan.requests, [r.cost_model for r in replicas], plan.cluster.network_delay_ms / 1000
+        plan.requests, [r.cost_model for r in plan.replicas], plan.cluster.network_delay_ms / 1000
     )
     rates: tuple[float | None, ...] = plan.rates_rps or (None,)
     tasks = [(policy, rate) for policy in plan.policies for rate in rates]
@@ -118,7 +117,7 @@ def run_plan(plan: SimPlan, progress: Progress | None = None) -> SweepOutput:
                 for r in runs
                 if r.summary.policy == policy
             ]
-            capacity[policy] = capacity_at_slo(points, plan.target_attainment)
+            capacity[policy] = capacity_at_slo(points, plan.slo.share)
     return SweepOutput(runs, oracle_summary(plan.requests, plan.slo, isolated), capacity)
 
 
@@ -168,12 +167,14 @@ def _run_task(
     assert _SHARED is not None
     plan, isolated = _SHARED
     requests = plan.requests if rate is None else at_rate(plan.requests, rate)
-    replicas = resolve_cluster(plan.cluster, plan.catalog)
     span = max((r.arrival_s for r in requests), default=0.0)
+    policy = build_policy(
+        policy_name, config=plan.scheduling, rng=Random(plan.seed), source="--policies"
+    )
     simulator = Simulator(
         plan.cluster,
-        replicas,
-        build_policy(policy_name, rng=Random(plan.seed), source="--policies"),
+        plan.replicas,
+        policy,
         requests,
         model=served_model(plan.cluster),
         slo=plan.slo if plan.deadlines else None,
@@ -187,7 +188,7 @@ def _run_task(
 def _output(
     result: SimResult,
     requests: list[WorkloadRequest],
-    slo: Slo,
+    slo: SloTargets,
     isolated: Isolated,
     rate: float | None,
 ) -> RunOutput:
@@ -199,7 +200,7 @@ def _output(
             arrival = record.request.arrival_s
             ttft[i] = record.first_token_s - arrival
             e2e[i] = record.finished_s - arrival
-    summary = summarize(
+    summary = summarize_sim(
         result.policy,
         requests,
         ttft,

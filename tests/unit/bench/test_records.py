@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import itertools
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from isocost.bench import RequestRecord, summarize
+from isocost.bench import BenchRecord, BenchSummary, summarize_bench
 
 
 def _record(
@@ -18,8 +19,8 @@ def _record(
     *,
     sent_s: float | None = None,
     error_kind: str | None = None,
-) -> RequestRecord:
-    return RequestRecord(
+) -> BenchRecord:
+    return BenchRecord(
         request_id=request_id,
         prompt_tokens=10,
         max_tokens=len(chunks) or 1,
@@ -39,7 +40,7 @@ def test_latencies_count_from_the_due_time_not_the_send() -> None:
     assert late.e2e_s == pytest.approx(0.7)
     assert late.tpot_s == pytest.approx(0.1)
     assert late.itl_s == pytest.approx([0.1, 0.1])
-    summary = summarize([late], label="x", url="u", model="m")
+    summary = summarize_bench([late], label="x", url="u", model="m")
     assert summary.send_lag_max_s == pytest.approx(0.4)
 
 
@@ -53,7 +54,9 @@ def test_goodput_counts_requests_within_both_slos_over_the_run() -> None:
         _record(5, 3.6, [], error_kind="http_503"),
         _record(6, 3.7, [3.8], error_kind="truncated"),
     ]
-    summary = summarize(records, label="x", url="u", model="m", slo_ttft_ms=200, slo_tpot_ms=200)
+    summary = summarize_bench(
+        records, label="x", url="u", model="m", slo_ttft_ms=200, slo_tpot_ms=200
+    )
     assert (summary.requests, summary.completed, summary.errors) == (7, 4, 3)
     assert summary.errors_by_kind == {"http_503": 2, "truncated": 1}
     assert summary.duration_s == pytest.approx(4.0)
@@ -62,12 +65,12 @@ def test_goodput_counts_requests_within_both_slos_over_the_run() -> None:
     assert summary.output_tokens_per_s == pytest.approx((3 + 2 + 4 + 3) / 4.0)
     assert summary.ttft_samples_s == pytest.approx([0.05, 0.1, 0.1, 0.5])
     assert summary.ttft_p50_s == pytest.approx(0.1)
-    no_slo = summarize(records, label="x", url="u", model="m")
+    no_slo = summarize_bench(records, label="x", url="u", model="m")
     assert no_slo.goodput_rps == no_slo.throughput_rps
 
 
 def test_an_empty_run_has_no_percentiles() -> None:
-    summary = summarize([], label="x", url="u", model="m")
+    summary = summarize_bench([], label="x", url="u", model="m")
     assert summary.ttft_p99_s is None and summary.goodput_rps == 0.0
 
 
@@ -93,7 +96,7 @@ def test_summary_invariants(
         kind = kind or (None if chunks else "empty")  # as the client records it
         record = _record(i, due, chunks, sent_s=due + lag, error_kind=kind)
         records.append(record)
-    summary = summarize(records, label="x", url="u", model="m", slo_ttft_ms=slo_ttft_ms)
+    summary = summarize_bench(records, label="x", url="u", model="m", slo_ttft_ms=slo_ttft_ms)
     assert summary.completed + summary.errors == summary.requests == len(records)
     assert 0 <= summary.goodput_rps <= summary.throughput_rps
     for name in ("ttft", "tpot", "itl", "e2e"):
@@ -102,3 +105,28 @@ def test_summary_invariants(
         if p50 is not None:
             assert 0 <= p50 <= p90 <= p99
     assert summary.ttft_samples_s == sorted(summary.ttft_samples_s)
+
+
+def test_a_per_1k_ttft_target_gives_long_prompts_more_time_as_in_the_simulator() -> None:
+    short = _record(0, 0.0, [0.3, 0.4])  # TTFT 300 ms, 10 prompt tokens
+    long = msgspec.structs.replace(_record(1, 1.0, [1.3, 1.4]), prompt_tokens=4000)
+    flat = summarize_bench([short, long], label="x", url="u", model="m", slo_ttft_ms=200)
+    scaled = summarize_bench(
+        [short, long], label="x", url="u", model="m", slo_ttft_ms=200, slo_ttft_per_1k_ms=50
+    )
+    assert flat.goodput_rps == 0.0
+    assert scaled.goodput_rps == pytest.approx(1 / scaled.duration_s)  # only the long one
+    assert scaled.slo_ttft_per_1k_ms == 50
+
+
+def test_the_summary_file_is_unchanged_without_a_per_1k_target() -> None:
+    records = [_record(0, 0.0, [0.1, 0.2])]
+    plain = msgspec.json.decode(
+        msgspec.json.encode(summarize_bench(records, label="x", url="u", model="m"))
+    )
+    assert "slo_ttft_per_1k_ms" not in plain
+    assert (
+        msgspec.json.decode(msgspec.json.encode(plain), type=BenchSummary).slo_ttft_per_1k_ms == 0
+    )
+    scaled = summarize_bench(records, label="x", url="u", model="m", slo_ttft_per_1k_ms=5)
+    assert msgspec.json.decode(msgspec.json.encode(scaled))["slo_ttft_per_1k_ms"] == 5

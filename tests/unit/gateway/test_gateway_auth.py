@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from isocost.gateway.auth import Authenticator, TokenBucket, bearer_token
-from isocost.gateway.config import ApiKeyConfig, AuthConfig
+from isocost.runtime.config import ApiKeyConfig, AuthConfig
 
 
 def test_bucket_refuses_with_the_wait_then_refills() -> None:

@@ -1,4 +1,5 @@
-"""The cluster file: expansion into replicas, and errors that name the file and the key."""
+"""The cluster file: expansion into replicas, and errors that name the file and the key;
+a gateway config's pool as a cluster."""
 
 from __future__ import annotations
 
@@ -8,7 +9,15 @@ import pytest
 
 from isocost.core.catalog import Catalog
 from isocost.core.errors import ConfigError, UnknownEntryError
-from isocost.sim import parse_cluster_yaml, resolve_cluster, served_model, uniform_cluster
+from isocost.runtime.config import parse_config
+from isocost.sim import (
+    gateway_cluster,
+    gateway_pool,
+    parse_cluster_yaml,
+    resolve_cluster,
+    served_model,
+    uniform_cluster,
+)
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "cluster.yaml"
 
@@ -60,3 +69,37 @@ def test_a_model_that_does_not_fit_is_an_error() -> None:
     config = uniform_cluster(1, "rtx4090-24g", "llama-3.1-70b", 1)
     with pytest.raises(ConfigError, match="does not fit"):
         resolve_cluster(config, Catalog.builtin())
+
+
+GATEWAY = Path(__file__).resolve().parents[3] / "examples" / "gateway.yaml"
+
+
+def test_a_gateway_pool_becomes_its_replicas_by_name_with_the_gateway_limits() -> None:
+    gateway = parse_config(GATEWAY.read_text(), str(GATEWAY), secrets=False)
+    pool = gateway_pool(gateway, "llama-3.1-70b", str(GATEWAY))
+    cluster, replicas = gateway_cluster(
+        gateway, pool, Catalog.builtin(), str(GATEWAY), network_delay_ms=2.0
+    )
+    assert [r.replica_id for r in replicas] == ["h100x4-0", "h100x4-1"]
+    assert {(r.cost_model.model.id, r.cost_model.tensor_parallel) for r in replicas} == {
+        ("llama-3.1-70b", 4)
+    }
+    assert served_model(cluster) == "llama-3.1-70b" and cluster.network_delay_ms == 2.0
+    limits = gateway.limits
+    assert (cluster.queue_size, cluster.queue_timeout_ms, cluster.max_retries) == (
+        limits.max_queue,
+        limits.queue_timeout_ms,
+        limits.max_retries,
+    )
+    pool = gateway_pool(gateway, "llama-3.1-8b", str(GATEWAY))
+    _, replicas = gateway_cluster(gateway, pool, Catalog.builtin(), str(GATEWAY))
+    fast, _a100, l20 = replicas
+    assert fast.groups == frozenset({"fast"}) and (l20.weight, l20.usd_per_hour) == (0.5, 0.9)
+
+
+def test_a_gateway_file_with_several_pools_needs_one_named() -> None:
+    gateway = parse_config(GATEWAY.read_text(), str(GATEWAY), secrets=False)
+    with pytest.raises(ConfigError, match="name the one to simulate with --pool"):
+        gateway_pool(gateway, None, "g.yaml")
+    with pytest.raises(UnknownEntryError, match="--pool: unknown pool 'x'"):
+        gateway_pool(gateway, "x", "g.yaml")

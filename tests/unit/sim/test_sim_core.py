@@ -10,6 +10,7 @@ import msgspec
 import pytest
 
 from isocost.core.catalog import Catalog
+from isocost.core.slo import SloTargets
 from isocost.scheduling.policies import build_policy
 from isocost.sim import (
     ClusterConfig,
@@ -17,7 +18,6 @@ from isocost.sim import (
     ReplicaGroup,
     SimResult,
     Simulator,
-    Slo,
     resolve_cluster,
     served_model,
 )
@@ -48,7 +48,7 @@ def simulate(
     config: ClusterConfig,
     policy: str,
     workload: list[WorkloadRequest],
-    slo: Slo | None = None,
+    slo: SloTargets | None = None,
 ) -> SimResult:
     return Simulator(
         config,
@@ -138,7 +138,7 @@ def test_a_queued_request_times_out() -> None:
 
 def test_equal_cost_rejects_what_would_miss_its_deadline_round_robin_serves_everything() -> None:
     config = cluster(ReplicaGroup(**A100, count=2))
-    slo = Slo(ttft_s=1.0, tpot_s=0.1)
+    slo = SloTargets(ttft_s=1.0, tpot_s=0.1)
     workload = burst(40, prompt=6000)
     equal_cost = simulate(config, "equal_cost", workload, slo)
     round_robin = simulate(config, "round_robin", workload, slo)

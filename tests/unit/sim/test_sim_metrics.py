@@ -9,9 +9,10 @@ import pytest
 
 from isocost.core.catalog import Catalog
 from isocost.core.costmodel import CostModel
+from isocost.core.slo import SloTargets
 from isocost.engine.model import EngineModel, Finished, FirstToken, RequestSpec
-from isocost.sim import Slo, capacity_at_slo, isolated_times
-from isocost.sim._metrics import summarize
+from isocost.sim import capacity_at_slo, isolated_times
+from isocost.sim._metrics import summarize_sim
 from isocost.workload import Segment, WorkloadRequest
 
 CATALOG = Catalog.builtin()
@@ -53,10 +54,10 @@ def test_slo_accounting_scales_ttft_with_prompt_length() -> None:
                 request(3, 100, 5, 3.0)]  # fmt: skip
     ttft = np.array([0.9, 2.5, 0.1, math.nan])
     e2e = np.array([1.9, 3.0, 0.1, math.nan])  # TPOT 100 ms, 50 ms, none
-    slo = Slo(ttft_s=0.5, tpot_s=0.1, ttft_per_1k_s=0.25)  # limits 0.75 s, 2.75 s, 0.525 s
+    slo = SloTargets(ttft_s=0.5, tpot_s=0.1, ttft_per_1k_s=0.25)  # limits 0.75 s, 2.75 s, 0.525 s
     isolated = isolated_times(requests, [CostModel(CATALOG.model("llama-3.1-8b"),
                                                    CATALOG.gpu("a100-80g"), 1)], 0.0)  # fmt: skip
-    s = summarize("p", requests, ttft, e2e, [None, None, None, "deadline"], slo, isolated, 5.0)
+    s = summarize_sim("p", requests, ttft, e2e, [None, None, None, "deadline"], slo, isolated, 5.0)
     assert (s.completed, s.rejected, s.rejected_by_reason) == (3, 1, {"deadline": 1})
     assert s.slo_attainment == 0.5  # request 1 (long prompt, late but within) and 2
     assert s.goodput_rps == pytest.approx(2 / 5.0)

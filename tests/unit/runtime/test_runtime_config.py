@@ -1,4 +1,5 @@
-"""Gateway YAML: defaults, unknown keys and bad values rejected with the key named."""
+"""Gateway YAML: defaults, unknown keys and bad values rejected with the key named, and the
+references ``serve`` and ``sim --config`` both resolve."""
 
 from __future__ import annotations
 
@@ -6,8 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from isocost.core.errors import ConfigError
-from isocost.gateway.config import normalize_replica_url, parse_config
+from isocost.core.catalog import Catalog
+from isocost.core.errors import ConfigError, IsocostError
+from isocost.runtime.config import (
+    check_references,
+    normalize_replica_url,
+    parse_config,
+    replica_name,
+)
 from isocost.scheduling.policies import build_policy
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "gateway.yaml"
@@ -18,7 +25,7 @@ def test_minimal_config_has_defaults() -> None:
         "pools:\n  - model: m\n    replicas: [{url: 'http://10.0.0.5:8000/'}]\n", "g.yaml"
     )
     replica = config.pools[0].replicas[0]
-    assert (replica.gpu, replica.tensor_parallel, replica.weight) == ("a100-80g", 1, 1.0)
+    assert (replica.gpu, replica.tp, replica.weight) == ("a100-80g", 1, 1.0)
     assert config.policy == "equal_cost" and config.scrape_interval_ms == 200
     assert config.limits.max_retries == 2 and config.auth.api_keys == []
 
@@ -60,9 +67,25 @@ def test_the_shipped_example_parses(monkeypatch: pytest.MonkeyPatch) -> None:
             "> 0",
         ),
         (
-            "pools: [{model: m, replicas: [{url: 'http://a:1', tensor_parallel: 0}]}]",
-            "pools[0].replicas[0].tensor_parallel",
+            "pools: [{model: m, replicas: [{url: 'http://a:1', tp: 0}]}]",
+            "pools[0].replicas[0].tp",
             ">= 1",
+        ),
+        (
+            "pools: [{model: m, replicas: [{url: 'http://a:1', tensor_parallel: 2}]}]",
+            "pools[0].replicas[0].tensor_parallel",
+            "tensor_parallel was renamed tp",
+        ),
+        (
+            "pools: [{model: m, replicas: [{url: 'http://a:1', name: x}]},"
+            " {model: n, replicas: [{url: 'http://b:1', name: x}]}]",
+            "pools[1].replicas[0].name",
+            "'x' is listed twice",
+        ),
+        (
+            "pools: [{model: m, replicas: [{url: 'http://a:1', name: 'b:1'}, {url: 'http://b:1'}]}]",
+            "pools[0].replicas[1].name",
+            "'b:1' is listed twice",
         ),
         ("limits: {max_body_bytes: 0}", "limits.max_body_bytes", "positive"),
         ("limits: {max_tokens: many}", "limits.max_tokens", "int"),
@@ -102,3 +125,40 @@ def test_replica_urls_are_normalized(url: str, normalized: str) -> None:
 def test_bad_replica_urls(url: str) -> None:
     with pytest.raises(ValueError):
         normalize_replica_url(url)
+
+
+def test_the_example_parses_without_its_secrets_when_asked() -> None:
+    """The simulator reads the file but sends nothing: unset ``*_env`` variables are fine."""
+    config = parse_config(EXAMPLE.read_text(), str(EXAMPLE), secrets=False)
+    assert config.auth.admin_token_env == "ISOCOST_ADMIN_TOKEN"
+    with pytest.raises(ConfigError, match="unset"):
+        parse_config("auth: {admin_token_env: ISOCOST_TEST_UNSET_VAR}", "g.yaml")
+
+
+def test_replica_name_defaults_to_host_and_port() -> None:
+    config = parse_config("pools: [{model: m, replicas: [{url: 'http://H:80/'}]}]", "g.yaml")
+    assert replica_name(config.pools[0].replicas[0]) == "h:80"
+
+
+def test_the_shipped_example_resolves_its_references() -> None:
+    config = parse_config(EXAMPLE.read_text(), str(EXAMPLE), secrets=False)
+    check_references(config, Catalog.builtin())
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("pools: [{model: m, policy: nope}]", "unknown policy 'nope'"),
+        ("policy: nope", "unknown policy 'nope'"),
+        (
+            "scheduling: {policies: [{name: p, scorers: [{plugin: no-such-scorer}]}]}",
+            "no-such-scorer",
+        ),
+        ("pools: [{model: llama-3.1-8b, replicas: [{url: 'http://a:1', gpu: a101}]}]", "a101"),
+        ("pools: [{model: no-such-model, replicas: [{url: 'http://a:1'}]}]", "no-such-model"),
+    ],
+)
+def test_unknown_references_are_errors(text: str, fragment: str) -> None:
+    config = parse_config(text, "g.yaml")
+    with pytest.raises(IsocostError, match=fragment):
+        check_references(config, Catalog.builtin())

@@ -1,5 +1,8 @@
 """The gateway's YAML configuration, decoded with msgspec (unknown keys are errors).
 
+``isocost serve`` runs it and ``isocost sim --config`` simulates it as is (the pools,
+replicas, scheduling section and queue limits), so both read it here, below either.
+
 A full file, every key optional except ``pools[].model`` and ``replicas[].url``::
 
     policy: equal_cost                # default policy profile for pools that name none
@@ -12,9 +15,9 @@ A full file, every key optional except ``pools[].model`` and ``replicas[].url``:
             name: a100-0              # defaults to host:port
             gpu: a100-80g             # catalog GPU id, for the cost model
             cost_model: llama-3.1-8b  # catalog model id or HF config path (default: pool model)
-            tensor_parallel: 1
+            tp: 1                     # tensor-parallel GPUs (formerly tensor_parallel)
             weight: 1.0               # relative capacity share, > 0
-            usd_per_hour: 1.8         # default: the catalog price x tensor_parallel
+            usd_per_hour: 1.8         # default: the catalog price x tp
             api_key_env: ENGINE_KEY   # bearer token the replica expects, read from the env
             groups: [a100]            # route groups it belongs to (see routes)
             max_queue: 128            # engine-waiting requests beyond which it takes no work
@@ -55,6 +58,11 @@ A full file, every key optional except ``pools[].model`` and ``replicas[].url``:
 
 Secrets are read from environment variables (``*_env``) or given inline (``admin_token``,
 ``key``) for tests; they never appear in logs.
+
+Replica names (``name``, else ``host:port``) are unique across the file. Beyond the file's
+own shape, ``check_references`` resolves what it names in the registries (policies and
+their plugins, catalog GPUs and models): ``serve`` and ``sim --config`` call both, so a bad
+file gets the same one-line error from either.
 """
 
 from __future__ import annotations
@@ -65,8 +73,11 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from isocost.core.catalog import Catalog
+from isocost.core.costmodel import CostModel
 from isocost.core.errors import ConfigError
-from isocost.scheduling.policies import SchedulingConfig
+from isocost.files import resolve_model
+from isocost.scheduling.policies import SchedulingConfig, build_policy
 
 __all__ = [
     "ApiKeyConfig",
@@ -76,8 +87,11 @@ __all__ = [
     "LimitsConfig",
     "PoolConfig",
     "ReplicaConfig",
+    "check_references",
     "normalize_replica_url",
     "parse_config",
+    "replica_cost_model",
+    "replica_name",
 ]
 
 
@@ -86,7 +100,7 @@ class ReplicaConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     name: str | None = None
     gpu: str = "a100-80g"
     cost_model: str | None = None
-    tensor_parallel: int = 1
+    tp: int = 1
     weight: float = 1.0
     usd_per_hour: float | None = None
     api_key_env: str | None = None
@@ -148,6 +162,8 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 
 _PATH_RE = re.compile(r"\$((?:\.[A-Za-z_]\w*|\[\d+\])+)")
+_UNKNOWN_RE = re.compile(r"unknown field `(\w+)`")
+_RENAMED = {"tensor_parallel": "tp"}  # old key -> its name now
 
 
 def _key_of(message: str) -> str | None:
@@ -174,24 +190,59 @@ def normalize_replica_url(url: str) -> str:
     return f"{parts.scheme}://{host}:{port}"
 
 
-def parse_config(text: str, source: str) -> GatewayConfig:
-    """Decode and check ``text``; a ConfigError names ``source`` and the offending key."""
+def replica_name(replica: ReplicaConfig) -> str:
+    """The replica's name: ``name``, else the ``host:port`` of its URL."""
+    if replica.name:
+        return replica.name
+    parts = urlsplit(normalize_replica_url(replica.url))
+    return f"{parts.hostname}:{parts.port}"
+
+
+def parse_config(text: str, source: str, *, secrets: bool = True) -> GatewayConfig:
+    """Decode and check ``text``; a ConfigError names ``source`` and the offending key.
+    ``secrets``: also require every ``*_env`` variable to be set (the simulator, which
+    sends nothing anywhere, passes False)."""
     try:
         config = msgspec.yaml.decode(text or "{}", type=GatewayConfig)
     except msgspec.ValidationError as exc:
-        raise ConfigError(source, str(exc), key=_key_of(str(exc))) from None
+        key = _key_of(str(exc))
+        unknown = _UNKNOWN_RE.search(str(exc))
+        if unknown is not None and unknown.group(1) in _RENAMED:
+            old = unknown.group(1)
+            where = f"{key}.{old}" if key else old
+            raise ConfigError(source, f"{old} was renamed {_RENAMED[old]}", key=where) from None
+        raise ConfigError(source, str(exc), key=key) from None
     except msgspec.DecodeError as exc:
         raise ConfigError(source, f"not valid YAML: {exc}") from None
-    _check(config, source)
+    _check(config, source, secrets)
     return config
 
 
-def _check(config: GatewayConfig, source: str) -> None:
+def replica_cost_model(replica: ReplicaConfig, pool_model: str, catalog: Catalog) -> CostModel:
+    """The cost model of ``replica``: its ``cost_model`` (else its pool's model) on ``tp``
+    of its GPU; an unknown model or GPU names the valid ones."""
+    model = resolve_model(replica.cost_model or pool_model, catalog)
+    return CostModel(model, catalog.gpu(replica.gpu), replica.tp)
+
+
+def check_references(config: GatewayConfig, catalog: Catalog) -> None:
+    """Raise IsocostError if ``config`` names an unknown policy, plugin or cost model."""
+    names = {p.name for p in config.scheduling.policies} | {config.policy}
+    names.update(pool.policy for pool in config.pools if pool.policy)
+    for name in sorted(names):
+        build_policy(name, config=config.scheduling, source="scheduling")
+    for pool in config.pools:
+        for replica in pool.replicas:
+            replica_cost_model(replica, pool.model, catalog)
+
+
+def _check(config: GatewayConfig, source: str, secrets: bool) -> None:
     def bad(key: str, message: str) -> ConfigError:
         return ConfigError(source, message, key=key)
 
     seen_models: set[str] = set()
     seen_urls: set[str] = set()
+    seen_names: set[str] = set()
     for i, pool in enumerate(config.pools):
         if pool.model in seen_models:
             raise bad(f"pools[{i}].model", f"duplicate pool for model {pool.model!r}")
@@ -205,16 +256,21 @@ def _check(config: GatewayConfig, source: str) -> None:
             if url in seen_urls:
                 raise bad(f"{key}.url", f"replica {url} is listed twice")
             seen_urls.add(url)
-            if replica.tensor_parallel < 1:
-                raise bad(f"{key}.tensor_parallel", "must be >= 1")
+            name = replica_name(replica)
+            if name in seen_names:
+                raise bad(f"{key}.name", f"a replica named {name!r} is listed twice")
+            seen_names.add(name)
+            if replica.tp < 1:
+                raise bad(f"{key}.tp", "must be >= 1")
             if replica.weight <= 0:
                 raise bad(f"{key}.weight", "must be > 0")
             if replica.max_queue < 0:
                 raise bad(f"{key}.max_queue", "must be >= 0")
             if replica.usd_per_hour is not None and replica.usd_per_hour < 0:
                 raise bad(f"{key}.usd_per_hour", "must be >= 0")
-            if replica.api_key_env is not None and replica.api_key_env not in os.environ:
-                raise bad(f"{key}.api_key_env", f"environment variable {replica.api_key_env} unset")
+            env = replica.api_key_env
+            if secrets and env is not None and env not in os.environ:
+                raise bad(f"{key}.api_key_env", f"environment variable {env} unset")
     limits = config.limits
     for field in LimitsConfig.__struct_fields__:
         value = getattr(limits, field)
@@ -229,13 +285,14 @@ def _check(config: GatewayConfig, source: str) -> None:
     if config.scrape_interval_ms <= 0:
         raise bad("scrape_interval_ms", "must be positive")
     auth = config.auth
-    if auth.admin_token_env is not None and auth.admin_token_env not in os.environ:
-        raise bad("auth.admin_token_env", f"environment variable {auth.admin_token_env} unset")
+    env = auth.admin_token_env
+    if secrets and env is not None and env not in os.environ:
+        raise bad("auth.admin_token_env", f"environment variable {env} unset")
     for i, api_key in enumerate(auth.api_keys):
         key = f"auth.api_keys[{i}]"
         if (api_key.key is None) == (api_key.key_env is None):
             raise bad(key, "give exactly one of key and key_env")
-        if api_key.key_env is not None and api_key.key_env not in os.environ:
+        if secrets and api_key.key_env is not None and api_key.key_env not in os.environ:
             raise bad(f"{key}.key_env", f"environment variable {api_key.key_env} unset")
         for field in ("requests_per_minute", "tokens_per_minute"):
             value = getattr(api_key, field)

@@ -1,0 +1,129 @@
+"""``isocost bench`` and ``bench compare``: the load generator and its comparisons."""
+
+from __future__ import annotations
+
+import typer
+
+from isocost.cli._app import app, console, fail
+from isocost.cli._options import (
+    GroupsOption,
+    MaxPromptTokensOption,
+    OptionalSloTpotOption,
+    OptionalSloTtftOption,
+    PromptsPerGroupOption,
+    QuestionTokensOption,
+    SessionsOption,
+    SloTtftPer1kOption,
+    SpeedupOption,
+    SystemTokensOption,
+    TraceFormatOption,
+    TraceOption,
+    TurnsOption,
+    WorkloadOption,
+    one_of,
+    synthetic_workload,
+)
+from isocost.core.slo import DEFAULT_SLO_TTFT_PER_1K_MS
+
+bench_app = typer.Typer(
+    help="Load generator against any OpenAI-compatible endpoint; `bench compare` for runs.",
+    invoke_without_command=True,
+    no_args_is_help=True,
+)
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.callback()
+def bench(
+    ctx: typer.Context,
+    url: str | None = typer.Option(None, "--url", help="Endpoint base URL, e.g. http://h:8000."),
+    trace: TraceOption = None,
+    trace_format: TraceFormatOption = None,
+    workload: WorkloadOption = None,
+    rate: float | None = typer.Option(
+        None, "--rate", help="Poisson arrivals at this req/s (multi-turn: sessions/s)."
+    ),
+    burstiness: float = typer.Option(1.0, "--burstiness", help="Gap CV with --rate (>1 bursty)."),
+    speedup: SpeedupOption = 1.0,
+    concurrency: int | None = typer.Option(None, "--concurrency", help="Closed loop: workers."),
+    max_requests: int | None = typer.Option(None, "--max-requests", help="Stop after N."),
+    duration: float | None = typer.Option(None, "--duration", help="No new request after s."),
+    model: str | None = typer.Option(None, "--model", help="Default: first of /v1/models."),
+    chat: bool = typer.Option(False, "--chat", help="Use /v1/chat/completions."),
+    stream: bool = typer.Option(True, "--stream/--no-stream", help="Stream with SSE."),
+    max_tokens: int | None = typer.Option(None, "--max-tokens", help="Fix every output length."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Ask for exactly max_tokens."),
+    slo_ttft_ms: OptionalSloTtftOption = None,
+    slo_ttft_per_1k_ms: SloTtftPer1kOption = DEFAULT_SLO_TTFT_PER_1K_MS,
+    slo_tpot_ms: OptionalSloTpotOption = None,
+    timeout: float = typer.Option(600.0, "--timeout", help="Per-request timeout, s."),
+    seed: int = typer.Option(0, "--seed", help="Seed of synthetic workloads and arrivals."),
+    text_salt: int = typer.Option(0, "--text-salt", help="New prompt text (cold cache)."),
+    groups: GroupsOption = 8,
+    prompts_per_group: PromptsPerGroupOption = 16,
+    sessions: SessionsOption = 16,
+    turns: TurnsOption = 4,
+    think_time: float = typer.Option(5.0, "--think-time", help="multi-turn: mean think s."),
+    system_tokens: SystemTokensOption = 2048,
+    question_tokens: QuestionTokensOption = 128,
+    output_tokens: int = typer.Option(
+        128, "--output-tokens", help="shared-prefix, multi-turn: output length."
+    ),
+    max_prompt_tokens: MaxPromptTokensOption = None,
+    label: str = typer.Option("bench", "--label", help="Name of this run in comparisons."),
+    api_key: str | None = typer.Option(None, "--api-key", help="Bearer token to send."),
+    records: str | None = typer.Option(None, "--records", help="Per-request JSONL output."),
+    json_out: str | None = typer.Option(None, "--json", help="Summary JSON output."),
+) -> None:
+    """Replay a trace or a synthetic workload against URL; print TTFT/TPOT/E2E and goodput."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from isocost.bench import TRACE_FORMATS, BenchOptions, WorkloadSpec, bench_command
+
+    if url is None:
+        fail("give the endpoint with --url")
+    trace_format = one_of("trace format", trace_format, TRACE_FORMATS)
+    synthetic = synthetic_workload(workload, max_prompt_tokens, groups, prompts_per_group,
+                                   sessions, turns, system_tokens, question_tokens,
+                                   output_tokens, think_time)  # fmt: skip
+    spec = WorkloadSpec(
+        trace=trace,
+        trace_format=trace_format,
+        synthetic=synthetic,
+        rate_rps=rate,
+        burstiness=burstiness,
+        speedup=speedup,
+        seed=seed,
+    )
+    options = BenchOptions(
+        model=model,
+        api="chat" if chat else "completions",
+        stream=stream,
+        max_tokens=max_tokens,
+        ignore_eos=ignore_eos,
+        concurrency=concurrency,
+        max_requests=max_requests,
+        duration_s=duration,
+        timeout_s=timeout,
+        slo_ttft_ms=slo_ttft_ms,
+        slo_tpot_ms=slo_tpot_ms,
+        slo_ttft_per_1k_ms=slo_ttft_per_1k_ms,
+        text_salt=text_salt,
+        api_key=api_key,
+        label=label,
+    )
+    try:
+        bench_command(url, spec, options, console, records_path=records, json_path=json_out)
+    except ValueError as exc:
+        fail(str(exc))
+
+
+@bench_app.command("compare")
+def bench_compare(
+    files: list[str] = typer.Argument(..., help="Summary JSON files of `isocost bench --json`."),
+    plot: str | None = typer.Option(None, "--plot", help="Write latency CDFs + goodput PNG."),
+) -> None:
+    """Compare bench runs side by side."""
+    from isocost.bench import compare_command
+
+    compare_command(files, console, plot)

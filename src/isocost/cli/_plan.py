@@ -1,0 +1,61 @@
+"""``isocost plan``: size a deployment with the cost model (tables from ``planview``)."""
+
+from __future__ import annotations
+
+import typer
+
+from isocost.cli._app import app, console, fail
+from isocost.cli._options import CatalogOption
+
+
+@app.command()
+def plan(
+    model: str = typer.Option(..., "--model", "-m", help="Catalog id or local HF model folder."),
+    gpu: str = typer.Option(..., "--gpu", "-g", help="GPU catalog id, e.g. a100-80g."),
+    dtype: str | None = typer.Option(None, "--dtype", help="Weights: fp16|bf16|fp8|int8|int4."),
+    kv_dtype: str | None = typer.Option(None, "--kv-dtype", help="KV cache dtype."),
+    context: int = typer.Option(2048, "--context", help="Mean tokens per request (in + out)."),
+    output_tokens: int = typer.Option(256, "--output-tokens", help="Mean output tokens."),
+    concurrency: int | None = typer.Option(None, "--concurrency", help="Concurrent requests."),
+    qps: float | None = typer.Option(None, "--qps", help="Target requests per second."),
+    ttft_slo_ms: float | None = typer.Option(None, "--ttft-slo-ms", help="TTFT SLO."),
+    tpot_slo_ms: float | None = typer.Option(None, "--tpot-slo-ms", help="TPOT SLO."),
+    gpu_mem_util: float = typer.Option(0.9, "--gpu-mem-util", help="vLLM memory fraction."),
+    headroom: float = typer.Option(0.15, "--headroom", help="KV pool share kept free."),
+    price: float | None = typer.Option(None, "--price", help="Override $/GPU-hour."),
+    catalog: CatalogOption = None,
+    explain: bool = typer.Option(False, "--explain", help="Show each figure's derivation."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+) -> None:
+    """Size a deployment: the VRAM ledger, TP, replicas, throughput and $ per token."""
+    from isocost.cli import planview
+    from isocost.core.planner import PlanRequest
+    from isocost.core.planner import plan as run_plan
+    from isocost.files import load_catalog, resolve_model
+
+    cat = load_catalog(catalog)
+    gpu_spec = cat.gpu(gpu)
+    if price is not None:
+        gpu_spec = gpu_spec.with_price(price)
+    try:
+        request = PlanRequest(
+            model=resolve_model(model, cat),
+            gpu=gpu_spec,
+            weight_dtype=dtype,
+            kv_dtype=kv_dtype,
+            context_tokens=context,
+            output_tokens=output_tokens,
+            concurrency=concurrency,
+            qps=qps,
+            ttft_slo_s=None if ttft_slo_ms is None else ttft_slo_ms / 1000,
+            tpot_slo_s=None if tpot_slo_ms is None else tpot_slo_ms / 1000,
+            gpu_memory_utilization=gpu_mem_util,
+            headroom=headroom,
+        )
+    except ValueError as exc:
+        fail(str(exc))
+    result = run_plan(request)
+    if as_json:
+        planview.print_json(result)
+    else:
+        planview.print_tables(console, result, explain=explain)

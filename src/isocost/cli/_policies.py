@@ -1,0 +1,48 @@
+"""``isocost policies``: the scheduling policies and plugin types, as tables or YAML."""
+
+from __future__ import annotations
+
+import typer
+
+from isocost.cli._app import app, console
+
+
+@app.command()
+def policies(
+    config: str | None = typer.Option(None, "--config", help="Scheduling YAML to check and add."),
+    as_yaml: bool = typer.Option(False, "--yaml", help="Print the profiles as scheduling YAML."),
+) -> None:
+    """List the scheduling policies (canned plugin profiles) and the plugin types."""
+    from rich.table import Table
+
+    from isocost.files import read_text
+    from isocost.scheduling.plugins import PLUGIN_TYPES
+    from isocost.scheduling.policies import (
+        BUILTIN_POLICIES,
+        SchedulingConfig,
+        config_to_yaml,
+        parse_scheduling_yaml,
+    )
+
+    user = parse_scheduling_yaml(read_text(config), config) if config else SchedulingConfig()
+    profiles = {**BUILTIN_POLICIES, **{p.name: p for p in user.policies}}
+    if as_yaml:
+        merged = SchedulingConfig(user.plugins, list(profiles.values()), user.routes)
+        console.print(config_to_yaml(merged), end="", markup=False, highlight=False, soft_wrap=True)
+        return
+    table = Table(title="policies")
+    for column in ("policy", "filters", "scorers (weight)", "picker", "admission", "what"):
+        table.add_column(column)
+    for p in profiles.values():
+        scorers = ", ".join(f"{s.plugin} ({s.weight:g})" for s in p.scorers) or "-"
+        admission = "slo" if p.admission.slo else "-"
+        table.add_row(
+            p.name, ", ".join(p.filters) or "-", scorers, p.picker, admission, p.description
+        )
+    console.print(table)
+    types = Table(title="plugin types")
+    for column in ("type", "kind", "what"):
+        types.add_column(column)
+    for entry in PLUGIN_TYPES.values():
+        types.add_row(entry.type_name, entry.kind, entry.summary)
+    console.print(types)

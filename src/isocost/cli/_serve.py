@@ -1,0 +1,80 @@
+"""``isocost serve``: the gateway, from a config file or from replica URLs."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from isocost.cli._app import app, console, fail
+from isocost.cli._options import CatalogOption
+
+
+@app.command()
+def serve(
+    config: str | None = typer.Option(
+        None, "--config", "-c", help="Gateway YAML; hot-reloaded when it changes."
+    ),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
+    port: int = typer.Option(8080, "--port", help="Port (0: OS picks)."),
+    replica: list[str] | None = typer.Option(
+        None, "--replica", "-r", help="Replica URL (repeatable); without --config."
+    ),
+    policy: str | None = typer.Option(
+        None, "--policy", help="Scheduling policy (default: the file's, else equal_cost)."
+    ),
+    gpu: str = typer.Option("a100-80g", "--gpu", "-g", help="GPU of --replica replicas."),
+    tp: int = typer.Option(1, "--tp", help="Tensor parallelism of --replica replicas."),
+    cost_model: str | None = typer.Option(
+        None, "--cost-model", help="Catalog model for --replica replicas (default: served name)."
+    ),
+    admin_token_env: str | None = typer.Option(
+        None, "--admin-token-env", help="Env variable holding the admin token (--replica mode)."
+    ),
+    catalog: CatalogOption = None,
+    discover_timeout: float = typer.Option(30.0, "--discover-timeout", help="Seconds."),
+    log_level: str = typer.Option("info", "--log-level", help="debug|info|warning|error"),
+) -> None:
+    """Run the OpenAI-compatible gateway that routes each request by equal cost."""
+    import asyncio
+    from pathlib import Path
+
+    import msgspec
+
+    from isocost.files import load_catalog, read_text
+    from isocost.gateway.server import (
+        configure_logging,
+        discover_config,
+        load_gateway,
+        run_gateway,
+    )
+    from isocost.runtime.config import parse_config
+
+    if (config is None) == (not replica):
+        fail("give either --config FILE or one or more --replica URL")
+    cat = load_catalog(catalog or [])
+    if config is not None:
+        gateway_config = parse_config(read_text(config), config)
+        if policy is not None:  # an explicit --policy overrides the file's default
+            gateway_config = msgspec.structs.replace(gateway_config, policy=policy)
+    else:
+        gateway_config = asyncio.run(
+            discover_config(
+                replica or [],
+                policy=policy or "equal_cost",
+                gpu=gpu,
+                tp=tp,
+                cost_model=cost_model,
+                catalog=cat,
+                admin_token_env=admin_token_env,
+                timeout_s=discover_timeout,
+            )
+        )
+    configure_logging(log_level)
+    gateway = load_gateway(gateway_config, cat, Path(config) if config else None)
+
+    def ready(url: str) -> None:
+        console.print(f"isocost serve: ready at {url}", highlight=False, soft_wrap=True)
+        sys.stdout.flush()
+
+    run_gateway(gateway, host, port, ready)

@@ -1,0 +1,169 @@
+"""``isocost sim``: policies side by side on a simulated cluster."""
+
+from __future__ import annotations
+
+import typer
+
+from isocost.cli._app import app, console, fail
+from isocost.cli._options import (
+    CatalogOption,
+    GroupsOption,
+    MaxPromptTokensOption,
+    PromptsPerGroupOption,
+    QuestionTokensOption,
+    SessionsOption,
+    SloTpotOption,
+    SloTtftOption,
+    SloTtftPer1kOption,
+    SpeedupOption,
+    SystemTokensOption,
+    TraceFormatOption,
+    TraceOption,
+    TurnsOption,
+    WorkloadOption,
+    one_of,
+    synthetic_workload,
+)
+from isocost.core.slo import (
+    DEFAULT_SLO_SHARE,
+    DEFAULT_SLO_TPOT_MS,
+    DEFAULT_SLO_TTFT_MS,
+    DEFAULT_SLO_TTFT_PER_1K_MS,
+    SloTargets,
+)
+
+
+@app.command()
+def sim(
+    trace: TraceOption = None,
+    trace_format: TraceFormatOption = None,
+    workload: WorkloadOption = None,
+    config: str | None = typer.Option(
+        None, "--config", "-c", help="isocost serve's YAML: one pool, its scheduling and queue."
+    ),
+    pool: str | None = typer.Option(
+        None, "--pool", help="With --config: the pool (model) requests ask for (default: the only)."
+    ),
+    cluster: str | None = typer.Option(None, "--cluster", help="Cluster YAML (mixed fleets)."),
+    replicas: int = typer.Option(16, "--replicas", help="Identical replicas (no --cluster)."),
+    gpu: str = typer.Option("a100-80g", "--gpu", "-g", help="GPU catalog id."),
+    model: str = typer.Option("llama-3.1-8b", "--model", "-m", help="Model id or HF folder."),
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel GPUs per replica."),
+    policies: str | None = typer.Option(
+        None,
+        "--policies",
+        help="Comma-separated policies (default: equal_cost,round_robin,least_request; "
+        "with --config: the pool's).",
+    ),
+    slo_ttft_ms: SloTtftOption = DEFAULT_SLO_TTFT_MS,
+    slo_ttft_per_1k_ms: SloTtftPer1kOption = DEFAULT_SLO_TTFT_PER_1K_MS,
+    slo_tpot_ms: SloTpotOption = DEFAULT_SLO_TPOT_MS,
+    deadlines: bool = typer.Option(
+        True,
+        "--deadlines/--no-deadlines",
+        help="Requests carry their TTFT and TPOT targets (SLO admission sees them).",
+    ),
+    rate: float | None = typer.Option(
+        None, "--rate", help="Mean req/s: scales a trace's time; Poisson for --workload."
+    ),
+    speedup: SpeedupOption = 1.0,
+    sweep_rate: str | None = typer.Option(
+        None, "--sweep-rate", help="r1,r2,...: replay at each mean rate; capacity at SLO."
+    ),
+    target: float = typer.Option(
+        DEFAULT_SLO_SHARE, "--target", help="Share meeting SLOs for capacity."
+    ),
+    max_requests: int | None = typer.Option(None, "--max-requests", help="First N requests."),
+    duration: float | None = typer.Option(None, "--duration", help="Arrivals before s."),
+    network_delay_ms: float | None = typer.Option(None, "--network-delay-ms", help="Each way."),
+    scrape_interval_ms: float | None = typer.Option(
+        None, "--scrape-interval-ms", help="Engine metrics scrape period (0: never)."
+    ),
+    seed: int = typer.Option(0, "--seed", help="Seed of policies and synthetic workloads."),
+    jobs: int = typer.Option(2, "--jobs", "-j", help="Parallel processes."),
+    json_out: str | None = typer.Option(None, "--json", help="Write results JSON."),
+    plot: str | None = typer.Option(None, "--plot", help="Write a PNG of CDFs, load, goodput."),
+    catalog: CatalogOption = None,
+    groups: GroupsOption = 8,
+    prompts_per_group: PromptsPerGroupOption = 16,
+    sessions: SessionsOption = 16,
+    turns: TurnsOption = 4,
+    system_tokens: SystemTokensOption = 2048,
+    question_tokens: QuestionTokensOption = 128,
+    output_tokens: int = typer.Option(128, "--output-tokens", help="Synthetic output length."),
+    max_prompt_tokens: MaxPromptTokensOption = None,
+) -> None:
+    """Replay a trace through scheduling policies on a simulated cluster, side by side."""
+    from isocost import sim as simulator
+    from isocost.files import load_catalog, read_text
+    from isocost.runtime.config import check_references, parse_config
+    from isocost.scheduling.policies import SchedulingConfig
+
+    trace_format = one_of("trace format", trace_format, simulator.TRACE_FORMATS)
+    if config is not None and cluster is not None:
+        fail("give --config (a gateway's file) or --cluster, not both")
+    if pool is not None and config is None:
+        fail("--pool chooses a pool of --config's file")
+    cat = load_catalog(catalog or [])
+    scheduling, default_policies = SchedulingConfig(), "equal_cost,round_robin,least_request"
+    if config is not None:  # read exactly as `isocost serve` reads it, secrets aside
+        gateway = parse_config(read_text(config), config, secrets=False)
+        check_references(gateway, cat)
+        chosen = simulator.gateway_pool(gateway, pool, config)
+        scheduling, default_policies = gateway.scheduling, chosen.policy or gateway.policy
+    names = tuple(p.strip() for p in (policies or default_policies).split(",") if p.strip())
+    simulator.check_policies(names, scheduling)
+    bounds = "--sweep-rate rates must be positive, --target in (0, 1], --jobs >= 1"
+    if not 0 < target <= 1 or jobs < 1:
+        fail(bounds)
+    try:
+        rates = tuple(float(r) for r in sweep_rate.split(",")) if sweep_rate else ()
+        slo = SloTargets.from_ms(slo_ttft_ms, slo_tpot_ms, slo_ttft_per_1k_ms, share=target)
+    except ValueError as exc:
+        fail(f"--sweep-rate or SLO: {exc}")
+    if any(r <= 0 for r in rates):
+        fail(bounds)
+    overrides = {
+        k: v
+        for k, v in (
+            ("network_delay_ms", network_delay_ms),
+            ("scrape_interval_ms", scrape_interval_ms),
+        )
+        if v is not None
+    }
+    if config is not None:
+        fleet, members = simulator.gateway_cluster(gateway, chosen, cat, config, **overrides)
+    else:
+        if cluster is not None:
+            fleet = simulator.parse_cluster_yaml(read_text(cluster), cluster)
+            fleet = simulator.with_settings(fleet, cluster, **overrides)
+        else:
+            fleet = simulator.uniform_cluster(replicas, gpu, model, tp, **overrides)
+        members = simulator.resolve_cluster(fleet, cat)
+    synthetic = synthetic_workload(workload, max_prompt_tokens, groups, prompts_per_group,
+                                   sessions, turns, system_tokens, question_tokens,
+                                   output_tokens)  # fmt: skip
+    choice = simulator.WorkloadChoice(
+        trace=trace,
+        trace_format=trace_format,
+        synthetic=synthetic,
+        rate_rps=rate,
+        speedup=speedup,
+        max_requests=max_requests,
+        duration_s=duration,
+        seed=seed,
+    )
+    plan = simulator.SimPlan(
+        cluster=fleet,
+        replicas=tuple(members),
+        requests=simulator.load_requests(choice),
+        policies=names,
+        slo=slo,
+        scheduling=scheduling,
+        seed=seed,
+        deadlines=deadlines,
+        rates_rps=rates,
+        sample_points=200 if plot else 0,
+        jobs=jobs,
+    )
+    simulator.sim_command(console, plan, json_out, plot)
