@@ -1,7 +1,8 @@
 """The import-layer rule of DESIGN §2, enforced by reading every module's imports.
 
 Imports point down only: cli -> gateway | sim | bench | control | engine -> files ->
-scheduling -> prefix | workload -> core. gateway, sim and bench never import each other.
+scheduling -> prefix | workload | openai -> core. gateway, sim and bench never import each
+other.
 The pure layers import nothing that does I/O, read no wall clock, open no file and use no
 global RNG (randomness arrives as an injected ``random.Random``).
 """
@@ -22,11 +23,11 @@ ALLOWED: dict[str, set[str]] = {
     "workload": {"core"},
     "scheduling": {"core", "prefix", "workload"},
     "files": {"core", "prefix", "workload", "scheduling"},
-    "openai_api": {"core"},
-    "engine": {"core", "prefix", "workload", "scheduling", "files", "openai_api"},
+    "openai": {"core"},
+    "engine": {"core", "prefix", "workload", "scheduling", "files", "openai"},
     "sim": {"core", "prefix", "workload", "scheduling", "files", "engine"},
-    "bench": {"core", "workload", "files"},
-    "gateway": {"core", "prefix", "workload", "scheduling", "files", "openai_api"},
+    "bench": {"core", "workload", "files", "openai"},
+    "gateway": {"core", "prefix", "workload", "scheduling", "files", "openai"},
     "control": {"core", "prefix", "workload", "scheduling", "files"},
     "planview": {"core"},
     "demo": {"core", "prefix", "workload", "scheduling", "files", "engine", "bench", "gateway"},

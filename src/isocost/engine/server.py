@@ -39,15 +39,12 @@ from isocost.core.errors import DoesNotFitError
 from isocost.engine.config import Faults, ReplicaSpec
 from isocost.engine.metrics import ReplicaMetrics
 from isocost.engine.model import EngineModel, Finished, FirstToken, RequestSpec, RequestState
-from isocost.engine.protocol import (
-    ApiError,
-    ChatRequest,
-    CompletionRequest,
-    chunk_bytes,
-    decode_body,
-)
 from isocost.engine.tokens import Tokenizer, filler_text, load_tokenizer, render_chat
 from isocost.files import resolve_model
+from isocost.openai import sse
+from isocost.openai.errors import ApiError, error_response
+from isocost.openai.requests import ChatRequest, CompletionRequest, decode_body
+from isocost.openai.usage import Usage
 from isocost.prefix.hashing import token_block_hashes
 
 __all__ = [
@@ -268,11 +265,6 @@ def _json_response(
     )
 
 
-def _error_response(error: ApiError) -> web.Response:
-    headers = {"Retry-After": "1"} if error.status == 503 else None
-    return _json_response(error.body(), error.status, headers)
-
-
 @web.middleware
 async def _faults_and_errors(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -285,7 +277,7 @@ async def _faults_and_errors(
                 raise _shutting_down()
         return await handler(request)
     except ApiError as error:
-        return _error_response(error)
+        return error_response(error)
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,7 +290,7 @@ class _Generation:
     include_usage: bool
 
 
-def _prompt_ids(replica: Replica, prompt: str | list[str | int]) -> list[int]:
+def _prompt_ids(replica: Replica, prompt: str | list[str | int | list[int]]) -> list[int]:
     if isinstance(prompt, str):
         return replica.tokenizer.encode(prompt)
     if len(prompt) == 1 and isinstance(prompt[0], str):
@@ -311,13 +303,7 @@ def _prompt_ids(replica: Replica, prompt: str | list[str | int]) -> list[int]:
 def _chat_text(body: ChatRequest) -> str:
     if not body.messages:
         raise ApiError(400, "messages must not be empty", param="messages")
-    rendered: list[tuple[str, str]] = []
-    for message in body.messages:
-        content = message.content
-        if isinstance(content, list):
-            content = "".join(part.text or "" for part in content if part.type == "text")
-        rendered.append((message.role, content or ""))
-    return render_chat(rendered)
+    return render_chat([(message.role, message.text()) for message in body.messages])
 
 
 def _validate(
@@ -327,6 +313,7 @@ def _validate(
         raise ApiError(
             404,
             f"The model `{body.model}` does not exist.",
+            type_="invalid_request_error",
             param="model",
             code="model_not_found",
         )
@@ -424,13 +411,9 @@ class _Reply:
         self.spec = spec
         self.finish_reason = finish_reason
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> Usage:
         prompt, output = self.spec.prompt_tokens, self.spec.max_output_tokens
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": output,
-            "total_tokens": prompt + output,
-        }
+        return Usage(prompt_tokens=prompt, completion_tokens=output, total_tokens=prompt + output)
 
     def _envelope(self, stream: bool) -> dict[str, Any]:
         if self.chat:
@@ -490,7 +473,7 @@ async def _write_stream(
     include_usage: bool,
 ) -> None:
     if reply.chat:
-        await response.write(chunk_bytes(reply.chunk("", None, include_usage, role=True)))
+        await response.write(sse.event(reply.chunk("", None, include_usage, role=True)))
     state, sent = waiter.state, 0
     interval = replica.options.stream_interval
     while True:
@@ -500,15 +483,15 @@ async def _write_stream(
         produced = state.num_output_tokens
         if produced > sent:
             text = filler_text(sent, produced - sent)
-            await response.write(chunk_bytes(reply.chunk(text, None, include_usage)))
+            await response.write(sse.event(reply.chunk(text, None, include_usage)))
             sent = produced
         if state.finished_s is not None:
             break
         waiter.wake_at = sent + interval
-    await response.write(chunk_bytes(reply.chunk(None, reply.finish_reason, include_usage)))
+    await response.write(sse.event(reply.chunk(None, reply.finish_reason, include_usage)))
     if include_usage:
-        await response.write(chunk_bytes(reply.usage_chunk()))
-    await response.write(chunk_bytes("[DONE]"))
+        await response.write(sse.event(reply.usage_chunk()))
+    await response.write(sse.DONE_EVENT)
     await response.write_eof()
 
 

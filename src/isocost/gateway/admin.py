@@ -26,8 +26,8 @@ from aiohttp import web
 from isocost.core.errors import IsocostError
 from isocost.gateway.auth import bearer_token
 from isocost.gateway.config import ReplicaConfig
-from isocost.gateway.errors import ApiError
 from isocost.gateway.replicas import Replica
+from isocost.openai.errors import ApiError
 
 if TYPE_CHECKING:
     from isocost.gateway.app import Gateway

@@ -29,7 +29,7 @@ from isocost.core.errors import IsocostError
 from isocost.files import read_text
 from isocost.gateway.admin import add_admin_routes
 from isocost.gateway.auth import ApiKey, Authenticator, bearer_token
-from isocost.gateway.body import BodyError, decode_body
+from isocost.gateway.body import routing_view
 from isocost.gateway.config import (
     GatewayConfig,
     LimitsConfig,
@@ -38,13 +38,14 @@ from isocost.gateway.config import (
     parse_config,
 )
 from isocost.gateway.dashboard import add_dashboard_routes
-from isocost.gateway.errors import ApiError, error_body, error_response
 from isocost.gateway.health import BreakerState
 from isocost.gateway.metrics import GatewayMetrics
 from isocost.gateway.proxy import Forwarder, ForwardSettings, Outcome
 from isocost.gateway.replicas import Pool, Replica
 from isocost.gateway.routing import GatewayRequest, Router
 from isocost.gateway.scrape import ScrapeError, parse_engine_metrics
+from isocost.openai.errors import ApiError, error_response
+from isocost.openai.requests import RequestError
 
 __all__ = ["GATEWAY", "Gateway", "build_app"]
 
@@ -365,10 +366,10 @@ class Gateway:
             self.reject("body_too_large")
             raise _too_large(limits.max_body_bytes)
         try:
-            view = decode_body(body, chat=chat, block_tokens=self.router.block_tokens)
-        except BodyError as exc:
+            view = routing_view(body, chat=chat, block_tokens=self.router.block_tokens)
+        except RequestError as exc:
             self.reject("invalid_body")
-            raise ApiError(400, str(exc), code="invalid_request", param=exc.param) from None
+            raise ApiError(400, exc.message, code="invalid_request", param=exc.param) from None
         pool = self.pools.get(view.model)
         if pool is None:
             self.reject("unknown_model")
@@ -503,12 +504,7 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
-        return web.Response(
-            status=exc.status,
-            body=error_body(exc.status, exc.reason, code.get(exc.status, "http_error")),
-            content_type="application/json",
-        )
+        return error_response(ApiError.from_http(exc))
 
 
 async def _chat(request: web.Request) -> web.StreamResponse:

@@ -22,45 +22,19 @@ import time
 from dataclasses import dataclass
 
 import aiohttp
-import msgspec
 from aiohttp import web
 
-from isocost.gateway.errors import ApiError, sse_error_event
 from isocost.gateway.replicas import Replica
 from isocost.gateway.routing import GatewayRequest, Grant, Router
+from isocost.openai import sse
+from isocost.openai.errors import ApiError
+from isocost.openai.usage import completion_tokens, stream_completion_tokens
 
 __all__ = ["Forwarder", "Outcome"]
 
 log = logging.getLogger("isocost.gateway")
 
 _HOP_HEADERS = ("Accept", "X-Request-Id")
-_DATA = b"data:"
-_DONE = b"data: [DONE]"
-
-
-class _Usage(msgspec.Struct):
-    completion_tokens: int = 0
-
-
-class _UsageBody(msgspec.Struct):
-    usage: _Usage | None = None
-
-
-_usage_decoder = msgspec.json.Decoder(_UsageBody)
-
-
-def _stream_usage(end: bytes) -> int | None:
-    """``completion_tokens`` of a stream's usage event (``stream_options.include_usage``)."""
-    at = end.rfind(b'"usage":{')
-    start = end.rfind(_DATA, 0, at) if at >= 0 else -1
-    stop = end.find(b"\n", at)
-    if start < 0 or stop < 0:
-        return None
-    try:
-        usage = _usage_decoder.decode(end[start + len(_DATA) : stop]).usage
-    except msgspec.DecodeError:
-        return None
-    return usage.completion_tokens if usage else None
 
 
 class _AttemptFailed(Exception):
@@ -226,11 +200,7 @@ class Forwarder:
         output_tokens = 0
         if ok:
             grant.replica.breaker.record_success(now)
-            try:
-                usage = _usage_decoder.decode(data).usage
-            except msgspec.DecodeError:
-                usage = None
-            output_tokens = usage.completion_tokens if usage else 0
+            output_tokens = completion_tokens(data) or 0
         self.router.release(grant, now, ok=ok, output_tokens=output_tokens)
         response = web.Response(
             status=upstream.status,
@@ -282,8 +252,8 @@ class Forwarder:
                 older, previous = previous, chunk
                 await response.write(chunk)
                 window = tail + chunk
-                events = window.count(_DATA) - window.count(_DONE)
-                tail = chunk[-(len(_DATA) - 1) :]
+                events = sse.count_events(window)
+                tail = chunk[-(len(sse.DATA) - 1) :]
                 if events:
                     tokens += events
                     self.router.on_tokens(grant, events, last_at)
@@ -299,7 +269,7 @@ class Forwarder:
                     replica.recent_itl_s.append(now - last_at)
                 last_at = now
             await response.write_eof()
-            tokens = _stream_usage(older + previous) or tokens
+            tokens = stream_completion_tokens(older + previous) or tokens
         except ConnectionResetError:
             status = 499  # the client went away; the upstream connection is closed with it
         finally:
@@ -324,6 +294,5 @@ class Forwarder:
                 "reason": reason,
             },
         )
-        await response.write(
-            sse_error_event(f"replica {replica.name} failed mid-stream: {reason}", reason)
-        )
+        error = ApiError(502, f"replica {replica.name} failed mid-stream: {reason}", code=reason)
+        await response.write(sse.error_events(error))

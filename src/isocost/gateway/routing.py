@@ -43,9 +43,9 @@ from isocost.core.errors import IsocostError
 from isocost.files import resolve_model
 from isocost.gateway.body import RoutingView
 from isocost.gateway.config import GatewayConfig
-from isocost.gateway.errors import ApiError
 from isocost.gateway.metrics import GatewayMetrics
 from isocost.gateway.replicas import Pool, Replica
+from isocost.openai.errors import ApiError
 from isocost.scheduling.admission import RequestQueue
 from isocost.scheduling.decision import Decision, Outcome, RejectReason
 from isocost.scheduling.framework import Policy

@@ -14,10 +14,10 @@ import pytest
 from isocost.core.catalog import Catalog
 from isocost.gateway.body import RoutingView
 from isocost.gateway.config import HealthConfig, ReplicaConfig
-from isocost.gateway.errors import ApiError
 from isocost.gateway.metrics import GatewayMetrics
 from isocost.gateway.replicas import Pool, Replica
 from isocost.gateway.routing import GatewayRequest, Grant, Router
+from isocost.openai.errors import ApiError
 
 MODEL = "llama-3.1-8b"
 
