@@ -18,7 +18,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 from aiohttp import web
@@ -26,11 +26,10 @@ from aiohttp import web
 from isocost.core.errors import IsocostError
 from isocost.gateway.auth import bearer_token
 from isocost.gateway.config import ReplicaConfig
-from isocost.gateway.replicas import Replica
+from isocost.gateway.intake import Rejection
+from isocost.gateway.lifecycle import Gateway
+from isocost.gateway.upstreams import Upstream
 from isocost.openai.errors import ApiError
-
-if TYPE_CHECKING:
-    from isocost.gateway.app import Gateway
 
 __all__ = ["add_admin_routes", "snapshot"]
 
@@ -67,7 +66,7 @@ def _p50_ms(samples: Any) -> float | None:
 
 
 def replica_row(
-    gateway: Gateway, replica: Replica, now: float, decisions: list[dict[str, Any]]
+    gateway: Gateway, replica: Upstream, now: float, decisions: list[dict[str, Any]]
 ) -> dict[str, Any]:
     """One replica as the admin API and the dashboard show it."""
     router = gateway.router
@@ -147,25 +146,30 @@ def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
 
     def guarded(handler: Handler) -> Handler:
         async def check(request: web.Request) -> web.StreamResponse:
-            if not gateway.auth.admin_enabled:
+            auth = gateway.intake.auth
+            if not auth.admin_enabled:
                 raise ApiError(
                     403, "the admin API is disabled: set auth.admin_token", code="admin_disabled"
                 )
             token = bearer_token(request.headers.get("Authorization")) or request.headers.get(
                 "X-Admin-Token"
             )
-            if not gateway.auth.is_admin(token):
-                gateway.reject("admin_unauthorized")
-                raise ApiError(401, "missing or invalid admin token", code="invalid_admin_token")
+            if not auth.is_admin(token):
+                raise Rejection(
+                    "admin_unauthorized",
+                    401,
+                    "missing or invalid admin token",
+                    code="invalid_admin_token",
+                )
             return await handler(request)
 
         return check
 
-    def rows(*only: Replica) -> list[dict[str, Any]]:
+    def rows(*only: Upstream) -> list[dict[str, Any]]:
         now, decisions = time.monotonic(), gateway.router.recent_decisions()
         return [replica_row(gateway, r, now, decisions) for r in only or gateway.replicas.values()]
 
-    def find(name: str) -> Replica:
+    def find(name: str) -> Upstream:
         for replica in gateway.replicas.values():
             if replica.name == name:
                 return replica

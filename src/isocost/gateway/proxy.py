@@ -24,13 +24,13 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
-from isocost.gateway.replicas import Replica
 from isocost.gateway.routing import GatewayRequest, Grant, Router
+from isocost.gateway.upstreams import Upstream
 from isocost.openai import sse
 from isocost.openai.errors import ApiError
 from isocost.openai.usage import completion_tokens, stream_completion_tokens
 
-__all__ = ["Forwarder", "Outcome"]
+__all__ = ["ForwardResult", "ForwardSettings", "Forwarder"]
 
 log = logging.getLogger("isocost.gateway")
 
@@ -51,11 +51,11 @@ class _AttemptFailed(Exception):
 
 
 @dataclass(slots=True)
-class Outcome:
+class ForwardResult:
     """How one client request ended, for logs and metrics."""
 
     status: int
-    replica: Replica | None
+    replica: Upstream | None
     output_tokens: int = 0
     retries: int = 0
     ttft_s: float | None = None
@@ -82,7 +82,7 @@ class Forwarder:
 
     async def forward(
         self, http: web.Request, body: bytes, request: GatewayRequest
-    ) -> tuple[web.StreamResponse, Outcome]:
+    ) -> tuple[web.StreamResponse, ForwardResult]:
         """Answer ``http`` from some replica; ApiError when no attempt could succeed."""
         tried: set[str] = set()
         retries = 0
@@ -135,7 +135,7 @@ class Forwarder:
         request: GatewayRequest,
         grant: Grant,
         retries: int,
-    ) -> tuple[web.StreamResponse, Outcome]:
+    ) -> tuple[web.StreamResponse, ForwardResult]:
         replica = grant.replica
         settings = self.settings
         headers = {"Content-Type": "application/json", **replica.upstream_headers}
@@ -188,7 +188,7 @@ class Forwarder:
         grant: Grant,
         headers: dict[str, str],
         retries: int,
-    ) -> tuple[web.StreamResponse, Outcome]:
+    ) -> tuple[web.StreamResponse, ForwardResult]:
         try:
             data = await upstream.read()
         except TimeoutError:
@@ -208,7 +208,7 @@ class Forwarder:
             content_type=upstream.content_type or "application/json",
             headers=headers,
         )
-        return response, Outcome(upstream.status, grant.replica, output_tokens, retries)
+        return response, ForwardResult(upstream.status, grant.replica, output_tokens, retries)
 
     async def _relay_stream(
         self,
@@ -218,7 +218,7 @@ class Forwarder:
         grant: Grant,
         headers: dict[str, str],
         retries: int,
-    ) -> tuple[web.StreamResponse, Outcome]:
+    ) -> tuple[web.StreamResponse, ForwardResult]:
         replica = grant.replica
         try:
             first = await upstream.content.readany()
@@ -274,13 +274,13 @@ class Forwarder:
             status = 499  # the client went away; the upstream connection is closed with it
         finally:
             self.router.release(grant, time.monotonic(), ok=status < 400, output_tokens=tokens)
-        return response, Outcome(status, replica, tokens, retries, ttft_s)
+        return response, ForwardResult(status, replica, tokens, retries, ttft_s)
 
     async def _end_broken_stream(
         self,
         response: web.StreamResponse,
         request: GatewayRequest,
-        replica: Replica,
+        replica: Upstream,
         exc: Exception,
     ) -> None:
         reason = "timeout" if isinstance(exc, TimeoutError) else type(exc).__name__

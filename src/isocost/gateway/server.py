@@ -19,7 +19,7 @@ from aiohttp import web
 
 from isocost.core.catalog import Catalog
 from isocost.core.errors import ConfigError, IsocostError
-from isocost.gateway.app import Gateway, build_app
+from isocost.gateway.app import build_app
 from isocost.gateway.config import (
     AuthConfig,
     GatewayConfig,
@@ -27,6 +27,7 @@ from isocost.gateway.config import (
     ReplicaConfig,
     normalize_replica_url,
 )
+from isocost.gateway.lifecycle import Gateway
 
 __all__ = ["configure_logging", "discover_config", "load_gateway", "run_gateway"]
 
