@@ -30,6 +30,7 @@ from isocost.gateway.intake import Rejection
 from isocost.gateway.lifecycle import Gateway
 from isocost.gateway.upstreams import Upstream
 from isocost.openai.errors import ApiError
+from isocost.openai.responses import json_response
 
 __all__ = ["add_admin_routes", "snapshot"]
 
@@ -45,12 +46,6 @@ class _AddReplica(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 class _SwitchPolicy(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     policy: str
     model: str | None = None
-
-
-def _json(data: object, status: int = 200) -> web.Response:
-    return web.Response(
-        status=status, body=msgspec.json.encode(data), content_type="application/json"
-    )
 
 
 def _decode(body: bytes, kind: type[_T]) -> _T:
@@ -176,7 +171,7 @@ def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
         raise ApiError(404, f"no replica named {name!r}", code="replica_not_found")
 
     async def list_replicas(request: web.Request) -> web.StreamResponse:
-        return _json({"replicas": rows()})
+        return json_response({"replicas": rows()})
 
     async def add(request: web.Request) -> web.StreamResponse:
         body = _decode(await request.read(), _AddReplica)
@@ -184,22 +179,24 @@ def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
             replica = gateway.add_replica(body.model, body.replica)
         except (IsocostError, ValueError) as exc:
             raise ApiError(400, str(exc), code="invalid_replica") from None
-        return _json(rows(replica)[0], status=201)
+        return json_response(rows(replica)[0], 201)
 
     async def remove(request: web.Request) -> web.StreamResponse:
         replica = find(request.match_info["name"])
         gateway.remove_replica(replica.url)
-        return _json({"name": replica.name, "state": replica.health_state(time.monotonic())})
+        return json_response(
+            {"name": replica.name, "state": replica.health_state(time.monotonic())}
+        )
 
     async def drain(request: web.Request) -> web.StreamResponse:
         replica = find(request.match_info["name"])
         gateway.router.set_draining(replica, True)
-        return _json(rows(replica)[0])
+        return json_response(rows(replica)[0])
 
     async def undrain(request: web.Request) -> web.StreamResponse:
         replica = find(request.match_info["name"])
         gateway.router.set_draining(replica, False)
-        return _json(rows(replica)[0])
+        return json_response(rows(replica)[0])
 
     async def switch_policy(request: web.Request) -> web.StreamResponse:
         body = _decode(await request.read(), _SwitchPolicy)
@@ -211,10 +208,10 @@ def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
                 gateway.router.set_policy(pool, body.policy)
         except IsocostError as exc:
             raise ApiError(400, str(exc), code="unknown_policy", param="policy") from None
-        return _json({"pools": {pool.model: pool.policy for pool in pools}})
+        return json_response({"pools": {pool.model: pool.policy for pool in pools}})
 
     async def get_snapshot(request: web.Request) -> web.StreamResponse:
-        return _json(snapshot(gateway))
+        return json_response(snapshot(gateway))
 
     app.router.add_get("/admin/replicas", guarded(list_replicas))
     app.router.add_post("/admin/replicas", guarded(add))

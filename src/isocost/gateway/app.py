@@ -13,7 +13,6 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -24,6 +23,7 @@ from isocost.gateway.lifecycle import Gateway
 from isocost.gateway.proxy import ForwardResult
 from isocost.gateway.routing import GatewayRequest
 from isocost.openai.errors import ApiError, error_response
+from isocost.openai.responses import json_response
 
 __all__ = ["GATEWAY", "build_app"]
 
@@ -102,10 +102,7 @@ async def _route(request: web.Request) -> web.StreamResponse:
     gateway = request.app[GATEWAY]
     chat = request.query.get("kind", "chat") != "completion"
     _, prepared = await gateway.intake.prepare(request, chat=chat)
-    return web.Response(
-        body=msgspec.json.encode(gateway.router.decide_only(prepared)),
-        content_type="application/json",
-    )
+    return json_response(gateway.router.decide_only(prepared))
 
 
 async def _models(request: web.Request) -> web.StreamResponse:
@@ -121,21 +118,15 @@ async def _models(request: web.Request) -> web.StreamResponse:
         }
         for pool in gateway.pools.values()
     ]
-    return web.Response(
-        body=msgspec.json.encode({"object": "list", "data": data}),
-        content_type="application/json",
-    )
+    return json_response({"object": "list", "data": data})
 
 
 async def _health(request: web.Request) -> web.StreamResponse:
     gateway = request.app[GATEWAY]
     now = time.monotonic()
     routable = sum(r.routable(now) for r in gateway.replicas.values())
-    return web.Response(
-        body=msgspec.json.encode(
-            {"status": "ok", "replicas": len(gateway.replicas), "routable_replicas": routable}
-        ),
-        content_type="application/json",
+    return json_response(
+        {"status": "ok", "replicas": len(gateway.replicas), "routable_replicas": routable}
     )
 
 

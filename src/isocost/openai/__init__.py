@@ -1,8 +1,9 @@
 """The OpenAI wire format, spoken by the engine simulator, the gateway and the load generator.
 
 One room for what travels on the wire: the error object and the HTTP status of each kind
-(``errors``), the request bodies and their one decoder (``requests``), server-sent event
-framing, written and read (``sse``), and the usage object (``usage``). It sits below every
+(``errors``), the request bodies and their one decoder (``requests``), JSON answers
+(``responses``), server-sent event framing, written and read (``sse``), and the usage
+object (``usage``). It sits below every
 HTTP edge and imports only ``core`` (DESIGN §2), so the engine and the gateway share it
 without importing each other. Imports are absolute, so the package never shadows the
 ``openai`` SDK that the tests use as a client.
@@ -20,6 +21,7 @@ from isocost.openai.requests import (
     StreamOptions,
     decode_body,
 )
+from isocost.openai.responses import json_response
 from isocost.openai.usage import Usage
 
 __all__ = [
@@ -34,4 +36,5 @@ __all__ = [
     "Usage",
     "decode_body",
     "error_response",
+    "json_response",
 ]

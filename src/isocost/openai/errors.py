@@ -16,6 +16,8 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from isocost.openai.responses import json_response
+
 __all__ = ["STATUS_TYPES", "ApiError", "error_response"]
 
 STATUS_TYPES = {
@@ -83,6 +85,4 @@ def error_response(error: ApiError, headers: dict[str, str] | None = None) -> we
     out = dict(headers or {})
     if error.status in (429, 503):
         out["Retry-After"] = str(max(1, math.ceil(error.retry_after_s or 1)))
-    return web.Response(
-        status=error.status, body=error.encode(), content_type="application/json", headers=out
-    )
+    return json_response(error.body(), error.status, out)
