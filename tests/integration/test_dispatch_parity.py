@@ -23,10 +23,10 @@ from isocost.core.catalog import Catalog
 from isocost.core.costmodel import CostModel
 from isocost.files import resolve_model
 from isocost.gateway.body import RoutingView
-from isocost.gateway.errors import ApiError
 from isocost.gateway.metrics import GatewayMetrics
-from isocost.gateway.replicas import Pool, Replica
 from isocost.gateway.routing import GatewayRequest, Grant, Router
+from isocost.gateway.upstreams import Pool, Upstream
+from isocost.openai.errors import ApiError
 from isocost.runtime.config import HealthConfig, ReplicaConfig
 from isocost.scheduling.decision import Decision, RejectReason
 from isocost.scheduling.dispatch import Dispatcher
@@ -154,7 +154,7 @@ async def _gateway(clock: _Clock) -> list[tuple[str, str]]:
     router.set_policy(pool, POLICY)
     for port, name in enumerate(REPLICAS, start=9):
         config = ReplicaConfig(url=f"http://127.0.0.1:{port}", name=name, max_queue=1)
-        replica = Replica(config, MODEL, HealthConfig())
+        replica = Upstream(config, MODEL, HealthConfig())
         router.add_replica(pool, replica)
         pool.replicas[replica.url] = replica
     log: list[tuple[str, str]] = []

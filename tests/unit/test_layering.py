@@ -1,8 +1,8 @@
 """The import-layer rule of DESIGN §2, enforced by reading every module's imports.
 
 Imports point down only: cli -> gateway | sim | bench | control | engine -> runtime ->
-files -> scheduling -> prefix | workload -> core. gateway, sim and bench never import each
-other: what two of them share moves down (the gateway config into runtime).
+files -> scheduling -> prefix | workload | openai -> core. gateway, sim and bench never
+import each other: what two of them share moves down (the gateway config into runtime).
 The pure layers import nothing that does I/O, read no wall clock, open no file and use no
 global RNG (randomness arrives as an injected ``random.Random``).
 """
@@ -23,12 +23,12 @@ ALLOWED: dict[str, set[str]] = {
     "workload": {"core"},
     "scheduling": {"core", "prefix", "workload"},
     "files": {"core", "prefix", "workload", "scheduling"},
-    "openai_api": {"core"},
-    "engine": {"core", "prefix", "workload", "scheduling", "files", "openai_api"},
-    "runtime": {"core", "prefix", "workload", "scheduling", "files", "openai_api"},
+    "openai": {"core"},
+    "engine": {"core", "prefix", "workload", "scheduling", "files", "openai"},
+    "runtime": {"core", "prefix", "workload", "scheduling", "files", "openai"},
     "sim": {"core", "prefix", "workload", "scheduling", "files", "engine", "runtime"},
-    "bench": {"core", "workload", "files"},
-    "gateway": {"core", "prefix", "workload", "scheduling", "files", "openai_api", "runtime"},
+    "bench": {"core", "workload", "files", "openai"},
+    "gateway": {"core", "prefix", "workload", "scheduling", "files", "openai", "runtime"},
     "control": {"core", "prefix", "workload", "scheduling", "files"},
     "demo": {
         "core",

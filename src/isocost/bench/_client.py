@@ -25,6 +25,7 @@ import aiohttp
 import msgspec
 
 from isocost.bench._records import BenchRecord
+from isocost.openai import sse
 
 __all__ = ["send_request"]
 
@@ -120,13 +121,13 @@ async def _read_stream(
 ) -> None:
     chunks = 0
     async for raw in response.content:
-        line = raw.strip()
-        if not line or line.startswith((b":", b"event:", b"id:", b"retry:")):
+        try:
+            data = sse.line_data(raw)
+        except sse.SseError as exc:
+            raise _Garbage("bad_sse", str(exc)) from None
+        if data is None:
             continue
-        if not line.startswith(b"data:"):
-            raise _Garbage("bad_sse", f"not an SSE line: {line[:80]!r}")
-        data = line[5:].strip()
-        if data == b"[DONE]":
+        if data == sse.DONE:
             record.end_s = clock()
             if record.output_tokens == 0:
                 record.output_tokens = chunks

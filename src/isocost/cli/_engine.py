@@ -53,7 +53,7 @@ def engine(
     from isocost.core.costmodel import EngineLimits
     from isocost.engine.config import Faults, ReplicaSpec
     from isocost.engine.launch import launch
-    from isocost.engine.server import Replica, ServeOptions
+    from isocost.engine.replica import ServedReplica, ServeOptions
 
     faults = Faults(slowdown=slowdown, error_rate=error_rate, hang=hang, max_waiting=max_waiting)
     default = ReplicaSpec(gpu, model, tp, served_model_name or model, num_gpu_blocks, faults)
@@ -62,7 +62,7 @@ def engine(
         host, time_scale, stream_interval, output_dist, output_mean_tokens, seed, tokenizer
     )
 
-    def ready(urls: list[tuple[Replica, str]]) -> None:
+    def ready(urls: list[tuple[ServedReplica, str]]) -> None:
         for replica, url in urls:
             line = f"isocost engine: {replica.describe()} ready at {url}"
             console.print(line, highlight=False, soft_wrap=True)

@@ -7,7 +7,8 @@ from collections.abc import Callable
 from isocost.core.costmodel import EngineLimits
 from isocost.core.errors import ConfigError
 from isocost.engine.config import ReplicaSpec, resolve_replicas
-from isocost.engine.server import OUTPUT_DISTRIBUTIONS, Replica, ServeOptions, run_engine
+from isocost.engine.replica import OUTPUT_DISTRIBUTIONS, ServedReplica, ServeOptions
+from isocost.engine.server import run_engine
 from isocost.files import load_catalog, read_text
 
 __all__ = ["launch"]
@@ -23,7 +24,7 @@ def launch(
     catalog_paths: list[str],
     limits: EngineLimits,
     options: ServeOptions,
-    on_ready: Callable[[list[tuple[Replica, str]]], None],
+    on_ready: Callable[[list[tuple[ServedReplica, str]]], None],
 ) -> None:
     """Serve the replicas on ``port``, ``port + 1``, ... (all OS-chosen when ``port`` is
     0) until SIGINT/SIGTERM. Bad flags raise ``ConfigError`` before any port opens."""

@@ -18,19 +18,19 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 from aiohttp import web
 
 from isocost.core.errors import IsocostError
 from isocost.gateway.auth import bearer_token
-from isocost.gateway.errors import ApiError
-from isocost.gateway.replicas import Replica
+from isocost.gateway.intake import Rejection
+from isocost.gateway.lifecycle import Gateway
+from isocost.gateway.upstreams import Upstream
+from isocost.openai.errors import ApiError
+from isocost.openai.responses import json_response
 from isocost.runtime.config import ReplicaConfig
-
-if TYPE_CHECKING:
-    from isocost.gateway.app import Gateway
 
 __all__ = ["add_admin_routes", "snapshot"]
 
@@ -48,12 +48,6 @@ class _SwitchPolicy(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     model: str | None = None
 
 
-def _json(data: object, status: int = 200) -> web.Response:
-    return web.Response(
-        status=status, body=msgspec.json.encode(data), content_type="application/json"
-    )
-
-
 def _decode(body: bytes, kind: type[_T]) -> _T:
     try:
         return msgspec.json.decode(body, type=kind)
@@ -67,7 +61,7 @@ def _p50_ms(samples: Any) -> float | None:
 
 
 def replica_row(
-    gateway: Gateway, replica: Replica, now: float, decisions: list[dict[str, Any]]
+    gateway: Gateway, replica: Upstream, now: float, decisions: list[dict[str, Any]]
 ) -> dict[str, Any]:
     """One replica as the admin API and the dashboard show it."""
     router = gateway.router
@@ -147,32 +141,37 @@ def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
 
     def guarded(handler: Handler) -> Handler:
         async def check(request: web.Request) -> web.StreamResponse:
-            if not gateway.auth.admin_enabled:
+            auth = gateway.intake.auth
+            if not auth.admin_enabled:
                 raise ApiError(
                     403, "the admin API is disabled: set auth.admin_token", code="admin_disabled"
                 )
             token = bearer_token(request.headers.get("Authorization")) or request.headers.get(
                 "X-Admin-Token"
             )
-            if not gateway.auth.is_admin(token):
-                gateway.reject("admin_unauthorized")
-                raise ApiError(401, "missing or invalid admin token", code="invalid_admin_token")
+            if not auth.is_admin(token):
+                raise Rejection(
+                    "admin_unauthorized",
+                    401,
+                    "missing or invalid admin token",
+                    code="invalid_admin_token",
+                )
             return await handler(request)
 
         return check
 
-    def rows(*only: Replica) -> list[dict[str, Any]]:
+    def rows(*only: Upstream) -> list[dict[str, Any]]:
         now, decisions = time.monotonic(), gateway.router.recent_decisions()
         return [replica_row(gateway, r, now, decisions) for r in only or gateway.replicas.values()]
 
-    def find(name: str) -> Replica:
+    def find(name: str) -> Upstream:
         for replica in gateway.replicas.values():
             if replica.name == name:
                 return replica
         raise ApiError(404, f"no replica named {name!r}", code="replica_not_found")
 
     async def list_replicas(request: web.Request) -> web.StreamResponse:
-        return _json({"replicas": rows()})
+        return json_response({"replicas": rows()})
 
     async def add(request: web.Request) -> web.StreamResponse:
         body = _decode(await request.read(), _AddReplica)
@@ -180,22 +179,24 @@ def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
             replica = gateway.add_replica(body.model, body.replica)
         except (IsocostError, ValueError) as exc:
             raise ApiError(400, str(exc), code="invalid_replica") from None
-        return _json(rows(replica)[0], status=201)
+        return json_response(rows(replica)[0], 201)
 
     async def remove(request: web.Request) -> web.StreamResponse:
         replica = find(request.match_info["name"])
         gateway.remove_replica(replica.url)
-        return _json({"name": replica.name, "state": replica.health_state(time.monotonic())})
+        return json_response(
+            {"name": replica.name, "state": replica.health_state(time.monotonic())}
+        )
 
     async def drain(request: web.Request) -> web.StreamResponse:
         replica = find(request.match_info["name"])
         gateway.router.set_draining(replica, True)
-        return _json(rows(replica)[0])
+        return json_response(rows(replica)[0])
 
     async def undrain(request: web.Request) -> web.StreamResponse:
         replica = find(request.match_info["name"])
         gateway.router.set_draining(replica, False)
-        return _json(rows(replica)[0])
+        return json_response(rows(replica)[0])
 
     async def switch_policy(request: web.Request) -> web.StreamResponse:
         body = _decode(await request.read(), _SwitchPolicy)
@@ -207,10 +208,10 @@ def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
                 gateway.router.set_policy(pool, body.policy)
         except IsocostError as exc:
             raise ApiError(400, str(exc), code="unknown_policy", param="policy") from None
-        return _json({"pools": {pool.model: pool.policy for pool in pools}})
+        return json_response({"pools": {pool.model: pool.policy for pool in pools}})
 
     async def get_snapshot(request: web.Request) -> web.StreamResponse:
-        return _json(snapshot(gateway))
+        return json_response(snapshot(gateway))
 
     app.router.add_get("/admin/replicas", guarded(list_replicas))
     app.router.add_post("/admin/replicas", guarded(add))

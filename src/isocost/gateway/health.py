@@ -55,7 +55,6 @@ class Breaker:
         self._opened_at = 0.0
         self._cooldown_s = open_s
         self.last_error: str | None = None
-        self.num_openings = 0
         self.needs_live_probe = False
 
     def state(self, now: float) -> BreakerState:
@@ -113,4 +112,3 @@ class Breaker:
         self._opened_at = now
         self._cooldown_s = cooldown_s
         self._consecutive_failures = 0
-        self.num_openings += 1

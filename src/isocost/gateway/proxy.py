@@ -22,45 +22,19 @@ import time
 from dataclasses import dataclass
 
 import aiohttp
-import msgspec
 from aiohttp import web
 
-from isocost.gateway.errors import ApiError, sse_error_event
-from isocost.gateway.replicas import Replica
 from isocost.gateway.routing import GatewayRequest, Grant, Router
+from isocost.gateway.upstreams import Upstream
+from isocost.openai import sse
+from isocost.openai.errors import ApiError
+from isocost.openai.usage import completion_tokens, stream_completion_tokens
 
-__all__ = ["Forwarder", "Outcome"]
+__all__ = ["ForwardResult", "ForwardSettings", "Forwarder"]
 
 log = logging.getLogger("isocost.gateway")
 
 _HOP_HEADERS = ("Accept", "X-Request-Id")
-_DATA = b"data:"
-_DONE = b"data: [DONE]"
-
-
-class _Usage(msgspec.Struct):
-    completion_tokens: int = 0
-
-
-class _UsageBody(msgspec.Struct):
-    usage: _Usage | None = None
-
-
-_usage_decoder = msgspec.json.Decoder(_UsageBody)
-
-
-def _stream_usage(end: bytes) -> int | None:
-    """``completion_tokens`` of a stream's usage event (``stream_options.include_usage``)."""
-    at = end.rfind(b'"usage":{')
-    start = end.rfind(_DATA, 0, at) if at >= 0 else -1
-    stop = end.find(b"\n", at)
-    if start < 0 or stop < 0:
-        return None
-    try:
-        usage = _usage_decoder.decode(end[start + len(_DATA) : stop]).usage
-    except msgspec.DecodeError:
-        return None
-    return usage.completion_tokens if usage else None
 
 
 class _AttemptFailed(Exception):
@@ -77,11 +51,11 @@ class _AttemptFailed(Exception):
 
 
 @dataclass(slots=True)
-class Outcome:
+class ForwardResult:
     """How one client request ended, for logs and metrics."""
 
     status: int
-    replica: Replica | None
+    replica: Upstream | None
     output_tokens: int = 0
     retries: int = 0
     ttft_s: float | None = None
@@ -108,7 +82,7 @@ class Forwarder:
 
     async def forward(
         self, http: web.Request, body: bytes, request: GatewayRequest
-    ) -> tuple[web.StreamResponse, Outcome]:
+    ) -> tuple[web.StreamResponse, ForwardResult]:
         """Answer ``http`` from some replica; ApiError when no attempt could succeed."""
         tried: set[str] = set()
         retries = 0
@@ -161,7 +135,7 @@ class Forwarder:
         request: GatewayRequest,
         grant: Grant,
         retries: int,
-    ) -> tuple[web.StreamResponse, Outcome]:
+    ) -> tuple[web.StreamResponse, ForwardResult]:
         replica = grant.replica
         settings = self.settings
         headers = {"Content-Type": "application/json", **replica.upstream_headers}
@@ -214,7 +188,7 @@ class Forwarder:
         grant: Grant,
         headers: dict[str, str],
         retries: int,
-    ) -> tuple[web.StreamResponse, Outcome]:
+    ) -> tuple[web.StreamResponse, ForwardResult]:
         try:
             data = await upstream.read()
         except TimeoutError:
@@ -226,11 +200,7 @@ class Forwarder:
         output_tokens = 0
         if ok:
             grant.replica.breaker.record_success(now)
-            try:
-                usage = _usage_decoder.decode(data).usage
-            except msgspec.DecodeError:
-                usage = None
-            output_tokens = usage.completion_tokens if usage else 0
+            output_tokens = completion_tokens(data) or 0
         self.router.release(grant, now, ok=ok, output_tokens=output_tokens)
         response = web.Response(
             status=upstream.status,
@@ -238,7 +208,7 @@ class Forwarder:
             content_type=upstream.content_type or "application/json",
             headers=headers,
         )
-        return response, Outcome(upstream.status, grant.replica, output_tokens, retries)
+        return response, ForwardResult(upstream.status, grant.replica, output_tokens, retries)
 
     async def _relay_stream(
         self,
@@ -248,7 +218,7 @@ class Forwarder:
         grant: Grant,
         headers: dict[str, str],
         retries: int,
-    ) -> tuple[web.StreamResponse, Outcome]:
+    ) -> tuple[web.StreamResponse, ForwardResult]:
         replica = grant.replica
         try:
             first = await upstream.content.readany()
@@ -282,8 +252,8 @@ class Forwarder:
                 older, previous = previous, chunk
                 await response.write(chunk)
                 window = tail + chunk
-                events = window.count(_DATA) - window.count(_DONE)
-                tail = chunk[-(len(_DATA) - 1) :]
+                events = sse.count_events(window)
+                tail = chunk[-(len(sse.DATA) - 1) :]
                 if events:
                     tokens += events
                     self.router.on_tokens(grant, events, last_at)
@@ -299,18 +269,18 @@ class Forwarder:
                     replica.recent_itl_s.append(now - last_at)
                 last_at = now
             await response.write_eof()
-            tokens = _stream_usage(older + previous) or tokens
+            tokens = stream_completion_tokens(older + previous) or tokens
         except ConnectionResetError:
             status = 499  # the client went away; the upstream connection is closed with it
         finally:
             self.router.release(grant, time.monotonic(), ok=status < 400, output_tokens=tokens)
-        return response, Outcome(status, replica, tokens, retries, ttft_s)
+        return response, ForwardResult(status, replica, tokens, retries, ttft_s)
 
     async def _end_broken_stream(
         self,
         response: web.StreamResponse,
         request: GatewayRequest,
-        replica: Replica,
+        replica: Upstream,
         exc: Exception,
     ) -> None:
         reason = "timeout" if isinstance(exc, TimeoutError) else type(exc).__name__
@@ -324,6 +294,5 @@ class Forwarder:
                 "reason": reason,
             },
         )
-        await response.write(
-            sse_error_event(f"replica {replica.name} failed mid-stream: {reason}", reason)
-        )
+        error = ApiError(502, f"replica {replica.name} failed mid-stream: {reason}", code=reason)
+        await response.write(sse.error_events(error))

@@ -44,9 +44,9 @@ from aiohttp import web
 from isocost.core.catalog import Catalog
 from isocost.core.errors import IsocostError
 from isocost.gateway.body import RoutingView
-from isocost.gateway.errors import ApiError
 from isocost.gateway.metrics import GatewayMetrics
-from isocost.gateway.replicas import Pool, Replica
+from isocost.gateway.upstreams import Pool, Upstream
+from isocost.openai.errors import ApiError
 from isocost.runtime.config import GatewayConfig, check_references, replica_cost_model
 from isocost.scheduling.decision import Decision, RejectReason
 from isocost.scheduling.dispatch import Dispatcher
@@ -139,7 +139,7 @@ def _positive_ms(headers: Mapping[str, str], name: str) -> float | None:
 class Grant:
     """A replica granted to one attempt of a request."""
 
-    replica: Replica
+    replica: Upstream
     attempt_id: str  # the brain's request id for this attempt
     decision: Decision
     streaming: bool = False  # its first token has arrived
@@ -157,7 +157,7 @@ class Router:
         self,
         catalog: Catalog,
         metrics: GatewayMetrics,
-        on_idle: Callable[[Replica], None],
+        on_idle: Callable[[Upstream], None],
         on_reject: Callable[[str], None],
         *,
         queue_size: int,
@@ -176,7 +176,7 @@ class Router:
         self.replicas.add_listener(_PolicyHooks(self.policies))
         # (time, prompt tokens, decision): described only when someone asks (admin API).
         self._recent: deque[tuple[float, int, Decision]] = deque(maxlen=_RECENT_DECISIONS)
-        self._by_id: dict[str, Replica] = {}
+        self._by_id: dict[str, Upstream] = {}
         self._seed = seed
         self.scheduling = SchedulingConfig()
         self._queue_size = queue_size
@@ -238,7 +238,7 @@ class Router:
             self.on_reject("model_not_found")
             waiter.set_exception(ApiError(404, "model removed", code="model_not_found"))
 
-    def add_replica(self, pool: Pool, replica: Replica) -> None:
+    def add_replica(self, pool: Pool, replica: Upstream) -> None:
         config = replica.config
         if replica.name in self._by_id:
             raise IsocostError(f"a replica named {replica.name!r} already exists")
@@ -254,16 +254,16 @@ class Router:
         self.replicas.add(spec)
         self._by_id[replica.name] = replica
 
-    def remove_replica(self, replica: Replica) -> None:
+    def remove_replica(self, replica: Upstream) -> None:
         if self._by_id.get(replica.name) is replica:
             del self._by_id[replica.name]
             self.replicas.remove(replica.name)
 
-    def set_draining(self, replica: Replica, draining: bool) -> None:
+    def set_draining(self, replica: Upstream, draining: bool) -> None:
         replica.drained = draining
         self.replicas.set_draining(replica.name, draining or replica.removing)
 
-    def sync_health(self, replica: Replica, now: float) -> None:
+    def sync_health(self, replica: Upstream, now: float) -> None:
         """Mirror the breaker into the brain's eligibility."""
         if self._by_id.get(replica.name) is not replica:
             return
@@ -274,7 +274,7 @@ class Router:
             if healthy:
                 self._wake(replica.pool)
 
-    def apply_scrape(self, replica: Replica, metrics: EngineMetrics, now: float) -> None:
+    def apply_scrape(self, replica: Upstream, metrics: EngineMetrics, now: float) -> None:
         if self._by_id.get(replica.name) is replica:
             self.replicas.apply_scrape(replica.name, metrics, now)
 

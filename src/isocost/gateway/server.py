@@ -19,7 +19,8 @@ from aiohttp import web
 
 from isocost.core.catalog import Catalog
 from isocost.core.errors import ConfigError, IsocostError
-from isocost.gateway.app import Gateway, build_app
+from isocost.gateway.app import build_app
+from isocost.gateway.lifecycle import Gateway
 from isocost.runtime.config import (
     AuthConfig,
     GatewayConfig,

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from isocost.gateway.body import BodyError, decode_body
+from isocost.gateway.body import routing_view
+from isocost.openai.requests import RequestError
 from isocost.prefix.hashing import text_block_hashes, token_block_hashes
 
 
@@ -20,7 +21,7 @@ def chat(content: object, **extra: object) -> bytes:
 
 
 def test_chat_fields_and_estimate() -> None:
-    view = decode_body(
+    view = routing_view(
         chat("x" * 400, max_tokens=7, stream=True, user="u1"), chat=True, block_tokens=16
     )
     assert (view.model, view.max_tokens, view.stream, view.user) == ("m", 7, True, "u1")
@@ -35,19 +36,21 @@ def test_content_parts_count_like_plain_text() -> None:
         {"type": "image_url"},
         {"type": "text", "text": "world"},
     ]
-    assert decode_body(chat(parts), chat=True, block_tokens=4) == decode_body(
+    assert routing_view(chat(parts), chat=True, block_tokens=4) == routing_view(
         chat("hello world"), chat=True, block_tokens=4
     )
 
 
 def test_max_completion_tokens_wins() -> None:
-    view = decode_body(chat("x", max_tokens=9, max_completion_tokens=3), chat=True, block_tokens=16)
+    view = routing_view(
+        chat("x", max_tokens=9, max_completion_tokens=3), chat=True, block_tokens=16
+    )
     assert view.max_tokens == 3
 
 
 def test_token_id_prompts_are_exact() -> None:
     ids = list(range(40))
-    view = decode_body(
+    view = routing_view(
         json.dumps({"model": "m", "prompt": ids}).encode(), chat=False, block_tokens=16
     )
     assert view.prompt_tokens == 40 and view.prompt_tokens_exact
@@ -56,7 +59,7 @@ def test_token_id_prompts_are_exact() -> None:
 
 def test_batched_prompts_count_all_and_hash_the_first() -> None:
     body = json.dumps({"model": "m", "prompt": ["a" * 128, "b" * 64]}).encode()
-    view = decode_body(body, chat=False, block_tokens=16)
+    view = routing_view(body, chat=False, block_tokens=16)
     assert view.prompt_tokens == 48
     assert view.block_hashes == tuple(text_block_hashes("a" * 128, 64))
 
@@ -77,8 +80,8 @@ def test_batched_prompts_count_all_and_hash_the_first() -> None:
     ],
 )
 def test_bad_bodies(body: bytes, is_chat: bool, param: str | None) -> None:
-    with pytest.raises(BodyError) as info:
-        decode_body(body, chat=is_chat, block_tokens=16)
+    with pytest.raises(RequestError) as info:
+        routing_view(body, chat=is_chat, block_tokens=16)
     if param is not None:
         assert info.value.param is not None and info.value.param.startswith(param)
 
@@ -86,13 +89,13 @@ def test_bad_bodies(body: bytes, is_chat: bool, param: str | None) -> None:
 @settings(max_examples=150, derandomize=True)
 @given(st.binary(max_size=200))
 def test_arbitrary_bytes_never_escape_as_other_errors(data: bytes) -> None:
-    with contextlib.suppress(BodyError):
-        decode_body(data, chat=True, block_tokens=16)
+    with contextlib.suppress(RequestError):
+        routing_view(data, chat=True, block_tokens=16)
 
 
 @settings(max_examples=100, derandomize=True)
 @given(st.text(max_size=300), st.text(max_size=300))
 def test_shared_prefix_shares_block_hashes(prefix: str, rest: str) -> None:
-    a = decode_body(chat(prefix + rest), chat=True, block_tokens=4)
-    b = decode_body(chat(prefix), chat=True, block_tokens=4)
+    a = routing_view(chat(prefix + rest), chat=True, block_tokens=4)
+    b = routing_view(chat(prefix), chat=True, block_tokens=4)
     assert a.block_hashes[: len(b.block_hashes)] == b.block_hashes

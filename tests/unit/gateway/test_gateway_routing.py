@@ -13,16 +13,16 @@ import pytest
 
 from isocost.core.catalog import Catalog
 from isocost.gateway.body import RoutingView
-from isocost.gateway.errors import ApiError
 from isocost.gateway.metrics import GatewayMetrics
-from isocost.gateway.replicas import Pool, Replica
 from isocost.gateway.routing import GatewayRequest, Grant, Router
+from isocost.gateway.upstreams import Pool, Upstream
+from isocost.openai.errors import ApiError
 from isocost.runtime.config import HealthConfig, ReplicaConfig
 
 MODEL = "llama-3.1-8b"
 
 
-def setup(queue_size: int = 4) -> tuple[Router, Pool, Replica, list[str]]:
+def setup(queue_size: int = 4) -> tuple[Router, Pool, Upstream, list[str]]:
     rejected: list[str] = []
     router = Router(
         Catalog.builtin(),
@@ -34,7 +34,7 @@ def setup(queue_size: int = 4) -> tuple[Router, Pool, Replica, list[str]]:
     )
     pool = Pool(MODEL, "round_robin")
     router.set_policy(pool, "round_robin")
-    replica = Replica(ReplicaConfig(url="http://127.0.0.1:9", max_queue=1), MODEL, HealthConfig())
+    replica = Upstream(ReplicaConfig(url="http://127.0.0.1:9", max_queue=1), MODEL, HealthConfig())
     router.add_replica(pool, replica)
     pool.replicas[replica.url] = replica
     return router, pool, replica, rejected

@@ -1,8 +1,9 @@
 """The gateway's live view of its replicas: health, drain state, scrapes, recent latencies.
 
-A ``Replica`` is created from its config entry and lives until it is removed (by a config
-reload or the admin API); removal first drains it, and it leaves its pool once its last
-in-flight request ends, so no request is dropped. Scheduling state (the shadow of what
+An ``Upstream`` (one engine replica as the data plane sees it) is created from its config
+entry and lives until it is removed (by a config reload or the admin API); removal first
+drains it, and it leaves its pool once its last in-flight request ends, so no request is
+dropped. Scheduling state (the shadow of what
 runs there) belongs to the brain; this object holds what only the data plane knows.
 """
 
@@ -16,12 +17,12 @@ from isocost.gateway.health import Breaker, BreakerState
 from isocost.runtime.config import HealthConfig, ReplicaConfig, normalize_replica_url, replica_name
 from isocost.scheduling.state import EngineMetrics
 
-__all__ = ["Pool", "Replica"]
+__all__ = ["Pool", "Upstream"]
 
 _RECENT = 64  # latency samples kept per replica for the admin snapshot
 
 
-class Replica:
+class Upstream:
     """One engine endpoint as the data plane sees it."""
 
     def __init__(self, config: ReplicaConfig, pool: str, health: HealthConfig) -> None:
@@ -67,4 +68,4 @@ class Pool:
 
     model: str
     policy: str
-    replicas: dict[str, Replica] = field(default_factory=dict)  # by normalized URL
+    replicas: dict[str, Upstream] = field(default_factory=dict)  # by normalized URL

@@ -1,9 +1,11 @@
-"""OpenAI-style error answers, shared by the two HTTP edges that speak the OpenAI API.
+"""OpenAI-style error answers, shared by the HTTP edges that speak the OpenAI API.
 
 The engine simulator and the gateway may not import each other (DESIGN §2), yet both
 answer errors the same way: the body ``{"error": {"message", "type", "param", "code"}}``
 with the status of its kind, and ``Retry-After`` (whole seconds, at least 1) on 429 and
-503 so that clients back off instead of hammering.
+503 so that clients back off instead of hammering. This module is the one mapping from
+an error to its HTTP answer, aiohttp's own HTTP errors (unknown path, wrong method, body
+over the size limit) included.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from typing import Any
 
 import msgspec
 from aiohttp import web
+
+from isocost.openai.responses import json_response
 
 __all__ = ["STATUS_TYPES", "ApiError", "error_response"]
 
@@ -28,6 +32,7 @@ STATUS_TYPES = {
     503: "service_unavailable",
     504: "timeout_error",
 }
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
 class ApiError(Exception):
@@ -55,6 +60,11 @@ class ApiError(Exception):
         self.type = type_ or STATUS_TYPES.get(status, "api_error")
         self.retry_after_s = retry_after_s
 
+    @classmethod
+    def from_http(cls, exc: web.HTTPException) -> ApiError:
+        """aiohttp's own refusal (404, 405, 413, ...) as an OpenAI error."""
+        return cls(exc.status, exc.reason, code=_HTTP_CODES.get(exc.status, "http_error"))
+
     def body(self) -> dict[str, Any]:
         return {
             "error": {
@@ -75,6 +85,4 @@ def error_response(error: ApiError, headers: dict[str, str] | None = None) -> we
     out = dict(headers or {})
     if error.status in (429, 503):
         out["Retry-After"] = str(max(1, math.ceil(error.retry_after_s or 1)))
-    return web.Response(
-        status=error.status, body=error.encode(), content_type="application/json", headers=out
-    )
+    return json_response(error.body(), error.status, out)

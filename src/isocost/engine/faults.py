@@ -1,0 +1,84 @@
+"""Fault injection of one ``isocost engine`` replica.
+
+The fault set (``Faults``) comes from flags, spec fields or ``POST /admin/fault`` (the
+body replaces the whole fault set; ``{}`` clears it): ``slowdown`` stretches every step,
+``error_rate`` answers that share of completion requests with 500, ``hang`` holds every
+request except ``/admin/*`` until cleared, ``max_waiting`` answers 503 + Retry-After while
+the queue is that long, ``crash`` exits the process (code 70) right after answering.
+``GET /admin/fault`` shows the current set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+
+from aiohttp import web
+
+from isocost.engine.config import Faults
+from isocost.engine.model import EngineModel
+from isocost.openai.errors import ApiError
+from isocost.openai.requests import decode_body
+from isocost.openai.responses import json_response
+
+__all__ = ["FaultInjector", "add_fault_routes"]
+
+_CRASH_EXIT_CODE = 70
+
+
+class FaultInjector:
+    """One replica's fault set, applied to its model and its completion requests.
+
+    ``rng`` is the replica's seeded generator (shared with its output lengths), so a
+    seeded run draws the same failures.
+    """
+
+    def __init__(self, model: EngineModel, rng: random.Random, faults: Faults) -> None:
+        self.model = model
+        self.faults = faults
+        self.unhung = asyncio.Event()
+        self._rng = rng
+        self.set(faults)
+
+    def set(self, faults: Faults) -> None:
+        self.faults = faults
+        self.model.slowdown = faults.slowdown
+        if faults.hang:
+            self.unhung.clear()
+        else:
+            self.unhung.set()
+
+    def check_admission(self) -> None:
+        """ApiError for a completion request the faults refuse: queue cap (503) or an
+        injected failure (500)."""
+        cap = self.faults.max_waiting
+        if cap is not None and self.model.num_waiting >= cap:
+            raise ApiError(
+                503, "the replica's queue is full", type_="server_error", code="overloaded"
+            )
+        if self.faults.error_rate > 0 and self._rng.random() < self.faults.error_rate:
+            raise ApiError(500, "injected engine failure", type_="server_error", code="internal")
+
+
+def add_fault_routes(app: web.Application, injector: FaultInjector) -> None:
+    """``GET`` and ``POST /admin/fault`` for ``injector``'s replica."""
+
+    async def get_fault(request: web.Request) -> web.Response:
+        return json_response(injector.faults)
+
+    async def post_fault(request: web.Request) -> web.StreamResponse:
+        faults = decode_body(await request.read() or b"{}", Faults)
+        problem = faults.problem()
+        if problem:
+            raise ApiError(400, f"{problem[0]} {problem[1]}", param=problem[0])
+        injector.set(faults)
+        response = json_response(faults)
+        if faults.crash:
+            await response.prepare(request)
+            await response.write_eof()
+            os._exit(_CRASH_EXIT_CODE)
+        return response
+
+    app.router.add_get("/admin/fault", get_fault)
+    app.router.add_post("/admin/fault", post_fault)

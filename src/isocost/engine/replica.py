@@ -1,0 +1,196 @@
+"""One ``isocost engine`` replica in real time: the engine model, its metrics and its loop.
+
+Each replica runs exactly one asyncio task, its *loop*, which maps wall time to modelled
+time (``modelled = elapsed / time_scale``), advances the pure ``EngineModel`` to now,
+feeds the metrics, wakes the request handlers whose request has enough new tokens, and
+sleeps until the model's next step ends (at least ``_TICK_S``, so that very fast modelled
+GPUs advance in batches of steps instead of spinning). Handlers never step the model;
+they tokenize, submit, wait to be woken and write. Token *timing* therefore comes from the
+model, not from how punctual the event loop is; the loop only decides when bytes leave.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass
+
+from isocost.engine.config import ReplicaSpec
+from isocost.engine.faults import FaultInjector
+from isocost.engine.metrics import ReplicaMetrics
+from isocost.engine.model import EngineModel, Finished, FirstToken, RequestSpec, RequestState
+from isocost.engine.tokens import Tokenizer
+
+__all__ = ["OUTPUT_DISTRIBUTIONS", "OutputLengths", "ServeOptions", "ServedReplica", "Waiter"]
+
+_TICK_S = 0.001  # shortest sleep of a replica loop, in wall seconds
+OUTPUT_DISTRIBUTIONS = ("exponential", "uniform", "max")
+
+
+@dataclass(frozen=True, slots=True)
+class ServeOptions:
+    """Settings shared by every replica of one ``isocost engine`` process."""
+
+    host: str = "127.0.0.1"
+    time_scale: float = 1.0  # wall seconds per modelled second
+    stream_interval: int = 1  # output tokens per SSE chunk
+    output_dist: str = "exponential"
+    output_mean_tokens: float = 128.0
+    seed: int = 0
+    tokenizer_path: str | None = None
+
+
+class OutputLengths:
+    """How many tokens a request generates when it does not ``ignore_eos``: drawn from a
+    seeded distribution, capped by ``max_tokens``.
+
+    * ``exponential``: ``1 + Exp(mean - 1)`` tokens, the heavy tail of chat answers;
+    * ``uniform``: uniform on ``1..max_tokens``;
+    * ``max``: always ``max_tokens``.
+    """
+
+    def __init__(self, dist: str, mean_tokens: float, rng: random.Random) -> None:
+        if dist not in OUTPUT_DISTRIBUTIONS:
+            raise ValueError(f"output distribution must be one of {OUTPUT_DISTRIBUTIONS}")
+        if mean_tokens < 1:
+            raise ValueError("mean output tokens must be >= 1")
+        self.dist = dist
+        self.mean_tokens = mean_tokens
+        self._rng = rng
+
+    def draw(self, max_tokens: int) -> int:
+        if self.dist == "max":
+            return max_tokens
+        if self.dist == "uniform":
+            return self._rng.randint(1, max_tokens)
+        extra = self._rng.expovariate(1.0 / self.mean_tokens) if self.mean_tokens > 1 else 0.0
+        return min(max_tokens, 1 + int(extra))
+
+
+class Waiter:
+    """A handler's claim on one request: woken once ``wake_at`` tokens exist or it ends."""
+
+    __slots__ = ("event", "finish_reason", "state", "wake_at")
+
+    def __init__(self, state: RequestState, wake_at: int, finish_reason: str) -> None:
+        self.state = state
+        self.wake_at = wake_at
+        self.finish_reason = finish_reason
+        self.event = asyncio.Event()
+
+    async def wait(self) -> None:
+        await self.event.wait()
+        self.event.clear()
+
+
+class ServedReplica:
+    """One engine model served in real time: its metrics, faults and loop; see the module
+    docstring."""
+
+    def __init__(
+        self,
+        index: int,
+        spec: ReplicaSpec,
+        model: EngineModel,
+        tokenizer: Tokenizer,
+        options: ServeOptions,
+    ) -> None:
+        self.index = index
+        self.spec = spec
+        self.model = model
+        self.tokenizer = tokenizer
+        self.options = options
+        self.metrics = ReplicaMetrics(model, spec.served_model_name)
+        self.created = int(time.time())
+        rng = random.Random(f"{options.seed}/{index}")
+        self.faults = FaultInjector(model, rng, spec.faults)
+        self.output_lengths = OutputLengths(options.output_dist, options.output_mean_tokens, rng)
+        self._waiters: dict[str, Waiter] = {}
+        self._wakeup: asyncio.Future[None] | None = None
+        self._origin = asyncio.get_running_loop().time()
+        self.closing = False
+
+    @property
+    def served_model_name(self) -> str:
+        return self.spec.served_model_name
+
+    def describe(self) -> str:
+        cost = self.model.cost
+        return (
+            f"replica {self.index} {self.served_model_name} ({cost.model.id} on "
+            f"{cost.tensor_parallel}x {cost.gpu.id}, {self.model.pool.num_blocks} KV blocks)"
+        )
+
+    def model_now(self) -> float:
+        return (asyncio.get_running_loop().time() - self._origin) / self.options.time_scale
+
+    # -- the loop ----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._advance(self.model_now())
+            self._wakeup = wakeup = loop.create_future()
+            due = self.model.next_event_time()
+            timer = None
+            if due is not None:
+                when = self._origin + due * self.options.time_scale
+                timer = loop.call_at(max(when, loop.time() + _TICK_S), _resolve, wakeup)
+            await wakeup
+            if timer is not None:
+                timer.cancel()
+
+    def _advance(self, now: float) -> None:
+        """Advance the model to ``now``: metrics from its events, wake-ups for handlers."""
+        model, metrics, scale = self.model, self.metrics, self.options.time_scale
+        steps_before = model.counters.num_steps
+        for event in model.advance_to(now):
+            if isinstance(event, FirstToken):
+                metrics.ttft.observe(event.ttft_s * scale)
+            elif isinstance(event, Finished):
+                metrics.e2e.observe(event.e2e_s * scale)
+                waiter = self._waiters.get(event.request_id)
+                if waiter is not None:
+                    metrics.finished[waiter.finish_reason] += 1
+        gaps = model.counters.inter_token_gaps
+        for gap_s, times in gaps:
+            metrics.inter_token.observe(gap_s * scale, times)
+        gaps.clear()
+        if model.counters.num_steps != steps_before:
+            for waiter in self._waiters.values():
+                state = waiter.state
+                if state.num_output_tokens >= waiter.wake_at or state.finished_s is not None:
+                    waiter.event.set()
+
+    # -- requests ----------------------------------------------------------------------
+
+    def submit(self, spec: RequestSpec, wake_every: int, finish_reason: str) -> Waiter:
+        now = self.model_now()
+        self._advance(now)  # collect events due before now, as the model's contract asks
+        state = self.model.submit(spec, now)
+        waiter = Waiter(state, wake_every, finish_reason)
+        self._waiters[spec.request_id] = waiter
+        if self._wakeup is not None and not self._wakeup.done():
+            self._wakeup.set_result(None)
+        return waiter
+
+    def close(self) -> None:
+        """Shutdown: wake every held request and handler so each ends at once."""
+        self.closing = True
+        self.faults.unhung.set()
+        for waiter in self._waiters.values():
+            waiter.event.set()
+
+    def release(self, waiter: Waiter) -> None:
+        """Forget a handler's request; an unfinished one (client gone) is aborted."""
+        request_id = waiter.state.spec.request_id
+        self._waiters.pop(request_id, None)
+        if waiter.state.finished_s is None:
+            self.model.abort(request_id)
+            self.metrics.finished["abort"] += 1
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

@@ -1,0 +1,174 @@
+"""Request intake: the checks a client request passes before it reaches the router.
+
+In order: auth (the API key, then its requests-per-minute budget) -> body limits (declared
+length, read deadline, actual length) -> routing view (a valid OpenAI body) -> pool (a
+served model) -> prompt and ``max_tokens`` limits -> the key's tokens-per-minute budget.
+Each refusal is a ``Rejection`` carrying the reason it is counted under; it is raised
+here once and counted once, where every error becomes an HTTP answer (the gateway's error
+middleware), so no check both counts and raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+
+import aiohttp
+from aiohttp import web
+
+from isocost.gateway.auth import ApiKey, Authenticator, bearer_token
+from isocost.gateway.body import routing_view
+from isocost.gateway.routing import GatewayRequest
+from isocost.gateway.upstreams import Pool
+from isocost.openai.errors import ApiError
+from isocost.openai.requests import RequestError
+from isocost.runtime.config import GatewayConfig
+
+__all__ = ["Intake", "Rejection"]
+
+
+class Rejection(ApiError):
+    """A request the gateway refuses itself; ``reason`` labels the rejection counters
+    (``isocost_gateway_rejections_total`` and the admin snapshot's ``rejections``)."""
+
+    def __init__(
+        self,
+        reason: str,
+        status: int,
+        message: str,
+        *,
+        code: str,
+        param: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
+        super().__init__(status, message, code=code, param=param, retry_after_s=retry_after_s)
+        self.reason = reason
+
+
+class Intake:
+    """Auth, limits and the routing view of client requests; see the module docstring."""
+
+    def __init__(
+        self, config: GatewayConfig, pools: Mapping[str, Pool], block_tokens: int, now: float
+    ) -> None:
+        self.pools = pools
+        self.block_tokens = block_tokens
+        self.limits = config.limits
+        self.auth = Authenticator(config.auth, now)
+
+    def configure(self, config: GatewayConfig, now: float) -> None:
+        """Take a reloaded config's limits and keys; unchanged keys keep their budgets."""
+        self.limits = config.limits
+        if config.auth != self.auth.config:
+            self.auth = Authenticator(config.auth, now)
+
+    def authenticate(self, http: web.Request) -> ApiKey | None:
+        """The caller's API key; None when keys are off; 401 when missing or wrong."""
+        if not self.auth.enabled:
+            return None
+        token = bearer_token(http.headers.get("Authorization"))
+        key = self.auth.key_for(token)
+        if key is None:
+            message = "missing API key" if token is None else "invalid API key"
+            raise Rejection("unauthorized", 401, message, code="invalid_api_key")
+        return key
+
+    async def prepare(self, http: web.Request, *, chat: bool) -> tuple[bytes, GatewayRequest]:
+        """Auth, limits and the routing view; ApiError for anything refused here."""
+        arrived_at = time.monotonic()
+        key = self.authenticate(http)
+        if key is not None and key.requests is not None:
+            wait_s = key.requests.take(1, arrived_at)
+            if wait_s:
+                raise Rejection(
+                    "key_requests_per_minute",
+                    429,
+                    f"requests per minute exceeded for key {key.name}",
+                    code="rate_limit_exceeded",
+                    retry_after_s=wait_s,
+                )
+        limits = self.limits
+        length = http.content_length
+        if length is not None and length > limits.max_body_bytes:
+            raise _too_large(limits.max_body_bytes)
+        try:
+            async with asyncio.timeout(limits.body_timeout_ms / 1000):
+                body = await _read_body(http, limits.max_body_bytes)
+        except TimeoutError:
+            raise Rejection(
+                "body_timeout", 408, "the request body arrived too slowly", code="body_timeout"
+            ) from None
+        except aiohttp.ClientError:
+            raise ApiError(400, "request body could not be read", code="bad_body") from None
+        if len(body) > limits.max_body_bytes:
+            raise _too_large(limits.max_body_bytes)
+        try:
+            view = routing_view(body, chat=chat, block_tokens=self.block_tokens)
+        except RequestError as exc:
+            raise Rejection(
+                "invalid_body", 400, exc.message, code="invalid_request", param=exc.param
+            ) from None
+        pool = self.pools.get(view.model)
+        if pool is None:
+            raise Rejection(
+                "unknown_model",
+                404,
+                f"model {view.model!r} is not served here; see GET /v1/models",
+                code="model_not_found",
+                param="model",
+            )
+        if view.prompt_tokens > limits.max_prompt_tokens:
+            raise Rejection(
+                "prompt_too_long",
+                400,
+                f"prompt of ~{view.prompt_tokens} tokens exceeds the limit of "
+                f"{limits.max_prompt_tokens}",
+                code="context_length_exceeded",
+                param="messages" if chat else "prompt",
+            )
+        if view.max_tokens is not None and view.max_tokens > limits.max_tokens:
+            raise Rejection(
+                "max_tokens_too_large",
+                400,
+                f"max_tokens {view.max_tokens} exceeds the limit of {limits.max_tokens}",
+                code="max_tokens_exceeded",
+                param="max_tokens",
+            )
+        if key is not None and key.tokens is not None:
+            wait_s = key.tokens.take(view.prompt_tokens + (view.max_tokens or 0), arrived_at)
+            if wait_s:
+                raise Rejection(
+                    "key_tokens_per_minute",
+                    429,
+                    f"tokens per minute exceeded for key {key.name}",
+                    code="rate_limit_exceeded",
+                    retry_after_s=wait_s,
+                )
+        request = GatewayRequest.from_http(
+            http,
+            view,
+            pool,
+            arrived_at=arrived_at,
+            key_name=key.name if key else None,
+        )
+        return body, request
+
+
+async def _read_body(http: web.Request, limit: int) -> bytes:
+    """The whole body, or its first ``limit + 1`` bytes when it is longer."""
+    chunks: list[bytes] = []
+    size = 0
+    while size <= limit:
+        chunk = await http.content.read(limit + 1 - size)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(limit: int) -> Rejection:
+    return Rejection(
+        "body_too_large", 413, f"request body exceeds {limit} bytes", code="request_too_large"
+    )
