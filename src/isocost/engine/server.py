@@ -38,7 +38,7 @@ from isocost.core.costmodel import CostModel, EngineLimits
 from isocost.core.errors import DoesNotFitError
 from isocost.engine.config import Faults, ReplicaSpec
 from isocost.engine.metrics import ReplicaMetrics
-from isocost.engine.model import EngineModel, Finished, FirstToken, RequestSpec, RequestState
+from isocost.engine.model import EngineModel
 from isocost.engine.protocol import (
     ApiError,
     ChatRequest,
@@ -46,6 +46,7 @@ from isocost.engine.protocol import (
     chunk_bytes,
     decode_body,
 )
+from isocost.engine.records import Finished, FirstToken, RequestSpec, RequestState
 from isocost.engine.tokens import Tokenizer, filler_text, load_tokenizer, render_chat
 from isocost.files import resolve_model
 from isocost.prefix.hashing import token_block_hashes

@@ -46,8 +46,9 @@ from typing import cast
 
 import numpy as np
 
-from isocost.engine.model import EngineEvent, EngineModel, Finished, FirstToken, RequestSpec
-from isocost.engine.model import RequestState as EngineRequest
+from isocost.engine.model import EngineModel
+from isocost.engine.records import EngineEvent, Finished, FirstToken, RequestSpec
+from isocost.engine.records import RequestState as EngineRequest
 from isocost.prefix.hashing import ROOT_HASH
 from isocost.scheduling.admission import RequestQueue
 from isocost.scheduling.decision import Decision, Outcome

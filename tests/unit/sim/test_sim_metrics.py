@@ -9,7 +9,7 @@ import pytest
 
 from isocost.core.catalog import Catalog
 from isocost.core.costmodel import CostModel
-from isocost.engine.model import EngineModel, Finished, FirstToken, RequestSpec
+from isocost.engine import EngineModel, Finished, FirstToken, RequestSpec
 from isocost.sim import Slo, capacity_at_slo, isolated_times
 from isocost.sim._metrics import summarize
 from isocost.workload import Segment, WorkloadRequest
