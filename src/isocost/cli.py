@@ -159,12 +159,14 @@ def engine(
 ) -> None:
     """Serve simulated vLLM-like replicas (OpenAI API + vLLM metrics) timed by the cost model."""
     from isocost.core.costmodel import EngineLimits
-    from isocost.engine.config import Faults, ReplicaSpec
+    from isocost.engine.config import EngineReplicaConfig, Faults
     from isocost.engine.launch import launch
     from isocost.engine.server import Replica, ServeOptions
 
     faults = Faults(slowdown=slowdown, error_rate=error_rate, hang=hang, max_waiting=max_waiting)
-    default = ReplicaSpec(gpu, model, tp, served_model_name or model, num_gpu_blocks, faults)
+    default = EngineReplicaConfig(
+        gpu, model, tp, served_model_name or model, num_gpu_blocks, faults
+    )
     limits = EngineLimits(gpu_memory_utilization, max_num_batched_tokens, max_num_seqs)
     options = ServeOptions(
         host, time_scale, stream_interval, output_dist, output_mean_tokens, seed, tokenizer

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from isocost.core.costmodel import EngineLimits
 from isocost.core.errors import ConfigError
-from isocost.engine.config import ReplicaSpec, resolve_replicas
+from isocost.engine.config import EngineReplicaConfig, resolve_replicas
 from isocost.engine.server import OUTPUT_DISTRIBUTIONS, Replica, ServeOptions, run_engine
 from isocost.files import load_catalog, read_text
 
@@ -15,7 +15,7 @@ __all__ = ["launch"]
 
 def launch(
     *,
-    default: ReplicaSpec,
+    default: EngineReplicaConfig,
     replicas: int,
     spec_strings: list[str],
     replicas_file: str | None,

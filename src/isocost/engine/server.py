@@ -36,7 +36,7 @@ from aiohttp import web
 from isocost.core.catalog import Catalog
 from isocost.core.costmodel import CostModel, EngineLimits
 from isocost.core.errors import DoesNotFitError
-from isocost.engine.config import Faults, ReplicaSpec
+from isocost.engine.config import EngineReplicaConfig, Faults
 from isocost.engine.metrics import ReplicaMetrics
 from isocost.engine.model import EngineModel
 from isocost.engine.protocol import (
@@ -129,7 +129,7 @@ class Replica:
     def __init__(
         self,
         index: int,
-        spec: ReplicaSpec,
+        spec: EngineReplicaConfig,
         model: EngineModel,
         tokenizer: Tokenizer,
         options: ServeOptions,
@@ -573,7 +573,7 @@ def _application(replica: Replica) -> web.Application:
 
 
 def build_models(
-    specs: list[ReplicaSpec], catalog: Catalog, limits: EngineLimits
+    specs: list[EngineReplicaConfig], catalog: Catalog, limits: EngineLimits
 ) -> list[EngineModel]:
     """An engine model per spec; a model that does not fit its GPUs is an error."""
     models = []
@@ -602,7 +602,7 @@ def build_tokenizers(models: list[EngineModel], path: str | None) -> list[Tokeni
 
 
 async def serve(
-    specs: list[ReplicaSpec],
+    specs: list[EngineReplicaConfig],
     models: list[EngineModel],
     tokenizers: list[Tokenizer],
     options: ServeOptions,
@@ -646,7 +646,7 @@ async def serve(
 
 
 def run_engine(
-    specs: list[ReplicaSpec],
+    specs: list[EngineReplicaConfig],
     catalog: Catalog,
     limits: EngineLimits,
     options: ServeOptions,
