@@ -46,6 +46,7 @@ from isocost.gateway.config import GatewayConfig
 from isocost.gateway.errors import ApiError
 from isocost.gateway.metrics import GatewayMetrics
 from isocost.gateway.replicas import Pool, Replica
+from isocost.prefix.hashing import BLOCK_TOKENS
 from isocost.scheduling.admission import RequestQueue
 from isocost.scheduling.decision import Decision, Outcome, RejectReason
 from isocost.scheduling.framework import Policy
@@ -54,7 +55,6 @@ from isocost.scheduling.state import EngineMetrics, InFlight, ReplicaSet, Replic
 
 __all__ = ["GatewayRequest", "Grant", "Router"]
 
-BLOCK_TOKENS = 16  # prompt block size of the prefix index (vLLM's default KV block)
 _RECENT_DECISIONS = 50
 _REJECT_STATUS = {
     RejectReason.NO_REPLICA: 404,
