@@ -22,6 +22,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # Click's plain help: readable at 80 columns and in pipes
 )
 console = Console()
 err_console = Console(stderr=True)
@@ -157,7 +158,10 @@ def engine(
     hang: bool = typer.Option(False, "--hang", help="Fault: accept, never answer."),
     max_waiting: int | None = typer.Option(None, "--max-waiting", help="Fault: 503 above."),
 ) -> None:
-    """Serve simulated vLLM-like replicas (OpenAI API + vLLM metrics) timed by the cost model."""
+    """Serve simulated vLLM-like replicas timed by the cost model.
+
+    Each speaks the OpenAI API and exports vLLM's metrics.
+    """
     from isocost.core.costmodel import EngineLimits
     from isocost.engine.config import EngineReplicaConfig, Faults
     from isocost.engine.launch import launch
@@ -216,7 +220,7 @@ def serve(
     discover_timeout: float = typer.Option(30.0, "--discover-timeout", help="Seconds."),
     log_level: str = typer.Option("info", "--log-level", help="debug|info|warning|error"),
 ) -> None:
-    """Run the OpenAI-compatible gateway that routes each request by equal cost."""
+    """Run the OpenAI-compatible gateway that routes by equal cost."""
     import asyncio
     from pathlib import Path
 
@@ -280,7 +284,10 @@ def plan(
     explain: bool = typer.Option(False, "--explain", help="Show each figure's derivation."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
 ) -> None:
-    """Size a deployment: the VRAM ledger, TP, replicas, throughput and $ per token."""
+    """Size a deployment: VRAM, TP, replicas, throughput, $ per token.
+
+    The VRAM ledger per GPU, then each tensor-parallel option.
+    """
     from isocost import planview
     from isocost.core.planner import PlanRequest
     from isocost.core.planner import plan as run_plan
@@ -319,8 +326,12 @@ def policies(
     config: str | None = typer.Option(None, "--config", help="Scheduling YAML to check and add."),
     as_yaml: bool = typer.Option(False, "--yaml", help="Print the profiles as scheduling YAML."),
 ) -> None:
-    """List the scheduling policies (canned plugin profiles) and the plugin types."""
+    """List the scheduling policies and the plugin types.
+
+    A policy is a canned profile of plugins.
+    """
     from rich.table import Table
+    from rich.text import Text
 
     from isocost.files import read_text
     from isocost.scheduling.plugins import PLUGIN_TYPES
@@ -338,14 +349,14 @@ def policies(
         console.print(config_to_yaml(merged), end="", markup=False, highlight=False, soft_wrap=True)
         return
     table = Table(title="policies")
-    for column in ("policy", "filters", "scorers (weight)", "picker", "admission", "what"):
-        table.add_column(column)
+    table.add_column("policy", no_wrap=True)
+    table.add_column("what, then its plugins")
     for p in profiles.values():
-        scorers = ", ".join(f"{s.plugin} ({s.weight:g})" for s in p.scorers) or "-"
-        admission = "slo" if p.admission.slo else "-"
-        table.add_row(
-            p.name, ", ".join(p.filters) or "-", scorers, p.picker, admission, p.description
-        )
+        plugins = [f"filters {', '.join(p.filters)}"] if p.filters else []
+        if p.scorers:
+            plugins.append("scorers " + ", ".join(f"{s.plugin} ({s.weight:g})" for s in p.scorers))
+        plugins += [f"picker {p.picker}", *(["admission slo"] if p.admission.slo else [])]
+        table.add_row(p.name, Text(f"{p.description}\n") + Text("; ".join(plugins), "dim"))
     console.print(table)
     types = Table(title="plugin types")
     for column in ("type", "kind", "what"):
@@ -372,7 +383,10 @@ def demo(
         False, "--keep-running", help="Leave the last cluster up for the dashboard."
     ),
 ) -> None:
-    """Round-robin vs equal-cost on a local heterogeneous cluster: live view, tables, report."""
+    """Round-robin vs equal-cost on a local heterogeneous cluster.
+
+    A live view while it runs, then the tables and an HTML report.
+    """
     from pathlib import Path
 
     from isocost.bench import TRACE_FORMATS
@@ -425,7 +439,7 @@ def drill(
     seed: int = typer.Option(0, "--seed", help="Seed of the load."),
     json_out: bool = typer.Option(False, "--json", help="Print the figures as JSON."),
 ) -> None:
-    """Fault drill under steady load: detection, requests affected, recovery."""
+    """Fault drill under load: detection, requests affected, recovery."""
     import os
 
     from isocost.drill import FAULTS, DrillOptions, drill_command
@@ -513,7 +527,10 @@ def sim(
     output_tokens: int = typer.Option(128, "--output-tokens", help="Synthetic output length."),
     max_prompt_tokens: MaxPromptTokensOption = None,
 ) -> None:
-    """Replay a trace through scheduling policies on a simulated cluster, side by side."""
+    """Replay a trace through policies on a simulated cluster.
+
+    The scheduling policies run side by side on the same requests.
+    """
     from isocost import sim as simulator
     from isocost.files import load_catalog, read_text
 
@@ -569,9 +586,11 @@ def sim(
 
 
 bench_app = typer.Typer(
-    help="Load generator against any OpenAI-compatible endpoint; `bench compare` for runs.",
+    help="Load generator against any OpenAI-compatible endpoint.\n\n"
+    "`bench compare` puts runs side by side.",
     invoke_without_command=True,
     no_args_is_help=True,
+    rich_markup_mode=None,
 )
 app.add_typer(bench_app, name="bench")
 

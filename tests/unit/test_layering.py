@@ -1,9 +1,10 @@
 """The import-layer rule of DESIGN §2, enforced by reading every module's imports.
 
 Imports point down only: cli -> gateway | sim | bench | control | engine -> files ->
-scheduling -> prefix | workload -> core. gateway, sim and bench never import each other.
-The pure layers import nothing that does I/O, read no wall clock, open no file and use no
-global RNG (randomness arrives as an injected ``random.Random``).
+scheduling -> prefix | workload -> core; ``tables`` (Rich layouts that fit the terminal)
+sits under sim, bench and demo and imports nothing of isocost. gateway, sim and bench never
+import each other. The pure layers import nothing that does I/O, read no wall clock, open no
+file and use no global RNG (randomness arrives as an injected ``random.Random``).
 """
 
 from __future__ import annotations
@@ -24,12 +25,23 @@ ALLOWED: dict[str, set[str]] = {
     "files": {"core", "prefix", "workload", "scheduling"},
     "openai_api": {"core"},
     "engine": {"core", "prefix", "workload", "scheduling", "files", "openai_api"},
-    "sim": {"core", "prefix", "workload", "scheduling", "files", "engine"},
-    "bench": {"core", "workload", "files"},
+    "sim": {"core", "prefix", "workload", "scheduling", "files", "engine", "tables"},
+    "bench": {"core", "workload", "files", "tables"},
     "gateway": {"core", "prefix", "workload", "scheduling", "files", "openai_api"},
     "control": {"core", "prefix", "workload", "scheduling", "files"},
     "planview": {"core"},
-    "demo": {"core", "prefix", "workload", "scheduling", "files", "engine", "bench", "gateway"},
+    "tables": set(),
+    "demo": {
+        "core",
+        "prefix",
+        "workload",
+        "scheduling",
+        "files",
+        "engine",
+        "bench",
+        "gateway",
+        "tables",
+    },
     "drill": {"core", "workload", "files", "bench"},
     "cli": {
         "core",
