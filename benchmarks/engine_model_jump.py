@@ -28,8 +28,7 @@ from rich.table import Table
 
 from isocost.core.catalog import Catalog
 from isocost.core.costmodel import CostModel
-from isocost.engine import EngineEvent, EngineModel, RequestSpec
-from isocost.engine.model import EngineObservation
+from isocost.engine import EngineEvent, EngineModel, EngineObservation, RequestSpec
 from isocost.prefix.hashing import token_block_hashes
 
 Workload = list[tuple[float, RequestSpec]]

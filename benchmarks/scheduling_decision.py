@@ -49,6 +49,7 @@ from rich.table import Table
 
 from isocost.core.catalog import Catalog
 from isocost.core.costmodel import CostModel
+from isocost.prefix.hashing import BLOCK_TOKENS as SIM_BLOCK_TOKENS
 from isocost.prefix.hashing import ROOT_HASH
 from isocost.prefix.index import PrefixIndex
 from isocost.scheduling import (
@@ -72,7 +73,6 @@ from isocost.workload import (
 
 BLOCK_TOKENS = 512
 MODEL = "llama-3.1-8b"
-SIM_BLOCK_TOKENS = 16  # the simulator's block size
 _MASK = (1 << 63) - 1
 
 

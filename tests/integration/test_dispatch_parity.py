@@ -27,12 +27,12 @@ from isocost.gateway.metrics import GatewayMetrics
 from isocost.gateway.routing import GatewayRequest, Grant, Router
 from isocost.gateway.upstreams import Pool, Upstream
 from isocost.openai.errors import ApiError
+from isocost.prefix.hashing import BLOCK_TOKENS
 from isocost.runtime.config import HealthConfig, ReplicaConfig
 from isocost.scheduling.decision import Decision, RejectReason
 from isocost.scheduling.dispatch import Dispatcher
 from isocost.scheduling.policies import build_policy
 from isocost.scheduling.state import ReplicaSet, ReplicaSpec, RequestView
-from isocost.sim import BLOCK_TOKENS
 
 MODEL = "llama-3.1-8b"
 POLICY = "round_robin"  # no tie-break by request id (the router draws its own ids)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from isocost.core.catalog import Catalog
 from isocost.core.costmodel import CostModel, EngineLimits
-from isocost.engine.model import (
+from isocost.engine import (
     EngineEvent,
     EngineModel,
     EngineObservation,
@@ -130,13 +130,16 @@ def _observing(fractions: list[float]) -> Callable[[EngineModel, float], list[En
     """``advance_to`` that crosses each quiet window in one jump and first, at the given
     fractions of the window, checks ``observe`` against a copy advanced there."""
 
+    clock = 0.0  # the model's: every call ends advanced to ``until``
+
     def advance(model: EngineModel, until: float) -> list[EngineEvent]:
+        nonlocal clock
         events: list[EngineEvent] = []
         while True:
             quiet = model.quiet_until()
             end = until if quiet is None else min(quiet, until)
             for fraction in fractions:
-                t = model.now_s + fraction * (end - model.now_s)
+                t = clock + fraction * (end - clock)
                 if t < end or quiet is None:
                     future = copy.deepcopy(model)
                     assert future.advance_to(t) == []
@@ -150,8 +153,10 @@ def _observing(fractions: list[float]) -> Callable[[EngineModel, float], list[En
                         counters.num_preemptions,
                     )
             if quiet is None or quiet > until:
+                clock = until
                 return events + model.advance_to(until)
             events += model.advance_to(quiet)
+            clock = quiet
 
     return advance
 

@@ -1,10 +1,12 @@
 """The import-layer rule of DESIGN §2, enforced by reading every module's imports.
 
 Imports point down only: cli -> gateway | sim | bench | control | engine -> runtime ->
-files -> scheduling -> prefix | workload | openai -> core. gateway, sim and bench never
-import each other: what two of them share moves down (the gateway config into runtime).
-The pure layers import nothing that does I/O, read no wall clock, open no file and use no
-global RNG (randomness arrives as an injected ``random.Random``).
+files -> scheduling -> prefix | workload | openai -> core; ``tables`` (Rich layouts that
+fit the terminal) sits under sim, bench, demo and cli and imports nothing of isocost.
+gateway, sim and bench never import each other: what two of them share moves down (the
+gateway config into runtime). The pure layers import nothing that does I/O, read no wall
+clock, open no file and use no global RNG (randomness arrives as an injected
+``random.Random``).
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ ALLOWED: dict[str, set[str]] = {
     "openai": {"core"},
     "engine": {"core", "prefix", "workload", "scheduling", "files", "openai"},
     "runtime": {"core", "prefix", "workload", "scheduling", "files", "openai"},
-    "sim": {"core", "prefix", "workload", "scheduling", "files", "engine", "runtime"},
-    "bench": {"core", "workload", "files", "openai"},
+    "sim": {"core", "prefix", "workload", "scheduling", "files", "engine", "runtime", "tables"},
+    "bench": {"core", "workload", "files", "openai", "tables"},
     "gateway": {"core", "prefix", "workload", "scheduling", "files", "openai", "runtime"},
     "control": {"core", "prefix", "workload", "scheduling", "files"},
+    "tables": set(),
     "demo": {
         "core",
         "prefix",
@@ -40,6 +43,7 @@ ALLOWED: dict[str, set[str]] = {
         "bench",
         "gateway",
         "runtime",
+        "tables",
     },
     "drill": {"core", "workload", "files", "bench"},
     "cli": {

@@ -12,6 +12,7 @@ from isocost.bench._records import BenchSummary
 from isocost.bench._runner import BenchProgress
 from isocost.core.errors import ConfigError
 from isocost.files import read_text
+from isocost.tables import Fitted, in_chunks
 
 __all__ = ["compare_table", "live_table", "load_summary", "plot_comparison", "summary_table"]
 
@@ -81,8 +82,13 @@ def summary_table(summary: BenchSummary) -> Table:
     return table
 
 
-def compare_table(summaries: Sequence[BenchSummary]) -> Table:
-    """Runs side by side, one column each."""
+def compare_table(summaries: Sequence[BenchSummary]) -> Fitted:
+    """Runs side by side, one column each; as many side by side as fit the width, the
+    rest in further tables below."""
+    return in_chunks(summaries, _compare_table)
+
+
+def _compare_table(summaries: Sequence[BenchSummary]) -> Table:
     table = Table(title="bench compare")
     table.add_column("metric")
     for summary in summaries:

@@ -17,6 +17,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # Click's plain help: readable at 80 columns and in pipes
 )
 console = Console()
 err_console = Console(stderr=True)

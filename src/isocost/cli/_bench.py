@@ -26,9 +26,11 @@ from isocost.cli._options import (
 from isocost.core.slo import DEFAULT_SLO_TTFT_PER_1K_MS
 
 bench_app = typer.Typer(
-    help="Load generator against any OpenAI-compatible endpoint; `bench compare` for runs.",
+    help="Load generator against any OpenAI-compatible endpoint.\n\n"
+    "`bench compare` puts runs side by side.",
     invoke_without_command=True,
     no_args_is_help=True,
+    rich_markup_mode=None,
 )
 app.add_typer(bench_app, name="bench")
 

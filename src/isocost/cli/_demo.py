@@ -35,7 +35,10 @@ def demo(
         False, "--keep-running", help="Leave the last cluster up for the dashboard."
     ),
 ) -> None:
-    """Round-robin vs equal-cost on a local heterogeneous cluster: live view, tables, report."""
+    """Round-robin vs equal-cost on a local heterogeneous cluster.
+
+    A live view while it runs, then the tables and an HTML report.
+    """
     from pathlib import Path
 
     from isocost.bench import TRACE_FORMATS

@@ -34,7 +34,7 @@ def drill(
     seed: int = typer.Option(0, "--seed", help="Seed of the load."),
     json_out: bool = typer.Option(False, "--json", help="Print the figures as JSON."),
 ) -> None:
-    """Fault drill under steady load: detection, requests affected, recovery."""
+    """Fault drill under load: detection, requests affected, recovery."""
     import os
 
     from isocost.drill import FAULTS, DrillOptions, drill_command

@@ -49,14 +49,19 @@ def engine(
     hang: bool = typer.Option(False, "--hang", help="Fault: accept, never answer."),
     max_waiting: int | None = typer.Option(None, "--max-waiting", help="Fault: 503 above."),
 ) -> None:
-    """Serve simulated vLLM-like replicas (OpenAI API + vLLM metrics) timed by the cost model."""
+    """Serve simulated vLLM-like replicas timed by the cost model.
+
+    Each speaks the OpenAI API and exports vLLM's metrics.
+    """
     from isocost.core.costmodel import EngineLimits
-    from isocost.engine.config import Faults, ReplicaSpec
+    from isocost.engine.config import EngineReplicaConfig, Faults
     from isocost.engine.launch import launch
     from isocost.engine.replica import ServedReplica, ServeOptions
 
     faults = Faults(slowdown=slowdown, error_rate=error_rate, hang=hang, max_waiting=max_waiting)
-    default = ReplicaSpec(gpu, model, tp, served_model_name or model, num_gpu_blocks, faults)
+    default = EngineReplicaConfig(
+        gpu, model, tp, served_model_name or model, num_gpu_blocks, faults
+    )
     limits = EngineLimits(gpu_memory_utilization, max_num_batched_tokens, max_num_seqs)
     options = ServeOptions(
         host, time_scale, stream_interval, output_dist, output_mean_tokens, seed, tokenizer

@@ -27,7 +27,10 @@ def plan(
     explain: bool = typer.Option(False, "--explain", help="Show each figure's derivation."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
 ) -> None:
-    """Size a deployment: the VRAM ledger, TP, replicas, throughput and $ per token."""
+    """Size a deployment: VRAM, TP, replicas, throughput, $ per token.
+
+    The VRAM ledger per GPU, then each tensor-parallel option.
+    """
     from isocost.cli import planview
     from isocost.core.planner import PlanRequest
     from isocost.core.planner import plan as run_plan

@@ -12,8 +12,12 @@ def policies(
     config: str | None = typer.Option(None, "--config", help="Scheduling YAML to check and add."),
     as_yaml: bool = typer.Option(False, "--yaml", help="Print the profiles as scheduling YAML."),
 ) -> None:
-    """List the scheduling policies (canned plugin profiles) and the plugin types."""
+    """List the scheduling policies and the plugin types.
+
+    A policy is a canned profile of plugins.
+    """
     from rich.table import Table
+    from rich.text import Text
 
     from isocost.files import read_text
     from isocost.scheduling.plugins import PLUGIN_TYPES
@@ -31,14 +35,14 @@ def policies(
         console.print(config_to_yaml(merged), end="", markup=False, highlight=False, soft_wrap=True)
         return
     table = Table(title="policies")
-    for column in ("policy", "filters", "scorers (weight)", "picker", "admission", "what"):
-        table.add_column(column)
+    table.add_column("policy", no_wrap=True)
+    table.add_column("what, then its plugins")
     for p in profiles.values():
-        scorers = ", ".join(f"{s.plugin} ({s.weight:g})" for s in p.scorers) or "-"
-        admission = "slo" if p.admission.slo else "-"
-        table.add_row(
-            p.name, ", ".join(p.filters) or "-", scorers, p.picker, admission, p.description
-        )
+        plugins = [f"filters {', '.join(p.filters)}"] if p.filters else []
+        if p.scorers:
+            plugins.append("scorers " + ", ".join(f"{s.plugin} ({s.weight:g})" for s in p.scorers))
+        plugins += [f"picker {p.picker}", *(["admission slo"] if p.admission.slo else [])]
+        table.add_row(p.name, Text(f"{p.description}\n") + Text("; ".join(plugins), "dim"))
     console.print(table)
     types = Table(title="plugin types")
     for column in ("type", "kind", "what"):

@@ -35,7 +35,7 @@ def serve(
     discover_timeout: float = typer.Option(30.0, "--discover-timeout", help="Seconds."),
     log_level: str = typer.Option("info", "--log-level", help="debug|info|warning|error"),
 ) -> None:
-    """Run the OpenAI-compatible gateway that routes each request by equal cost."""
+    """Run the OpenAI-compatible gateway that routes by equal cost."""
     import asyncio
     from pathlib import Path
 

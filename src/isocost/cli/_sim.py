@@ -93,7 +93,10 @@ def sim(
     output_tokens: int = typer.Option(128, "--output-tokens", help="Synthetic output length."),
     max_prompt_tokens: MaxPromptTokensOption = None,
 ) -> None:
-    """Replay a trace through scheduling policies on a simulated cluster, side by side."""
+    """Replay a trace through policies on a simulated cluster.
+
+    The scheduling policies run side by side on the same requests.
+    """
     from isocost import sim as simulator
     from isocost.files import load_catalog, read_text
     from isocost.runtime.config import check_references, parse_config

@@ -61,12 +61,12 @@ def _replicas_table(snapshot: dict[str, Any]) -> Table:
         "replica",
         "gpu",
         "state",
-        "in flight",
+        "in\nflight",  # headers one word a line: the view fits 80 columns
         "run",
         "wait",
         "KV",
-        "TTFT factor",
-        "TTFT p50 ms",
+        "TTFT\nfactor",
+        "TTFT\np50 ms",
         title="replicas (gateway admin snapshot; red: engine queue)",
         title_justify="left",
     )

@@ -13,12 +13,13 @@ from pathlib import Path
 
 import msgspec
 import numpy as np
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.table import Table
 
 from isocost.bench import BenchResult
 from isocost.bench._report import compare_table, plot_comparison
 from isocost.demo._cluster import DemoReplica
+from isocost.tables import Fitted, in_chunks
 
 __all__ = ["ReplicaStats", "headline", "replica_stats", "replica_table", "write_report"]
 
@@ -69,8 +70,13 @@ def _describe(replica: DemoReplica) -> str:
     return f"{replica.name}{slow}"
 
 
-def replica_table(runs: Sequence[BenchResult], layout: Sequence[DemoReplica]) -> Table:
-    """Completed requests and P99 TTFT per replica, one column pair per policy."""
+def replica_table(runs: Sequence[BenchResult], layout: Sequence[DemoReplica]) -> Fitted:
+    """Completed requests and P99 TTFT per replica, one column pair per policy (as many
+    policies side by side as fit the width, the rest in further tables below)."""
+    return in_chunks(runs, lambda group: _replica_table(group, layout))
+
+
+def _replica_table(runs: Sequence[BenchResult], layout: Sequence[DemoReplica]) -> Table:
     table = Table(title="where the completed requests went (x-isocost-replica)")
     table.add_column("replica", no_wrap=True)
     table.add_column("gpu")
@@ -78,7 +84,7 @@ def replica_table(runs: Sequence[BenchResult], layout: Sequence[DemoReplica]) ->
     columns = [replica_stats(run, names) for run in runs]
     for run in runs:
         table.add_column(f"{run.summary.label}\ndone", justify="right")
-        table.add_column(f"{run.summary.label}\nTTFT p99 ms", justify="right")
+        table.add_column("TTFT\np99 ms", justify="right")  # the policy's left of it
     for i, replica in enumerate(layout):
         cells = [_describe(replica), replica.gpu]
         for stats in (column[i] for column in columns):
@@ -122,7 +128,7 @@ def _plot_timeline(runs: Sequence[BenchResult], layout: Sequence[DemoReplica], p
     plt.close(fig)
 
 
-def _rich_html(renderables: Sequence[Table | str]) -> str:
+def _rich_html(renderables: Sequence[RenderableType]) -> str:
     """Rich tables as HTML ``<pre>`` blocks with inline colours, as the terminal shows them."""
     console = Console(record=True, width=140, file=io.StringIO(), color_system="truecolor")
     for renderable in renderables:

@@ -5,10 +5,10 @@ without pulling in aiohttp; the server lives in ``isocost.engine.server``.
 """
 
 from isocost.engine.kvcache import BlockPool
-from isocost.engine.model import (
+from isocost.engine.model import EngineModel
+from isocost.engine.records import (
     EngineCounters,
     EngineEvent,
-    EngineModel,
     EngineObservation,
     Finished,
     FirstToken,

@@ -1,4 +1,4 @@
-"""Replica specs and fault settings for ``isocost engine``, parsed with msgspec.
+"""Replica configs and fault settings for ``isocost engine``, parsed with msgspec.
 
 A replica is described by flags (every replica alike), by repeated ``--replica-spec``
 strings, or by a YAML file; each spec overrides the flags' defaults field by field::
@@ -22,9 +22,9 @@ import msgspec
 from isocost.core.errors import ConfigError
 
 __all__ = [
+    "EngineReplicaConfig",
     "Faults",
     "ReplicaOverrides",
-    "ReplicaSpec",
     "parse_replica_spec",
     "parse_replicas_yaml",
     "resolve_replicas",
@@ -76,8 +76,8 @@ class _ReplicasFile(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 
 @dataclass(frozen=True, slots=True)
-class ReplicaSpec:
-    """A fully resolved replica: hardware, model, name and starting faults."""
+class EngineReplicaConfig:
+    """A fully resolved engine replica: hardware, model, name and starting faults."""
 
     gpu: str
     model: str
@@ -86,7 +86,7 @@ class ReplicaSpec:
     num_gpu_blocks: int | None
     faults: Faults
 
-    def with_overrides(self, o: ReplicaOverrides) -> ReplicaSpec:
+    def with_overrides(self, o: ReplicaOverrides) -> EngineReplicaConfig:
         model = o.model or self.model
         name = o.served_model_name or (model if o.model else self.served_model_name)
         faults = msgspec.structs.replace(
@@ -95,7 +95,7 @@ class ReplicaSpec:
             error_rate=self.faults.error_rate if o.error_rate is None else o.error_rate,
             max_waiting=self.faults.max_waiting if o.max_waiting is None else o.max_waiting,
         )
-        return ReplicaSpec(
+        return EngineReplicaConfig(
             gpu=o.gpu or self.gpu,
             model=model,
             tp=self.tp if o.tp is None else o.tp,
@@ -150,12 +150,12 @@ def parse_replicas_yaml(text: str, source: str) -> list[ReplicaOverrides]:
 
 
 def resolve_replicas(
-    default: ReplicaSpec,
+    default: EngineReplicaConfig,
     count: int,
     spec_strings: list[str],
     file_text: str | None = None,
     file_source: str = "",
-) -> list[ReplicaSpec]:
+) -> list[EngineReplicaConfig]:
     """The replicas to serve: the YAML file's entries then each ``--replica-spec``, each
     over ``default``; or ``count`` copies of ``default`` when neither is given."""
     overrides = parse_replicas_yaml(file_text, file_source) if file_text is not None else []

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from isocost.core.costmodel import EngineLimits
 from isocost.core.errors import ConfigError
-from isocost.engine.config import ReplicaSpec, resolve_replicas
+from isocost.engine.config import EngineReplicaConfig, resolve_replicas
 from isocost.engine.replica import OUTPUT_DISTRIBUTIONS, ServedReplica, ServeOptions
 from isocost.engine.server import run_engine
 from isocost.files import load_catalog, read_text
@@ -16,7 +16,7 @@ __all__ = ["launch"]
 
 def launch(
     *,
-    default: ReplicaSpec,
+    default: EngineReplicaConfig,
     replicas: int,
     spec_strings: list[str],
     replicas_file: str | None,

@@ -51,18 +51,15 @@ Jumps. When a step is pure decode (every running request decodes, and the waitin
 cannot be admitted), the following steps keep the same batch until a request emits its
 last token, the free blocks run out, or ``t`` is reached. ``advance_to`` applies such a
 run in bulk, in one pass over the batch however many steps it spans, and emits no events
-for it, since no request starts, finishes or is preempted in it. With a fixed batch of
-``B`` the total context grows by ``B`` a step, so a step costs ``max(F + f*C, M + m*C) +
-K`` (``CostModel.decode_lines``) and ``k`` steps cost two arithmetic series: the end of
-step ``k`` is O(1), the number of steps ending by ``t`` a short search on it, and the
-blocks taken in ``k`` steps O(1) from a histogram of each request's free slots in its last
-block. The run's step that ends after ``t`` is started by the run itself, at the closed
-form's time, and the rest of the run is kept (moved past the steps done in O(1)) until
-the model changes, so ``quiet_until`` is O(1) and ``observe`` O(log steps) and both say
-exactly where ``advance_to`` will stand. When the run ends because a request is one token
-from its last, with blocks to spare, the step after it is known too (the same batch, no
-preemption, no admission) and the quiet time reaches its end, where that request
-finishes: a simulator wakes the model once per run, not twice.
+for it, since no request starts, finishes or is preempted in it;
+``isocost.engine.decoderun`` prices and counts its steps in closed form. The run's step
+that ends after ``t`` is started by the run itself, at the closed form's time, and the
+rest of the run is kept (moved past the steps done in O(1)) until the model changes, so
+``quiet_until`` is O(1) and ``observe`` O(log steps) and both say exactly where
+``advance_to`` will stand. When the run ends because a request is one token from its last,
+with blocks to spare, the step after it is known too (the same batch, no preemption, no
+admission) and the quiet time reaches its end, where that request finishes: a simulator
+wakes the model once per run, not twice.
 
 Times inside runs are the closed form's, so they agree with stepping one by one
 (``jump=False``) to about 1e-12 relative rather than bit for bit; tokens, events and their
@@ -75,263 +72,28 @@ that did not fit at the run's first step does not fit at any later one.
 
 from __future__ import annotations
 
-import math
 import sys
-from bisect import bisect_right
 from collections import deque
-from dataclasses import dataclass, field
-from itertools import accumulate
 
 from isocost.core.costmodel import CostModel, DecodeLines
+from isocost.engine.decoderun import DecodeRun, decode_run
 from isocost.engine.kvcache import BlockPool
+from isocost.engine.records import (
+    EngineCounters,
+    EngineEvent,
+    EngineObservation,
+    Finished,
+    FirstToken,
+    Preempted,
+    RequestSpec,
+    RequestState,
+)
 
-__all__ = [
-    "EngineCounters",
-    "EngineEvent",
-    "EngineModel",
-    "EngineObservation",
-    "Finished",
-    "FirstToken",
-    "Preempted",
-    "RequestSpec",
-    "RequestState",
-]
-
-
-@dataclass(frozen=True, slots=True)
-class RequestSpec:
-    """What the engine needs to know about a request: lengths and prompt block hashes."""
-
-    request_id: str
-    prompt_tokens: int
-    max_output_tokens: int  # the engine generates exactly this many tokens
-    block_hashes: tuple[int, ...] = ()  # chained hashes of the prompt's full blocks
-
-
-@dataclass(slots=True)
-class RequestState:
-    """A request's progress inside the engine. Owned by the model; callers only read it."""
-
-    spec: RequestSpec
-    arrival_s: float
-    num_computed_tokens: int = 0  # tokens whose KV is in cache (prompt, then output)
-    num_output_tokens: int = 0
-    num_blocks: int = 0  # KV blocks held; the first ``num_cached_blocks`` are cached
-    num_cached_blocks: int = 0
-    num_prefix_hit_tokens: int = 0  # cached prompt tokens found at the last admission
-    num_preemptions: int = 0
-    first_token_s: float | None = None
-    last_token_s: float | None = None
-    finished_s: float | None = None
-    aborted: bool = False
-
-    @property
-    def num_tokens(self) -> int:
-        return self.spec.prompt_tokens + self.num_output_tokens
-
-    @property
-    def done(self) -> bool:
-        return self.finished_s is not None or self.aborted
-
-
-@dataclass(frozen=True, slots=True)
-class FirstToken:
-    request_id: str
-    time_s: float
-    ttft_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class Finished:
-    request_id: str
-    time_s: float
-    num_prompt_tokens: int
-    num_output_tokens: int
-    ttft_s: float
-    e2e_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class Preempted:
-    request_id: str
-    time_s: float
-
-
-EngineEvent = FirstToken | Finished | Preempted
-
-
-@dataclass(slots=True)
-class EngineCounters:
-    """Monotonic totals behind the ``vllm:*_total`` metrics (tokens, not requests)."""
-
-    num_prompt_tokens: int = 0  # counted when a request's first token appears
-    num_generation_tokens: int = 0
-    num_preemptions: int = 0
-    prefix_cache_queries: int = 0  # tokens looked up at admission
-    prefix_cache_hits: int = 0  # of which found cached
-    num_steps: int = 0
-    busy_s: float = 0.0
-    # (gap_s, tokens) inter-token gaps, kept only when the model records them
-    inter_token_gaps: list[tuple[float, int]] = field(default_factory=list)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineObservation:
-    """What a metrics scrape reads from the model at one time (``EngineModel.observe``)."""
-
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
+__all__ = ["EngineModel"]
 
 
 def _blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
-
-
-class _DecodeRun:
-    """The run of identical pure-decode steps that starts at ``start_s``: step ``k`` of
-    it (from 1) ends at ``end_s(k)``; at most ``max_steps`` steps, the last one before a
-    request's last token or a step that would lack a block.
-
-    Mutable and private to one model: ``advance`` moves its start past the steps applied,
-    in O(1), so that its times are always the closed form's from its latest start.
-    """
-
-    __slots__ = (
-        "_below",
-        "_closing_cost",
-        "_closing_s",
-        "_last_end_s",
-        "_quiet_end_s",
-        "_series",
-        "_skipped",
-        "_taken",
-        "context_tokens",
-        "lines",
-        "max_steps",
-        "slowdown",
-        "start_s",
-    )
-
-    def __init__(
-        self,
-        start_s: float,
-        context_tokens: int,
-        max_steps: int,
-        lines: DecodeLines,
-        slowdown: float,
-        below: tuple[int, ...],
-        closing_cost: CostModel | None,
-    ) -> None:
-        self.start_s = start_s
-        self.context_tokens = context_tokens
-        self.max_steps = max_steps
-        self.lines = lines
-        self.slowdown = slowdown
-        # [p]: requests with fewer than p free slots in their last block at the first step
-        # (of the run as found, before any ``advance``; ``_skipped`` steps ago)
-        self._below = below
-        self._skipped = self._taken = 0  # steps advanced past, blocks they took
-        self._series = lines.series(context_tokens)
-        # prices the step after the run when that step surely starts (None: it may not)
-        self._closing_cost = closing_cost
-        self._closing_s: float | None = None  # its price, the same after any ``advance``
-        self._last_end_s: float | None = None
-        self._quiet_end_s: float | None = None
-
-    def end_s(self, steps: int) -> float:
-        return self.start_s + self._series.time_s(steps) * self.slowdown
-
-    @property
-    def last_end_s(self) -> float:
-        """``end_s(max_steps)``, computed once."""
-        end = self._last_end_s
-        if end is None:
-            end = self._last_end_s = self.end_s(self.max_steps)
-        return end
-
-    @property
-    def closes(self) -> bool:
-        """Whether the step after the run surely starts as the same batch's decode (no
-        preemption, no admission): the run ends a token before a request's last."""
-        return self._closing_cost is not None
-
-    @property
-    def quiet_end_s(self) -> float:
-        """Where the model's next event may be: the end of the step after the run when
-        it is the step in which a request emits its last token and nothing else can
-        happen (enough blocks, no admission), else the end of the run. Computed once."""
-        end = self._quiet_end_s
-        if end is None:
-            end = self.last_end_s
-            cost = self._closing_cost
-            if cost is not None:
-                closing = self._closing_s
-                if closing is None:
-                    batch = self.lines.batch_size
-                    context = self.context_tokens + self.max_steps * batch
-                    closing = cost.step_time_s(0, 0, batch, context) * self.slowdown
-                    self._closing_s = closing
-                end += closing
-            self._quiet_end_s = end
-        return end
-
-    def new_blocks(self, steps: int) -> int:
-        """Blocks the batch takes in its next ``steps`` steps: those it takes in its
-        first ``_skipped + steps`` steps as found, less those already taken. In the run as
-        found, a request with ``r`` free slots takes one at step ``r + 1``, then one every
-        ``block_size`` steps."""
-        below = self._below
-        rounds, rest = divmod(self._skipped + steps, len(below))
-        return rounds * self.lines.batch_size + below[rest] - self._taken
-
-    def advance(self, steps: int, end_s: float) -> bool:
-        """Start the run after its first ``steps`` steps, which end at ``end_s``; False
-        when none is left."""
-        if steps >= self.max_steps:
-            return False
-        self.start_s = end_s
-        self.context_tokens += steps * self.lines.batch_size
-        self.max_steps -= steps
-        self._taken += self.new_blocks(steps)
-        self._skipped += steps
-        self._series = self.lines.series(self.context_tokens)
-        self._last_end_s = self._quiet_end_s = None
-        return True
-
-    def steps_by(self, t: float) -> tuple[int, float, float]:
-        """``(k, end_s(k), end_s(k + 1))`` for the most steps ``k`` (<= ``max_steps``)
-        that end by ``t`` (``t >= start_s``); the last is inf when ``k == max_steps``.
-
-        ``end_s`` grows with ``k``, nearly in a straight line (steps of one batch cost
-        almost the same), so the search interpolates between two steps that bracket
-        ``t``: the first guess is usually the answer or one off, and bisection takes over
-        should interpolation be slow. The answer is exact for the closed form.
-        """
-        start, slowdown, time_s = self.start_s, self.slowdown, self._series.time_s
-        if t <= start:
-            return 0, start, start + time_s(1) * slowdown
-        last, end_last = self.max_steps, self.last_end_s
-        if end_last <= t:
-            return last, end_last, math.inf
-        low, end_low, high, end_high = 0, start, last, end_last
-        tries = 0
-        while high - low > 1:  # end_s(low) <= t < end_s(high)
-            if tries < 3:
-                guess = low + int((t - end_low) / (end_high - end_low) * (high - low))
-                guess = low + 1 if guess <= low else high - 1 if guess >= high else guess
-            else:
-                guess = (low + high) // 2
-            tries += 1
-            end_guess = start + time_s(guess) * slowdown
-            if end_guess <= t:
-                low, end_low = guess, end_guess
-            else:
-                high, end_high = guess, end_guess
-        return low, end_low, end_high
 
 
 class EngineModel:
@@ -391,15 +153,11 @@ class EngineModel:
         self._step_start_s = self._step_end_s = 0.0
         self._lines: dict[int, DecodeLines] = {}  # decode lines by batch size
         # the decode run after the step in flight (or, inside advance_to, after now)
-        self._ahead: _DecodeRun | None = None
+        self._ahead: DecodeRun | None = None
         self._ahead_known = False
         self._seen: EngineObservation | None = None  # observe() until the model changes
 
     # -- observation -------------------------------------------------------------------
-
-    @property
-    def now_s(self) -> float:
-        return self._now_s
 
     @property
     def num_running(self) -> int:
@@ -444,8 +202,9 @@ class EngineModel:
 
     def observe(self, t: float) -> EngineObservation:
         """What a scrape at ``t`` would read after ``advance_to(t)``, leaving the model as
-        it is: for ``now_s <= t < quiet_until()``, or any ``t >= now_s`` when the model is
-        idle. Outside that window it raises ``ValueError`` (advance the model instead).
+        it is: for ``t`` from the model's clock up to ``quiet_until()`` (exclusive), or any
+        ``t`` from the clock when the model is idle. Outside that window it raises
+        ``ValueError`` (advance the model instead).
 
         O(1) plus a short search: steps of a decode run change only the blocks in use,
         which the run's histogram gives for its step in flight at ``t``.
@@ -715,7 +474,7 @@ class EngineModel:
 
     # -- jumps -------------------------------------------------------------------------
 
-    def _run_ahead(self) -> _DecodeRun | None:
+    def _run_ahead(self) -> DecodeRun | None:
         """The decode run after the step in flight (after now when none is), cached until
         the model changes."""
         run = self._ahead
@@ -724,7 +483,7 @@ class EngineModel:
             self._ahead_known = True
         return run
 
-    def _decode_run(self) -> _DecodeRun | None:
+    def _decode_run(self) -> DecodeRun | None:
         """The run of pure-decode steps that would follow, or None when the next step is
         not one: someone prefills, is about to finish, or could be admitted."""
         running = self._running
@@ -764,21 +523,15 @@ class EngineModel:
             return None  # a request emits its last token in the next step
         if self._waiting and self._head_fits(batch_size):
             return None  # the next step admits someone
-        below = tuple(accumulate(rooms[:-1], initial=0))
-        # the most steps whose blocks fit: q full rounds of one block each, then p steps
-        free = self.pool.num_free
-        rounds = free // batch_size
-        block_steps = rounds * block_size + bisect_right(below, free - rounds * batch_size) - 1
-        if block_steps < 1:
-            return None
-        return _DecodeRun(
+        return decode_run(
             start_s,
             context,
-            min(max_steps, block_steps),
+            max_steps,
+            rooms,
+            self.pool.num_free,
             self._decode_lines(batch_size),
             self.slowdown,
-            below,
-            self.cost if block_steps > max_steps else None,
+            self.cost,
         )
 
     def _decode_lines(self, batch_size: int) -> DecodeLines:
@@ -787,7 +540,7 @@ class EngineModel:
             lines = self._lines[batch_size] = self.cost.decode_lines(batch_size)
         return lines
 
-    def _decode(self, run: _DecodeRun, t: float, in_flight: bool) -> None:
+    def _decode(self, run: DecodeRun, t: float, in_flight: bool) -> None:
         """Apply, without events, the steps of ``run`` that end by ``t`` (after the step in
         flight when ``in_flight``: a step of the same batch that ends where ``run``
         starts); start the run's next step when it ends after ``t``, or the step after

@@ -16,10 +16,11 @@ import random
 import time
 from dataclasses import dataclass
 
-from isocost.engine.config import ReplicaSpec
+from isocost.engine.config import EngineReplicaConfig
 from isocost.engine.faults import FaultInjector
 from isocost.engine.metrics import ReplicaMetrics
-from isocost.engine.model import EngineModel, Finished, FirstToken, RequestSpec, RequestState
+from isocost.engine.model import EngineModel
+from isocost.engine.records import Finished, FirstToken, RequestSpec, RequestState
 from isocost.engine.tokens import Tokenizer
 
 __all__ = ["OUTPUT_DISTRIBUTIONS", "OutputLengths", "ServeOptions", "ServedReplica", "Waiter"]
@@ -91,7 +92,7 @@ class ServedReplica:
     def __init__(
         self,
         index: int,
-        spec: ReplicaSpec,
+        spec: EngineReplicaConfig,
         model: EngineModel,
         tokenizer: Tokenizer,
         options: ServeOptions,

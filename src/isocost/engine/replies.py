@@ -14,7 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
-from isocost.engine.model import RequestSpec
+from isocost.engine.records import RequestSpec
 from isocost.engine.replica import ServedReplica, Waiter
 from isocost.engine.tokens import filler_text
 from isocost.openai import sse

@@ -19,7 +19,7 @@ from aiohttp import web
 from isocost.core.catalog import Catalog
 from isocost.core.costmodel import CostModel, EngineLimits
 from isocost.core.errors import DoesNotFitError
-from isocost.engine.config import ReplicaSpec
+from isocost.engine.config import EngineReplicaConfig
 from isocost.engine.faults import add_fault_routes
 from isocost.engine.model import EngineModel
 from isocost.engine.replica import ServedReplica, ServeOptions
@@ -140,7 +140,7 @@ def _application(replica: ServedReplica) -> web.Application:
 
 
 def build_models(
-    specs: list[ReplicaSpec], catalog: Catalog, limits: EngineLimits
+    specs: list[EngineReplicaConfig], catalog: Catalog, limits: EngineLimits
 ) -> list[EngineModel]:
     """An engine model per spec; a model that does not fit its GPUs is an error."""
     models = []
@@ -169,7 +169,7 @@ def build_tokenizers(models: list[EngineModel], path: str | None) -> list[Tokeni
 
 
 async def serve(
-    specs: list[ReplicaSpec],
+    specs: list[EngineReplicaConfig],
     models: list[EngineModel],
     tokenizers: list[Tokenizer],
     options: ServeOptions,
@@ -213,7 +213,7 @@ async def serve(
 
 
 def run_engine(
-    specs: list[ReplicaSpec],
+    specs: list[EngineReplicaConfig],
     catalog: Catalog,
     limits: EngineLimits,
     options: ServeOptions,

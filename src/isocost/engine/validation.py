@@ -10,7 +10,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from isocost.engine.model import RequestSpec
+from isocost.engine.records import RequestSpec
 from isocost.engine.replica import ServedReplica
 from isocost.engine.tokens import render_chat
 from isocost.openai.errors import ApiError

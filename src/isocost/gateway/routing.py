@@ -47,6 +47,7 @@ from isocost.gateway.body import RoutingView
 from isocost.gateway.metrics import GatewayMetrics
 from isocost.gateway.upstreams import Pool, Upstream
 from isocost.openai.errors import ApiError
+from isocost.prefix.hashing import BLOCK_TOKENS
 from isocost.runtime.config import GatewayConfig, check_references, replica_cost_model
 from isocost.scheduling.decision import Decision, RejectReason
 from isocost.scheduling.dispatch import Dispatcher
@@ -56,7 +57,6 @@ from isocost.scheduling.state import EngineMetrics, InFlight, ReplicaSet, Replic
 
 __all__ = ["GatewayRequest", "Grant", "Router"]
 
-BLOCK_TOKENS = 16  # prompt block size of the prefix index (vLLM's default KV block)
 _RECENT_DECISIONS = 50
 _REJECT_STATUS = {
     RejectReason.NO_REPLICA: 404,

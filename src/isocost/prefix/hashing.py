@@ -15,9 +15,12 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-__all__ = ["ROOT_HASH", "text_block_hashes", "token_block_hashes"]
+__all__ = ["BLOCK_TOKENS", "ROOT_HASH", "text_block_hashes", "token_block_hashes"]
 
 ROOT_HASH = 0x1505_CAFE  # the "parent" of block 0
+# tokens per hashed prompt block, for the prefix index and the simulated engines alike:
+# vLLM's default KV block (``EngineLimits.block_size``), so a hash names a cache block
+BLOCK_TOKENS = 16
 _MASK = (1 << 63) - 1
 
 

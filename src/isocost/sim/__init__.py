@@ -20,7 +20,7 @@ from isocost.sim._cluster import (
     uniform_cluster,
     with_settings,
 )
-from isocost.sim._core import BLOCK_TOKENS, SimRecord, SimResult, Simulator, block_hashes
+from isocost.sim._core import SimRecord, SimResult, Simulator, block_hashes
 from isocost.sim._metrics import (
     Isolated,
     PolicySummary,
@@ -34,7 +34,6 @@ from isocost.sim._workload import WorkloadChoice, at_rate, load_requests
 from isocost.workload import TRACE_FORMATS
 
 __all__ = [
-    "BLOCK_TOKENS",
     "TRACE_FORMATS",
     "ClusterConfig",
     "ClusterEvent",

@@ -48,9 +48,10 @@ from typing import cast
 import numpy as np
 
 from isocost.core.slo import SloTargets
-from isocost.engine.model import EngineEvent, EngineModel, Finished, FirstToken, RequestSpec
-from isocost.engine.model import RequestState as EngineRequest
-from isocost.prefix.hashing import ROOT_HASH
+from isocost.engine.model import EngineModel
+from isocost.engine.records import EngineEvent, Finished, FirstToken, RequestSpec
+from isocost.engine.records import RequestState as EngineRequest
+from isocost.prefix.hashing import BLOCK_TOKENS, ROOT_HASH
 from isocost.scheduling.decision import Decision, RejectReason
 from isocost.scheduling.dispatch import Dispatcher
 from isocost.scheduling.framework import Policy
@@ -58,11 +59,10 @@ from isocost.scheduling.state import ReplicaSet, ReplicaSpec, RequestView
 from isocost.sim._cluster import ClusterConfig, SimReplica
 from isocost.workload import WorkloadRequest, prefix_block_hashes
 
-__all__ = ["BLOCK_TOKENS", "SimRecord", "SimResult", "Simulator", "block_hashes"]
+__all__ = ["SimRecord", "SimResult", "Simulator", "block_hashes"]
 
 FAULT, ENGINE, HOOK, SCRAPE, ARRIVAL, DELIVER, SAMPLE = range(7)
 _FIRST, _DONE, _FAILED, _TIMEOUT = range(4)  # hook kinds
-BLOCK_TOKENS = 16  # prompt block size of engines and the prefix index (vLLM's default)
 
 
 def block_hashes(request: WorkloadRequest, block_tokens: int = BLOCK_TOKENS) -> tuple[int, ...]:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -22,6 +23,7 @@ from isocost.core.errors import ConfigError
 from isocost.sim._metrics import PolicySummary
 from isocost.sim._run import Progress as ProgressCallback
 from isocost.sim._run import RunOutput, SimPlan, SweepOutput, run_plan
+from isocost.tables import Fitted
 from isocost.workload import mean_rate_rps
 
 __all__ = ["json_rows", "print_results", "progress_bar", "sim_command", "write_json"]
@@ -58,21 +60,56 @@ def write_json(output: SweepOutput, path: str) -> None:
         raise ConfigError(path, exc.strerror or "cannot be written") from None
 
 
+# (name, header in the full layout, where each "p99" follows its "TTFT p50", header in
+# the narrow ones, one word a line)
+_COLUMNS = (
+    ("policy", "policy", "policy"),
+    ("rate", "rate", "rate"),
+    ("done", "done", "done"),
+    ("rej", "rej", "rej"),
+    ("TTFT p50", "TTFT p50", "TTFT\np50"),
+    ("TTFT p90", "p90", "TTFT\np90"),
+    ("TTFT p99", "p99", "TTFT\np99"),
+    ("TPOT p50", "TPOT p50", "TPOT\np50"),
+    ("TPOT p99", "p99", "TPOT\np99"),
+    ("E2E p50", "E2E p50", "E2E\np50"),
+    ("E2E p99", "p99", "E2E\np99"),
+    ("goodput/s", "goodput/s", "goodput\nreq/s"),
+    ("SLO %", "SLO %", "SLO\n%"),
+    ("out tok/s", "out tok/s", "out\ntok/s"),
+    ("hit %", "hit %", "hit\n%"),
+    ("imbal", "imbal", "imbal"),
+    ("slowdn", "slowdn", "slowdn"),
+    ("sim s/s", "sim s/s", "sim\ns/s"),
+)
+# the narrow layouts leave these out one by one, first first, until the table fits; the
+# policy and the headline figures (done, rejected, TTFT p50/p99, TPOT p99, goodput, SLO)
+# always stay
+_NARROWING = (
+    "sim s/s",
+    "slowdn",
+    "imbal",
+    "out tok/s",
+    "TTFT p90",
+    "E2E p50",
+    "TPOT p50",
+    "E2E p99",
+    "hit %",
+)
+
+
 def print_results(console: Console, output: SweepOutput, target: float) -> None:
-    table = Table(title="isocost sim", title_justify="left")
-    columns = (
-        "policy", "rate", "done", "rej", "TTFT p50", "p90", "p99", "TPOT p50", "p99",
-        "E2E p50", "p99", "goodput/s", "SLO %", "out tok/s", "hit %", "imbal", "slowdn",
-        "sim s/s",
-    )  # fmt: skip
+    """The results table, at the console's width (see ``isocost.tables``), then in sweeps
+    capacity at SLO."""
     sweep = any(run.rate_rps is not None for run in output.runs)
-    for name in columns:
-        if name != "rate" or sweep:
-            table.add_column(name, justify="left" if name == "policy" else "right")
-    for run in output.runs:
-        table.add_row(*_cells(run.summary, run.rate_rps, run, sweep))
-    table.add_row(*_cells(output.oracle, None, None, sweep), style="dim")
-    console.print(table)
+    rows = [_cells(run.summary, run.rate_rps, run) for run in output.runs]
+    oracle = _cells(output.oracle, None, None)
+    names = [name for name, _, _ in _COLUMNS if name != "rate" or sweep]
+    layouts = [_results_table(names, rows, oracle, narrow=False)]
+    for dropped in range(len(_NARROWING) + 1):
+        kept = [name for name in names if name not in _NARROWING[:dropped]]
+        layouts.append(_results_table(kept, rows, oracle, narrow=True))
+    console.print(Fitted(*layouts))
     if sweep:
         capacity = Table(title=f"capacity at SLO ({target:.0%} of requests meet both)")
         capacity.add_column("policy")
@@ -82,23 +119,54 @@ def print_results(console: Console, output: SweepOutput, target: float) -> None:
         console.print(capacity)
 
 
-def _cells(s: PolicySummary, rate: float | None, run: RunOutput | None, sweep: bool) -> list[str]:
-    return [
-        s.policy,
-        *([("" if rate is None else f"{rate:g}")] if sweep else []),
-        str(s.completed),
-        str(s.rejected),
-        *(_s(v) for v in (s.ttft_p50_s, s.ttft_p90_s, s.ttft_p99_s)),
-        *(_ms(v) for v in (s.tpot_p50_s, s.tpot_p99_s)),
-        *(_s(v) for v in (s.e2e_p50_s, s.e2e_p99_s)),
-        f"{s.goodput_rps:.2f}",
-        f"{100 * s.slo_attainment:.1f}",
-        f"{s.output_tokens_per_s:,.0f}",
-        "-" if s.prefix_hit_rate is None else f"{100 * s.prefix_hit_rate:.1f}",
-        "-" if s.imbalance_cov is None else f"{s.imbalance_cov:.3f}",
-        "-" if s.mean_slowdown is None else f"{s.mean_slowdown:.2f}",
-        "" if run is None else f"{run.sim_s_per_wall_s:,.0f}",
-    ]
+def _results_table(
+    names: Sequence[str], rows: Sequence[dict[str, str]], oracle: dict[str, str], narrow: bool
+) -> Table:
+    """The columns ``names`` of every run's row and the oracle's; ``narrow``: headers one
+    word a line, no vertical rules, and a caption naming what is left out."""
+    left_out = sum(1 for name, _, _ in _COLUMNS if name not in names and name != "rate")
+    caption = f"{left_out} more columns in a wider terminal; --json has every figure"
+    table = Table(
+        title="isocost sim",
+        title_justify="left",
+        box=box.SIMPLE_HEAD if narrow else box.HEAVY_HEAD,
+        pad_edge=not narrow,
+        collapse_padding=narrow,
+        caption=caption if left_out else None,
+        caption_justify="left",
+    )
+    headers = {
+        name: narrow_header if narrow else header for name, header, narrow_header in _COLUMNS
+    }
+    for name in names:
+        table.add_column(headers[name], justify="left" if name == "policy" else "right")
+    for row in rows:
+        table.add_row(*(row[name] for name in names))
+    table.add_row(*(oracle[name] for name in names), style="dim")
+    return table
+
+
+def _cells(s: PolicySummary, rate: float | None, run: RunOutput | None) -> dict[str, str]:
+    return {
+        "policy": s.policy,
+        "rate": "" if rate is None else f"{rate:g}",
+        "done": str(s.completed),
+        "rej": str(s.rejected),
+        "TTFT p50": _s(s.ttft_p50_s),
+        "TTFT p90": _s(s.ttft_p90_s),
+        "TTFT p99": _s(s.ttft_p99_s),
+        "TPOT p50": _ms(s.tpot_p50_s),
+        "TPOT p99": _ms(s.tpot_p99_s),
+        "E2E p50": _s(s.e2e_p50_s),
+        "E2E p99": _s(s.e2e_p99_s),
+        "goodput/s": f"{s.goodput_rps:.2f}",
+        "SLO %": f"{100 * s.slo_attainment:.1f}",
+        "out tok/s": f"{s.output_tokens_per_s:,.0f}",
+        "hit %": "-" if s.prefix_hit_rate is None else f"{100 * s.prefix_hit_rate:.1f}",
+        "imbal": "-" if s.imbalance_cov is None else f"{s.imbalance_cov:.3f}",
+        "slowdn": "-" if s.mean_slowdown is None else f"{s.mean_slowdown:.2f}",
+        "sim s/s": "" if run is None else f"{run.sim_s_per_wall_s:,.0f}",
+    }
 
 
 def _s(value: float | None) -> str:

@@ -6,14 +6,14 @@ import pytest
 
 from isocost.core.errors import ConfigError
 from isocost.engine.config import (
+    EngineReplicaConfig,
     Faults,
-    ReplicaSpec,
     parse_replica_spec,
     parse_replicas_yaml,
     resolve_replicas,
 )
 
-DEFAULT = ReplicaSpec("h100-80g", "llama-3.1-8b", 1, "llama-3.1-8b", None, Faults())
+DEFAULT = EngineReplicaConfig("h100-80g", "llama-3.1-8b", 1, "llama-3.1-8b", None, Faults())
 
 
 def test_spec_strings_override_the_defaults_field_by_field() -> None:

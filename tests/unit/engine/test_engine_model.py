@@ -11,7 +11,7 @@ import pytest
 
 from isocost.core.catalog import Catalog
 from isocost.core.costmodel import CostModel, DecodeLines, EngineLimits
-from isocost.engine.model import (
+from isocost.engine import (
     EngineEvent,
     EngineModel,
     Finished,
@@ -168,13 +168,13 @@ def test_shared_prefix_hits_the_cache_and_cuts_ttft() -> None:
     model = EngineModel(_cost())
     prefix = list(range(4000))
     model.submit(_spec("warmup", [*prefix, 1, 2, 3], 1), 0.0)
-    _drain(model)
+    now = _drain(model)[-1].time_s
     queries, hits = model.counters.prefix_cache_queries, model.counters.prefix_cache_hits
-    model.submit(_spec("warm", [*prefix, 7, 8, 9], 1), model.now_s)
-    (warm, _) = _drain(model)
+    model.submit(_spec("warm", [*prefix, 7, 8, 9], 1), now)
+    (warm, done) = _drain(model)
     assert model.counters.prefix_cache_queries - queries == 4003
     assert model.counters.prefix_cache_hits - hits == 4000  # 250 full shared blocks
-    model.submit(_spec("cold", list(range(50_000, 54_003)), 1), model.now_s)
+    model.submit(_spec("cold", list(range(50_000, 54_003)), 1), done.time_s)
     (cold, _) = _drain(model)
     assert isinstance(warm, FirstToken) and isinstance(cold, FirstToken)
     assert warm.ttft_s < cold.ttft_s / 5
@@ -184,8 +184,7 @@ def test_a_fully_cached_prompt_still_computes_its_last_token() -> None:
     model = EngineModel(_cost())
     prompt = list(range(64))  # exactly four blocks
     model.submit(_spec("a", prompt, 1), 0.0)
-    _drain(model)
-    model.submit(_spec("b", prompt, 1), model.now_s)
+    model.submit(_spec("b", prompt, 1), _drain(model)[-1].time_s)
     _drain(model)
     assert model.counters.prefix_cache_hits == 48  # three blocks; the fourth is recomputed
 
@@ -193,10 +192,11 @@ def test_a_fully_cached_prompt_still_computes_its_last_token() -> None:
 def test_lru_eviction_keeps_the_recently_used_prefix() -> None:
     model = EngineModel(_cost(), num_blocks=8)
     old, new = list(range(64)), list(range(100, 164))
+    now = 0.0
     for request_id, prompt in (("old", old), ("new", new)):
-        model.submit(_spec(request_id, prompt, 1), model.now_s)
-        _drain(model)
-    model.submit(_spec("filler", list(range(500, 532)), 1), model.now_s)  # evicts 2 blocks
+        model.submit(_spec(request_id, prompt, 1), now)
+        now = _drain(model)[-1].time_s
+    model.submit(_spec("filler", list(range(500, 532)), 1), now)  # evicts 2 blocks
     _drain(model)
     hashes_old = token_block_hashes(old, 16)
     hashes_new = token_block_hashes(new, 16)
@@ -227,8 +227,9 @@ def test_full_kv_cache_makes_requests_wait_then_preempts_and_all_finish() -> Non
 def test_preemption_picks_the_newest_running_request() -> None:
     model = EngineModel(_cost(), num_blocks=20)
     model.submit(_spec("old", list(range(100)), 200), 0.0)
-    model.advance_to(model.next_event_time() or 0.0)
-    model.submit(_spec("new", list(range(1000, 1100)), 200), model.now_s)
+    now = model.next_event_time() or 0.0
+    model.advance_to(now)
+    model.submit(_spec("new", list(range(1000, 1100)), 200), now)
     preempted = [e for e in _drain(model) if isinstance(e, Preempted)]
     assert preempted and {e.request_id for e in preempted} == {"new"}
 
@@ -293,20 +294,23 @@ def test_jumps_give_the_same_events_as_single_steps(num_blocks: int | None) -> N
     assert sum(row[0] == "Finished" for row in stepped) == 40
 
 
-def _decoding(num_blocks: int | None = None) -> EngineModel:
-    """Two requests decoding together, past their prefill, with a long run ahead."""
+def _decoding(num_blocks: int | None = None) -> tuple[EngineModel, float]:
+    """Two requests decoding together, past their prefill, with a long run ahead; and the
+    model's clock."""
     model = EngineModel(_cost(), num_blocks=num_blocks)
     model.submit(_spec("a", list(range(40)), 500), 0.0)
     model.submit(_spec("b", list(range(1000, 1050)), 300), 0.0)
+    now = 0.0
     for _ in range(3):
-        model.advance_to(model.next_event_time() or 0.0)
-    return model
+        now = model.next_event_time() or 0.0
+        model.advance_to(now)
+    return model, now
 
 
 @pytest.mark.parametrize("num_blocks", [None, 40])
 def test_observe_reads_what_advancing_would_without_advancing(num_blocks: int | None) -> None:
-    model = _decoding(num_blocks)
-    start, quiet = model.now_s, model.quiet_until()
+    model, start = _decoding(num_blocks)
+    quiet = model.quiet_until()
     assert quiet is not None and quiet > start + 0.1
     before = model.observe(start)
     for i in range(41):
@@ -317,7 +321,7 @@ def test_observe_reads_what_advancing_would_without_advancing(num_blocks: int | 
         assert seen == model.observe(t)  # observing changed nothing
         assert (seen.num_running, seen.kv_usage) == (future.num_running, future.kv_usage)
         assert seen.num_waiting == future.num_waiting == 0
-    assert model.now_s == start and model.observe(start) == before
+    assert model.observe(start) == before  # the clock did not move either
     assert model.observe(quiet - 1e-9).kv_usage > before.kv_usage  # blocks grew on the way
 
 
@@ -331,7 +335,7 @@ def test_the_quiet_time_is_the_next_event_whether_a_run_ends_on_tokens_or_blocks
     """With blocks to spare the run ends a token before ``b``'s last and the quiet time
     reaches the end of the step that emits it; short of blocks it is the run's end, where
     the next step preempts ``b``. Either way stepping one by one gets there too."""
-    model = _decoding(num_blocks)
+    model, _ = _decoding(num_blocks)
     quiet = model.quiet_until()
     assert quiet is not None
     assert model.advance_to(quiet - 1e-9) == []
@@ -347,14 +351,14 @@ def test_the_quiet_time_is_the_next_event_whether_a_run_ends_on_tokens_or_blocks
 
 
 def test_observe_refuses_times_outside_the_quiet_window() -> None:
-    model = _decoding()
+    model, now = _decoding()
     quiet = model.quiet_until()
     assert quiet is not None
     with pytest.raises(ValueError, match="before the model clock"):
-        model.observe(model.now_s - 1.0)
+        model.observe(now - 1.0)
     with pytest.raises(ValueError, match="quiet only until"):
         model.observe(quiet)
-    model.submit(_spec("c", list(range(5000, 5100)), 5), model.now_s)  # the next step admits
+    model.submit(_spec("c", list(range(5000, 5100)), 5), now)  # the next step admits
     with pytest.raises(ValueError, match="quiet only until"):
         model.observe(model.next_event_time() or 0.0)
     idle = EngineModel(_cost())

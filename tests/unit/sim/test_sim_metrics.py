@@ -10,7 +10,7 @@ import pytest
 from isocost.core.catalog import Catalog
 from isocost.core.costmodel import CostModel
 from isocost.core.slo import SloTargets
-from isocost.engine.model import EngineModel, Finished, FirstToken, RequestSpec
+from isocost.engine import EngineModel, Finished, FirstToken, RequestSpec
 from isocost.sim import capacity_at_slo, isolated_times
 from isocost.sim._metrics import summarize_sim
 from isocost.workload import Segment, WorkloadRequest
