@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 from isocost.gateway.config import HealthConfig, ReplicaConfig, normalize_replica_url
 from isocost.gateway.health import Breaker, BreakerState
-from isocost.scheduling.state import EngineMetrics
+from isocost.scheduling.contract import EngineMetrics
 
 __all__ = ["Pool", "Replica"]
 

@@ -47,10 +47,11 @@ from isocost.gateway.errors import ApiError
 from isocost.gateway.metrics import GatewayMetrics
 from isocost.gateway.replicas import Pool, Replica
 from isocost.scheduling.admission import RequestQueue
+from isocost.scheduling.contract import EngineMetrics, InFlight, ReplicaSpec, RequestView
 from isocost.scheduling.decision import Decision, Outcome, RejectReason
 from isocost.scheduling.framework import Policy
 from isocost.scheduling.policies import SchedulingConfig, build_policy
-from isocost.scheduling.state import EngineMetrics, InFlight, ReplicaSet, ReplicaSpec, RequestView
+from isocost.scheduling.state import ReplicaSet
 
 __all__ = ["GatewayRequest", "Grant", "Router"]
 

@@ -20,7 +20,7 @@ import heapq
 import math
 from dataclasses import dataclass
 
-from isocost.scheduling.state import RequestView
+from isocost.scheduling.contract import RequestView
 
 __all__ = ["PushResult", "RequestQueue"]
 

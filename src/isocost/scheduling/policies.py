@@ -36,7 +36,8 @@ import msgspec
 import yaml
 
 from isocost.core.errors import ConfigError, UnknownEntryError
-from isocost.scheduling.framework import AdmissionSettings, Filter, Picker, Policy, Scorer
+from isocost.scheduling.framework import AdmissionSettings, Policy
+from isocost.scheduling.interface import Filter, Picker, Scorer
 from isocost.scheduling.plugins import PLUGIN_TYPES
 from isocost.scheduling.routes import RouteRule, RouteTable
 

@@ -50,9 +50,10 @@ from isocost.engine.model import EngineEvent, EngineModel, Finished, FirstToken,
 from isocost.engine.model import RequestState as EngineRequest
 from isocost.prefix.hashing import ROOT_HASH
 from isocost.scheduling.admission import RequestQueue
+from isocost.scheduling.contract import ReplicaSpec, RequestView
 from isocost.scheduling.decision import Decision, Outcome
 from isocost.scheduling.framework import Policy
-from isocost.scheduling.state import ReplicaSet, ReplicaSpec, RequestView
+from isocost.scheduling.state import ReplicaSet
 from isocost.sim._cluster import ClusterConfig, SimReplica
 from isocost.sim._metrics import Slo
 from isocost.workload import WorkloadRequest, prefix_block_hashes

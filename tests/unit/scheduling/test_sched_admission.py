@@ -6,9 +6,10 @@ import pytest
 from conftest import MODEL, Factory, cost_model
 
 from isocost.scheduling.admission import RequestQueue
+from isocost.scheduling.contract import ReplicaSpec, RequestView
 from isocost.scheduling.decision import Outcome, RejectReason
 from isocost.scheduling.policies import build_policy, parse_scheduling_yaml
-from isocost.scheduling.state import ReplicaSet, ReplicaSpec, RequestView
+from isocost.scheduling.state import ReplicaSet
 
 
 def _req(i: int, prompt: int = 500, **kwargs: object) -> RequestView:

@@ -11,7 +11,9 @@ import pytest
 from conftest import MODEL, Factory
 
 from isocost.core.errors import ConfigError, UnknownEntryError
-from isocost.scheduling.framework import Context, Policy
+from isocost.scheduling.contract import RequestView
+from isocost.scheduling.framework import Policy
+from isocost.scheduling.interface import Context
 from isocost.scheduling.plugins import PLUGIN_TYPES
 from isocost.scheduling.plugins.max_score import MaxScorePicker
 from isocost.scheduling.policies import (
@@ -21,7 +23,6 @@ from isocost.scheduling.policies import (
     config_to_yaml,
     parse_scheduling_yaml,
 )
-from isocost.scheduling.state import RequestView
 from isocost.scheduling.timing import FloatArray
 
 
