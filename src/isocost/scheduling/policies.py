@@ -159,10 +159,6 @@ BUILTIN_POLICIES: dict[str, PolicyProfile] = {
 }
 
 
-def builtin_config() -> SchedulingConfig:
-    return SchedulingConfig(policies=list(BUILTIN_POLICIES.values()))
-
-
 def parse_scheduling_yaml(text: str, source: str) -> SchedulingConfig:
     """Decode a scheduling config (YAML text read from ``source``) and check every reference."""
     try:
@@ -181,13 +177,6 @@ def config_to_yaml(config: SchedulingConfig) -> str:
     """The YAML form of ``config`` (what ``parse_scheduling_yaml`` reads back)."""
     data = msgspec.to_builtins(config)
     return yaml.safe_dump(data, sort_keys=False)
-
-
-def policy_names(config: SchedulingConfig | None = None) -> list[str]:
-    names = set(BUILTIN_POLICIES)
-    if config is not None:
-        names.update(p.name for p in config.policies)
-    return sorted(names)
 
 
 def build_policy(
