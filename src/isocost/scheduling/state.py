@@ -243,9 +243,6 @@ class ReplicaSet:
     def get(self, replica_id: str) -> ReplicaState:
         return self.slots.get(replica_id)
 
-    def state_at(self, slot: int) -> ReplicaState:
-        return self.slots.state_at(slot)
-
     def __contains__(self, replica_id: object) -> bool:
         return replica_id in self.slots
 
