@@ -32,8 +32,9 @@ from rich.console import Console
 from rich.table import Table
 
 from isocost.core.catalog import Catalog
+from isocost.scheduling.contract import ReplicaSpec, RequestView
 from isocost.scheduling.policies import build_policy
-from isocost.scheduling.state import ReplicaSet, ReplicaSpec, RequestView
+from isocost.scheduling.state import ReplicaSet
 from isocost.sim import ClusterConfig, ReplicaGroup, Simulator, block_hashes, resolve_cluster
 from isocost.workload import WorkloadRequest, poisson_arrivals, scenario_mix
 

@@ -29,10 +29,11 @@ from isocost.gateway.upstreams import Pool, Upstream
 from isocost.openai.errors import ApiError
 from isocost.prefix.hashing import BLOCK_TOKENS
 from isocost.runtime.config import HealthConfig, ReplicaConfig
+from isocost.scheduling.contract import ReplicaSpec, RequestView
 from isocost.scheduling.decision import Decision, RejectReason
 from isocost.scheduling.dispatch import Dispatcher
 from isocost.scheduling.policies import build_policy
-from isocost.scheduling.state import ReplicaSet, ReplicaSpec, RequestView
+from isocost.scheduling.state import ReplicaSet
 
 MODEL = "llama-3.1-8b"
 POLICY = "round_robin"  # no tie-break by request id (the router draws its own ids)

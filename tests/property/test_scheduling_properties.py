@@ -9,9 +9,10 @@ from hypothesis import strategies as st
 
 from isocost.core.catalog import Catalog
 from isocost.core.costmodel import CostModel
+from isocost.scheduling.contract import ReplicaSpec, RequestView
 from isocost.scheduling.decision import Decision, Outcome
 from isocost.scheduling.policies import BUILTIN_POLICIES, build_policy
-from isocost.scheduling.state import ReplicaSet, ReplicaSpec, RequestView
+from isocost.scheduling.state import ReplicaSet
 
 _CATALOG = Catalog.builtin()
 _COST_MODELS = [

@@ -49,11 +49,12 @@ from isocost.gateway.upstreams import Pool, Upstream
 from isocost.openai.errors import ApiError
 from isocost.prefix.hashing import BLOCK_TOKENS
 from isocost.runtime.config import GatewayConfig, check_references, replica_cost_model
+from isocost.scheduling.contract import EngineMetrics, InFlight, ReplicaSpec, RequestView
 from isocost.scheduling.decision import Decision, RejectReason
 from isocost.scheduling.dispatch import Dispatcher
 from isocost.scheduling.framework import Policy
 from isocost.scheduling.policies import SchedulingConfig, build_policy
-from isocost.scheduling.state import EngineMetrics, InFlight, ReplicaSet, ReplicaSpec, RequestView
+from isocost.scheduling.state import ReplicaSet
 
 __all__ = ["GatewayRequest", "Grant", "Router"]
 

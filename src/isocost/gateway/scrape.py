@@ -15,7 +15,7 @@ A text without any of these names is an error, so a replica that serves some oth
 
 from __future__ import annotations
 
-from isocost.scheduling.state import EngineMetrics
+from isocost.scheduling.contract import EngineMetrics
 
 __all__ = ["ScrapeError", "parse_engine_metrics"]
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from isocost.gateway.health import Breaker, BreakerState
 from isocost.runtime.config import HealthConfig, ReplicaConfig, normalize_replica_url, replica_name
-from isocost.scheduling.state import EngineMetrics
+from isocost.scheduling.contract import EngineMetrics
 
 __all__ = ["Pool", "Upstream"]
 

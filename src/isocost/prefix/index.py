@@ -67,9 +67,6 @@ class PrefixIndex:
             self._counts = counts
         self.evict(replica, len(self._lru[replica]) - capacity_blocks)
 
-    def has_replica(self, replica: int) -> bool:
-        return replica in self._lru
-
     def num_blocks(self, replica: int) -> int:
         lru = self._lru.get(replica)
         return len(lru) if lru is not None else 0

@@ -84,7 +84,3 @@ class Decision:
     cached_tokens: int = 0  # predicted prefix-cache hit on the chosen replica
     explanation: Explanation | None = None
     raw_times: RawTimes | None = None  # the chosen replica's, uncorrected (for on_dispatch)
-
-    @property
-    def admitted(self) -> bool:
-        return self.outcome is Outcome.ADMIT

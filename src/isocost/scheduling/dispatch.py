@@ -54,8 +54,8 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from isocost.scheduling.contract import RequestView
 from isocost.scheduling.decision import Decision, Outcome, RejectReason
-from isocost.scheduling.state import RequestView
 
 __all__ = ["Dispatcher", "PushResult", "RequestQueue"]
 

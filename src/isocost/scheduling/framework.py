@@ -31,191 +31,41 @@ chosen replica's alone, in Python floats (``ReplicaSet.predict_one``); its uncor
 times ride on the decision (``raw_times``) so that ``ReplicaSet.on_dispatch`` need not
 compute them again. Hot-path outcomes are values; nothing here raises on a request.
 
-Plugins are registered by a stable type string (``scheduling.plugins``); stateful plugins
-additionally implement ``on_dispatch`` / ``on_first_token`` / ``on_complete`` (the
-``ShadowListener`` protocol), which the policy forwards after ``ReplicaSet`` applied them
-(``replicas.add_listener(policy)``).
+Plugins are registered by a stable type string (``scheduling.plugins``); what they see and
+implement (``Context``, ``Filter``, ``Scorer``, ``Picker``) is in ``scheduling.interface``.
+Stateful plugins additionally implement ``on_dispatch`` / ``on_first_token`` /
+``on_complete`` (the ``ShadowListener`` protocol of ``scheduling.contract``), which the
+policy forwards after ``ReplicaSet`` applied them (``replicas.add_listener(policy)``).
+
+``schedule`` runs these stages in this order, one small method each: ``_eligible`` and
+``_under_queue_cap`` (1), ``_filter`` (2), ``_slo_admission`` (3), ``_score`` (4), the
+picker (5), then ``_admit`` builds the ADMIT decision with its predictions and explanation.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from random import Random
-from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
-import numpy.typing as npt
 
+from isocost.scheduling.contract import InFlight, RequestView, ShadowListener
 from isocost.scheduling.decision import Decision, Explanation, Outcome, RejectReason
-from isocost.scheduling.predict import IndexArray, Load, Prediction, SlotKey, predict
-from isocost.scheduling.routes import RouteTable
-from isocost.scheduling.state import InFlight, ReplicaSet, RequestView, stable_hash64
+from isocost.scheduling.interface import Context, Filter, Picker, Scorer
+from isocost.scheduling.predict import IndexArray
+from isocost.scheduling.routes import RouteClass, RouteTable
+from isocost.scheduling.slots import BoolArray
+from isocost.scheduling.state import ReplicaSet
 from isocost.scheduling.timing import FloatArray
 
-__all__ = [
-    "AdmissionSettings",
-    "Context",
-    "Filter",
-    "Picker",
-    "Plugin",
-    "Policy",
-    "Scorer",
-    "StatefulPlugin",
-]
-
-BoolArray = npt.NDArray[np.bool_]
-
-
-class Context:
-    """Everything a plugin may read for one decision; derived arrays are computed once."""
-
-    __slots__ = (
-        "_cached",
-        "_load",
-        "_prediction",
-        "_request_hash",
-        "expected_output_tokens",
-        "idx",
-        "key",
-        "now",
-        "replicas",
-        "request",
-        "rng",
-        "route_class",
-    )
-
-    def __init__(
-        self,
-        request: RequestView,
-        replicas: ReplicaSet,
-        now: float,
-        rng: Random,
-        idx: IndexArray,
-        route_class: str,
-    ) -> None:
-        self.request = request
-        self.replicas = replicas
-        self.now = now
-        self.rng = rng
-        self.idx = idx  # candidate slots, ascending
-        self.key = _slot_key(idx)  # the same slots, to read arrays with
-        self.route_class = route_class
-        self.expected_output_tokens = replicas.estimator.expected_tokens(
-            request.model, route_class, request.max_tokens
-        )
-        self._load: Load | None = None
-        self._cached: FloatArray | None = None
-        self._prediction: Prediction | None = None
-        self._request_hash: int | None = None
-
-    def narrow(self, keep: BoolArray) -> None:
-        """Keep only the candidates where ``keep`` is true (derived arrays follow)."""
-        if keep.all():
-            return
-        self.idx = self.idx[keep]
-        self.key = _slot_key(self.idx)
-        if self._load is not None:
-            self._load = _take(self._load, keep)
-        if self._cached is not None:
-            self._cached = self._cached[keep]
-        if self._prediction is not None:
-            self._prediction = _take(self._prediction, keep)
-
-    @property
-    def load(self) -> Load:
-        if self._load is None:
-            self._load = self.replicas.load(self.now, self.key)
-        return self._load
-
-    @property
-    def cached_blocks(self) -> FloatArray:
-        """Prompt blocks of the request the prefix index holds on each candidate."""
-        if self._cached is None:
-            replicas = self.replicas
-            slots, matched = replicas.prefix.match(self.request.block_hashes)
-            blocks = np.zeros(replicas.capacity)
-            blocks[slots] = matched
-            self._cached = blocks[self.key]
-        return self._cached
-
-    @property
-    def cached_tokens(self) -> FloatArray:
-        """Prompt tokens cached on each candidate (whole blocks, at most the prompt)."""
-        tokens = self.cached_blocks * self.replicas.block_tokens
-        return np.asarray(np.minimum(tokens, self.request.prompt_tokens), dtype=np.float64)
-
-    def cached_blocks_at(self, position: int) -> int:
-        """``cached_blocks`` of one candidate, without matching against every replica."""
-        if self._cached is not None:
-            return int(self._cached[position])
-        slot = int(self.idx[position])
-        return self.replicas.prefix.match_replica(slot, self.request.block_hashes)
-
-    @property
-    def priced(self) -> bool:
-        """Whether ``prediction`` has been computed for the candidates."""
-        return self._prediction is not None
-
-    @property
-    def prediction(self) -> Prediction:
-        if self._prediction is None:
-            r, key = self.replicas, self.key
-            self._prediction = predict(
-                r.coef,
-                key,
-                self.load,
-                self.request.prompt_tokens,
-                self.cached_tokens,
-                self.expected_output_tokens,
-                r.ttft_factor[key],
-                r.itl_factor[key],
-            )
-        return self._prediction
-
-    @property
-    def request_hash(self) -> int:
-        """A stable 64-bit hash of the request id (deterministic tie-breaks)."""
-        if self._request_hash is None:
-            self._request_hash = stable_hash64(self.request.request_id)
-        return self._request_hash
-
-
-class Plugin(Protocol):
-    type_name: ClassVar[str]
-
-
-class Filter(Plugin, Protocol):
-    def filter(self, ctx: Context) -> BoolArray:
-        """True for the candidates (aligned with ``ctx.idx``) to keep."""
-        ...
-
-
-class Scorer(Plugin, Protocol):
-    def score(self, ctx: Context) -> FloatArray:
-        """One score per candidate, higher is better; clamped to [0, 1] by the engine."""
-        ...
-
-
-class Picker(Plugin, Protocol):
-    def pick(self, ctx: Context, total: FloatArray) -> int:
-        """Position (into ``ctx.idx``) of the chosen candidate."""
-        ...
-
-
-@runtime_checkable
-class StatefulPlugin(Protocol):
-    def on_dispatch(self, record: InFlight, now: float) -> None: ...
-
-    def on_first_token(self, record: InFlight, now: float) -> None: ...
-
-    def on_complete(self, record: InFlight, now: float, ok: bool) -> None: ...
+__all__ = ["AdmissionSettings", "Policy"]
 
 
 @dataclass(frozen=True, slots=True)
 class AdmissionSettings:
-    """Admission knobs of a policy (see ``scheduling.admission`` for the gateway queue).
+    """Admission knobs of a policy (see ``scheduling.dispatch`` for the late-binding queue).
 
     ``slo``: drop candidates predicted to miss the deadline, reject when none is left.
     ``min_available_fraction`` (0..1): shed all traffic for a model while fewer of its
@@ -250,7 +100,7 @@ class Policy:
         self.routes = routes or RouteTable()
         self.rng = rng or Random(0)
         plugins: list[object] = [*self.filters, *(s for _, s, _ in self.scorers), picker]
-        self._stateful = [p for p in plugins if isinstance(p, StatefulPlugin)]
+        self._stateful = [p for p in plugins if isinstance(p, ShadowListener)]
 
     # -- hooks (ShadowListener) -------------------------------------------------------
 
@@ -282,19 +132,45 @@ class Policy:
         failed it); they count as unavailable for it, not for the global shed.
         """
         route = self.routes.classify(request)
-        serving = replicas.model_mask(request.model)
-        available = serving & replicas.healthy & ~replicas.draining
+        notes: dict[str, str] = {}
+        eligible = self._eligible(request, replicas, route, exclude, notes)
+        if isinstance(eligible, Decision):
+            return eligible
+        ctx = Context(request, replicas, now, self.rng, eligible, route.name)
+        if not self._under_queue_cap(ctx):
+            return Decision(Outcome.QUEUE, self.name, route_class=route.name)
+        self._filter(ctx, notes)
+        rejected = self._slo_admission(ctx)
+        if rejected is not None:
+            return rejected
+        scores, weights, total = self._score(ctx)
+        chosen = self.picker.pick(ctx, total)
+        return self._admit(ctx, chosen, scores, weights, total, notes)
+
+    def _eligible(
+        self,
+        request: RequestView,
+        replicas: ReplicaSet,
+        route: RouteClass,
+        exclude: Collection[str],
+        notes: dict[str, str],
+    ) -> IndexArray | Decision:
+        """Stage 1: the slots serving the model in the first route tier with a usable
+        replica (healthy, not draining, not excluded), or the REJECT when there is none
+        or too few of the model's replicas are available (the global shed)."""
+        slots = replicas.slots
+        serving = slots.model_mask(request.model)
+        available = serving & slots.healthy & ~slots.draining
         usable = available
         if exclude:
             usable = available.copy()
             for name in exclude:
                 if name in replicas:
                     usable[replicas.get(name).slot] = False
-        notes: dict[str, str] = {}
         eligible: BoolArray | None = None
         has_any = False
         for tier_number, tier in enumerate(route.tiers):
-            in_tier = serving if not tier else serving & replicas.group_mask(tier)
+            in_tier = serving if not tier else serving & slots.group_mask(tier)
             has_any = has_any or bool(in_tier.any())
             candidates = in_tier & usable
             if candidates.any():
@@ -309,34 +185,46 @@ class Policy:
         num_available = int(np.count_nonzero(available))
         if num_available < self.admission.min_available_fraction * num_serving:
             return self._reject(RejectReason.SHED, route.name, self.admission.retry_after_s)
+        return np.flatnonzero(eligible).astype(np.int64)
 
-        ctx = Context(
-            request, replicas, now, self.rng, np.flatnonzero(eligible).astype(np.int64), route.name
-        )
-        ctx.narrow(replicas.waiting(now, ctx.key) < replicas.max_queue[ctx.key])
-        if ctx.idx.size == 0:
-            return Decision(Outcome.QUEUE, self.name, route_class=route.name)
+    @staticmethod
+    def _under_queue_cap(ctx: Context) -> bool:
+        """Drop the candidates whose waiting queue is at its ``max_queue`` cap; whether
+        any is left (none: the request queues)."""
+        replicas = ctx.replicas
+        ctx.narrow(replicas.waiting(ctx.now, ctx.key) < replicas.slots.max_queue[ctx.key])
+        return bool(ctx.idx.size)
+
+    def _filter(self, ctx: Context, notes: dict[str, str]) -> None:
+        """Stage 2: the filter plugins, each ignored (and noted) where it would empty the set."""
         for plugin in self.filters:
             keep = np.asarray(plugin.filter(ctx), dtype=bool)
             if keep.any():
                 ctx.narrow(keep)
             else:
                 notes[plugin.type_name] = "ignored: would remove every replica"
-        if self.admission.slo and (
-            request.deadline_s is not None or request.tpot_target_s is not None
-        ):
-            prediction = ctx.prediction
-            meets = np.ones(ctx.idx.size, dtype=bool)
-            if request.deadline_s is not None:
-                meets &= prediction.ttft_s <= request.deadline_s - now
-            if request.tpot_target_s is not None:
-                meets &= prediction.tpot_s <= request.tpot_target_s
-                meets &= prediction.others_tpot_s <= request.tpot_target_s
-            if not meets.any():
-                retry = max(float(prediction.wait_s.min()), self.admission.retry_after_s)
-                return self._reject(RejectReason.DEADLINE, route.name, retry)
-            ctx.narrow(meets)
 
+    def _slo_admission(self, ctx: Context) -> Decision | None:
+        """Stage 3: keep the candidates predicted to meet the request's deadline and TPOT
+        target, or the REJECT ``deadline`` when none would (``None``: admitted)."""
+        request = ctx.request
+        if not self.admission.slo or (request.deadline_s is None and request.tpot_target_s is None):
+            return None
+        prediction = ctx.prediction
+        meets = np.ones(ctx.idx.size, dtype=bool)
+        if request.deadline_s is not None:
+            meets &= prediction.ttft_s <= request.deadline_s - ctx.now
+        if request.tpot_target_s is not None:
+            meets &= prediction.tpot_s <= request.tpot_target_s
+            meets &= prediction.others_tpot_s <= request.tpot_target_s
+        if not meets.any():
+            retry = max(float(prediction.wait_s.min()), self.admission.retry_after_s)
+            return self._reject(RejectReason.DEADLINE, ctx.route_class, retry)
+        ctx.narrow(meets)
+        return None
+
+    def _score(self, ctx: Context) -> tuple[dict[str, FloatArray], dict[str, float], FloatArray]:
+        """Stage 4: every scorer's clamped scores, its weight, and their weighted total."""
         scores: dict[str, FloatArray] = {}
         weights: dict[str, float] = {}
         total = np.zeros(ctx.idx.size)
@@ -346,7 +234,20 @@ class Policy:
             scores[label] = clamped
             weights[label] = weight
             total += weight * clamped
-        chosen = self.picker.pick(ctx, total)
+        return scores, weights, total
+
+    def _admit(
+        self,
+        ctx: Context,
+        chosen: int,
+        scores: dict[str, FloatArray],
+        weights: dict[str, float],
+        total: FloatArray,
+        notes: dict[str, str],
+    ) -> Decision:
+        """Stage 5, after the picker: the ADMIT decision for candidate ``chosen``, with its
+        predicted times (the candidates' when priced already, else its own alone)."""
+        request, replicas = ctx.request, ctx.replicas
         slot = int(ctx.idx[chosen])
         cached_tokens = min(
             ctx.cached_blocks_at(chosen) * replicas.block_tokens, request.prompt_tokens
@@ -355,17 +256,18 @@ class Policy:
             chosen_times = ctx.prediction.raw_at(chosen)
         else:
             chosen_times = replicas.predict_one(
-                slot, now, request.prompt_tokens, cached_tokens, ctx.expected_output_tokens
+                slot, ctx.now, request.prompt_tokens, cached_tokens, ctx.expected_output_tokens
             )
+        calibration = replicas.calibration
         ttft_s, e2e_s = chosen_times.corrected(
-            float(replicas.ttft_factor[slot]), float(replicas.itl_factor[slot])
+            float(calibration.ttft_factor[slot]), float(calibration.itl_factor[slot])
         )
-        ids = replicas.ids[ctx.key].copy()  # a copy: the set may reuse a slot later
+        ids = replicas.slots.ids[ctx.key].copy()  # a copy: the set may reuse a slot later
         return Decision(
             Outcome.ADMIT,
             self.name,
             replica_id=str(ids[chosen]),
-            route_class=route.name,
+            route_class=ctx.route_class,
             predicted_ttft_s=ttft_s,
             predicted_e2e_s=e2e_s,
             predicted_output_tokens=ctx.expected_output_tokens,
@@ -379,21 +281,3 @@ class Policy:
         return Decision(
             Outcome.REJECT, self.name, reason=reason, retry_after_s=retry, route_class=route_class
         )
-
-
-def _slot_key(idx: IndexArray) -> SlotKey:
-    """``idx`` as a slice when it is one contiguous run of slots (the usual case: every
-    replica eligible), so that reading arrays gives views instead of gathered copies."""
-    if idx.size and int(idx[-1]) - int(idx[0]) + 1 == idx.size:
-        return slice(int(idx[0]), int(idx[-1]) + 1)
-    return idx
-
-
-_T = TypeVar("_T", Load, Prediction)
-
-
-def _take(arrays: _T, keep: BoolArray) -> _T:
-    """``arrays`` (a ``Load`` or ``Prediction``) with every array field narrowed to ``keep``."""
-    values = (getattr(arrays, f.name) for f in fields(arrays))
-    narrowed: list[Any] = [v[keep] if isinstance(v, np.ndarray) else v for v in values]
-    return type(arrays)(*narrowed)

@@ -36,7 +36,8 @@ import msgspec
 import yaml
 
 from isocost.core.errors import ConfigError, UnknownEntryError
-from isocost.scheduling.framework import AdmissionSettings, Filter, Picker, Policy, Scorer
+from isocost.scheduling.framework import AdmissionSettings, Policy
+from isocost.scheduling.interface import Filter, Picker, Scorer
 from isocost.scheduling.plugins import PLUGIN_TYPES
 from isocost.scheduling.routes import RouteRule, RouteTable
 
@@ -158,10 +159,6 @@ BUILTIN_POLICIES: dict[str, PolicyProfile] = {
 }
 
 
-def builtin_config() -> SchedulingConfig:
-    return SchedulingConfig(policies=list(BUILTIN_POLICIES.values()))
-
-
 def parse_scheduling_yaml(text: str, source: str) -> SchedulingConfig:
     """Decode a scheduling config (YAML text read from ``source``) and check every reference."""
     try:
@@ -180,13 +177,6 @@ def config_to_yaml(config: SchedulingConfig) -> str:
     """The YAML form of ``config`` (what ``parse_scheduling_yaml`` reads back)."""
     data = msgspec.to_builtins(config)
     return yaml.safe_dump(data, sort_keys=False)
-
-
-def policy_names(config: SchedulingConfig | None = None) -> list[str]:
-    names = set(BUILTIN_POLICIES)
-    if config is not None:
-        names.update(p.name for p in config.policies)
-    return sorted(names)
 
 
 def build_policy(

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import msgspec
 
-from isocost.scheduling.state import DEFAULT_CLASS, RequestView
+from isocost.scheduling.contract import DEFAULT_CLASS, RequestView
 
-__all__ = ["DEFAULT_CLASS", "RouteClass", "RouteRule", "RouteTable"]
+__all__ = ["RouteClass", "RouteRule", "RouteTable"]
 
 
 class RouteRule(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

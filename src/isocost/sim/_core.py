@@ -52,10 +52,11 @@ from isocost.engine.model import EngineModel
 from isocost.engine.records import EngineEvent, Finished, FirstToken, RequestSpec
 from isocost.engine.records import RequestState as EngineRequest
 from isocost.prefix.hashing import BLOCK_TOKENS, ROOT_HASH
+from isocost.scheduling.contract import ReplicaSpec, RequestView
 from isocost.scheduling.decision import Decision, RejectReason
 from isocost.scheduling.dispatch import Dispatcher
 from isocost.scheduling.framework import Policy
-from isocost.scheduling.state import ReplicaSet, ReplicaSpec, RequestView
+from isocost.scheduling.state import ReplicaSet
 from isocost.sim._cluster import ClusterConfig, SimReplica
 from isocost.workload import WorkloadRequest, prefix_block_hashes
 

@@ -55,7 +55,7 @@ def test_evict_and_remove_replica() -> None:
     index.remove_replica(1)
     replicas, matched = index.match(blocks)
     assert replicas.tolist() == [0] and matched.tolist() == [1]
-    assert not index.has_replica(1)
+    assert index.num_blocks(1) == 0
 
 
 def test_shrinking_capacity_evicts() -> None:

@@ -8,7 +8,8 @@ import pytest
 
 from isocost.core.catalog import Catalog
 from isocost.core.costmodel import CostModel
-from isocost.scheduling.state import ReplicaSet, ReplicaSpec
+from isocost.scheduling.contract import ReplicaSpec
+from isocost.scheduling.state import ReplicaSet
 
 MODEL = "llama-3.1-8b"
 Factory = Callable[..., ReplicaSet]

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 from conftest import MODEL, Factory, cost_model
 
+from isocost.scheduling.contract import ReplicaSpec, RequestView
 from isocost.scheduling.decision import Outcome, RejectReason
 from isocost.scheduling.dispatch import RequestQueue
 from isocost.scheduling.policies import build_policy, parse_scheduling_yaml
-from isocost.scheduling.state import ReplicaSet, ReplicaSpec, RequestView
+from isocost.scheduling.state import ReplicaSet
 
 
 def _req(i: int, prompt: int = 500, **kwargs: object) -> RequestView:
@@ -45,7 +46,8 @@ def test_slo_admission_rejects_with_a_predicted_retry_after(make_replicas: Facto
     relaxed = policy.schedule(_req(2, deadline_s=60.0), replicas, 0.0)
     assert relaxed.outcome is Outcome.ADMIT
     assert relaxed.predicted_ttft_s is not None and 0.5 < relaxed.predicted_ttft_s < 60.0
-    assert build_policy("least_request").schedule(_req(1, deadline_s=0.5), replicas, 0.0).admitted
+    loose = build_policy("least_request").schedule(_req(1, deadline_s=0.5), replicas, 0.0)
+    assert loose.outcome is Outcome.ADMIT
 
 
 def test_global_shed_when_too_few_replicas_are_available(make_replicas: Factory) -> None:
@@ -57,9 +59,9 @@ def test_global_shed_when_too_few_replicas_are_available(make_replicas: Factory)
     replicas = make_replicas(["a100-80g"] * 4)
     policy = build_policy("guarded", config=config)
     replicas.set_health("r0", False)
-    assert policy.schedule(_req(0), replicas, 0.0).admitted  # 3 of 4
+    assert policy.schedule(_req(0), replicas, 0.0).outcome is Outcome.ADMIT  # 3 of 4
     replicas.set_health("r1", False)
-    assert policy.schedule(_req(0), replicas, 0.0).admitted  # 2 of 4
+    assert policy.schedule(_req(0), replicas, 0.0).outcome is Outcome.ADMIT  # 2 of 4
     replicas.set_health("r2", False)
     shed = policy.schedule(_req(0), replicas, 0.0)
     assert (shed.reason, shed.retry_after_s) == (RejectReason.SHED, 3.0)
@@ -168,7 +170,7 @@ def test_tpot_target_rejects_where_prefill_chunks_would_slow_the_streams(
     target = raw.step_s * (1.0 + raw.stall) / 2.0  # met by the step alone, not with stalls
     rejected = policy.schedule(_req(1, tpot_target_s=target), replicas, 0.0)
     assert (rejected.outcome, rejected.reason) == (Outcome.REJECT, RejectReason.DEADLINE)
-    assert policy.schedule(_req(2, tpot_target_s=target), replicas, 100.0).admitted
+    assert policy.schedule(_req(2, tpot_target_s=target), replicas, 100.0).outcome is Outcome.ADMIT
 
 
 def test_a_long_prefill_is_kept_away_from_streams_it_would_stall(make_replicas: Factory) -> None:
@@ -184,7 +186,8 @@ def test_a_long_prefill_is_kept_away_from_streams_it_would_stall(make_replicas: 
     replicas.set_health("r1", False)  # only r0 is left: its stream would miss the target
     alone = policy.schedule(long_prompt, replicas, 0.0)
     assert (alone.outcome, alone.reason) == (Outcome.REJECT, RejectReason.DEADLINE)
-    assert policy.schedule(_req(2, prompt=30_000), replicas, 0.0).admitted  # no target
+    no_target = policy.schedule(_req(2, prompt=30_000), replicas, 0.0)
+    assert no_target.outcome is Outcome.ADMIT  # no TPOT target
     replicas.on_complete("q100", 0.5, ok=True, output_tokens=64)  # the stream is done
     assert policy.schedule(long_prompt, replicas, 0.5).replica_id == "r0"
 

@@ -11,9 +11,9 @@ from conftest import MODEL
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from isocost.scheduling.contract import RequestView
 from isocost.scheduling.decision import Decision, Outcome, RejectReason
 from isocost.scheduling.dispatch import Dispatcher
-from isocost.scheduling.state import RequestView
 
 
 @dataclass

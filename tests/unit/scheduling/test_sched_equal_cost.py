@@ -8,9 +8,10 @@ from random import Random
 
 from conftest import MODEL, Factory
 
+from isocost.scheduling.contract import RequestView
 from isocost.scheduling.framework import Policy
 from isocost.scheduling.policies import build_policy, parse_scheduling_yaml
-from isocost.scheduling.state import ReplicaSet, RequestView
+from isocost.scheduling.state import ReplicaSet
 
 
 def _req(i: int, prompt: int = 1000, **kwargs: object) -> RequestView:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 from conftest import MODEL, Factory
 
+from isocost.scheduling.contract import EngineMetrics, RequestView
 from isocost.scheduling.policies import build_policy
-from isocost.scheduling.state import EngineMetrics, ReplicaSet, RequestView
+from isocost.scheduling.state import ReplicaSet
 
 SLOTS = np.array([0, 1], dtype=np.int64)
 
@@ -25,23 +26,23 @@ def test_waiting_past_the_prediction_raises_the_ttft_factor(make_replicas: Facto
     assert 0.0 < predicted < 0.5
 
     # Before its prediction has passed, waiting proves nothing.
-    assert replicas.ttft_factor_at(predicted / 2, SLOTS).tolist() == [1.0, 1.0]
+    assert replicas.calibration.ttft_factor_at(predicted / 2, SLOTS).tolist() == [1.0, 1.0]
     # Ten predictions later the oldest waiting request proves r0 is at least 10x slow.
-    factors = replicas.ttft_factor_at(10 * predicted, SLOTS)
+    factors = replicas.calibration.ttft_factor_at(10 * predicted, SLOTS)
     assert np.isclose(factors[0], 10.0) and factors[1] == 1.0
     # Unbounded waiting is capped like any observation.
-    assert replicas.ttft_factor_at(1e6, SLOTS)[0] == 20.0
+    assert replicas.calibration.ttft_factor_at(1e6, SLOTS)[0] == 20.0
 
     # The oldest answers: the evidence moves to the next one (dispatched at 0.5 s).
     replicas.on_first_token("old", 10 * predicted)
     young = replicas.get("r0").in_flight["young"].predicted_ttft_s
-    learned = replicas.ttft_factor[0]
+    learned = replicas.calibration.ttft_factor[0]
     assert learned > 1.0  # learned from the answer as before
     at = 0.5 + 5 * young
-    assert np.isclose(replicas.ttft_factor_at(at, SLOTS)[0], max(learned, 5.0))
+    assert np.isclose(replicas.calibration.ttft_factor_at(at, SLOTS)[0], max(learned, 5.0))
     # No request waiting: the learned factor alone.
     replicas.on_complete("young", at, ok=False)
-    assert replicas.ttft_factor_at(1e6, SLOTS)[0] == learned
+    assert replicas.calibration.ttft_factor_at(1e6, SLOTS)[0] == learned
 
 
 def test_equal_cost_stops_sending_to_a_replica_that_has_not_answered(
@@ -119,7 +120,7 @@ def test_one_outlier_barely_moves_a_factor_a_steady_slowdown_is_learned(
     now = _answer_after(replicas, "stall", 0.0, 20.0)  # a stall the model did not foresee
     # Geometric: 20 ** 0.1 = 1.35 (an arithmetic EWMA would jump to 2.9 and make an
     # identical replica look three times slower than its twin).
-    assert np.isclose(replicas.ttft_factor[0], 20.0**0.1)
+    assert np.isclose(replicas.calibration.ttft_factor[0], 20.0**0.1)
     for i in range(60):  # consistently 4x slow
         now = _answer_after(replicas, f"slow{i}", now, 4.0)
-    assert 3.8 < replicas.ttft_factor[0] < 4.0
+    assert 3.8 < replicas.calibration.ttft_factor[0] < 4.0

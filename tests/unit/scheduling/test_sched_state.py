@@ -10,9 +10,10 @@ from conftest import MODEL, Factory, cost_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from isocost.scheduling.contract import EngineMetrics, ReplicaSpec, RequestView
 from isocost.scheduling.policies import build_policy
 from isocost.scheduling.predict import Prediction, SlotKey, predict
-from isocost.scheduling.state import EngineMetrics, ReplicaSet, ReplicaSpec, RequestView
+from isocost.scheduling.state import ReplicaSet
 from isocost.scheduling.timing import StepCoefficients
 
 
@@ -22,26 +23,26 @@ def test_hooks_keep_counts_exact_and_return_to_zero(make_replicas: Factory) -> N
     for i in range(3):
         replicas.on_dispatch(RequestView(f"q{i}", MODEL, 1000, max_tokens=50), "r0", 0.0)
     assert replicas.get("r0").num_waiting == 3
-    assert replicas.local_queued_prefill_tokens[slot] == 3000
+    assert replicas.local.queued_prefill_tokens[slot] == 3000
     replicas.on_first_token("q0", 0.2)
     replicas.on_tokens("q0", 9, 0.3)
     state = replicas.get("r0")
     assert (state.num_waiting, state.num_running) == (2, 1)
-    assert replicas.local_context_tokens[slot] == 1010
+    assert replicas.local.context_tokens[slot] == 1010
     assert state.in_flight["q0"].generated_tokens == 10
     replicas.on_complete("q0", 0.5, output_tokens=10)
     replicas.on_complete("q1", 0.5, ok=False)
     replicas.on_complete("q2", 0.5)
     assert not replicas.on_complete("q2", 0.6)  # already done: ignored
     for name in (
-        "local_waiting",
-        "local_running",
-        "local_queued_prefill_tokens",
-        "local_context_tokens",
-        "local_kv_tokens",
-        "local_remaining_tokens",
+        "waiting",
+        "running",
+        "queued_prefill_tokens",
+        "context_tokens",
+        "kv_tokens",
+        "remaining_tokens",
     ):
-        assert getattr(replicas, name)[slot] == 0, name
+        assert getattr(replicas.local, name)[slot] == 0, name
 
 
 def test_scrape_adds_foreign_load_that_fades(make_replicas: Factory) -> None:
@@ -55,7 +56,7 @@ def test_scrape_adds_foreign_load_that_fades(make_replicas: Factory) -> None:
     assert fresh.kv_usage[0] == pytest.approx(0.5)
     stale = replicas.load(20.0, idx)
     assert stale.waiting[0] == pytest.approx(1.0, abs=1e-3)  # only mine remains
-    assert replicas.get("r0").staleness_s(20.0) == 20.0
+    assert replicas.get("r0").scrape_s == 0.0
 
 
 def test_ttft_and_itl_factors_learn_observed_over_predicted(make_replicas: Factory) -> None:
@@ -117,7 +118,7 @@ def test_remaining_output_of_a_request_past_its_estimate(make_replicas: Factory)
     replicas.on_tokens("q", 80, 0.3)  # 280 > 256: a long one, a quarter of 256 to go ...
     assert record.remaining_tokens == 20  # ... but max_tokens leaves only 20
     slot = replicas.get("r0").slot
-    assert replicas.local_remaining_tokens[slot] == 20
+    assert replicas.local.remaining_tokens[slot] == 20
 
 
 def test_itl_factor_is_not_fooled_by_prefill_stalls(make_replicas: Factory) -> None:
@@ -172,7 +173,7 @@ def test_one_replica_prediction_is_bit_identical_to_the_vector_one(
         load = replicas.load(now, key)
         ones = np.ones(3)
         return predict(
-            replicas.coef, key, load, prompt, np.full(3, float(cached)), output, ones, ones
+            replicas.slots.coef, key, load, prompt, np.full(3, float(cached)), output, ones, ones
         )
 
     vector = predict_for(idx)
@@ -263,23 +264,24 @@ def test_batch_scrapes_leave_the_state_per_replica_scrapes_leave(
     slots = np.array([batched.get(f"r{i}").slot for i in range(4)])
     previous: list[tuple[int, int, float, int, int] | None] = [None] * 4
     forgotten = [False] * 4  # a scrape's counters went back: the engine restarted
-    assert batched.get("r0").staleness_s(0.0) is None
+    assert batched.get("r0").scrape_s is None
     for t, scrapes in enumerate(rounds, start=1):
         for i, (running, waiting, kv, queries, hits) in enumerate(scrapes):
             metrics = EngineMetrics(running, waiting, kv, queries, hits)
             one_by_one.apply_scrape(f"r{i}", metrics, float(t))
         columns = (np.array(column) for column in zip(*scrapes, strict=True))
         batched.apply_scrapes(slots, *columns, float(t))
-        for name, array in vars(batched).items():  # every per-slot array, bit for bit
-            if isinstance(array, np.ndarray) and array.dtype != object:
-                assert np.array_equal(getattr(one_by_one, name), array), name
+        for part in ("slots", "local", "scrapes", "calibration", "duty"):
+            for name, array in vars(getattr(batched, part)).items():  # every per-slot array
+                if isinstance(array, np.ndarray) and array.dtype != object:  # bit for bit
+                    assert np.array_equal(getattr(getattr(one_by_one, part), name), array), name
         # Each replica has 2 local requests waiting: the engine's beyond them are foreign.
         foreign_waiting = [max(s[1] - 2, 0) for s in scrapes]
-        assert batched.foreign_waiting[slots].tolist() == foreign_waiting
-        assert batched.foreign_running[slots].tolist() == [
+        assert batched.scrapes.foreign_waiting[slots].tolist() == foreign_waiting
+        assert batched.scrapes.foreign_running[slots].tolist() == [
             max(s[0] + s[1] - 2 - f, 0) for s, f in zip(scrapes, foreign_waiting, strict=True)
         ]
-        assert batched.scraped_kv_usage[slots].tolist() == [min(max(s[2], 0), 1) for s in scrapes]
+        assert batched.scrapes.kv_usage[slots].tolist() == [min(max(s[2], 0), 1) for s in scrapes]
         for i, scrape in enumerate(scrapes):
             before = previous[i]
             if before is not None and (scrape[3] < before[3] or scrape[4] < before[4]):
@@ -288,7 +290,7 @@ def test_batch_scrapes_leave_the_state_per_replica_scrapes_leave(
             held = batched.prefix.num_blocks(int(slots[i]))
             assert held == one_by_one.prefix.num_blocks(int(slots[i]))
             assert (held == 0) == forgotten[i]
-        assert batched.get("r0").staleness_s(t + 1.0) == 1.0
+        assert batched.get("r0").scrape_s == float(t)
 
 
 def test_batch_scrape_of_an_empty_slot_is_refused(make_replicas: Factory) -> None:

@@ -10,9 +10,11 @@ import msgspec
 import numpy as np
 
 from isocost.core.errors import ConfigError
+from isocost.scheduling.contract import stable_hash64
+from isocost.scheduling.interface import Context
 from isocost.scheduling.timing import FloatArray
 
-__all__ = ["NoParams", "PluginKind", "PluginType", "low_is_better", "rendezvous"]
+__all__ = ["NoParams", "PluginKind", "PluginType", "low_is_better", "rendezvous", "session_hash"]
 
 PluginKind = Literal["filter", "scorer", "picker"]
 
@@ -72,3 +74,9 @@ def rendezvous(
     z = (z ^ (z >> np.uint64(30))) * _M1
     z = (z ^ (z >> np.uint64(27))) * _M2
     return np.asarray(z ^ (z >> np.uint64(31)), dtype=np.uint64)
+
+
+def session_hash(ctx: Context) -> int:
+    """The affinity key's hash: the session key, else the request id."""
+    key = ctx.request.session_key
+    return stable_hash64(key) if key is not None else ctx.request_hash

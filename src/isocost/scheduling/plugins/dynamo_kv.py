@@ -22,7 +22,7 @@ from typing import ClassVar
 import msgspec
 import numpy as np
 
-from isocost.scheduling.framework import Context
+from isocost.scheduling.interface import Context
 from isocost.scheduling.plugins._base import PluginKind, low_is_better
 from isocost.scheduling.timing import FloatArray
 

@@ -28,7 +28,7 @@ from r's shadow state (``scheduling.predict`` has the timing formulas)::
 ``f_ttft_r``, ``f_itl_r`` are r's learned correction factors (EWMA of observed /
 predicted TTFT and inter-token time), so a slow node or an unexpectedly fast GPU is priced
 as measured; ``f_ttft_r`` is raised to what r's oldest request still awaiting its first
-token proves (elapsed / predicted, ``ReplicaSet.ttft_factor_at``), so a replica that
+token proves (elapsed / predicted, ``Calibration.ttft_factor_at``), so a replica that
 slowed down stops looking cheap before it answers. ``price_r`` makes cache reuse count
 under load: on a busy cluster, GPU time spent recomputing a prefix that another replica
 holds is capacity taken from everyone.
@@ -55,9 +55,8 @@ from typing import ClassVar
 import msgspec
 import numpy as np
 
-from isocost.scheduling.framework import Context
-from isocost.scheduling.plugins._base import PluginKind, rendezvous
-from isocost.scheduling.plugins.session_affinity import session_hash
+from isocost.scheduling.interface import Context
+from isocost.scheduling.plugins._base import PluginKind, rendezvous, session_hash
 from isocost.scheduling.timing import FloatArray, prefill_s
 
 TYPE = "equal-cost-scorer"
@@ -98,11 +97,12 @@ class EqualCostScorer:
 
     def cost_s(self, ctx: Context) -> FloatArray:
         """``cost_r`` of the module docstring for every candidate, in seconds."""
-        p, replicas, key = self.params, ctx.replicas, ctx.key
+        p, slots, key = self.params, ctx.replicas.slots, ctx.key
         load, pred = ctx.load, ctx.prediction
         n, m = float(ctx.request.prompt_tokens), pred.output_tokens
-        ttft_factor = replicas.ttft_factor_at(ctx.now, key)
-        itl_factor = replicas.itl_factor[key]
+        calibration = ctx.replicas.calibration
+        ttft_factor = calibration.ttft_factor_at(ctx.now, key)
+        itl_factor = calibration.itl_factor[key]
         wait, prefill = (
             ttft_factor * pred.uncorrected_wait_s,
             ttft_factor * pred.uncorrected_prefill_s,
@@ -116,14 +116,14 @@ class EqualCostScorer:
         overflow = load.kv_used_tokens + n + m - load.kv_capacity_tokens
         if (overflow > 0.0).any():  # KV pressure: priced only where there is some
             overflow = np.minimum(np.maximum(overflow, 0.0), m)
-            cost = cost + ttft_factor * prefill_s(replicas.coef, overflow, 0.0, key)
+            cost = cost + ttft_factor * prefill_s(slots.coef, overflow, 0.0, key)
         if p.gpu_price_weight > 0.0:
             busy_r = np.minimum(np.maximum(load.kv_usage, wait / p.busy_wait_s), 1.0)
-            usd = replicas.usd_per_hour[key]
+            usd = slots.usd_per_hour[key]
             occupy = prefill + itl_factor * m * dstep
             mean_usd = float(usd.mean()) or 1.0
             cost = cost + p.gpu_price_weight * float(busy_r.mean()) * occupy * usd / mean_usd
-        return np.asarray(cost / replicas.weight[key], dtype=np.float64)
+        return np.asarray(cost / slots.weight[key], dtype=np.float64)
 
     def score(self, ctx: Context) -> FloatArray:
         p = self.params
@@ -136,12 +136,12 @@ class EqualCostScorer:
         return np.asarray(best / cost, dtype=np.float64)
 
     def _apply_affinity(self, ctx: Context, cost: FloatArray) -> FloatArray:
-        p, replicas, idx, load = self.params, ctx.replicas, ctx.idx, ctx.load
-        weights = rendezvous(replicas.salt[ctx.key], session_hash(ctx))
+        p, slots, idx, load = self.params, ctx.replicas.slots, ctx.idx, ctx.load
+        weights = rendezvous(slots.salt[ctx.key], session_hash(ctx))
         k = min(p.affinity_replicas, idx.size)
         preferred = np.argpartition(weights, idx.size - k)[idx.size - k :]
         fine = (
-            load.waiting[preferred] < p.overload_queue_fraction * replicas.max_queue[idx[preferred]]
+            load.waiting[preferred] < p.overload_queue_fraction * slots.max_queue[idx[preferred]]
         ) & (load.kv_usage[preferred] < p.overload_kv_usage)
         adjusted = cost.copy()
         adjusted[preferred[fine]] /= 1.0 + p.affinity_slack

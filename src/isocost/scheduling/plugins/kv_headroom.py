@@ -14,7 +14,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from isocost.scheduling.framework import Context
+from isocost.scheduling.interface import Context
 from isocost.scheduling.plugins._base import PluginKind
 
 TYPE = "kv-headroom-filter"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from isocost.scheduling.framework import Context
+from isocost.scheduling.interface import Context
 from isocost.scheduling.plugins._base import NoParams, PluginKind
 from isocost.scheduling.timing import FloatArray
 

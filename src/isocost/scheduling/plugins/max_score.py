@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from isocost.scheduling.framework import Context
+from isocost.scheduling.interface import Context
 from isocost.scheduling.plugins._base import NoParams, PluginKind, rendezvous
 from isocost.scheduling.timing import FloatArray
 
@@ -30,5 +30,5 @@ class MaxScorePicker:
         best = np.flatnonzero(total >= total.max())
         if best.size == 1:
             return int(best[0])
-        hashes = rendezvous(ctx.replicas.salt[ctx.idx[best]], ctx.request_hash)
+        hashes = rendezvous(ctx.replicas.slots.salt[ctx.idx[best]], ctx.request_hash)
         return int(best[int(np.argmax(hashes))])

@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import msgspec
 
-from isocost.scheduling.framework import Context
+from isocost.scheduling.interface import Context
 from isocost.scheduling.plugins._base import PluginKind
 from isocost.scheduling.timing import FloatArray
 

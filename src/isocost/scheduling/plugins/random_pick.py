@@ -11,7 +11,7 @@ import bisect
 from itertools import accumulate
 from typing import ClassVar
 
-from isocost.scheduling.framework import Context
+from isocost.scheduling.interface import Context
 from isocost.scheduling.plugins._base import NoParams, PluginKind
 from isocost.scheduling.timing import FloatArray
 
@@ -26,7 +26,7 @@ class RandomPicker:
         del params
 
     def pick(self, ctx: Context, total: FloatArray) -> int:
-        weights = ctx.replicas.weight[ctx.key].tolist()
+        weights = ctx.replicas.slots.weight[ctx.key].tolist()
         cumulative = list(accumulate(weights))
         point = ctx.rng.random() * cumulative[-1]
         return min(bisect.bisect_right(cumulative, point), len(cumulative) - 1)

@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from isocost.scheduling.framework import Context
+from isocost.scheduling.interface import Context
 from isocost.scheduling.plugins._base import NoParams, PluginKind
 from isocost.scheduling.timing import FloatArray
 

@@ -13,18 +13,11 @@ from typing import ClassVar
 
 import numpy as np
 
-from isocost.scheduling.framework import Context
-from isocost.scheduling.plugins._base import NoParams, PluginKind, rendezvous
-from isocost.scheduling.state import stable_hash64
+from isocost.scheduling.interface import Context
+from isocost.scheduling.plugins._base import NoParams, PluginKind, rendezvous, session_hash
 from isocost.scheduling.timing import FloatArray
 
 TYPE = "session-affinity-scorer"
-
-
-def session_hash(ctx: Context) -> int:
-    """The affinity key's hash: the session key, else the request id."""
-    key = ctx.request.session_key
-    return stable_hash64(key) if key is not None else ctx.request_hash
 
 
 class SessionAffinityScorer:
@@ -35,7 +28,7 @@ class SessionAffinityScorer:
         del params
 
     def score(self, ctx: Context) -> FloatArray:
-        weights = rendezvous(ctx.replicas.salt[ctx.key], session_hash(ctx))
+        weights = rendezvous(ctx.replicas.slots.salt[ctx.key], session_hash(ctx))
         scores = np.zeros(ctx.idx.size)
         scores[int(np.argmax(weights))] = 1.0
         return scores

@@ -31,7 +31,7 @@ from typing import ClassVar
 import msgspec
 import numpy as np
 
-from isocost.scheduling.framework import Context
+from isocost.scheduling.interface import Context
 from isocost.scheduling.plugins._base import PluginKind
 from isocost.scheduling.timing import FloatArray
 
@@ -59,7 +59,7 @@ class SglangCacheAwareScorer:
 
     def score(self, ctx: Context) -> FloatArray:
         p, replicas, key = self.params, ctx.replicas, ctx.key
-        load = replicas.local_waiting[key] + replicas.local_running[key]
+        load = replicas.local.waiting[key] + replicas.local.running[key]
         low, high = float(load.min()), float(load.max())
         if high - low > p.balance_abs_threshold and high > p.balance_rel_threshold * low:
             return np.asarray(load == low, dtype=np.float64)
