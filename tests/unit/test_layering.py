@@ -1,6 +1,6 @@
 """The import-layer rule of DESIGN §2, enforced by reading every module's imports.
 
-Imports point down only: cli -> gateway | sim | bench | control | engine -> files ->
+Imports point down only: cli -> gateway | sim | bench | engine -> files ->
 scheduling -> prefix | workload -> core. gateway, sim and bench never import each other.
 The pure layers import nothing that does I/O, read no wall clock, open no file and use no
 global RNG (randomness arrives as an injected ``random.Random``).
@@ -27,7 +27,6 @@ ALLOWED: dict[str, set[str]] = {
     "sim": {"core", "prefix", "workload", "scheduling", "files", "engine"},
     "bench": {"core", "workload", "files"},
     "gateway": {"core", "prefix", "workload", "scheduling", "files", "openai_api"},
-    "control": {"core", "prefix", "workload", "scheduling", "files"},
     "planview": {"core"},
     "demo": {"core", "prefix", "workload", "scheduling", "files", "engine", "bench", "gateway"},
     "drill": {"core", "workload", "files", "bench"},
@@ -41,7 +40,6 @@ ALLOWED: dict[str, set[str]] = {
         "sim",
         "bench",
         "gateway",
-        "control",
         "demo",
         "drill",
     },
