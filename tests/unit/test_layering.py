@@ -1,6 +1,6 @@
 """The import-layer rule of DESIGN §2, enforced by reading every module's imports.
 
-Imports point down only: cli -> gateway | sim | bench | control | engine -> runtime ->
+Imports point down only: cli -> gateway | sim | bench | engine -> runtime ->
 files -> scheduling -> prefix | workload | openai -> core; ``tables`` (Rich layouts that
 fit the terminal) sits under sim, bench, demo and cli and imports nothing of isocost.
 gateway, sim and bench never import each other: what two of them share moves down (the
@@ -31,7 +31,6 @@ ALLOWED: dict[str, set[str]] = {
     "sim": {"core", "prefix", "workload", "scheduling", "files", "engine", "runtime", "tables"},
     "bench": {"core", "workload", "files", "openai", "tables"},
     "gateway": {"core", "prefix", "workload", "scheduling", "files", "openai", "runtime"},
-    "control": {"core", "prefix", "workload", "scheduling", "files"},
     "tables": set(),
     "demo": {
         "core",
@@ -57,7 +56,6 @@ ALLOWED: dict[str, set[str]] = {
         "bench",
         "gateway",
         "runtime",
-        "control",
         "demo",
         "drill",
     },

@@ -4,8 +4,15 @@
 
     IsocostError
     ├── UnknownEntryError      a model, GPU, policy or plugin name not in its registry
+    │   └── UnknownConfigEntryError   the same, inside a config file (scheduling.policies)
     ├── ConfigError            a malformed catalog, config.json or YAML file (names file + key)
-    └── DoesNotFitError        a model that cannot be placed on the requested hardware
+    ├── DoesNotFitError        a model that cannot be placed on the requested hardware
+    ├── EndpointError          bench: the endpoint under test cannot be reached or misbehaves
+    ├── DrillError             drill: a fault drill that cannot run as asked
+    └── DemoError              demo: a local cluster process that does not come up
+
+The subclasses outside ``core`` live with the layer that raises them; this tree is kept in
+step with them by a test (tests/unit/test_errors.py).
 
 Hot-path outcomes (no candidate replica, a rejected request) are values, not exceptions;
 these errors are for bad input at the edges. The CLI turns each into a one-line message and

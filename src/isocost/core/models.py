@@ -70,10 +70,6 @@ class ModelSpec:
         object.__setattr__(self, "total_params", total)
         object.__setattr__(self, "active_params", active)
 
-    @property
-    def is_moe(self) -> bool:
-        return self.moe is not None
-
     def kv_elements_per_token_per_layer(self, tensor_parallel: int) -> int:
         """Cached elements one token adds to one layer on one GPU of a TP group.
 

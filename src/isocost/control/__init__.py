@@ -1,1 +1,0 @@
-"""Autoscaler: pure decision logic plus actuators."""
