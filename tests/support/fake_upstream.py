@@ -1,0 +1,202 @@
+"""A misbehaving OpenAI upstream for tests: a real HTTP server in its own process.
+
+Real engines misbehave in ways ``isocost engine``'s fault flags do not cover: a ``/metrics``
+with ``NaN`` samples or an unknown charset, answers in HTML or broken JSON, 404 or 429 for
+everything, a stream that ends without ``[DONE]``, a 200 MB body. This server does whatever
+its current *mode* says, and a test changes the mode at run time::
+
+    upstream = start_fake_upstream()            # a Proc (isocost_procs) with .url
+    set_mode(upstream.url, completion="no_done", metrics="vllm:num_requests_running NaN")
+    received(upstream.url)                      # what it was sent: path, headers, body
+
+Mode keys (``POST /_fake/mode`` merges them into the current mode):
+
+* ``health``: status of ``GET /health`` (200);
+* ``metrics``: body of ``GET /metrics`` (vLLM gauges at 0); ``metrics_content_type``;
+* ``completion``: what ``POST /v1/completions`` and ``/v1/chat/completions`` answer:
+  ``ok`` (a small valid answer, streamed or not as asked), ``no_done`` (a stream that
+  ends cleanly without ``[DONE]``), ``invalid_json``, ``html``, ``status`` (an OpenAI error
+  with status ``status``), ``huge`` (a valid JSON answer of ``size_bytes``), ``stall``
+  (headers, then nothing for ``stall_s``);
+* ``model``: the model ``/v1/models`` lists (``fake-model``).
+
+Run as a script: ``python fake_upstream.py [--port 0]`` prints ``fake upstream ready at URL``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+sys.path.insert(0, str(Path(__file__).parent))  # run as a script: import its siblings
+from isocost_procs import NotReady, Proc, ready_urls
+
+DEFAULT_METRICS = (
+    "# TYPE vllm:num_requests_running gauge\n"
+    'vllm:num_requests_running{model_name="fake-model"} 0\n'
+    "# TYPE vllm:num_requests_waiting gauge\n"
+    'vllm:num_requests_waiting{model_name="fake-model"} 0\n'
+    'vllm:kv_cache_usage_perc{model_name="fake-model"} 0.0\n'
+)
+DEFAULT_MODE: dict[str, Any] = {
+    "health": 200,
+    "metrics": DEFAULT_METRICS,
+    "metrics_content_type": "text/plain; version=0.0.4; charset=utf-8",
+    "completion": "ok",
+    "status": 500,
+    "size_bytes": 1 << 20,
+    "stall_s": 30.0,
+    "model": "fake-model",
+}
+
+
+def _app() -> web.Application:
+    mode = dict(DEFAULT_MODE)
+    log: list[dict[str, Any]] = []
+
+    async def set_mode(request: web.Request) -> web.Response:
+        mode.update(await request.json())
+        return web.json_response(mode)
+
+    async def get_received(_: web.Request) -> web.Response:
+        return web.json_response(log)
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(status=int(mode["health"]), text="")
+
+    async def metrics(_: web.Request) -> web.Response:
+        body = str(mode["metrics"]).encode("utf-8")
+        return web.Response(body=body, headers={"Content-Type": mode["metrics_content_type"]})
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": mode["model"]}]})
+
+    async def completion(request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        log.append({"path": request.path, "headers": dict(request.headers), "body": raw.decode()})
+        body = json.loads(raw or b"{}")
+        chat = request.path.endswith("chat/completions")
+        kind = mode["completion"]
+        if kind == "status":
+            error = {"message": "fake upstream error", "type": "fake", "code": mode["status"]}
+            return web.json_response({"error": error}, status=int(mode["status"]))
+        if kind == "invalid_json":
+            return web.Response(text='{"choices": [', content_type="application/json")
+        if kind == "html":
+            return web.Response(
+                text="<html><body>502 Bad Gateway</body></html>", content_type="text/html"
+            )
+        if kind == "huge":
+            padding = "x" * int(mode["size_bytes"])
+            return web.json_response(_answer(chat, padding, body))
+        if kind == "stall":
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            await asyncio.sleep(float(mode["stall_s"]))
+            return response
+        if not body.get("stream"):
+            return web.json_response(_answer(chat, "hello", body))
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for word in ("hel", "lo"):
+            chunk = _chunk(chat, word, None)
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await response.write(f"data: {json.dumps(_chunk(chat, '', 'stop'))}\n\n".encode())
+        if kind != "no_done":
+            await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_post("/_fake/mode", set_mode)
+    app.router.add_get("/_fake/received", get_received)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completion)
+    app.router.add_post("/v1/chat/completions", completion)
+    return app
+
+
+def _answer(chat: bool, text: str, request: dict[str, Any]) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "finish_reason": "stop"}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    kind = "chat.completion" if chat else "text_completion"
+    return {
+        "id": "fake-1",
+        "object": kind,
+        "model": request.get("model"),
+        "choices": [choice],
+        "usage": usage,
+    }
+
+
+def _chunk(chat: bool, text: str, finish: str | None) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
+    if chat:
+        choice["delta"] = {"content": text}
+    else:
+        choice["text"] = text
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    return {"id": "fake-1", "object": kind, "choices": [choice]}
+
+
+def set_mode(url: str, **mode: Any) -> None:
+    """Merge ``mode`` into the running upstream's mode (see the module docstring)."""
+    request = urllib.request.Request(
+        url + "/_fake/mode", data=json.dumps(mode).encode(), method="POST",
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    with urllib.request.urlopen(request, timeout=10) as response:
+        response.read()
+
+
+def received(url: str) -> list[dict[str, Any]]:
+    """Every completion request the upstream got so far: path, headers, body text."""
+    with urllib.request.urlopen(url + "/_fake/received", timeout=10) as response:
+        result: list[dict[str, Any]] = json.loads(response.read())
+    return result
+
+
+def start_fake_upstream(timeout_s: float = 20) -> Proc:
+    """Start this script in its own process; a ``Proc`` with its URL once it listens."""
+    popen = subprocess.Popen(
+        [sys.executable, str(Path(__file__)), "--port", "0"],
+        stdout=subprocess.PIPE, text=True, bufsize=1,
+    )  # fmt: skip
+    try:
+        (url,) = ready_urls(popen, "fake upstream", timeout_s=timeout_s)
+    except NotReady:
+        popen.kill()
+        popen.wait()
+        raise
+    return Proc(popen, url)
+
+
+async def _serve(port: int) -> None:
+    runner = web.AppRunner(_app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", port)
+    await site.start()
+    sockets = site._server.sockets if site._server is not None else []  # type: ignore[union-attr]
+    bound = sockets[0].getsockname()[1]
+    print(f"fake upstream ready at http://127.0.0.1:{bound}", flush=True)
+    await asyncio.Event().wait()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, default=0)
+    asyncio.run(_serve(parser.parse_args().port))
