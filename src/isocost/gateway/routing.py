@@ -6,7 +6,9 @@ and one ``Policy`` per pool; it never scores replicas itself. For each attempt i
 
 * ADMIT: ``on_dispatch``, the attempt is forwarded; the forwarder reports streamed tokens
   (the first of them is the first token) and completion back through ``on_tokens`` and
-  ``release`` (which calls ``on_complete``).
+  ``release`` (which calls ``on_complete``). A request not streamed shows no first token:
+  the shadow state takes it to start at its predicted prefill end, when a timer wakes the
+  queue.
 * QUEUE: every eligible replica is at its queue cap; the request waits in the pool's
   ``dispatch.Dispatcher`` (the simulator's discipline: priority, then deadline, then
   arrival) and is scheduled again, in that order, when a replica frees a slot, comes back
@@ -364,7 +366,12 @@ class Router:
         """The dispatcher admitted the attempt: dispatch it to the decision's replica."""
         assert decision.replica_id is not None
         replica = self._by_id[decision.replica_id]
-        self.replicas.on_dispatch(view, replica.name, now, decision=decision)
+        record = self.replicas.on_dispatch(view, replica.name, now, decision=decision)
+        if record.predicted_start_s is not None:
+            # Not streamed: no first token frees its place in the replica's waiting queue;
+            # the shadow state starts it at its predicted prefill end, and this wakes the queue.
+            delay = max(record.predicted_start_s - now, 0.0)
+            asyncio.get_running_loop().call_later(delay, self._wake, replica.pool)
         replica.num_in_flight += 1
         waiter.set_result(Grant(replica, view.request_id, decision))
 

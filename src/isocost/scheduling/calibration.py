@@ -9,7 +9,9 @@ compared with its decode steps plus the prefills of the requests that started st
 meanwhile (each prefill stalls every running stream). Waiting is evidence too:
 ``ttft_factor_at`` raises a replica's TTFT factor to (elapsed / predicted) of its oldest
 request still awaiting a first token, so a replica that slowed down is priced before it
-answers.
+answers. A request not streamed shows no first token: it is never that evidence and never
+teaches the TTFT factor; its end-to-end time, less the TTFT the factor predicts, teaches
+the ITL factor.
 
 ``ReplicaSet`` (``scheduling.state``) calls the ``observe_*`` methods from its hooks; the
 predictions they compare with are the uncorrected ones the record carries from dispatch.
@@ -76,12 +78,16 @@ class Calibration(SlotArrays):
         self.awaiting_since_s[slot] = math.inf if head is None else head.dispatch_s
         self.awaiting_ttft_s[slot] = 1.0 if head is None else max(head.predicted_ttft_s, 1e-9)
 
-    def observe_first_token(self, record: InFlight, now: float) -> None:
-        """The first token of ``record`` came at ``now``: learn the TTFT factor, and count
-        its prefill as done (the stall its stream's neighbours saw)."""
+    def prefill_done(self, record: InFlight) -> None:
+        """``record`` started: count its prefill as done (the stall its neighbours'
+        streams saw), and mark where its own stream's stalls start."""
         slot = record.slot
         self.prefill_done_tokens[slot] += record.prompt_tokens - record.cached_tokens
         record.prefill_mark = self.prefill_done_tokens[slot]
+
+    def observe_first_token(self, record: InFlight, now: float) -> None:
+        """The first token of ``record`` came at ``now``: learn the TTFT factor."""
+        slot = record.slot
         # A TTFT spent mostly queued says more about the queue model than about the
         # replica's speed: weigh the observation by the prefill's share of the prediction.
         prefill_share = 1.0 - record.predicted_wait_s / max(record.predicted_ttft_s, 1e-9)
@@ -118,16 +124,21 @@ class Calibration(SlotArrays):
     ) -> None:
         """``record`` completed at ``now`` with ``generated`` (> 0) output tokens."""
         slot = record.slot
-        if record.first_token_s is None:
-            # Not streamed: only the end-to-end time is known; it informs both factors.
-            predicted = record.predicted_ttft_s + generated * record.predicted_step_s
-            self._learn(self.ttft_factor, slot, now - record.dispatch_s, predicted)
-            self._learn(self.itl_factor, slot, now - record.dispatch_s, predicted)
-        elif record.last_token_s == record.first_token_s and generated > 1:
-            # Streamed without progress hooks: the mean inter-token time since the first.
+        first_token_s = record.first_token_s
+        if first_token_s is None:
+            # Not streamed: only the end-to-end time is known. With no first token seen it
+            # says nothing sure of the TTFT (only seen first tokens teach that): the time
+            # after its predicted start is taken as its decode.
+            if record.started_s is None or record.predicted_start_s is None:
+                return  # it ended before it was even taken to start
+            first_token_s = record.predicted_start_s
+        elif record.last_token_s != first_token_s:
+            return  # streamed with progress hooks: observe_tokens learnt from them
+        if generated > 1:
+            # The mean inter-token time since the first token.
             step = (record.predicted_step_s + step_now(slot, now)) / 2.0
             predicted = (generated - 1) * step + self._prefill_stall_s(record, coefficients)
-            self._learn(self.itl_factor, slot, now - record.first_token_s, predicted)
+            self._learn(self.itl_factor, slot, now - first_token_s, predicted)
 
     def _learn(
         self,

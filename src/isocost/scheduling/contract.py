@@ -31,6 +31,12 @@ Time is the caller's clock in seconds (``now``; the simulator's virtual time, th
 monotonic clock); deadlines are absolute on the same clock. Hooks for an unknown request
 id (already completed, or its replica removed) are ignored and return ``False``.
 
+A request the caller does not stream (``RequestView(stream=False)``) has no first token to
+report: the set takes it to leave the engine's waiting queue at its predicted prefill end,
+or sooner when a scrape shows fewer requests waiting than the set counts there. It is never
+evidence of a late first token (only seen first tokens calibrate TTFT); its completion
+calibrates the ITL factor.
+
 Block hashes: every ``RequestView.block_hashes`` must be chained hashes of blocks of
 ``ReplicaSet.block_tokens`` tokens (``token_block_hashes(ids, block_tokens)``), or of text
 blocks of about that many tokens when no tokenizer is at hand (``text_block_hashes(text,
@@ -78,7 +84,7 @@ class RequestView:
     deadline_s: float | None = None  # absolute, caller's clock: first token wanted by then
     tpot_target_s: float | None = None  # mean time per output token wanted after the first
     route_class: str | None = None  # None: classified by the policy's route table
-    stream: bool = False
+    stream: bool = True  # the caller will see its first token; False: only its completion
     arrival_s: float = 0.0
     prompt_tokens_exact: bool = True
 
@@ -141,6 +147,11 @@ class InFlight:
     max_tokens: int | None = None
     predicted_wait_s: float = 0.0  # uncorrected: the part of predicted_ttft_s spent queued
     prefill_mark: float = 0.0  # the replica's prefill_done_tokens at its last observed token
+    stream: bool = True  # its first token will be seen (``RequestView.stream``)
+    # When it left the engine's waiting queue: its first token or, one not streamed, its
+    # predicted prefill end (``predicted_start_s``) or a scrape that showed it running.
+    started_s: float | None = None
+    predicted_start_s: float | None = None  # not streamed: dispatch + corrected predicted TTFT
 
     @property
     def remaining_tokens(self) -> int:

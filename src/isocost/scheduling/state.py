@@ -25,6 +25,8 @@ request's block hashes.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -65,6 +67,7 @@ class ReplicaState:
         "in_flight",
         "slot",
         "spec",
+        "unseen",
     )
 
     def __init__(
@@ -76,6 +79,8 @@ class ReplicaState:
         self.coefficients = coefficients  # its timing, fitted once
         self.in_flight: dict[str, InFlight] = {}
         self.awaiting: dict[str, InFlight] = {}  # no first token yet, in dispatch order
+        # not streamed and still taken to be waiting, in dispatch order
+        self.unseen: dict[str, InFlight] = {}
 
     @property
     def replica_id(self) -> str:
@@ -91,7 +96,8 @@ class ReplicaState:
 
     @property
     def num_waiting(self) -> int:
-        """Local requests dispatched here still waiting for their first token."""
+        """Local requests dispatched here still waiting for their first token (as of the
+        latest hook or read: one not streamed leaves at its predicted prefill end)."""
         return int(self._set.local.waiting[self.slot])
 
     @property
@@ -121,10 +127,11 @@ class ReplicaState:
 class LocalLoad(SlotArrays):
     """What this caller sent and has seen streamed, per slot: exact and instant.
 
-    ``waiting``: requests dispatched, no first token yet, with their uncached prompt
-    tokens (``queued_prefill_tokens``); ``running``: requests streaming, with their
-    context (``context_tokens``); ``kv_tokens``: the KV tokens of both; ``remaining_tokens``:
-    the output still expected of both. The hooks move a record through them.
+    ``waiting``: requests dispatched, not started yet (no first token; one not streamed:
+    before its predicted prefill end), with their uncached prompt tokens
+    (``queued_prefill_tokens``); ``running``: requests started, with their context
+    (``context_tokens``); ``kv_tokens``: the KV tokens of both; ``remaining_tokens``: the
+    output still expected of both. The hooks move a record through them.
     """
 
     FRESH: ClassVar[Mapping[str, float]] = dict.fromkeys(
@@ -153,8 +160,9 @@ class LocalLoad(SlotArrays):
         self.kv_tokens[slot] += record.prompt_tokens
         self.remaining_tokens[slot] += record.remaining_tokens
 
-    def started(self, record: InFlight) -> None:
-        """``record``'s first token came: it moves from waiting to running."""
+    def started(self, record: InFlight, now: float) -> None:
+        """``record`` started at ``now`` (its first token): it moves from waiting to running."""
+        record.started_s = now
         slot = record.slot
         self.waiting[slot] -= 1
         self.queued_prefill_tokens[slot] -= record.prompt_tokens - record.cached_tokens
@@ -175,7 +183,7 @@ class LocalLoad(SlotArrays):
         slot = record.slot
         self.remaining_tokens[slot] -= record.remaining_tokens
         self.kv_tokens[slot] -= record.prompt_tokens + record.generated_tokens
-        if record.first_token_s is None:
+        if record.started_s is None:
             self.waiting[slot] -= 1
             self.queued_prefill_tokens[slot] -= record.prompt_tokens - record.cached_tokens
         else:
@@ -220,6 +228,10 @@ class ReplicaSet:
         self.prefix = PrefixIndex()
         self._requests: dict[str, InFlight] = {}
         self._listeners: list[ShadowListener] = []
+        # (predicted start, tie-break, record) of the requests not streamed; entries of
+        # records already started or gone are dropped when they come up
+        self._unseen_starts: list[tuple[float, int, InFlight]] = []
+        self._unseen_order = itertools.count()
 
     # -- membership ------------------------------------------------------------------
 
@@ -318,12 +330,21 @@ class ReplicaSet:
             predicted_step_s=known.step_s,
             max_tokens=request.max_tokens,
             predicted_wait_s=known.wait_s,
+            stream=request.stream,
         )
         self._requests[request.request_id] = record
         state.in_flight[request.request_id] = record
-        state.awaiting[request.request_id] = record
-        if len(state.awaiting) == 1:
-            self.calibration.awaiting(slot, record)
+        if request.stream:
+            state.awaiting[request.request_id] = record
+            if len(state.awaiting) == 1:
+                self.calibration.awaiting(slot, record)
+        else:
+            # No first token will show when it starts: take it to start at its predicted end of
+            # prefill (scrapes may show it sooner), and never as late-first-token evidence.
+            start = now + known.ttft_s * float(self.calibration.ttft_factor[slot])
+            record.predicted_start_s = start
+            state.unseen[request.request_id] = record
+            heapq.heappush(self._unseen_starts, (start, next(self._unseen_order), record))
         self.local.dispatched(record)
         self.duty.add(slot, now, known.prefill_s * float(self.calibration.ttft_factor[slot]))
         self.prefix.insert(slot, request.block_hashes)
@@ -338,8 +359,9 @@ class ReplicaSet:
         if record is None or record.first_token_s is not None:
             return False
         record.first_token_s = now
-        self._stop_awaiting(record)
-        self.local.started(record)
+        if record.started_s is None:
+            self._stop_awaiting(record)
+            self._start(record, now)
         self.calibration.observe_first_token(record, now)
         self.local.advance(record, 1, now)
         for listener in self._listeners:
@@ -365,6 +387,7 @@ class ReplicaSet:
         self, request_id: str, now: float, *, ok: bool = True, output_tokens: int | None = None
     ) -> bool:
         """``request_id`` finished (``ok``) or failed; ``output_tokens`` from the usage."""
+        self._start_unseen(now)
         record = self._requests.pop(request_id, None)
         if record is None:
             return False
@@ -377,7 +400,7 @@ class ReplicaSet:
             )
             self.estimator.observe(record.model, record.route_class, generated)
             self.scrapes.observe_output(generated)
-        if record.first_token_s is None:
+        if record.started_s is None:
             self._stop_awaiting(record)
         self.local.completed(record)
         for listener in self._listeners:
@@ -427,7 +450,14 @@ class ReplicaSet:
         ops: Ops,
     ) -> None:
         """Merge a scrape of one slot or of the slots ``key`` (``ScrapeMerge.merge``) and
-        forget the prefix entries of the engines it shows restarted."""
+        forget the prefix entries of the engines it shows restarted. An engine that shows
+        fewer waiting than this caller counts there has started that many of them: its
+        oldest requests not streamed are taken to have started."""
+        self._start_unseen(now)
+        if self._unseen_starts:
+            slots, waiting = np.atleast_1d(key).tolist(), np.atleast_1d(load[1]).tolist()
+            for slot, engine_waiting in zip(slots, waiting, strict=True):
+                self._start_shown_running(slot, engine_waiting, now)
         local = (self.local.waiting[key], self.local.running[key])
         for slot in self.scrapes.merge(key, local, load, counters, now, ops):
             self._forget_prefixes(slot)
@@ -436,6 +466,7 @@ class ReplicaSet:
 
     def waiting(self, now: float, key: SlotKey) -> FloatArray:
         """Effective waiting requests of the slots ``key`` (the queue-cap test)."""
+        self._start_unseen(now)
         scrapes = self.scrapes
         fresh = scrapes.freshness(now, key)
         return np.asarray(self.local.waiting[key] + fresh * scrapes.foreign_waiting[key])
@@ -460,6 +491,7 @@ class ReplicaSet:
         self, now: float, key: SlotKey | int, maximum: Callable[[Any, Any], Any]
     ) -> tuple[Any, Any, Any, Any, Any, Any, Any, Any]:
         """``Load``'s fields for the slots ``key`` (arrays) or one slot (floats)."""
+        self._start_unseen(now)
         local, scrapes = self.local, self.scrapes
         fresh = scrapes.freshness(now, key)
         foreign_waiting = fresh * scrapes.foreign_waiting[key]
@@ -482,8 +514,36 @@ class ReplicaSet:
     def _forget_prefixes(self, slot: int) -> None:
         self.prefix.evict(slot, self.prefix.num_blocks(slot))
 
+    def _start(self, record: InFlight, now: float) -> None:
+        """``record`` left the engine's waiting queue at ``now``: it runs, and its prefill
+        is done (the stall its neighbours' streams saw)."""
+        self.local.started(record, now)
+        self.calibration.prefill_done(record)
+
+    def _start_unseen(self, now: float) -> None:
+        """Start the requests not streamed whose predicted prefill end is past at ``now``."""
+        starts = self._unseen_starts
+        while starts and starts[0][0] <= now:
+            start, _, record = heapq.heappop(starts)
+            if record.started_s is None and self._requests.get(record.request_id) is record:
+                del self.slots.state_at(record.slot).unseen[record.request_id]
+                self._start(record, start)
+
+    def _start_shown_running(self, slot: int, engine_waiting: float, now: float) -> None:
+        """A scrape shows ``engine_waiting`` at ``slot``: of this caller's requests counted
+        waiting there, all beyond that number have started; its oldest not streamed first
+        (the ones streamed show their own first token)."""
+        unseen = self.slots.state_at(slot).unseen
+        excess = int(self.local.waiting[slot] - engine_waiting)
+        for record in list(unseen.values())[: max(excess, 0)]:
+            del unseen[record.request_id]
+            self._start(record, now)
+
     def _stop_awaiting(self, record: InFlight) -> None:
         state = self.slots.state_at(record.slot)
+        if record.request_id not in state.awaiting:  # not streamed: it never awaited
+            state.unseen.pop(record.request_id, None)
+            return
         head = next(iter(state.awaiting))
         del state.awaiting[record.request_id]
         if head == record.request_id:
