@@ -15,6 +15,7 @@ import threading
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from cluster import AUTH, MODEL, Cluster, config_text, replica_rows, start, start_engine
@@ -56,12 +57,26 @@ def _engine_running(url: str) -> float:
     return float(match.group(1))
 
 
-def _predicted_ttft_ms(cluster: Cluster) -> float:
+def _route(cluster: Cluster) -> dict[str, Any]:
+    """The gateway's decision for a small chat request (``POST /v1/route``)."""
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}
     body = json.dumps(chat).encode()
     status, _, decision = http("POST", cluster.gateway.url + "/v1/route", body, headers=AUTH)
-    assert status == 200 and decision["outcome"] == "admit", decision
-    return float(decision["predicted_ttft_ms"])
+    assert status == 200, decision
+    return dict(decision)
+
+
+def _predicted_ttft_ms(cluster: Cluster) -> float:
+    """The predicted TTFT of a small request once the replica's queue has a free place
+    (while the last ones dispatched have not started yet, the request would queue)."""
+    seen: list[dict[str, Any]] = []
+
+    def admitted() -> bool:
+        seen.append(_route(cluster))
+        return seen[-1]["outcome"] == "admit"
+
+    wait_for(admitted, 30, "a routed request admitted", state=lambda: seen[-1])
+    return float(seen[-1]["predicted_ttft_ms"])
 
 
 def test_max_queue_does_not_cap_running_requests_not_streamed(cluster: Cluster) -> None:
