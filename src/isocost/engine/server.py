@@ -4,7 +4,10 @@ One process serves N replicas (``ServedReplica``, each with its own loop), each 
 port with its own aiohttp application. A completion handler decodes the body (the OpenAI
 structs of ``isocost.openai``), validates it (``validation``), passes the replica's faults
 (``faults``), submits it, waits to be woken by the replica's loop and writes the answer
-(``replies``); every error leaves as OpenAI error JSON from the one middleware.
+(``replies``); every error leaves as OpenAI error JSON from the one middleware, aiohttp's
+own (unknown path, wrong method, body over the size limit) included. A client that leaves
+cancels its handler (``handler_cancellation``), which aborts its request, streamed or not:
+its KV blocks are freed and it counts as ``finished_reason="abort"``.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ async def _faults_and_errors(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
     """Hold requests while the replica hangs (``/admin/*`` never), refuse them while it
-    shuts down, and answer every ApiError as OpenAI error JSON."""
+    shuts down, and answer every ApiError, and aiohttp's own refusals, as OpenAI error JSON."""
     replica = request.app[REPLICA]
     try:
         if not request.path.startswith("/admin/"):
@@ -58,6 +61,10 @@ async def _faults_and_errors(
         return await handler(request)
     except ApiError as error:
         return error_response(error)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return error_response(ApiError.from_http(exc))
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
@@ -192,7 +199,12 @@ async def serve(
     try:
         urls = []
         for replica, port in zip(replicas, ports, strict=True):
-            runner = web.AppRunner(_application(replica), shutdown_timeout=1.0, access_log=None)
+            runner = web.AppRunner(
+                _application(replica),
+                shutdown_timeout=1.0,
+                access_log=None,
+                handler_cancellation=True,  # a client gone aborts its request at once
+            )
             await runner.setup()
             runners.append(runner)
             site = web.TCPSite(runner, options.host, port)
