@@ -1,6 +1,7 @@
 """The router over the brain: late binding, priorities, eviction and deadlines in the queue.
 
-One replica that takes one waiting request at a time (``max_queue: 1``); no network is
+One replica that takes one waiting request at a time (``max_queue: 1``); the requests
+stream and no first token comes, so a dispatched one waits until it ends. No network is
 involved, the router is driven directly on an asyncio loop.
 """
 
@@ -44,7 +45,7 @@ def request(
     pool: Pool, name: str, priority: int = 0, deadline_s: float | None = None
 ) -> GatewayRequest:
     now = time.monotonic()
-    view = RoutingView(MODEL, False, 8, None, 100, False, ())
+    view = RoutingView(MODEL, True, 8, None, 100, False, ())
     return GatewayRequest(
         request_id=name,
         view=view,
