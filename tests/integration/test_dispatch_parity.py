@@ -5,7 +5,8 @@ Gateway side: the real ``Router`` on an asyncio loop whose clock is the script's
 timers fire in script time), no HTTP. Simulator side: the ``Dispatcher`` driven as
 ``sim.Simulator`` drives it (bind: ``on_dispatch``; completion: ``on_complete`` then a
 wake; the queue timeout: a timer at the time ``submit`` names). Two replicas take one
-waiting request each (``max_queue: 1``, no first tokens), so every arrival past two waits.
+waiting request each (``max_queue: 1``, streamed requests, no first tokens), so every arrival
+past two waits.
 The script covers a head that must wait again (it keeps its place ahead of an equal-key
 twin), a deadline that passes in the queue, a queue timeout, a cancel, and eviction when
 the queue is full.
@@ -179,7 +180,7 @@ async def _gateway(clock: _Clock) -> list[tuple[str, str]]:
     for at_s, step in SCRIPT:
         clock.now = at_s
         if isinstance(step, Arrive):
-            view = RoutingView(MODEL, False, OUTPUT_TOKENS, None, 100, False, ())
+            view = RoutingView(MODEL, True, OUTPUT_TOKENS, None, 100, False, ())
             request = GatewayRequest(
                 request_id=step.name,
                 view=view,
