@@ -43,10 +43,17 @@ def _metrics(url: str) -> dict[str, float]:
     return out
 
 
-def _raw_request(url: str, path: str, body: dict[str, object]) -> socket.socket:
-    """Send one POST on a fresh socket and return it unread."""
+def _raw_request(
+    url: str, path: str, body: dict[str, object], receive_buffer: int | None = None
+) -> socket.socket:
+    """Send one POST on a fresh socket (its receive buffer that small, if given) and
+    return it unread."""
     parts = urlsplit(url)
-    sock = socket.create_connection((parts.hostname, parts.port), timeout=10)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if receive_buffer is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+    sock.settimeout(10)
+    sock.connect((parts.hostname, parts.port))
     data = json.dumps(body).encode()
     head = (
         f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
@@ -90,6 +97,46 @@ def test_a_client_that_leaves_aborts_its_request(engine: Proc, kind: str, stream
     wait_for(aborted, 20, "the request aborted", state=lambda: seen[-1])
     wait_for(lambda: _metrics(engine.url)["vllm:num_requests_running"] == 0, 20, "its slot freed")
     assert _metrics(engine.url)["vllm:kv_cache_usage_perc"] == 0
+
+
+@pytest.fixture(scope="module")
+def fast_engine() -> Iterator[Proc]:
+    """Events fast enough to fill a stalled client's socket buffers in seconds, tokens
+    slow enough that 100,000 of them last over a minute."""
+    proc = start_engine(0, "--time-scale", "0.04", "--write-timeout", "1")
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+def test_a_client_that_stops_reading_is_aborted(fast_engine: Proc) -> None:
+    """It stays connected but reads nothing: once a write has waited ``--write-timeout``
+    the engine drops it and frees its slot, long before its 100,000 tokens would end."""
+    url = fast_engine.url
+    path, body = _REQUESTS["completion"]
+    wait_for(lambda: _metrics(url)["vllm:num_requests_running"] == 0, 20, "idle")
+    before = _metrics(url)
+    sock = _raw_request(url, path, {**body, "stream": True}, receive_buffer=4096)
+    try:
+        seen: list[dict[str, float]] = []
+
+        def aborted() -> bool:
+            seen.append(_metrics(url))
+            return seen[-1]["vllm:request_success_total[abort]"] == (
+                before["vllm:request_success_total[abort]"] + 1
+            )
+
+        wait_for(aborted, 60, "the stalled stream aborted", state=lambda: seen[-1])
+        after = seen[-1]
+        assert after["vllm:num_requests_running"] == 0
+        finished = ("stop", "length")
+        assert all(
+            after[f"vllm:request_success_total[{r}]"] == before[f"vllm:request_success_total[{r}]"]
+            for r in finished
+        )
+    finally:
+        sock.close()
 
 
 def _assert_openai_error(status: int, headers: dict[str, str], body: object, code: str) -> None:

@@ -48,6 +48,9 @@ def engine(
     error_rate: float = typer.Option(0.0, "--error-rate", help="Fault: share of 500s."),
     hang: bool = typer.Option(False, "--hang", help="Fault: accept, never answer."),
     max_waiting: int | None = typer.Option(None, "--max-waiting", help="Fault: 503 above."),
+    write_timeout: float = typer.Option(
+        30.0, "--write-timeout", min=0.001, help="Seconds a stream may wait on its client."
+    ),
 ) -> None:
     """Serve simulated vLLM-like replicas timed by the cost model.
 
@@ -64,7 +67,14 @@ def engine(
     )
     limits = EngineLimits(gpu_memory_utilization, max_num_batched_tokens, max_num_seqs)
     options = ServeOptions(
-        host, time_scale, stream_interval, output_dist, output_mean_tokens, seed, tokenizer
+        host,
+        time_scale,
+        stream_interval,
+        output_dist,
+        output_mean_tokens,
+        seed,
+        tokenizer,
+        write_timeout,
     )
 
     def ready(urls: list[tuple[ServedReplica, str]]) -> None:

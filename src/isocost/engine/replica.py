@@ -40,6 +40,7 @@ class ServeOptions:
     output_mean_tokens: float = 128.0
     seed: int = 0
     tokenizer_path: str | None = None
+    write_timeout_s: float = 30.0  # a stream write blocked this long: the client is gone
 
 
 class OutputLengths:

@@ -3,13 +3,16 @@
 A whole answer is one JSON object; a stream is SSE chunks of ``stream_interval`` tokens
 (chat streams open with the assistant role), a last chunk with the ``finish_reason``, the
 usage chunk when ``stream_options.include_usage`` asked for it, and ``[DONE]``. The text
-is filler (``filler_text``): what is modelled is how many tokens come, and when.
+is filler (``filler_text``): what is modelled is how many tokens come, and when. A client
+that stops reading is taken for gone once a write has waited ``write_timeout_s``: its
+connection is dropped and its request aborted, so it cannot hold a batch slot forever.
 """
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import time
+from collections.abc import Awaitable
 from typing import Any
 
 from aiohttp import web
@@ -83,18 +86,50 @@ async def stream_reply(
     reply: Reply,
     include_usage: bool,
 ) -> web.StreamResponse:
-    """Stream ``reply`` as ``waiter``'s tokens come; a client that leaves ends it quietly."""
+    """Stream ``reply`` as ``waiter``'s tokens come; a client that leaves, or stops
+    reading, ends it quietly (the caller aborts the request)."""
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
     await response.prepare(request)
-    with contextlib.suppress(ConnectionResetError):  # the client left: the caller aborts
-        await _write_stream(response, replica, waiter, reply, include_usage)
+    try:
+        await _write_stream(
+            _Writer(response, replica.options.write_timeout_s),
+            replica,
+            waiter,
+            reply,
+            include_usage,
+        )
+    except ConnectionResetError:
+        if request.transport is not None:
+            request.transport.abort()  # drop what it would not read
     return response
 
 
+class _Writer:
+    """Writes of one stream, each allowed ``timeout_s``: a client that reads nothing for
+    that long is gone (``ConnectionResetError``, as if it had closed)."""
+
+    def __init__(self, response: web.StreamResponse, timeout_s: float) -> None:
+        self.response = response
+        self.timeout_s = timeout_s
+
+    async def write(self, data: bytes) -> None:
+        await self._within(self.response.write(data))
+
+    async def write_eof(self) -> None:
+        await self._within(self.response.write_eof())
+
+    async def _within(self, write: Awaitable[None]) -> None:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await write
+        except TimeoutError:
+            raise ConnectionResetError("the client stopped reading") from None
+
+
 async def _write_stream(
-    response: web.StreamResponse,
+    response: _Writer,
     replica: ServedReplica,
     waiter: Waiter,
     reply: Reply,
