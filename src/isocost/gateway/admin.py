@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import msgspec
 from aiohttp import web
 
-from isocost.core.errors import IsocostError
+from isocost.core.errors import ConfigError, IsocostError
 from isocost.gateway.auth import bearer_token
 from isocost.gateway.intake import Rejection
 from isocost.gateway.lifecycle import Gateway
@@ -177,8 +177,8 @@ def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
         body = _decode(await request.read(), _AddReplica)
         try:
             replica = gateway.add_replica(body.model, body.replica)
-        except (IsocostError, ValueError) as exc:
-            raise ApiError(400, str(exc), code="invalid_replica") from None
+        except ConfigError as exc:
+            raise ApiError(400, str(exc), code="invalid_replica", param=exc.key) from None
         return json_response(rows(replica)[0], 201)
 
     async def remove(request: web.Request) -> web.StreamResponse:
