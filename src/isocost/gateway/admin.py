@@ -3,7 +3,8 @@
 Routes (token as ``Authorization: Bearer <token>`` or ``X-Admin-Token``):
 
 * ``GET  /admin/replicas``                       replicas with state, load and last scores
-* ``POST /admin/replicas``                       add ``{"model", "url", "gpu"?, ...}``
+* ``POST /admin/replicas``                       add ``{"model", "replica": {"url", ...}}``
+  (the config file's checks of a replica entry; 400 with ``param`` naming the field)
 * ``DELETE /admin/replicas/{name}``              drain, then remove once idle
 * ``POST /admin/replicas/{name}/drain``          stop new work (in-flight requests finish)
 * ``POST /admin/replicas/{name}/undrain``

@@ -3,9 +3,13 @@
 One ``Gateway`` owns the pools and upstreams, the client session to them, the router (the
 brain's adapter), the intake (auth and limits), metrics, the forwarder and the background
 tasks: the replica monitor (``isocost.gateway.monitor``) and, with ``--config``, a watcher
-that reloads the file when its content changes. Requests flow: auth -> body limits ->
-routing view -> pool -> key budget (``intake``) -> router (admission, queue, decision) ->
-forwarder (attempts, retries, relay); the HTTP routes are in ``isocost.gateway.app``.
+that reloads the file when its content changes. A reload is all or nothing: planned
+whole (``_plan``: every policy, replica spec and name clash) before the first change, and
+refused, with the running config kept, when the file is bad or would switch the gateway
+off (no pool or replica left, no admin token, API-key auth gone). Requests flow: auth ->
+body limits -> routing view -> pool -> key budget (``intake``) -> router (admission, queue,
+decision) -> forwarder (attempts, retries, relay); the HTTP routes are in
+``isocost.gateway.app``.
 """
 
 from __future__ import annotations
@@ -130,6 +134,8 @@ class Gateway:
         self._commit(self._plan(config))
 
     def _plan(self, config: GatewayConfig) -> _Plan:
+        """What applying ``config`` would change, touching nothing; IsocostError when any
+        part of it cannot be applied."""
         check_references(config, self.catalog)
         now = time.monotonic()
         Authenticator(config.auth, now)  # the intake builds the same from it in _commit
@@ -151,7 +157,7 @@ class Gateway:
         for model, pool in self.pools.items():  # unlisted, but replicas still drain there
             if model not in configured and scheduling_changed:
                 plan.policies[model] = self._policy_for_draining(pool, config)
-        held: dict[str, Upstream] = {}  # name -> a replica that stays or drains
+        held: dict[str, Upstream] = {}  # name -> an unlisted replica still draining
         for url, replica in self.replicas.items():
             if url not in wanted:
                 plan.leaving.append(replica)
