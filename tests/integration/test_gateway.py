@@ -564,11 +564,22 @@ def test_config_reload_adds_and_removes_replicas(cluster: Cluster, tmp_path: Pat
         wait_for(lambda: "reload_failed" in log.read_text(), what="the bad config to be seen")
         assert len(replica_rows(gateway)) == 2
 
-        config.write_text(  # no pools left: the model disappears
-            f"auth: {{admin_token: {ADMIN_TOKEN}, api_keys: [{{name: a, key: {API_KEY}}}]}}\n"
+        remaining = list(replica_rows(gateway))
+        config.write_text(  # the replicas move to another pool: the model disappears
+            gateway_config(
+                remaining,
+                model="moved",
+                admin_token=ADMIN_TOKEN,
+                api_key=API_KEY,
+                replica_fields=f"cost_model: {MODEL}",
+            )
         )
         client = openai.OpenAI(base_url=gateway.url + "/v1", api_key=API_KEY)
-        wait_for(lambda: not client.models.list().data, what="the pool to be dropped")
+        wait_for(
+            lambda: [m.id for m in client.models.list().data] == ["moved"],
+            what="the pool to be dropped",
+        )
+        assert set(replica_rows(gateway)) == set(remaining)
         status, _, answer = http("POST", gateway.url + "/v1/chat/completions", chat_body(), AUTH)
         _assert_error(status, answer, 404, "model_not_found")
     finally:

@@ -3,7 +3,8 @@
 Routes (token as ``Authorization: Bearer <token>`` or ``X-Admin-Token``):
 
 * ``GET  /admin/replicas``                       replicas with state, load and last scores
-* ``POST /admin/replicas``                       add ``{"model", "url", "gpu"?, ...}``
+* ``POST /admin/replicas``                       add ``{"model", "replica": {"url", ...}}``
+  (the config file's checks of a replica entry; 400 with ``param`` naming the field)
 * ``DELETE /admin/replicas/{name}``              drain, then remove once idle
 * ``POST /admin/replicas/{name}/drain``          stop new work (in-flight requests finish)
 * ``POST /admin/replicas/{name}/undrain``
@@ -23,7 +24,7 @@ from typing import Any, TypeVar
 import msgspec
 from aiohttp import web
 
-from isocost.core.errors import IsocostError
+from isocost.core.errors import ConfigError, IsocostError
 from isocost.gateway.auth import bearer_token
 from isocost.gateway.intake import Rejection
 from isocost.gateway.lifecycle import Gateway
@@ -177,8 +178,8 @@ def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
         body = _decode(await request.read(), _AddReplica)
         try:
             replica = gateway.add_replica(body.model, body.replica)
-        except (IsocostError, ValueError) as exc:
-            raise ApiError(400, str(exc), code="invalid_replica") from None
+        except ConfigError as exc:
+            raise ApiError(400, str(exc), code="invalid_replica", param=exc.key) from None
         return json_response(rows(replica)[0], 201)
 
     async def remove(request: web.Request) -> web.StreamResponse:

@@ -57,6 +57,17 @@ class Breaker:
         self.last_error: str | None = None
         self.needs_live_probe = False
 
+    def configure(
+        self, *, failure_threshold: int, min_success_rate: float, window_size: int, open_s: float
+    ) -> None:
+        """New thresholds (a config reload); the state and the latest outcomes stay."""
+        self.failure_threshold = failure_threshold
+        self.min_success_rate = min_success_rate
+        if self._cooldown_s == self.open_s:  # not lengthened by failed probes
+            self._cooldown_s = open_s
+        self.open_s = open_s
+        self._window = deque(self._window, maxlen=window_size)
+
     def state(self, now: float) -> BreakerState:
         if self._state is BreakerState.OPEN and now - self._opened_at >= self._cooldown_s:
             self._state = BreakerState.HALF_OPEN

@@ -3,9 +3,13 @@
 One ``Gateway`` owns the pools and upstreams, the client session to them, the router (the
 brain's adapter), the intake (auth and limits), metrics, the forwarder and the background
 tasks: the replica monitor (``isocost.gateway.monitor``) and, with ``--config``, a watcher
-that reloads the file when its content changes. Requests flow: auth -> body limits ->
-routing view -> pool -> key budget (``intake``) -> router (admission, queue, decision) ->
-forwarder (attempts, retries, relay); the HTTP routes are in ``isocost.gateway.app``.
+that reloads the file when its content changes. A reload is all or nothing: planned
+whole (``_plan``: every policy, replica spec and name clash) before the first change, and
+refused, with the running config kept, when the file is bad or would switch the gateway
+off (no pool or replica left, no admin token, API-key auth gone). Requests flow: auth ->
+body limits -> routing view -> pool -> key budget (``intake``) -> router (admission, queue,
+decision) -> forwarder (attempts, retries, relay); the HTTP routes are in
+``isocost.gateway.app``.
 """
 
 from __future__ import annotations
@@ -15,13 +19,16 @@ import hashlib
 import logging
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+import msgspec
 
 from isocost.core.catalog import Catalog
-from isocost.core.errors import IsocostError
+from isocost.core.errors import ConfigError, IsocostError
 from isocost.files import read_text
+from isocost.gateway.auth import Authenticator
 from isocost.gateway.intake import Intake
 from isocost.gateway.metrics import GatewayMetrics
 from isocost.gateway.monitor import Monitor
@@ -29,18 +36,25 @@ from isocost.gateway.proxy import Forwarder, ForwardSettings
 from isocost.gateway.routing import Router
 from isocost.gateway.upstreams import Pool, Upstream
 from isocost.runtime.config import (
+    AuthConfig,
     GatewayConfig,
     LimitsConfig,
     ReplicaConfig,
+    check_references,
+    check_replica,
     normalize_replica_url,
     parse_config,
+    replica_name,
 )
+from isocost.scheduling.contract import ReplicaSpec
+from isocost.scheduling.framework import Policy
 
 __all__ = ["Gateway"]
 
 log = logging.getLogger("isocost.gateway")
 
 _RELOAD_POLL_S = 0.5
+_ADMIN_SOURCE = "POST /admin/replicas"
 
 
 class Gateway:
@@ -114,55 +128,155 @@ class Gateway:
     # -- replicas and config ------------------------------------------------------------
 
     def apply_config(self, config: GatewayConfig) -> None:
-        """Make the live pools match ``config``; removed replicas drain, then leave."""
+        """Make the live gateway match ``config``, all or nothing: everything that can fail
+        (policies, cost models, name clashes, the auth it turns on) is built or checked by
+        ``_plan`` before the first change; removed replicas drain, then leave."""
+        self._commit(self._plan(config))
+
+    def _plan(self, config: GatewayConfig) -> _Plan:
+        """What applying ``config`` would change, touching nothing; IsocostError when any
+        part of it cannot be applied."""
+        check_references(config, self.catalog)
+        now = time.monotonic()
+        Authenticator(config.auth, now)  # the intake builds the same from it in _commit
+        scheduling_changed = config.scheduling != self.router.scheduling
+        plan = _Plan(config)
+        wanted: dict[str, tuple[str, ReplicaConfig]] = {}
+        for pool_config in config.pools:
+            name = pool_config.policy or config.policy
+            pool = self.pools.get(pool_config.model)
+            if pool is None or scheduling_changed or pool.policy != name:
+                plan.policies[pool_config.model] = (
+                    name,
+                    self.router.build(name, config.scheduling),
+                )
+            for replica_config in pool_config.replicas:
+                url = normalize_replica_url(replica_config.url)
+                wanted[url] = (pool_config.model, replica_config)
+        configured = {pool.model for pool in config.pools}
+        for model, pool in self.pools.items():  # unlisted, but replicas still drain there
+            if model not in configured and scheduling_changed:
+                plan.policies[model] = self._policy_for_draining(pool, config)
+        held: dict[str, Upstream] = {}  # name -> an unlisted replica still draining
+        for url, replica in self.replicas.items():
+            if url not in wanted:
+                plan.leaving.append(replica)
+                held[replica.name] = replica
+                continue
+            model, replica_config = wanted[url]
+            if model != replica.pool:  # moved to another pool: a new replica there
+                plan.evicted.append(replica)
+            elif replica_config == replica.config:
+                plan.kept.append(replica)
+            else:
+                plan.edited.append((replica, replica_config, None))
+        for i, (replica, replica_config, _) in enumerate(plan.edited):
+            if _needs_new_spec(replica.config, replica_config):
+                name = replica_name(replica_config)
+                spec = self.router.replica_spec(replica.pool, name, replica_config)
+                plan.edited[i] = (replica, replica_config, spec)
+        for url, (model, replica_config) in wanted.items():
+            current = self.replicas.get(url)
+            if current is None or current in plan.evicted:
+                upstream = Upstream(replica_config, model, config.health)
+                spec = self.router.replica_spec(model, upstream.name, replica_config)
+                plan.added.append((upstream, spec))
+        names = [replica_name(c) for _, c, _ in plan.edited] + [u.name for u, _ in plan.added]
+        for name in names:  # listed names are unique (parse_config); drains give theirs up
+            holder = held.get(name)
+            if holder is not None and holder not in plan.evicted:
+                plan.leaving.remove(holder)
+                plan.evicted.append(holder)
+        return plan
+
+    def _policy_for_draining(self, pool: Pool, config: GatewayConfig) -> tuple[str, Policy]:
+        """The policy of a pool the file no longer lists, under new scheduling profiles:
+        its own when they still define it, else the file's default."""
+        try:
+            return pool.policy, self.router.build(pool.policy, config.scheduling)
+        except IsocostError:
+            return config.policy, self.router.build(config.policy, config.scheduling)
+
+    def _commit(self, plan: _Plan) -> None:
+        """Apply ``plan``; nothing here raises (``_plan`` built or checked it all)."""
+        config, now = plan.config, time.monotonic()
+        health_changed = config.health != self.config.health
         self.config = config
-        self.router.set_scheduling(config.scheduling)
+        for model in plan.policies:
+            if model not in self.pools:
+                self.pools[model] = Pool(model, plan.policies[model][0])
+        self.router.install_policies(
+            config.scheduling, {model: policy for model, (_, policy) in plan.policies.items()}
+        )
+        for model, (name, _) in plan.policies.items():
+            self.pools[model].policy = name
         self.router.queue_size = config.limits.max_queue
         self.router.queue_timeout_s = config.limits.queue_timeout_ms / 1000
         if self._forwarder is not None:
             self._forwarder.settings = _forward_settings(config.limits)
         self.monitor.configure(config)
-        wanted: dict[str, tuple[str, ReplicaConfig]] = {}
-        for pool_config in config.pools:
-            pool = self.pools.get(pool_config.model)
-            policy = pool_config.policy or config.policy
-            if pool is None:
-                pool = self.pools[pool_config.model] = Pool(pool_config.model, policy)
-            self.router.set_policy(pool, policy)
-            for replica_config in pool_config.replicas:
-                wanted[normalize_replica_url(replica_config.url)] = (
-                    pool_config.model,
-                    replica_config,
-                )
-        for url, replica in list(self.replicas.items()):
-            if url not in wanted or wanted[url][0] != replica.pool:
-                self.remove_replica(url)
-            elif wanted[url][1] != replica.config:
-                self.remove_replica(url, finalize_now=True)
-            elif replica.removing:  # listed again before its drain ended: keep it
+        for replica in plan.evicted:  # frees its URL and name; its requests finish untracked
+            replica.removing = True
+            self.finalize_removal(replica)
+        for replica in plan.leaving:
+            self.remove_replica(replica.url)
+        respecced = [(r, c, spec) for r, c, spec in plan.edited if spec is not None]
+        for replica, _, _ in respecced:  # all old names go before any new one comes
+            self.monitor.unwatch(replica)
+            self.router.remove_replica(replica)
+        for replica, replica_config, _ in plan.edited:
+            replica.reconfigure(replica_config)
+        for replica, _, spec in respecced:
+            assert spec is not None
+            self.router.add_replica(self.pools[replica.pool], replica, spec)
+            self.router.set_draining(replica, replica.drained)
+            self.router.sync_health(replica, now)
+            self.monitor.watch(replica)
+        for replica in [r for r, _, _ in plan.edited] + plan.kept:
+            if replica.removing:  # listed again before its drain ended: keep it
                 replica.removing = False
                 self.router.set_draining(replica, replica.drained)
-        for url, (model, replica_config) in wanted.items():
-            if url not in self.replicas:
-                self.add_replica(model, replica_config)
+        for upstream, spec in plan.added:
+            self._add(upstream, spec)
+        if health_changed:  # new thresholds for every breaker, new periods for every probe
+            for replica in list(self.replicas.values()):
+                replica.configure_health(config.health)
+                self.monitor.unwatch(replica)
+                self.monitor.watch(replica)
         for pool in list(self.pools.values()):
             self._drop_if_unused(pool)
-        self.intake.configure(config, time.monotonic())
+        self.intake.configure(config, now)
 
     def add_replica(self, model: str, replica_config: ReplicaConfig) -> Upstream:
-        pool = self.pools.get(model)
-        if pool is None:
-            pool = self.pools[model] = Pool(model, self.config.policy)
-            self.router.set_policy(pool, self.config.policy)
-        replica = Upstream(replica_config, model, self.config.health)
-        if replica.url in self.replicas:
-            raise IsocostError(f"replica {replica.url} already exists")
-        self.router.add_replica(pool, replica)
+        """Add one replica at run time (the admin API): the config file's checks of a
+        replica entry, then unique URL and name; a ConfigError names the field."""
+        check_replica(replica_config, model, self.catalog, source=_ADMIN_SOURCE, key="replica")
+        upstream = Upstream(replica_config, model, self.config.health)
+        if upstream.url in self.replicas:
+            raise ConfigError(
+                _ADMIN_SOURCE, f"replica {upstream.url} already exists", key="replica.url"
+            )
+        if upstream.name in self.router.replicas:
+            raise ConfigError(
+                _ADMIN_SOURCE,
+                f"a replica named {upstream.name!r} already exists",
+                key="replica.name",
+            )
+        if model not in self.pools:
+            self.router.install_policies(
+                self.router.scheduling, {model: self.router.build(self.config.policy)}
+            )
+            self.pools[model] = Pool(model, self.config.policy)
+        self._add(upstream, self.router.replica_spec(model, upstream.name, replica_config))
+        return upstream
+
+    def _add(self, replica: Upstream, spec: ReplicaSpec) -> None:
+        pool = self.pools[replica.pool]
+        self.router.add_replica(pool, replica, spec)
         pool.replicas[replica.url] = replica
         self.replicas[replica.url] = replica
         self.monitor.watch(replica)
         log.info("replica added", extra={"event": "replica_added", "replica": replica.name})
-        return replica
 
     def remove_replica(self, url: str, *, finalize_now: bool = False) -> None:
         """Stop new work to ``url``; it leaves once its in-flight requests end."""
@@ -191,11 +305,32 @@ class Gateway:
             del self.pools[pool.model]
             self.router.remove_pool(pool.model)
 
+    def reload(self) -> None:
+        """Read the config file and apply it, all or nothing. A bad file (unreadable,
+        invalid, or one that would switch the gateway off, see ``_refuse_lockout``) is
+        logged in one line, counted as rejected, and the running config stays."""
+        assert self.config_path is not None
+        source = str(self.config_path)
+        try:
+            config = parse_config(read_text(self.config_path), source)
+            _refuse_lockout(self.config, config, source)
+            self.apply_config(config)
+        except Exception as exc:  # no file may end the watcher
+            error = str(exc) if isinstance(exc, IsocostError) else f"{type(exc).__name__}: {exc}"
+            log.error(
+                "config rejected",
+                extra={"event": "reload_failed", "file": source, "error": error},
+            )
+            self.metrics.config_reloads.labels("rejected").inc()
+            return
+        self.metrics.config_reloads.labels("ok").inc()
+        log.info("config reloaded", extra={"event": "reloaded", "file": source})
+
     async def _watch_config(self) -> None:
         """Reload the file once new content has held still for one poll.
 
         A file caught mid-write (truncated by ``>`` or an editor, not yet refilled) must
-        not be applied: an empty file is a valid config with no pools and no admin token.
+        not be applied; a deleted file is rejected once, and applied again when restored.
         """
         assert self.config_path is not None
         settling: bytes | None = None
@@ -207,14 +342,51 @@ class Gateway:
                 continue
             self._config_digest = digest
             settling = None
-            try:
-                config = parse_config(read_text(self.config_path), str(self.config_path))
-                self.router.check_config(config)
-            except IsocostError as exc:
-                log.error("config rejected", extra={"event": "reload_failed", "error": str(exc)})
-                continue
-            self.apply_config(config)
-            log.info("config reloaded", extra={"event": "reloaded"})
+            self.reload()
+
+
+@dataclass(slots=True)
+class _Plan:
+    """What applying ``config`` changes, with everything that could fail already built."""
+
+    config: GatewayConfig
+    policies: dict[str, tuple[str, Policy]] = field(default_factory=dict)  # by pool model
+    kept: list[Upstream] = field(default_factory=list)  # listed again as they are
+    edited: list[tuple[Upstream, ReplicaConfig, ReplicaSpec | None]] = field(
+        default_factory=list
+    )  # changed in place; a spec when the router's view of it changes
+    leaving: list[Upstream] = field(default_factory=list)  # unlisted: drain, then leave
+    evicted: list[Upstream] = field(default_factory=list)  # URL or name taken: leave now
+    added: list[tuple[Upstream, ReplicaSpec]] = field(default_factory=list)
+
+
+def _needs_new_spec(old: ReplicaConfig, new: ReplicaConfig) -> bool:
+    """Whether the router must see the edited replica anew (all but its key changed)."""
+    return msgspec.structs.replace(old, api_key_env=new.api_key_env) != new
+
+
+def _refuse_lockout(running: GatewayConfig, new: GatewayConfig, source: str) -> None:
+    """A reload may change anything but may not switch the gateway off: remove every
+    pool or every replica, the admin token, or API-key auth while they are on. (Start the
+    gateway with such a file to mean it.)"""
+    if running.pools and not new.pools:
+        raise ConfigError(source, "refused: the reload would remove every pool", key="pools")
+    listed = sum(len(pool.replicas) for pool in running.pools)
+    if listed and not any(pool.replicas for pool in new.pools):
+        raise ConfigError(source, "refused: the reload would remove every replica", key="pools")
+    auth, new_auth = running.auth, new.auth
+    if _has_admin_token(auth) and not _has_admin_token(new_auth):
+        raise ConfigError(
+            source, "refused: the reload would turn the admin API off", key="auth.admin_token"
+        )
+    if auth.api_keys and not new_auth.api_keys:
+        raise ConfigError(
+            source, "refused: the reload would turn API-key auth off", key="auth.api_keys"
+        )
+
+
+def _has_admin_token(auth: AuthConfig) -> bool:
+    return bool(auth.admin_token) or auth.admin_token_env is not None
 
 
 def _forward_settings(limits: LimitsConfig) -> ForwardSettings:

@@ -63,6 +63,12 @@ class GatewayMetrics:
             ["reason"],
             registry=r,
         )
+        self.config_reloads = Counter(
+            "isocost_config_reloads",
+            "Config file reloads, by result: ok (applied) or rejected (the running config stays).",
+            ["result"],
+            registry=r,
+        )
 
         def per_replica(name: str, documentation: str) -> Gauge:
             return Gauge(name, documentation, ["pool", "replica"], registry=r)

@@ -50,7 +50,12 @@ from isocost.gateway.metrics import GatewayMetrics
 from isocost.gateway.upstreams import Pool, Upstream
 from isocost.openai.errors import ApiError
 from isocost.prefix.hashing import BLOCK_TOKENS
-from isocost.runtime.config import GatewayConfig, check_references, replica_cost_model
+from isocost.runtime.config import (
+    GatewayConfig,
+    ReplicaConfig,
+    check_references,
+    replica_cost_model,
+)
 from isocost.scheduling.contract import EngineMetrics, InFlight, ReplicaSpec, RequestView
 from isocost.scheduling.decision import Decision, RejectReason
 from isocost.scheduling.dispatch import Dispatcher
@@ -220,12 +225,13 @@ class Router:
         """Raise IsocostError if ``config`` names an unknown policy, plugin or cost model."""
         check_references(config, self.catalog)
 
-    def set_scheduling(self, scheduling: SchedulingConfig) -> None:
-        """New plugin declarations, profiles and routes; rebuilds every pool's policy."""
-        if scheduling != self.scheduling:
-            self.scheduling = scheduling
-            for model in self.policies:
-                self.policies[model] = self.build(self.policies[model].name)
+    def install_policies(
+        self, scheduling: SchedulingConfig, policies: Mapping[str, Policy]
+    ) -> None:
+        """Take new scheduling profiles and the policies (by pool model) built under them
+        (``build``); pools not named keep theirs."""
+        self.scheduling = scheduling
+        self.policies.update(policies)
 
     def set_policy(self, pool: Pool, name: str) -> None:
         if pool.model in self.policies and pool.policy == name:
@@ -241,20 +247,23 @@ class Router:
             self.on_reject("model_not_found")
             waiter.set_exception(ApiError(404, "model removed", code="model_not_found"))
 
-    def add_replica(self, pool: Pool, replica: Upstream) -> None:
-        config = replica.config
-        if replica.name in self._by_id:
-            raise IsocostError(f"a replica named {replica.name!r} already exists")
-        spec = ReplicaSpec(
-            replica_id=replica.name,
-            model=pool.model,
-            cost_model=replica_cost_model(config, pool.model, self.catalog),
+    def replica_spec(self, model: str, name: str, config: ReplicaConfig) -> ReplicaSpec:
+        """The brain's description of replica ``name`` of pool ``model``."""
+        return ReplicaSpec(
+            replica_id=name,
+            model=model,
+            cost_model=replica_cost_model(config, model, self.catalog),
             weight=config.weight,
             usd_per_hour=config.usd_per_hour,
             max_queue=config.max_queue,
             groups=frozenset(config.groups),
         )
-        self.replicas.add(spec)
+
+    def add_replica(self, pool: Pool, replica: Upstream, spec: ReplicaSpec | None = None) -> None:
+        """Add ``replica`` to ``pool``, described by ``spec`` (default: from its config)."""
+        if replica.name in self._by_id:
+            raise IsocostError(f"a replica named {replica.name!r} already exists")
+        self.replicas.add(spec or self.replica_spec(pool.model, replica.name, replica.config))
         self._by_id[replica.name] = replica
 
     def remove_replica(self, replica: Upstream) -> None:

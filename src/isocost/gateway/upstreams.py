@@ -44,8 +44,22 @@ class Upstream:
         self.scrape_error: str | None = None
         self.recent_ttft_s: deque[float] = deque(maxlen=_RECENT)
         self.recent_itl_s: deque[float] = deque(maxlen=_RECENT)
-        key = os.environ.get(config.api_key_env) if config.api_key_env else None
-        self.upstream_headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self.upstream_headers = _upstream_headers(config)
+
+    def reconfigure(self, config: ReplicaConfig) -> None:
+        """Take an edited config entry in place: in-flight count, breaker and scrapes stay."""
+        self.config = config
+        self.name = replica_name(config)
+        self.upstream_headers = _upstream_headers(config)
+
+    def configure_health(self, health: HealthConfig) -> None:
+        """Take reloaded breaker settings (its recent outcomes and state stay)."""
+        self.breaker.configure(
+            failure_threshold=health.failure_threshold,
+            min_success_rate=health.min_success_rate,
+            window_size=health.window_size,
+            open_s=health.open_ms / 1000,
+        )
 
     def routable(self, now: float) -> bool:
         """May new work be sent here: circuit closed, not drained, not being removed."""
@@ -60,6 +74,12 @@ class Upstream:
 
     def scrape_age_s(self, now: float) -> float | None:
         return None if self.scraped_at is None else now - self.scraped_at
+
+
+def _upstream_headers(config: ReplicaConfig) -> dict[str, str]:
+    """The bearer token the replica expects, read from its ``api_key_env``."""
+    key = os.environ.get(config.api_key_env) if config.api_key_env else None
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 @dataclass(slots=True)

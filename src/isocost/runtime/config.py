@@ -67,6 +67,7 @@ file gets the same one-line error from either.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from urllib.parse import urlsplit
@@ -75,7 +76,7 @@ import msgspec
 
 from isocost.core.catalog import Catalog
 from isocost.core.costmodel import CostModel
-from isocost.core.errors import ConfigError
+from isocost.core.errors import ConfigError, IsocostError
 from isocost.files import resolve_model
 from isocost.scheduling.policies import SchedulingConfig, build_policy
 
@@ -88,6 +89,7 @@ __all__ = [
     "PoolConfig",
     "ReplicaConfig",
     "check_references",
+    "check_replica",
     "normalize_replica_url",
     "parse_config",
     "replica_cost_model",
@@ -203,7 +205,8 @@ def parse_config(text: str, source: str, *, secrets: bool = True) -> GatewayConf
     ``secrets``: also require every ``*_env`` variable to be set (the simulator, which
     sends nothing anywhere, passes False)."""
     try:
-        config = msgspec.yaml.decode(text or "{}", type=GatewayConfig)
+        # an empty or comment-only file is the empty mapping
+        config = msgspec.yaml.decode(text or "{}", type=GatewayConfig | None) or GatewayConfig()
     except msgspec.ValidationError as exc:
         key = _key_of(str(exc))
         unknown = _UNKNOWN_RE.search(str(exc))
@@ -225,15 +228,62 @@ def replica_cost_model(replica: ReplicaConfig, pool_model: str, catalog: Catalog
     return CostModel(model, catalog.gpu(replica.gpu), replica.tp)
 
 
-def check_references(config: GatewayConfig, catalog: Catalog) -> None:
+def check_references(config: GatewayConfig, catalog: Catalog, source: str = "config") -> None:
     """Raise IsocostError if ``config`` names an unknown policy, plugin or cost model."""
     names = {p.name for p in config.scheduling.policies} | {config.policy}
     names.update(pool.policy for pool in config.pools if pool.policy)
     for name in sorted(names):
         build_policy(name, config=config.scheduling, source="scheduling")
-    for pool in config.pools:
-        for replica in pool.replicas:
-            replica_cost_model(replica, pool.model, catalog)
+    for i, pool in enumerate(config.pools):
+        for j, replica in enumerate(pool.replicas):
+            _check_replica_references(
+                replica, pool.model, catalog, source, f"pools[{i}].replicas[{j}]"
+            )
+
+
+def check_replica(
+    replica: ReplicaConfig, pool_model: str, catalog: Catalog, *, source: str, key: str
+) -> None:
+    """Every check the config file makes of one replica entry (``parse_config``'s and
+    ``check_references``'), for one added at run time: a ConfigError naming ``key``.field.
+    Uniqueness among the replicas already running is the caller's to check."""
+    _check_replica_fields(replica, source, key, secrets=True)
+    _check_replica_references(replica, pool_model, catalog, source, key)
+
+
+def _check_replica_fields(replica: ReplicaConfig, source: str, key: str, *, secrets: bool) -> None:
+    def bad(field: str, message: str) -> ConfigError:
+        return ConfigError(source, message, key=f"{key}.{field}")
+
+    try:
+        normalize_replica_url(replica.url)
+    except ValueError as exc:
+        raise bad("url", str(exc)) from None
+    if replica.tp < 1:
+        raise bad("tp", "must be >= 1")
+    if not replica.weight > 0 or not math.isfinite(replica.weight):
+        raise bad("weight", "must be > 0")
+    if replica.max_queue < 0:
+        raise bad("max_queue", "must be >= 0")
+    usd = replica.usd_per_hour
+    if usd is not None and (not usd >= 0 or not math.isfinite(usd)):
+        raise bad("usd_per_hour", "must be >= 0")
+    env = replica.api_key_env
+    if secrets and env is not None and env not in os.environ:
+        raise bad("api_key_env", f"environment variable {env} unset")
+
+
+def _check_replica_references(
+    replica: ReplicaConfig, pool_model: str, catalog: Catalog, source: str, key: str
+) -> None:
+    try:
+        catalog.gpu(replica.gpu)
+    except IsocostError as exc:
+        raise ConfigError(source, str(exc), key=f"{key}.gpu") from None
+    try:
+        replica_cost_model(replica, pool_model, catalog)
+    except IsocostError as exc:
+        raise ConfigError(source, str(exc), key=f"{key}.cost_model") from None
 
 
 def _check(config: GatewayConfig, source: str, secrets: bool) -> None:
@@ -249,10 +299,8 @@ def _check(config: GatewayConfig, source: str, secrets: bool) -> None:
         seen_models.add(pool.model)
         for j, replica in enumerate(pool.replicas):
             key = f"pools[{i}].replicas[{j}]"
-            try:
-                url = normalize_replica_url(replica.url)
-            except ValueError as exc:
-                raise bad(f"{key}.url", str(exc)) from None
+            _check_replica_fields(replica, source, key, secrets=secrets)
+            url = normalize_replica_url(replica.url)
             if url in seen_urls:
                 raise bad(f"{key}.url", f"replica {url} is listed twice")
             seen_urls.add(url)
@@ -260,17 +308,6 @@ def _check(config: GatewayConfig, source: str, secrets: bool) -> None:
             if name in seen_names:
                 raise bad(f"{key}.name", f"a replica named {name!r} is listed twice")
             seen_names.add(name)
-            if replica.tp < 1:
-                raise bad(f"{key}.tp", "must be >= 1")
-            if replica.weight <= 0:
-                raise bad(f"{key}.weight", "must be > 0")
-            if replica.max_queue < 0:
-                raise bad(f"{key}.max_queue", "must be >= 0")
-            if replica.usd_per_hour is not None and replica.usd_per_hour < 0:
-                raise bad(f"{key}.usd_per_hour", "must be >= 0")
-            env = replica.api_key_env
-            if secrets and env is not None and env not in os.environ:
-                raise bad(f"{key}.api_key_env", f"environment variable {env} unset")
     limits = config.limits
     for field in LimitsConfig.__struct_fields__:
         value = getattr(limits, field)

@@ -3,14 +3,21 @@ references ``serve`` and ``sim --config`` both resolve."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+from typing import Any
 
+import msgspec
 import pytest
 
 from isocost.core.catalog import Catalog
 from isocost.core.errors import ConfigError, IsocostError
 from isocost.runtime.config import (
+    GatewayConfig,
+    PoolConfig,
+    ReplicaConfig,
     check_references,
+    check_replica,
     normalize_replica_url,
     parse_config,
     replica_name,
@@ -162,3 +169,43 @@ def test_unknown_references_are_errors(text: str, fragment: str) -> None:
     config = parse_config(text, "g.yaml")
     with pytest.raises(IsocostError, match=fragment):
         check_references(config, Catalog.builtin())
+
+
+@pytest.mark.parametrize("text", ["", "\n", "# all commented out\n# pools: []\n"])
+def test_an_empty_or_comment_only_file_is_the_empty_config(text: str) -> None:
+    assert parse_config(text, "g.yaml") == GatewayConfig()
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"url": "ftp://a:1"}, "url"),
+        ({"tp": 0}, "tp"),
+        ({"weight": 0.0}, "weight"),
+        ({"weight": math.nan}, "weight"),
+        ({"max_queue": -1}, "max_queue"),
+        ({"usd_per_hour": -0.5}, "usd_per_hour"),
+        ({"usd_per_hour": math.inf}, "usd_per_hour"),
+        ({"api_key_env": "ISOCOST_TEST_UNSET_VAR"}, "api_key_env"),
+        ({"gpu": "a101"}, "gpu"),
+        ({"cost_model": "no-such-model"}, "cost_model"),
+    ],
+)
+def test_check_replica_names_the_field_as_the_file_would(
+    fields: dict[str, Any], field: str
+) -> None:
+    replica = ReplicaConfig(**{"url": "http://a:1", **fields})
+    with pytest.raises(ConfigError) as raised:
+        check_replica(replica, "llama-3.1-8b", Catalog.builtin(), source="add", key="replica")
+    assert raised.value.key == f"replica.{field}"
+    # the file gets the very same check, under the entry's own key
+    pool = PoolConfig(model="llama-3.1-8b", replicas=[replica])
+    text = msgspec.yaml.encode(GatewayConfig(pools=[pool])).decode()
+    with pytest.raises(ConfigError) as in_file:
+        check_references(parse_config(text, "g.yaml"), Catalog.builtin())
+    assert in_file.value.key == f"pools[0].replicas[0].{field}"
+
+
+def test_check_replica_passes_a_good_entry() -> None:
+    replica = ReplicaConfig(url="http://a:1", gpu="h100-80g", tp=2, usd_per_hour=3.0)
+    check_replica(replica, "llama-3.1-8b", Catalog.builtin(), source="add", key="replica")
