@@ -16,6 +16,7 @@ from typing import cast
 import aiohttp
 import msgspec
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 
 from isocost.core.catalog import Catalog
 from isocost.core.errors import ConfigError, IsocostError
@@ -184,12 +185,13 @@ class _HeaderDeadline(asyncio.Protocol):
     kept-alive connection are bounded by aiohttp's keep-alive timeout between requests.
     """
 
-    def __init__(self, inner: asyncio.Protocol, deadline_s: float) -> None:
+    def __init__(self, inner: RequestHandler, deadline_s: float) -> None:
         self._inner = inner
         self._deadline_s = deadline_s
         self._timer: asyncio.TimerHandle | None = None
         self._transport: asyncio.Transport | None = None
         self._tail = b""
+        self._received = False  # any bytes yet: an EOF before them closes at once
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
@@ -197,6 +199,7 @@ class _HeaderDeadline(asyncio.Protocol):
         self._inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
+        self._received = True
         if self._timer is not None:
             self._tail = (self._tail + data)[-(len(data) + 3) :]
             if b"\r\n\r\n" in self._tail:
@@ -205,7 +208,17 @@ class _HeaderDeadline(asyncio.Protocol):
         self._inner.data_received(data)
 
     def eof_received(self) -> bool | None:
-        return self._inner.eof_received()
+        """The client closed its sending side. aiohttp's handler lets the transport close
+        then, so a client that half-closes after its request (``shutdown(SHUT_WR)``) got
+        no answer. While a request is in hand the connection stays open for the answer and
+        closes after it; a client that left for good is noticed at the next write."""
+        handler = self._inner
+        handler.eof_received()
+        waiting_for_a_request = handler._waiter is not None and not handler._messages
+        if waiting_for_a_request or not self._received:
+            return None  # idle: nothing to answer, close
+        handler.close()  # no request can follow: close once this one is answered
+        return True
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._timer is not None:
