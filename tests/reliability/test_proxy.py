@@ -378,14 +378,21 @@ def test_a_client_that_leaves_mid_stream_is_499_and_the_upstream_is_cancelled(ri
     assert rig.replica(upstream)["success_rate"] == 1.0  # the client's leaving is not its fault
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
-def test_a_client_that_leaves_before_the_upstream_answered_is_499(rig: Rig, stream: bool) -> None:
+@pytest.mark.parametrize(
+    ("stream", "leave"),
+    [(False, reset), (True, reset), (False, socket.socket.close), (True, socket.socket.close)],
+    ids=["whole-reset", "stream-reset", "whole-close", "stream-close"],
+)
+def test_a_client_that_leaves_before_the_upstream_answered_is_499(
+    rig: Rig, stream: bool, leave: Callable[[socket.socket], None]
+) -> None:
+    """A close (FIN) looks like a half-close at first: the gateway's probe tells them apart."""
     (upstream,) = rig.upstreams
     set_mode(upstream.url, completion="hang", stall_s=60)
     sock = connect(rig)
     sock.sendall(raw_request(completion(stream=stream), "gone-waiting"))
     wait_for(lambda: len(received(upstream.url)) == 1, what="the request upstream")
-    reset(sock)
+    leave(sock)
     assert_logged_gone_once(rig, "gone-waiting", "client disconnected")
     wait_for(upstream_saw_the_client_leave(upstream, "gone-waiting"), what="the upstream cancelled")
     assert rig.requests_total(499) == 1
@@ -454,17 +461,28 @@ def read_all(sock: socket.socket) -> bytes:
     return b"".join(chunks)
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize(
+    ("stream", "wait_s"),
+    [(False, 0.0), (True, 0.0), (False, 1.2), (True, 1.2)],  # under the 1.5 s idle timeout
+    ids=["whole", "stream", "whole-after-a-wait", "stream-after-a-wait"],
+)
 def test_a_client_that_half_closes_after_its_request_gets_the_answer(
-    rig: Rig, stream: bool
+    rig: Rig, stream: bool, wait_s: float
 ) -> None:
     (upstream,) = rig.upstreams
-    set_mode(upstream.url, completion="ok", stream_tokens=20 if stream else 0, token_delay_s=0.01)
+    tokens = 20 if stream else 0
+    mode = "hang" if wait_s else "ok"  # hang: nothing for stall_s, then the answer
+    set_mode(upstream.url, completion=mode, stall_s=wait_s, stream_tokens=tokens)
     sock = connect(rig)
     sock.sendall(raw_request(completion(stream=stream), "half-closed"))
     sock.shutdown(socket.SHUT_WR)
     answer = read_all(sock)  # the gateway closes once it answered
     sock.close()
+    interim = b"HTTP/1.1 100 Continue\r\n\r\n"  # the gateway's probes while it waits
+    probes = 0
+    while answer.startswith(interim):
+        answer, probes = answer[len(interim) :], probes + 1
+    assert probes or not wait_s
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200"), answer[:300]
     if stream:

@@ -220,8 +220,10 @@ class Forwarder:
             if not self.router.has_candidate(request, frozenset(tried)):
                 tried.clear()  # every replica failed once: allow a second try anywhere
         assert last is not None
-        if last.status == 504 or time.monotonic() >= deadline:
+        if time.monotonic() >= deadline:
             raise _timed_out(last.reason)
+        if last.status == 504:
+            raise ApiError(504, f"replicas timed out: {last.reason}", code="upstream_timeout")
         if last.busy or last.soft:
             raise ApiError(503, "every replica tried is full", code="overloaded", retry_after_s=1.0)
         raise ApiError(
