@@ -303,7 +303,10 @@ class Forwarder:
         upstream.release()
         return response
 
-    async def _read_whole(self, upstream: aiohttp.ClientResponse, request: GatewayRequest) -> bytes:
+    async def _read_whole(
+        self, upstream: aiohttp.ClientResponse, request: GatewayRequest
+    ) -> bytearray:
+        """The whole body, read no further than ``max_response_bytes`` (beyond: 502)."""
         limit = self.settings.max_response_bytes
         data = bytearray()
         try:
@@ -318,7 +321,7 @@ class Forwarder:
             raise _AttemptFailed(f"body: {type(exc).__name__}") from None
         if (upstream.content_length or 0) > limit or len(data) > limit:
             raise self._too_large(request)
-        return bytes(data)
+        return data
 
     def _too_large(self, request: GatewayRequest) -> ApiError:
         limit = self.settings.max_response_bytes
@@ -404,6 +407,7 @@ class Forwarder:
         response.content_type = upstream.content_type or "text/event-stream"
         response.headers["Cache-Control"] = "no-cache"
         broken: str | None = None
+        delivered = False  # the whole stream reached the client (False: it left)
         last_at = now
         counted = 0
         try:
@@ -436,10 +440,11 @@ class Forwarder:
             else:
                 await self._end_broken_stream(http, response, request, replica, reader, broken)
             await self._send(http, response.write_eof())
+            delivered = broken is None
         finally:
             tokens = reader.events if reader.usage_tokens is None else reader.usage_tokens
             result.output_tokens = tokens
-            self.router.release(grant, time.monotonic(), ok=broken is None, output_tokens=tokens)
+            self.router.release(grant, time.monotonic(), ok=delivered, output_tokens=tokens)
         result.status = upstream.status if broken is None else 502
         result.error = broken
         return response

@@ -25,7 +25,7 @@ class _WithUsage(msgspec.Struct):
 _decoder = msgspec.json.Decoder(_WithUsage)
 
 
-def answer_usage(body: bytes) -> Usage | None:
+def answer_usage(body: bytes | bytearray) -> Usage | None:
     """The usage of a JSON answer or of one stream event's payload (None when it carries
     none); msgspec.DecodeError when ``body`` is not a JSON object, so it is the check too."""
     return _decoder.decode(body).usage
