@@ -7,7 +7,8 @@ its current *mode* says, and a test changes the mode at run time::
 
     upstream = start_fake_upstream()            # a Proc (isocost_procs) with .url
     set_mode(upstream.url, completion="no_done", metrics="vllm:num_requests_running NaN")
-    received(upstream.url)                      # what it was sent: path, headers, body
+    received(upstream.url)                      # what it was sent: path, headers, body,
+                                                # client_left: True once its client went
 
 Mode keys (``POST /_fake/mode`` merges them into the current mode):
 
@@ -17,7 +18,12 @@ Mode keys (``POST /_fake/mode`` merges them into the current mode):
   ``ok`` (a small valid answer, streamed or not as asked), ``no_done`` (a stream that
   ends cleanly without ``[DONE]``), ``invalid_json``, ``html``, ``status`` (an OpenAI error
   with status ``status``), ``huge`` (a valid JSON answer of ``size_bytes``), ``stall``
-  (headers, then nothing for ``stall_s``);
+  (headers, then nothing for ``stall_s``), ``hang`` (nothing at all for ``stall_s``); for
+  streams, after the first token: ``truncated`` (writes ``tail``, then ends cleanly),
+  ``reset`` (resets the connection), ``garbage`` (a ``garbage_line``, then the rest);
+* ``stream_tokens``, ``token_bytes``, ``token_delay_s``: an ``ok`` stream of that many
+  tokens of that size, that far apart (0 tokens: the two tokens ``hel``, ``lo``); the
+  stream faults above come after the first token and its delay;
 * ``model``: the model ``/v1/models`` lists (``fake-model``).
 
 Run as a script: ``python fake_upstream.py [--port 0]`` prints ``fake upstream ready at URL``.
@@ -28,6 +34,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import socket
+import struct
 import subprocess
 import sys
 import urllib.request
@@ -54,6 +62,11 @@ DEFAULT_MODE: dict[str, Any] = {
     "status": 500,
     "size_bytes": 1 << 20,
     "stall_s": 30.0,
+    "tail": 'data: {"id": "fa',
+    "garbage_line": "<html>oops</html>",
+    "stream_tokens": 0,
+    "token_bytes": 1,
+    "token_delay_s": 0.0,
     "model": "fake-model",
 }
 
@@ -81,8 +94,19 @@ def _app() -> web.Application:
 
     async def completion(request: web.Request) -> web.StreamResponse:
         raw = await request.read()
-        log.append({"path": request.path, "headers": dict(request.headers), "body": raw.decode()})
-        body = json.loads(raw or b"{}")
+        entry: dict[str, Any] = {
+            "path": request.path,
+            "headers": dict(request.headers),
+            "body": raw.decode(),
+        }
+        log.append(entry)
+        try:
+            return await answer(request, json.loads(raw or b"{}"))
+        except (asyncio.CancelledError, ConnectionResetError):
+            entry["client_left"] = True
+            raise
+
+    async def answer(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         chat = request.path.endswith("chat/completions")
         kind = mode["completion"]
         if kind == "status":
@@ -97,6 +121,8 @@ def _app() -> web.Application:
         if kind == "huge":
             padding = "x" * int(mode["size_bytes"])
             return web.json_response(_answer(chat, padding, body))
+        if kind == "hang":
+            await asyncio.sleep(float(mode["stall_s"]))
         if kind == "stall":
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await response.prepare(request)
@@ -106,7 +132,22 @@ def _app() -> web.Application:
             return web.json_response(_answer(chat, "hello", body))
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        for word in ("hel", "lo"):
+        count = int(mode["stream_tokens"])
+        words = ["x" * int(mode["token_bytes"])] * count if count else ["hel", "lo"]
+        for at, word in enumerate(words):
+            if at:
+                await asyncio.sleep(float(mode["token_delay_s"]))
+            if at == 1 and kind == "truncated":
+                await response.write(str(mode["tail"]).encode())
+                await response.write_eof()
+                return response
+            if at == 1 and kind == "reset" and (transport := request.transport) is not None:
+                sock = transport.get_extra_info("socket")  # linger 0: a reset, not a FIN
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                transport.abort()
+                return response
+            if at == 1 and kind == "garbage":
+                await response.write(f"{mode['garbage_line']}\n\n".encode())
             chunk = _chunk(chat, word, None)
             await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
         await response.write(f"data: {json.dumps(_chunk(chat, '', 'stop'))}\n\n".encode())
@@ -186,7 +227,7 @@ def start_fake_upstream(timeout_s: float = 20) -> Proc:
 
 
 async def _serve(port: int) -> None:
-    runner = web.AppRunner(_app(), access_log=None)
+    runner = web.AppRunner(_app(), access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", port)
     await site.start()

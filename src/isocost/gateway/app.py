@@ -9,6 +9,7 @@ also counts the gateway's own refusals (``Rejection``) under their reasons.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -20,7 +21,7 @@ from isocost.gateway.admin import add_admin_routes
 from isocost.gateway.dashboard import add_dashboard_routes
 from isocost.gateway.intake import Rejection
 from isocost.gateway.lifecycle import Gateway
-from isocost.gateway.proxy import ForwardResult
+from isocost.gateway.proxy import CLIENT_GONE_STATUS, ClientGone, ForwardResult
 from isocost.gateway.routing import GatewayRequest
 from isocost.openai.errors import ApiError, error_response
 from isocost.openai.responses import json_response
@@ -73,17 +74,30 @@ def _log_result(gateway: Gateway, request: GatewayRequest, result: ForwardResult
             "ttft_ms": None if result.ttft_s is None else round(result.ttft_s * 1000, 1),
             "e2e_ms": round(e2e_s * 1000, 1),
             "key": request.key_name,
+            "error": result.error,
         },
     )
 
 
 async def _completion(http: web.Request, *, chat: bool) -> web.StreamResponse:
+    """Forward one request and log and count how it ended, exactly once, however it did:
+    answered, refused, or the client gone (aiohttp cancels the handler when it leaves)."""
     gateway = http.app[GATEWAY]
     body, request = await gateway.intake.prepare(http, chat=chat)
+    result = ForwardResult(CLIENT_GONE_STATUS)
     try:
-        response, result = await gateway.forwarder.forward(http, body, request)
+        response = await gateway.forwarder.forward(http, body, request, result)
     except ApiError as exc:
-        _log_result(gateway, request, ForwardResult(exc.status, None))
+        result.status = exc.status
+        _log_result(gateway, request, result)
+        raise
+    except ClientGone as exc:
+        result.status, result.error = CLIENT_GONE_STATUS, exc.reason
+        _log_result(gateway, request, result)
+        return web.Response(status=CLIENT_GONE_STATUS)  # never sent: the connection is closed
+    except asyncio.CancelledError:
+        result.status, result.error = CLIENT_GONE_STATUS, "client disconnected"
+        _log_result(gateway, request, result)
         raise
     _log_result(gateway, request, result)
     return response

@@ -8,7 +8,9 @@ the consecutive failure count and the last ``window_size`` outcomes.
 * closed -> open when ``failure_threshold`` failures come in a row, or when the success
   rate over a full window falls below ``min_success_rate``, or at once on a *hard* failure
   (connection refused or reset: the process is gone, waiting for more evidence only loses
-  requests). One slow answer among successes therefore never opens it.
+  requests). One slow answer among successes therefore never opens it. A *soft* failure
+  (an engine's 429, overloaded) counts in the success rate only, not in the run of
+  failures: a replica that refuses everything still opens within one window.
 * open: no traffic. After the cool-down (``open_ms``, doubled for each failed probe, at
   most 30 s) the breaker is half-open.
 * half-open: no live traffic either; the next active probe decides: success closes the
@@ -97,9 +99,16 @@ class Breaker:
         self._window.append(True)
 
     def record_failure(
-        self, now: float, reason: str, *, hard: bool = False, probe: bool = False
+        self,
+        now: float,
+        reason: str,
+        *,
+        hard: bool = False,
+        probe: bool = False,
+        soft: bool = False,
     ) -> None:
-        """A failed request (``probe=False``) or active check (``probe=True``)."""
+        """A failed request (``probe=False``) or active check (``probe=True``); a ``soft``
+        one counts in the success rate only."""
         self.last_error = reason
         state = self.state(now)
         if state is BreakerState.OPEN:
@@ -107,7 +116,8 @@ class Breaker:
         if state is BreakerState.HALF_OPEN:
             self._open(now, min(self._cooldown_s * 2, _MAX_OPEN_S))
             return
-        self._consecutive_failures += 1
+        if not soft:
+            self._consecutive_failures += 1
         self._window.append(False)
         window_full = len(self._window) == self._window.maxlen
         if (

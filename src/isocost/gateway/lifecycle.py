@@ -396,6 +396,7 @@ def _forward_settings(limits: LimitsConfig) -> ForwardSettings:
         total_timeout_s=limits.total_timeout_ms / 1000,
         max_retries=limits.max_retries,
         retry_backoff_s=limits.retry_backoff_ms / 1000,
+        max_response_bytes=limits.max_response_bytes,
     )
 
 

@@ -1,17 +1,28 @@
 """Forwarding: one client request -> attempts on replicas -> bytes relayed back.
 
-The original request bytes go upstream unchanged. An attempt that fails before anything
-was sent to the client (connection refused or reset, a 5xx including an engine's 503
-"full", a body that breaks before the first chunk) is recorded against the replica's
-breaker and retried on another replica, at most ``max_retries`` times, after a backoff of
-``retry_backoff_ms * 2**attempt``. The client's response is only started when the first
-upstream chunk is in hand, so "before the first byte" is exact. Once streaming has begun,
-an upstream failure ends the stream with an OpenAI-style error event and ``[DONE]``.
+The original request bytes go upstream unchanged. Every upstream answer is judged before
+anything reaches the client: connection refused or reset, a 5xx (an engine's 503 "full"
+included), a 429, a 401/403/404 (a replica that cannot serve this pool's model: never the
+client's fault, the gateway checked the model and key), a whole answer that is not a JSON
+object, a stream whose first event is not OpenAI SSE. Such an attempt is recorded against
+the replica's breaker (a 503 "full" not at all, a 429 in its success rate only) and retried
+on another replica, at most ``max_retries`` times, after a backoff of
+``retry_backoff_ms * 2**attempt``, while the total timeout lasts (after it: 504). Other
+4xx are the client's own and relayed as they are.
 
-Streams are relayed chunk by chunk as they arrive (aiohttp sets TCP_NODELAY on both
-sides); each SSE ``data:`` event counts as one streamed token for the shadow state (the
-final usage event, when the client asked for one, gives the exact count at the end), and
-the times between chunks are the observed inter-token latencies.
+Whole answers are read up to ``max_response_bytes`` (beyond: 502, the upstream connection
+closed). Streams are relayed line by line as they arrive (aiohttp sets TCP_NODELAY on both
+sides), each checked: every ``data:`` payload a JSON object, the stream closed by
+``[DONE]``. The client's response starts with the first event, so "before the first byte"
+is exact. Once streaming has begun, an upstream failure (a reset, a timeout, a line that is
+not SSE, an end without ``[DONE]``) is recorded against the replica and ends the client's
+stream with an OpenAI-style error event and ``[DONE]``. Each data event counts as one
+streamed token for the shadow state (the usage event, when the client asked for one, gives
+the exact count), and the times between chunks are the observed inter-token latencies.
+
+A client that leaves (its connection lost) or stops reading (a write blocked for
+``idle_timeout_ms``) ends the attempt: the upstream connection is closed, so the engine
+aborts the request, and the result is 499.
 """
 
 from __future__ import annotations
@@ -19,46 +30,78 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 
 import aiohttp
+import msgspec
 from aiohttp import web
 
 from isocost.gateway.routing import GatewayRequest, Grant, Router
 from isocost.gateway.upstreams import Upstream
 from isocost.openai import sse
 from isocost.openai.errors import ApiError
-from isocost.openai.usage import completion_tokens, stream_completion_tokens
+from isocost.openai.usage import answer_usage
 
-__all__ = ["ForwardResult", "ForwardSettings", "Forwarder"]
+__all__ = ["ClientGone", "ForwardResult", "ForwardSettings", "Forwarder"]
 
 log = logging.getLogger("isocost.gateway")
 
 _HOP_HEADERS = ("Accept", "X-Request-Id")
+_NOT_SERVED_HERE = frozenset({401, 403, 404})  # the replica, not the client, is wrong
+_OVERLOADED = 429
+_FULL = 503
+CLIENT_GONE_STATUS = 499
 
 
 class _AttemptFailed(Exception):
     """An attempt that may be retried elsewhere: nothing reached the client yet."""
 
     def __init__(
-        self, reason: str, *, hard: bool = False, status: int = 502, busy: bool = False
+        self,
+        reason: str,
+        *,
+        hard: bool = False,
+        status: int = 502,
+        busy: bool = False,
+        soft: bool = False,
     ) -> None:
         super().__init__(reason)
         self.reason = reason
         self.hard = hard  # the process is gone: open the breaker at once
         self.status = status
         self.busy = busy  # a healthy but full engine (503): retry, do not count against it
+        self.soft = soft  # an overloaded engine (429): counts in its success rate only
+
+
+class ClientGone(Exception):
+    """The client left or stopped reading: its request ends as 499 (``reason`` says how)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class _BadStream(Exception):
+    """An upstream stream that is not OpenAI server-sent events, or broke off."""
+
+
+class _TooLarge(Exception):
+    """An answer (or one stream line) over ``max_response_bytes``: the request's doing, not
+    the replica's, so neither retried nor held against it."""
 
 
 @dataclass(slots=True)
 class ForwardResult:
-    """How one client request ended, for logs and metrics."""
+    """How one client request ended, for logs and metrics; filled in as it goes, so a
+    request cancelled half way (the client left) still says where it got to."""
 
     status: int
-    replica: Upstream | None
+    replica: Upstream | None = None
     output_tokens: int = 0
     retries: int = 0
     ttft_s: float | None = None
+    error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +111,59 @@ class ForwardSettings:
     total_timeout_s: float
     max_retries: int
     retry_backoff_s: float
+    max_response_bytes: int
+
+
+class _StreamReader:
+    """Checks an upstream SSE stream as it arrives and hands back whole lines to relay.
+
+    ``feed`` returns the complete lines of what came so far (a partial line waits for the
+    rest), after checking each: SSE, and every data payload a JSON object or ``[DONE]``.
+    At ``[DONE]`` the stream is over: the rest is dropped and the canonical ``[DONE]``
+    event relayed."""
+
+    def __init__(self, max_line_bytes: int) -> None:
+        self.max_line_bytes = max_line_bytes
+        self.events = 0  # data events, [DONE] not counted
+        self.usage_tokens: int | None = None
+        self.done = False
+        self.at_event_end = True  # what was relayed ends with a blank line
+        self._partial = bytearray()
+
+    def feed(self, chunk: bytes) -> bytes:
+        cut = chunk.rfind(b"\n") + 1
+        if not cut:
+            self._partial += chunk
+            if len(self._partial) > self.max_line_bytes:
+                raise _TooLarge
+            return b""
+        lines = bytes(self._partial) + chunk[:cut]
+        self._partial = bytearray(chunk[cut:])
+        start = 0
+        while start < len(lines):
+            end = lines.index(b"\n", start) + 1
+            try:
+                payload = sse.line_data(lines[start:end])
+            except sse.SseError:
+                raise _BadStream("not an SSE line") from None
+            if payload == sse.DONE:
+                self.done = True
+                return lines[:start] + sse.DONE_EVENT
+            if payload is not None:
+                try:
+                    usage = answer_usage(payload)
+                except msgspec.DecodeError:
+                    raise _BadStream("event is not a JSON object") from None
+                self.events += 1
+                if usage is not None:
+                    self.usage_tokens = usage.completion_tokens
+            start = end
+        self.at_event_end = lines.endswith((b"\n\n", b"\r\n\r\n"))
+        return lines
+
+    def end_reason(self) -> str:
+        """Why a stream that stopped here is broken."""
+        return "ended mid-event" if self._partial else "ended before [DONE]"
 
 
 class Forwarder:
@@ -81,52 +177,71 @@ class Forwarder:
         self.settings = settings
 
     async def forward(
-        self, http: web.Request, body: bytes, request: GatewayRequest
-    ) -> tuple[web.StreamResponse, ForwardResult]:
-        """Answer ``http`` from some replica; ApiError when no attempt could succeed."""
+        self, http: web.Request, body: bytes, request: GatewayRequest, result: ForwardResult
+    ) -> web.StreamResponse:
+        """Answer ``http`` from some replica, recording the outcome in ``result``; ApiError
+        when no attempt could succeed, ClientGone when the client left."""
         tried: set[str] = set()
-        retries = 0
         last: _AttemptFailed | None = None
+        deadline = request.arrived_at + self.settings.total_timeout_s
         while True:
-            grant = await self.router.acquire(request, frozenset(tried))
+            grant = await self._acquire(request, frozenset(tried), deadline)
             tried.add(grant.replica.name)
+            result.replica = grant.replica
             try:
-                return await self._attempt(http, body, request, grant, retries)
+                return await self._attempt(http, body, request, grant, result)
             except BaseException as exc:  # the client left (cancelled) or the attempt failed
                 if not isinstance(exc, _AttemptFailed):
                     self.router.release(grant, time.monotonic(), ok=False, output_tokens=0)
                     raise
-                failed = exc
-                last = failed
-                now = time.monotonic()
-                if not failed.busy:
-                    grant.replica.breaker.record_failure(now, failed.reason, hard=failed.hard)
-                self.router.release(grant, now, ok=False, output_tokens=0)
-                if retries >= self.settings.max_retries:
-                    break
-                retries += 1
-                self.router.metrics.retries.labels(failed.reason).inc()
-                log.info(
-                    "retry",
-                    extra={
-                        "event": "retry",
-                        "request_id": request.request_id,
-                        "replica": grant.replica.name,
-                        "reason": failed.reason,
-                        "attempt": retries,
-                    },
+                failed = last = exc
+            now = time.monotonic()
+            if not failed.busy:
+                grant.replica.breaker.record_failure(
+                    now, failed.reason, hard=failed.hard, soft=failed.soft
                 )
-                await asyncio.sleep(self.settings.retry_backoff_s * 2 ** (retries - 1))
-                if not self.router.has_candidate(request, frozenset(tried)):
-                    tried.clear()  # every replica failed once: allow a second try anywhere
+            self.router.release(grant, now, ok=False, output_tokens=0)
+            if result.retries >= self.settings.max_retries or now >= deadline:
+                break
+            result.retries += 1
+            self.router.metrics.retries.labels(failed.reason).inc()
+            log.info(
+                "retry",
+                extra={
+                    "event": "retry",
+                    "request_id": request.request_id,
+                    "replica": grant.replica.name,
+                    "reason": failed.reason,
+                    "attempt": result.retries,
+                },
+            )
+            backoff_s = self.settings.retry_backoff_s * 2 ** (result.retries - 1)
+            await asyncio.sleep(min(backoff_s, max(0.0, deadline - time.monotonic())))
+            if not self.router.has_candidate(request, frozenset(tried)):
+                tried.clear()  # every replica failed once: allow a second try anywhere
         assert last is not None
-        if last.busy:
-            raise ApiError(503, "every replica tried is full", code="overloaded", retry_after_s=1.0)
+        if time.monotonic() >= deadline:
+            raise _timed_out(last.reason)
         if last.status == 504:
             raise ApiError(504, f"replicas timed out: {last.reason}", code="upstream_timeout")
+        if last.busy or last.soft:
+            raise ApiError(503, "every replica tried is full", code="overloaded", retry_after_s=1.0)
         raise ApiError(
             502, f"no replica could serve the request: {last.reason}", code="upstream_error"
         )
+
+    async def _acquire(
+        self, request: GatewayRequest, exclude: frozenset[str], deadline: float
+    ) -> Grant:
+        """A replica for the next attempt; 504 when the total timeout passes first."""
+        left_s = deadline - time.monotonic()
+        if left_s <= 0:
+            raise _timed_out("no time left for an attempt")
+        try:
+            async with asyncio.timeout(left_s):
+                return await self.router.acquire(request, exclude)
+        except TimeoutError:
+            raise _timed_out("waiting for a replica") from None
 
     async def _attempt(
         self,
@@ -134,11 +249,16 @@ class Forwarder:
         body: bytes,
         request: GatewayRequest,
         grant: Grant,
-        retries: int,
-    ) -> tuple[web.StreamResponse, ForwardResult]:
+        result: ForwardResult,
+    ) -> web.StreamResponse:
         replica = grant.replica
         settings = self.settings
-        headers = {"Content-Type": "application/json", **replica.upstream_headers}
+        # identity: the body is judged (and relayed) as the replica wrote it
+        headers = {
+            "Content-Type": "application/json",
+            "Accept-Encoding": "identity",
+            **replica.upstream_headers,
+        }
         for name in _HOP_HEADERS:
             if name in http.headers:
                 headers[name] = http.headers[name]
@@ -163,22 +283,61 @@ class Forwarder:
         except aiohttp.ClientError as exc:
             raise _AttemptFailed(f"upstream: {type(exc).__name__}") from None
         try:
-            if upstream.status >= 500:
-                raise _AttemptFailed(f"status {upstream.status}", busy=upstream.status == 503)
+            _judge_status(upstream.status)
             response_headers = {"x-isocost-replica": replica.name}
             if grant.predicted_ttft_s is not None:
                 response_headers["x-isocost-predicted-ttft-ms"] = (
                     f"{grant.predicted_ttft_s * 1000:.1f}"
                 )
             if upstream.status >= 400 or not request.view.stream:
-                return await self._relay_whole(
-                    http, upstream, request, grant, response_headers, retries
+                response = await self._relay_whole(
+                    http, upstream, request, grant, response_headers, result
                 )
-            return await self._relay_stream(
-                http, upstream, request, grant, response_headers, retries
-            )
-        finally:
-            upstream.release()
+            else:
+                response = await self._relay_stream(
+                    http, upstream, request, grant, response_headers, result
+                )
+        except BaseException:
+            upstream.close()  # never pooled half read: the engine sees the abort
+            raise
+        upstream.release()
+        return response
+
+    async def _read_whole(
+        self, upstream: aiohttp.ClientResponse, request: GatewayRequest
+    ) -> bytearray:
+        """The whole body, read no further than ``max_response_bytes`` (beyond: 502)."""
+        limit = self.settings.max_response_bytes
+        data = bytearray()
+        try:
+            if (upstream.content_length or 0) <= limit:
+                async for chunk in upstream.content.iter_any():
+                    data += chunk
+                    if len(data) > limit:
+                        break
+        except TimeoutError:
+            raise _AttemptFailed("timeout", status=504) from None
+        except aiohttp.ClientError as exc:
+            raise _AttemptFailed(f"body: {type(exc).__name__}") from None
+        if (upstream.content_length or 0) > limit or len(data) > limit:
+            raise self._too_large(request)
+        return data
+
+    def _too_large(self, request: GatewayRequest) -> ApiError:
+        limit = self.settings.max_response_bytes
+        log.warning(
+            "response too large",
+            extra={
+                "event": "response_too_large",
+                "request_id": request.request_id,
+                "limit_bytes": limit,
+            },
+        )
+        return ApiError(
+            502,
+            f"the replica's answer is larger than the gateway's limit ({limit} bytes)",
+            code="response_too_large",
+        )
 
     async def _relay_whole(
         self,
@@ -187,28 +346,29 @@ class Forwarder:
         request: GatewayRequest,
         grant: Grant,
         headers: dict[str, str],
-        retries: int,
-    ) -> tuple[web.StreamResponse, ForwardResult]:
-        try:
-            data = await upstream.read()
-        except TimeoutError:
-            raise _AttemptFailed("timeout", status=504) from None
-        except aiohttp.ClientError as exc:
-            raise _AttemptFailed(f"body: {type(exc).__name__}") from None
-        now = time.monotonic()
+        result: ForwardResult,
+    ) -> web.StreamResponse:
+        data = await self._read_whole(upstream, request)
         ok = upstream.status < 400
-        output_tokens = 0
+        if ok:
+            try:
+                usage = answer_usage(data)
+            except msgspec.DecodeError:
+                kind = upstream.content_type or "no content type"
+                raise _AttemptFailed(f"answer is not a JSON object ({kind})") from None
+            result.output_tokens = usage.completion_tokens if usage else 0
+        now = time.monotonic()
         if ok:
             grant.replica.breaker.record_success(now)
-            output_tokens = completion_tokens(data) or 0
-        self.router.release(grant, now, ok=ok, output_tokens=output_tokens)
-        response = web.Response(
-            status=upstream.status,
-            body=data,
-            content_type=upstream.content_type or "application/json",
-            headers=headers,
-        )
-        return response, ForwardResult(upstream.status, grant.replica, output_tokens, retries)
+        self.router.release(grant, now, ok=ok, output_tokens=result.output_tokens)
+        result.status = upstream.status
+        response = web.StreamResponse(status=upstream.status, headers=headers)
+        response.content_type = upstream.content_type or "application/json"
+        response.content_length = len(data)
+        await self._send(http, response.prepare(http))
+        await self._send(http, response.write(data))
+        await self._send(http, response.write_eof())
+        return response
 
     async def _relay_stream(
         self,
@@ -217,20 +377,27 @@ class Forwarder:
         request: GatewayRequest,
         grant: Grant,
         headers: dict[str, str],
-        retries: int,
-    ) -> tuple[web.StreamResponse, ForwardResult]:
+        result: ForwardResult,
+    ) -> web.StreamResponse:
         replica = grant.replica
-        try:
-            first = await upstream.content.readany()
+        reader = _StreamReader(self.settings.max_response_bytes)
+        block = b""
+        try:  # up to the first event: a failure here is retried elsewhere
+            while not (reader.events or reader.done):
+                chunk = await upstream.content.readany()
+                if not chunk:
+                    raise _AttemptFailed(f"stream {reader.end_reason()}")
+                block += reader.feed(chunk)
         except TimeoutError:
             raise _AttemptFailed("timeout", status=504) from None
         except aiohttp.ClientError as exc:
             raise _AttemptFailed(f"stream: {type(exc).__name__}") from None
-        if not first:
-            raise _AttemptFailed("empty stream")
+        except _BadStream as exc:
+            raise _AttemptFailed(f"stream: {exc}") from None
+        except _TooLarge:
+            raise self._too_large(request) from None
         now = time.monotonic()
-        ttft_s = now - request.arrived_at
-        replica.breaker.record_success(now)
+        result.ttft_s = ttft_s = now - request.arrived_at
         replica.recent_ttft_s.append(ttft_s)
         metrics = self.router.metrics
         metrics.ttft.labels(replica.name).observe(ttft_s)
@@ -239,52 +406,72 @@ class Forwarder:
         response = web.StreamResponse(status=upstream.status, headers=headers)
         response.content_type = upstream.content_type or "text/event-stream"
         response.headers["Cache-Control"] = "no-cache"
-        await response.prepare(http)
-
-        tokens = 0
-        tail = b""
-        chunk = first
-        older = previous = b""
+        broken: str | None = None
+        delivered = False  # the whole stream reached the client (False: it left)
         last_at = now
-        status = upstream.status
+        counted = 0
         try:
-            while chunk:
-                older, previous = previous, chunk
-                await response.write(chunk)
-                window = tail + chunk
-                events = sse.count_events(window)
-                tail = chunk[-(len(sse.DATA) - 1) :]
-                if events:
-                    tokens += events
-                    self.router.on_tokens(grant, events, last_at)
+            await self._send(http, response.prepare(http))
+            while True:
+                if reader.events > counted:
+                    self.router.on_tokens(grant, reader.events - counted, last_at)
+                    counted = reader.events
+                await self._send(http, response.write(block))
+                if reader.done:
+                    break
                 try:
                     chunk = await upstream.content.readany()
-                except (TimeoutError, aiohttp.ClientError) as exc:
-                    status = 502
-                    await self._end_broken_stream(response, request, replica, exc)
+                    if not chunk:
+                        raise _BadStream(reader.end_reason())
+                    block = reader.feed(chunk)
+                except (TimeoutError, aiohttp.ClientError, _BadStream) as exc:
+                    broken = _broken_reason(exc)
+                    replica.breaker.record_failure(time.monotonic(), f"mid-stream {broken}")
+                    break
+                except _TooLarge:
+                    broken = self._too_large(request).message
                     break
                 now = time.monotonic()
-                if chunk:
-                    itl.observe(now - last_at)
-                    replica.recent_itl_s.append(now - last_at)
+                itl.observe(now - last_at)
+                replica.recent_itl_s.append(now - last_at)
                 last_at = now
-            await response.write_eof()
-            tokens = stream_completion_tokens(older + previous) or tokens
-        except ConnectionResetError:
-            status = 499  # the client went away; the upstream connection is closed with it
+            if broken is None:
+                replica.breaker.record_success(time.monotonic())
+            else:
+                await self._end_broken_stream(http, response, request, replica, reader, broken)
+            await self._send(http, response.write_eof())
+            delivered = broken is None
         finally:
-            self.router.release(grant, time.monotonic(), ok=status < 400, output_tokens=tokens)
-        return response, ForwardResult(status, replica, tokens, retries, ttft_s)
+            tokens = reader.events if reader.usage_tokens is None else reader.usage_tokens
+            result.output_tokens = tokens
+            self.router.release(grant, time.monotonic(), ok=delivered, output_tokens=tokens)
+        result.status = upstream.status if broken is None else 502
+        result.error = broken
+        return response
+
+    async def _send(self, http: web.Request, write: Awaitable[object]) -> None:
+        """One write to the client, which must drain within ``idle_timeout_s``: a client
+        that stops reading would otherwise hold the upstream (and its engine slot)."""
+        try:
+            async with asyncio.timeout(self.settings.idle_timeout_s):
+                await write
+        except (TimeoutError, ConnectionResetError) as exc:
+            if http.transport is not None:
+                http.transport.abort()  # drop what is buffered: the answer cannot complete
+            stalled = isinstance(exc, TimeoutError)
+            raise ClientGone(
+                "client stopped reading" if stalled else "client disconnected"
+            ) from None
 
     async def _end_broken_stream(
         self,
+        http: web.Request,
         response: web.StreamResponse,
         request: GatewayRequest,
         replica: Upstream,
-        exc: Exception,
+        reader: _StreamReader,
+        reason: str,
     ) -> None:
-        reason = "timeout" if isinstance(exc, TimeoutError) else type(exc).__name__
-        replica.breaker.record_failure(time.monotonic(), f"mid-stream {reason}")
         log.warning(
             "stream broken",
             extra={
@@ -294,5 +481,30 @@ class Forwarder:
                 "reason": reason,
             },
         )
-        error = ApiError(502, f"replica {replica.name} failed mid-stream: {reason}", code=reason)
-        await response.write(sse.error_events(error))
+        error = ApiError(
+            502, f"replica {replica.name} failed mid-stream: {reason}", code="stream_broken"
+        )
+        separator = b"" if reader.at_event_end else b"\n"  # end a half-relayed event first
+        await self._send(http, response.write(separator + sse.error_events(error)))
+
+
+def _judge_status(status: int) -> None:
+    """_AttemptFailed for an upstream status that is the replica's failure, not the client's."""
+    if status >= 500:
+        raise _AttemptFailed(f"status {status}", busy=status == _FULL)
+    if status == _OVERLOADED:
+        raise _AttemptFailed(f"status {status}", soft=True)
+    if status in _NOT_SERVED_HERE:
+        raise _AttemptFailed(f"status {status}")
+
+
+def _broken_reason(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):
+        return "timeout"
+    if isinstance(exc, _BadStream):
+        return str(exc)
+    return type(exc).__name__
+
+
+def _timed_out(reason: str) -> ApiError:
+    return ApiError(504, f"the request's total timeout passed: {reason}", code="upstream_timeout")

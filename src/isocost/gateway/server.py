@@ -15,7 +15,8 @@ from typing import cast
 
 import aiohttp
 import msgspec
-from aiohttp import web
+from aiohttp import HttpVersion11, web
+from aiohttp.web_protocol import RequestHandler
 
 from isocost.core.catalog import Catalog
 from isocost.core.errors import ConfigError, IsocostError
@@ -174,6 +175,10 @@ async def _serve(
             await runner.cleanup()
 
 
+_PROBE_S = 0.5  # how often a half-closed client is checked while its answer is prepared
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
 class _HeaderDeadline(asyncio.Protocol):
     """aiohttp's request handler, plus a deadline for a connection's first request head.
 
@@ -184,12 +189,14 @@ class _HeaderDeadline(asyncio.Protocol):
     kept-alive connection are bounded by aiohttp's keep-alive timeout between requests.
     """
 
-    def __init__(self, inner: asyncio.Protocol, deadline_s: float) -> None:
+    def __init__(self, inner: RequestHandler, deadline_s: float) -> None:
         self._inner = inner
         self._deadline_s = deadline_s
         self._timer: asyncio.TimerHandle | None = None
         self._transport: asyncio.Transport | None = None
         self._tail = b""
+        self._received = False  # any bytes yet: an EOF before them closes at once
+        self._probe: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
@@ -197,6 +204,7 @@ class _HeaderDeadline(asyncio.Protocol):
         self._inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
+        self._received = True
         if self._timer is not None:
             self._tail = (self._tail + data)[-(len(data) + 3) :]
             if b"\r\n\r\n" in self._tail:
@@ -205,12 +213,42 @@ class _HeaderDeadline(asyncio.Protocol):
         self._inner.data_received(data)
 
     def eof_received(self) -> bool | None:
-        return self._inner.eof_received()
+        """The client closed its sending side: it half-closed after its request
+        (``shutdown(SHUT_WR)``), or it left. aiohttp's handler lets the transport close
+        then, so a half-closing client got no answer. While a request is in hand the
+        connection now stays open for the answer (and closes after it), and
+        ``_probe_client`` finds out whether the client is still there."""
+        handler = self._inner
+        handler.eof_received()
+        waiting_for_a_request = handler._waiter is not None and not handler._messages
+        if waiting_for_a_request or not self._received:
+            return None  # idle: nothing to answer, close
+        handler.close()  # no request can follow: close once this one is answered
+        self._probe = asyncio.get_running_loop().call_later(_PROBE_S, self._probe_client)
+        return True
+
+    def _probe_client(self) -> None:
+        """Until the answer begins, an interim ``100 Continue`` every ``_PROBE_S`` (the
+        one thing HTTP/1.1 lets a server send first; clients skip it). Only a write tells
+        a half-closed client from one that left: that one answers with a reset, the next
+        write fails, and aiohttp cancels the request, as when the connection drops."""
+        self._probe = None
+        transport, request = self._transport, self._inner._current_request
+        if transport is None or transport.is_closing():
+            return
+        if request is not None:
+            if request.writer.output_size or request.version < HttpVersion11:
+                return  # the answer has begun (its writes tell), or HTTP/1.0: no 1xx
+            transport.write(_CONTINUE)
+        self._probe = asyncio.get_running_loop().call_later(_PROBE_S, self._probe_client)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._probe is not None:
+            self._probe.cancel()
+            self._probe = None
         self._inner.connection_lost(exc)
 
     def pause_writing(self) -> None:

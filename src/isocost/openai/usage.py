@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-from isocost.openai.sse import DATA
-
-__all__ = ["Usage", "completion_tokens", "stream_completion_tokens"]
+__all__ = ["Usage", "answer_usage"]
 
 
 class Usage(msgspec.Struct, frozen=True):
@@ -27,20 +25,7 @@ class _WithUsage(msgspec.Struct):
 _decoder = msgspec.json.Decoder(_WithUsage)
 
 
-def completion_tokens(body: bytes) -> int | None:
-    """``usage.completion_tokens`` of a JSON answer; None when it carries no usage."""
-    try:
-        usage = _decoder.decode(body).usage
-    except msgspec.DecodeError:
-        return None
-    return usage.completion_tokens if usage else None
-
-
-def stream_completion_tokens(end: bytes) -> int | None:
-    """``completion_tokens`` of the usage event among a stream's last bytes ``end``."""
-    at = end.rfind(b'"usage":{')
-    start = end.rfind(DATA, 0, at) if at >= 0 else -1
-    stop = end.find(b"\n", at)
-    if start < 0 or stop < 0:
-        return None
-    return completion_tokens(end[start + len(DATA) : stop])
+def answer_usage(body: bytes | bytearray) -> Usage | None:
+    """The usage of a JSON answer or of one stream event's payload (None when it carries
+    none); msgspec.DecodeError when ``body`` is not a JSON object, so it is the check too."""
+    return _decoder.decode(body).usage

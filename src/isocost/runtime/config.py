@@ -37,6 +37,7 @@ A full file, every key optional except ``pools[].model`` and ``replicas[].url``:
       body_timeout_ms: 30000          # to receive a request body (slow clients get 408)
       idle_timeout_ms: 60000          # until a stream's headers, and between two chunks
       total_timeout_ms: 1800000       # whole request, suits long streams
+      max_response_bytes: 67108864    # a replica's whole answer (or one stream line); 502 beyond
       max_retries: 2
       retry_backoff_ms: 20
       max_queue: 1024                 # gateway queue per pool (requests waiting for a replica)
@@ -124,6 +125,7 @@ class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     body_timeout_ms: float = 30000
     idle_timeout_ms: float = 60000
     total_timeout_ms: float = 1_800_000
+    max_response_bytes: int = 64 * 1024 * 1024
     max_retries: int = 2
     retry_backoff_ms: float = 20
     max_queue: int = 1024

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import json
 
+import msgspec
 import pytest
 
 from isocost.openai import sse
 from isocost.openai.errors import ApiError, error_response
 from isocost.openai.requests import ChatRequest, CompletionRequest, RequestError, decode_body
-from isocost.openai.usage import Usage, completion_tokens, stream_completion_tokens
+from isocost.openai.usage import Usage, answer_usage
 
 
 @pytest.mark.parametrize(
@@ -66,10 +67,13 @@ def test_sse_framing_round_trips() -> None:
         sse.line_data(b"garbage")
 
 
-def test_usage_from_a_body_and_from_a_stream_tail() -> None:
+def test_usage_from_an_answer_or_an_event_and_the_check_of_either() -> None:
     usage = Usage(prompt_tokens=3, completion_tokens=5, total_tokens=8)
-    assert completion_tokens(json.dumps({"usage": {"completion_tokens": 5}}).encode()) == 5
-    assert completion_tokens(b"{}") is None and completion_tokens(b"not json") is None
-    tail = sse.event({"choices": [], "usage": usage}) + sse.DONE_EVENT
-    assert stream_completion_tokens(tail) == 5
-    assert stream_completion_tokens(sse.DONE_EVENT) is None
+    assert answer_usage(json.dumps({"usage": {"completion_tokens": 5}}).encode()) == Usage(
+        completion_tokens=5
+    )
+    assert answer_usage(msgspec.json.encode({"choices": [], "usage": usage})) == usage
+    assert answer_usage(b"{}") is None
+    for not_an_object in (b"not json", b'{"choices": [', b"[1]", b"<html></html>"):
+        with pytest.raises(msgspec.DecodeError):
+            answer_usage(not_an_object)
