@@ -213,13 +213,6 @@ def check_dead_replicas_backoff(
     checks = dead_checks(gateway) - checks_before
     window_s = time.monotonic() - window_start
 
-    # at most the probes that cool-downs of 0.3, 0.6, 1.2, ... s let into the window
-    most_per_replica = 1 + math.log2(window_s / OPEN_S + 1)
-    num_dead = num_refusing + len(unhealthy)
-    assert checks <= num_dead * most_per_replica, (checks, window_s)
-    # not silenced either: every one is probed again (cool-downs are at most 30 s)
-    wait_for(lambda: dead_checks(gateway) >= checks_before + num_dead, 60, what="probes")
-
     for fake, since in zip(unhealthy, ejected_at, strict=True):
         _, seen = hits(fake.url)
         assert [p for p, at in seen if at > since and p == "/metrics"] == []
@@ -227,6 +220,13 @@ def check_dead_replicas_backoff(
         gaps = [b - a for a, b in itertools.pairwise(probes)]
         for i, gap in enumerate(gaps):  # the i-th cool-down since: at least 0.3 s * 2**i
             assert gap >= 0.9 * OPEN_S * 2**i, (i, gaps)
+
+    # at most the probes that cool-downs of 0.3, 0.6, 1.2, ... s let into the window
+    most_per_replica = 1 + math.log2(window_s / OPEN_S + 1)
+    num_dead = num_refusing + len(unhealthy)
+    assert checks <= num_dead * most_per_replica, (checks, window_s)
+    # not silenced either: every one is probed again (cool-downs are at most 30 s)
+    wait_for(lambda: dead_checks(gateway) >= checks_before + num_dead, 60, what="probes")
 
     # a dead replica that comes back is readmitted on its next probe, and scraped again
     revived = unhealthy[0]

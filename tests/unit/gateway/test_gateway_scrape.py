@@ -129,7 +129,7 @@ def test_one_reason_per_metric_however_many_bad_samples() -> None:
     ],
 )
 def test_no_usable_request_gauge_is_an_error_that_says_why(text: str) -> None:
-    with pytest.raises(ScrapeError, match="no usable request gauges.*ignored"):
+    with pytest.raises(ScrapeError, match=r"no usable request gauges.*ignored"):
         parse_engine_metrics(text)
 
 
