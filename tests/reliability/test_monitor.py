@@ -138,7 +138,7 @@ def test_garbage_metrics_are_a_scrape_error_and_health_checks_go_on(
 def test_every_background_task_is_counted_by_name(watched: Watched) -> None:
     """The supervised tasks' failure counters exist from the start, at 0."""
     text = urllib.request.urlopen(watched.gateway.url + "/metrics", timeout=10).read().decode()
-    for task in ("monitor", "config watcher"):
+    for task in ("monitor", "config_watcher"):
         assert f'isocost_task_failures_total{{task="{task}"}} 0.0' in text
 
 

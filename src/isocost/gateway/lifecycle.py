@@ -87,7 +87,7 @@ class Gateway:
         self.apply_config(self.config)
         if self.config_path is not None:
             self._watcher = supervise(
-                "config watcher", self._watch_config, self.metrics.task_failures
+                "config_watcher", self._watch_config, self.metrics.task_failures
             )
 
     async def stop(self) -> None:

@@ -196,4 +196,4 @@ def test_a_config_watcher_that_dies_is_restarted_and_applies_later_edits(
         await until(lambda: gateway.config.health.open_ms == 400, "the edit applied")
 
     run(tmp_path, scenario)
-    assert [vars(r)["task"] for r in events(logs, "task_failed")] == ["config watcher"]
+    assert [vars(r)["task"] for r in events(logs, "task_failed")] == ["config_watcher"]
