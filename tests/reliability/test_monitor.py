@@ -3,8 +3,9 @@
 A fake upstream (its own process) serves ``NaN``, ``±Inf``, negative and huge samples, an
 unknown or non-text charset, bytes that are not text; through all of it the gateway keeps
 probing it: the problem shows as the replica's ``scrape_error`` (admin API) and in the log,
-``/health`` failing ejects it, recovering readmits it. Dead replicas cost the monitor
-only the breaker's probes (cool-down, doubled per failed probe), not a scrape per interval.
+``/health`` failing ejects it, recovering readmits it. Dead replicas (refused, ``/health``
+failing, ejected by failing requests) cost the monitor only the breaker's probes (cool-down,
+doubled per failed probe), not a scrape per interval, and are readmitted when they recover.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cluster import config_text, replica_rows, start
+from cluster import AUTH, MODEL, config_text, replica_rows, start
 from fake_upstream import DEFAULT_METRICS, DEFAULT_MODE, hits, set_mode, start_fake_upstream
 from gateway_harness import http, wait_for
 from isocost_procs import Proc
@@ -246,3 +247,50 @@ def dead_checks(gateway: Proc) -> float:
         sample(gateway, "isocost_replica_checks_total", pool=DEAD_POOL, check=check)
         for check in ("probe", "live_probe", "scrape")
     )
+
+
+def test_a_replica_ejected_by_its_answers_gets_live_probes_on_the_breakers_schedule_only(
+    tmp_path: Path,
+) -> None:
+    """Live requests failing with 500 open the breaker; then only the one-token
+    completions of half-open probes reach it, each cool-down twice the last, no scrape."""
+    fake = start_fake_upstream()
+    try:
+        set_mode(fake.url, completion="status", status=500)
+        gateway, _ = start_gateway(tmp_path, [fake.url])
+        try:
+            check_live_probe_backoff(gateway, fake)
+        finally:
+            gateway.stop()
+    finally:
+        fake.stop()
+
+
+def check_live_probe_backoff(gateway: Proc, fake: Proc) -> None:
+    def state() -> str:
+        return str(replica_rows(gateway)[fake.url]["state"])
+
+    body = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 4}).encode()
+
+    def failing_request_ejects() -> bool:
+        http("POST", gateway.url + "/v1/completions", body, AUTH)
+        return state() == "ejected"
+
+    wait_for(lambda: state() == "healthy", what="a healthy start")
+    wait_for(failing_request_ejects, what="ejection by failing requests", state=state)
+    since = hits(fake.url)[0]
+
+    def probes() -> list[float]:
+        return [at for p, at in hits(fake.url)[1] if at > since and p == "/v1/completions"]
+
+    wait_for(lambda: len(probes()) >= 3, 30, what="three live probes")  # 0.3 + 0.6 + 1.2 s
+    _, seen = hits(fake.url)
+    assert [p for p, at in seen if at > since and p != "/v1/completions"] == []
+    gaps = [b - a for a, b in itertools.pairwise(probes())]
+    for i, gap in enumerate(gaps):
+        assert gap >= 0.9 * OPEN_S * 2**i, (i, gaps)
+
+    set_mode(fake.url, completion="ok")  # the next live probe readmits it
+    wait_for(lambda: state() == "healthy", 40, what="readmission")
+    scrapes = len(paths(fake, "/metrics"))
+    wait_for(lambda: len(paths(fake, "/metrics")) >= scrapes + 5, what="scrapes again")
