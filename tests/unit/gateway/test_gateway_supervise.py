@@ -42,7 +42,7 @@ def test_a_failing_task_is_logged_counted_and_restarted_with_growing_capped_back
         await asyncio.Event().wait()  # healthy from the fifth start on
 
     async def scenario() -> None:
-        task = supervise("flaky loop", flaky, counter, initial_backoff_s=0.05, max_backoff_s=0.2)
+        task = supervise("flaky loop", flaky, counter, initial_backoff_s=0.1, max_backoff_s=0.4)
         await asyncio.wait_for(running.wait(), timeout=30)
         assert not task.done()
         task.cancel()
@@ -55,7 +55,7 @@ def test_a_failing_task_is_logged_counted_and_restarted_with_growing_capped_back
     records = restarts_logged(caplog)
     assert [vars(r)["error"] for r in records] == [f"RuntimeError: boom {i}" for i in (1, 2, 3, 4)]
     assert {vars(r)["task"] for r in records} == {"flaky loop"}
-    assert [vars(r)["restart_in_s"] for r in records] == [0.05, 0.1, 0.2, 0.2]
+    assert [vars(r)["restart_in_s"] for r in records] == [0.1, 0.2, 0.4, 0.4]
     assert all(r.levelno == logging.ERROR and r.exc_info for r in records)
 
 
@@ -69,7 +69,7 @@ def test_a_long_healthy_run_resets_the_backoff(caplog: pytest.LogCaptureFixture)
         if len(calls) in (1, 2):
             raise ValueError("early")
         if len(calls) == 3:
-            await asyncio.sleep(0.5)  # longer than max_backoff_s: a healthy run
+            await asyncio.sleep(1.0)  # longer than max_backoff_s: a healthy run
             raise ValueError("late")
         done.set()
         await asyncio.Event().wait()
@@ -80,8 +80,8 @@ def test_a_long_healthy_run_resets_the_backoff(caplog: pytest.LogCaptureFixture)
             fails_late_once,
             counter,
             kind="kind",
-            initial_backoff_s=0.05,
-            max_backoff_s=0.2,
+            initial_backoff_s=0.1,
+            max_backoff_s=0.4,
         )
         await asyncio.wait_for(done.wait(), timeout=30)
         task.cancel()
@@ -89,7 +89,7 @@ def test_a_long_healthy_run_resets_the_backoff(caplog: pytest.LogCaptureFixture)
 
     with caplog.at_level(logging.INFO, logger="isocost.gateway"):
         asyncio.run(scenario())
-    assert [vars(r)["restart_in_s"] for r in restarts_logged(caplog)] == [0.05, 0.1, 0.05]
+    assert [vars(r)["restart_in_s"] for r in restarts_logged(caplog)] == [0.1, 0.2, 0.1]
     assert failed(registry, "kind") == 3  # ``kind`` labels the counter, ``name`` the log
     assert failed(registry, "resets") == 0
 
