@@ -298,7 +298,7 @@ def test_gauges_follow_running_requests_and_the_gateway_reads_them(
 
     def busy() -> bool:
         seen.append(_scrape(endpoint.url)[0])
-        figures = parse_engine_metrics(seen[-1])
+        figures = parse_engine_metrics(seen[-1]).metrics
         return figures.num_running >= 1 and figures.kv_usage > 0
 
     def keep_streaming() -> int:
@@ -315,7 +315,7 @@ def test_gauges_follow_running_requests_and_the_gateway_reads_them(
             stop.set()
         assert all(f.result() > 0 for f in workers)
     families = {f.name: f for f in text_string_to_metric_families(seen[-1])}
-    during = parse_engine_metrics(seen[-1])  # the gateway's own parser
+    during = parse_engine_metrics(seen[-1]).metrics  # the gateway's own parser
     for name, value in (
         ("vllm:num_requests_running", during.num_running),
         ("vllm:num_requests_waiting", during.num_waiting),
@@ -325,7 +325,7 @@ def test_gauges_follow_running_requests_and_the_gateway_reads_them(
     assert 0 < during.kv_usage <= 1
 
     def drained() -> bool:
-        after = parse_engine_metrics(_scrape(endpoint.url)[0])
+        after = parse_engine_metrics(_scrape(endpoint.url)[0]).metrics
         return (after.num_running, after.num_waiting, after.kv_usage) == (0, 0, 0.0)
 
     wait_for(drained, 30, "running, waiting and KV usage back to 0", interval_s=0.02)
@@ -364,7 +364,7 @@ def test_counters_and_histograms_move_per_request(
     assert num_prompt - 128 <= hits < num_prompt  # whole blocks (16 or 128 tokens) of it
     assert delta(middle, after, "vllm:prefix_cache_queries_total") == num_prompt
     text, _ = _scrape(endpoint.url)
-    scraped = parse_engine_metrics(text)
+    scraped = parse_engine_metrics(text).metrics
     assert scraped.prefix_cache_hits == _value(after, "vllm:prefix_cache_hits_total")
     assert scraped.prefix_cache_queries == _value(after, "vllm:prefix_cache_queries_total")
 
@@ -382,4 +382,8 @@ def test_the_older_kv_usage_name_reads_the_same(sim_engine: IsocostProcess) -> N
         stream.close()
     older = "\n".join(line for line in text.splitlines() if "kv_cache_usage_perc" not in line)
     assert "vllm:gpu_cache_usage_perc{" in older
-    assert parse_engine_metrics(older).kv_usage == parse_engine_metrics(text).kv_usage > 0
+    assert (
+        parse_engine_metrics(older).metrics.kv_usage
+        == parse_engine_metrics(text).metrics.kv_usage
+        > 0
+    )

@@ -9,11 +9,13 @@ its current *mode* says, and a test changes the mode at run time::
     set_mode(upstream.url, completion="no_done", metrics="vllm:num_requests_running NaN")
     received(upstream.url)                      # what it was sent: path, headers, body,
                                                 # client_left: True once its client went
+    hits(upstream.url)                          # when each path was requested
 
 Mode keys (``POST /_fake/mode`` merges them into the current mode):
 
 * ``health``: status of ``GET /health`` (200);
 * ``metrics``: body of ``GET /metrics`` (vLLM gauges at 0); ``metrics_content_type``;
+  ``metrics_encoding``: the codec that turns it into bytes (``utf-8``);
 * ``completion``: what ``POST /v1/completions`` and ``/v1/chat/completions`` answer:
   ``ok`` (a small valid answer, streamed or not as asked), ``no_done`` (a stream that
   ends cleanly without ``[DONE]``), ``invalid_json``, ``html``, ``status`` (an OpenAI error
@@ -38,7 +40,9 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 import urllib.request
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +50,8 @@ from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).parent))  # run as a script: import its siblings
 from isocost_procs import NotReady, Proc, ready_urls
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 DEFAULT_METRICS = (
     "# TYPE vllm:num_requests_running gauge\n"
@@ -58,6 +64,7 @@ DEFAULT_MODE: dict[str, Any] = {
     "health": 200,
     "metrics": DEFAULT_METRICS,
     "metrics_content_type": "text/plain; version=0.0.4; charset=utf-8",
+    "metrics_encoding": "utf-8",
     "completion": "ok",
     "status": 500,
     "size_bytes": 1 << 20,
@@ -74,6 +81,13 @@ DEFAULT_MODE: dict[str, Any] = {
 def _app() -> web.Application:
     mode = dict(DEFAULT_MODE)
     log: list[dict[str, Any]] = []
+    hit_log: list[tuple[str, float]] = []
+
+    @web.middleware
+    async def count_hits(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if not request.path.startswith("/_fake/"):
+            hit_log.append((request.path, time.monotonic()))
+        return await handler(request)
 
     async def set_mode(request: web.Request) -> web.Response:
         mode.update(await request.json())
@@ -82,11 +96,14 @@ def _app() -> web.Application:
     async def get_received(_: web.Request) -> web.Response:
         return web.json_response(log)
 
+    async def get_hits(_: web.Request) -> web.Response:
+        return web.json_response({"now": time.monotonic(), "hits": hit_log})
+
     async def health(_: web.Request) -> web.Response:
         return web.Response(status=int(mode["health"]), text="")
 
     async def metrics(_: web.Request) -> web.Response:
-        body = str(mode["metrics"]).encode("utf-8")
+        body = str(mode["metrics"]).encode(str(mode["metrics_encoding"]))
         return web.Response(body=body, headers={"Content-Type": mode["metrics_content_type"]})
 
     async def models(_: web.Request) -> web.Response:
@@ -156,9 +173,10 @@ def _app() -> web.Application:
         await response.write_eof()
         return response
 
-    app = web.Application()
+    app = web.Application(middlewares=[count_hits])
     app.router.add_post("/_fake/mode", set_mode)
     app.router.add_get("/_fake/received", get_received)
+    app.router.add_get("/_fake/hits", get_hits)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", models)
@@ -209,6 +227,13 @@ def received(url: str) -> list[dict[str, Any]]:
     with urllib.request.urlopen(url + "/_fake/received", timeout=10) as response:
         result: list[dict[str, Any]] = json.loads(response.read())
     return result
+
+
+def hits(url: str) -> tuple[float, list[tuple[str, float]]]:
+    """The upstream's clock now, and (path, time on that clock) of every request it got."""
+    with urllib.request.urlopen(url + "/_fake/hits", timeout=10) as response:
+        answer = json.loads(response.read())
+    return answer["now"], [(path, at) for path, at in answer["hits"]]
 
 
 def start_fake_upstream(timeout_s: float = 20) -> Proc:

@@ -11,8 +11,9 @@ the consecutive failure count and the last ``window_size`` outcomes.
   requests). One slow answer among successes therefore never opens it. A *soft* failure
   (an engine's 429, overloaded) counts in the success rate only, not in the run of
   failures: a replica that refuses everything still opens within one window.
-* open: no traffic. After the cool-down (``open_ms``, doubled for each failed probe, at
-  most 30 s) the breaker is half-open.
+* open: no traffic, and no active checks either (the monitor waits for ``probe_due_at``).
+  After the cool-down (``open_ms``, doubled for each failed probe, at most 30 s) the
+  breaker is half-open.
 * half-open: no live traffic either; the next active probe decides: success closes the
   breaker and clears the window, failure opens it again with the longer cool-down. When
   live requests opened it (5xx, broken bodies: ``needs_live_probe``) a ``/health`` answer
@@ -74,6 +75,12 @@ class Breaker:
         if self._state is BreakerState.OPEN and now - self._opened_at >= self._cooldown_s:
             self._state = BreakerState.HALF_OPEN
         return self._state
+
+    def probe_due_at(self, now: float) -> float | None:
+        """When an open breaker turns half-open and wants its probe; None unless open."""
+        if self.state(now) is not BreakerState.OPEN:
+            return None
+        return self._opened_at + self._cooldown_s
 
     def allows_traffic(self, now: float) -> bool:
         return self.state(now) is BreakerState.CLOSED

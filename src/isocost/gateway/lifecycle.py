@@ -34,6 +34,7 @@ from isocost.gateway.metrics import GatewayMetrics
 from isocost.gateway.monitor import Monitor
 from isocost.gateway.proxy import Forwarder, ForwardSettings
 from isocost.gateway.routing import Router
+from isocost.gateway.supervise import supervise
 from isocost.gateway.upstreams import Pool, Upstream
 from isocost.runtime.config import (
     AuthConfig,
@@ -99,7 +100,9 @@ class Gateway:
         self._monitor = Monitor(self._session, self.router, self.metrics, self.config)
         self.apply_config(self.config)
         if self.config_path is not None:
-            self._watcher = asyncio.create_task(self._watch_config())
+            self._watcher = supervise(
+                "config_watcher", self._watch_config, self.metrics.task_failures
+            )
 
     async def stop(self) -> None:
         if self._watcher is not None:

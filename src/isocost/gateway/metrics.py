@@ -69,6 +69,20 @@ class GatewayMetrics:
             ["result"],
             registry=r,
         )
+        self.task_failures = Counter(
+            "isocost_task_failures",
+            "Failures of the gateway's long-lived background tasks (each restarted), and"
+            " failed rounds of a replica monitor, by task.",
+            ["task"],
+            registry=r,
+        )
+        self.replica_checks = Counter(
+            "isocost_replica_checks",
+            "Active checks sent to replicas (health probes, live probes, /metrics scrapes),"
+            " by pool and check.",
+            ["pool", "check"],
+            registry=r,
+        )
 
         def per_replica(name: str, documentation: str) -> Gauge:
             return Gauge(name, documentation, ["pool", "replica"], registry=r)

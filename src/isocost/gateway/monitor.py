@@ -1,16 +1,28 @@
-"""The replica monitor: per upstream one task that probes, scrapes and publishes.
+"""The replica monitor: per upstream one supervised task that probes, scrapes and publishes.
 
-Each task scrapes ``/metrics`` every ``scrape_interval_ms`` and probes ``/health`` every
-``health.interval_ms`` (a real one-token completion instead when live requests opened the
-breaker), mirrors the breaker into the router's health, wakes the queue, and publishes the
-upstream's gauges, until the upstream is removed.
+While an upstream's breaker is closed its task scrapes ``/metrics`` every
+``scrape_interval_ms`` and probes ``/health`` every ``health.interval_ms``. While it is
+open the task sends nothing and sleeps until the cool-down ends (``Breaker.probe_due_at``:
+``open_ms``, doubled per failed probe, at most 30 s), then probes once (with a real
+one-token completion when live requests opened the breaker): a dead replica costs one
+connection attempt per cool-down, not two per interval. After each round the task mirrors
+the breaker into the router's health, wakes the queue after a fresh scrape, and publishes
+the upstream's gauges, until the upstream is removed.
+
+Nothing a replica sends may stop its monitor: a round that raises is logged (once while
+the same failure repeats), counted in ``isocost_task_failures_total{task="monitor"}`` and
+recorded as the upstream's ``scrape_error``, and the next round comes as scheduled; the
+task runs under ``supervise`` for anything outside a round. A change of an upstream's
+``scrape_error`` is logged too (``scrape_error``, ``scrape_recovered``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
+from dataclasses import dataclass
 
 import aiohttp
 import msgspec
@@ -18,15 +30,36 @@ import msgspec
 from isocost.gateway.health import BreakerState
 from isocost.gateway.metrics import GatewayMetrics
 from isocost.gateway.routing import Router
-from isocost.gateway.scrape import ScrapeError, parse_engine_metrics
+from isocost.gateway.scrape import (
+    MAX_BODY_BYTES,
+    ScrapeError,
+    decode_exposition,
+    parse_engine_metrics,
+)
+from isocost.gateway.supervise import describe, supervise
 from isocost.gateway.upstreams import Upstream
 from isocost.runtime.config import GatewayConfig, HealthConfig
 
 __all__ = ["Monitor"]
 
+log = logging.getLogger("isocost.gateway")
+
+# the session does not decompress (the forwarder relays bytes as sent), so ask for none
+_IDENTITY = {"Accept-Encoding": "identity"}
+
+
+@dataclass(slots=True)
+class _Watch:
+    """One upstream's monitor state: when checks are due, what was last logged."""
+
+    probe_at: float = 0.0
+    scrape_at: float = 0.0
+    logged_scrape_error: str | None = None
+    logged_failure: str | None = None
+
 
 class Monitor:
-    """The probe and scrape loops of every upstream, one task each."""
+    """The probe and scrape loops of every upstream, one supervised task each."""
 
     def __init__(
         self,
@@ -47,7 +80,13 @@ class Monitor:
         self._scrape_interval_s = config.scrape_interval_ms / 1000
 
     def watch(self, upstream: Upstream) -> None:
-        self._tasks[upstream.url] = asyncio.create_task(self._run(upstream, self._health))
+        health = self._health
+        self._tasks[upstream.url] = supervise(
+            f"monitor {upstream.name}",
+            lambda: self._run(upstream, health),
+            self.metrics.task_failures,
+            kind="monitor",
+        )
 
     def unwatch(self, upstream: Upstream) -> None:
         """Stop watching ``upstream`` and withdraw the gauges published for it."""
@@ -70,28 +109,65 @@ class Monitor:
         self._tasks.clear()
 
     async def _run(self, upstream: Upstream, health: HealthConfig) -> None:
-        """Scrape ``/metrics`` and probe ``/health`` until the upstream is removed."""
+        """Rounds of checks, each when due, until the upstream is removed."""
         timeout = aiohttp.ClientTimeout(total=health.timeout_ms / 1000)
-        next_probe = 0.0
+        watch = _Watch()
         while True:
-            now = time.monotonic()
-            if now >= next_probe:
-                next_probe = now + health.interval_ms / 1000
+            try:
+                wake_at = await self._round(upstream, timeout, health.interval_ms / 1000, watch)
+                watch.logged_failure = None
+            except Exception as exc:  # whatever the replica sent: this round only
+                self._round_failed(upstream, watch, exc)
+                wake_at = time.monotonic() + self._scrape_interval_s
+            await asyncio.sleep(max(0.0, wake_at - time.monotonic()))
+
+    async def _round(
+        self,
+        upstream: Upstream,
+        timeout: aiohttp.ClientTimeout,
+        probe_every_s: float,
+        watch: _Watch,
+    ) -> float:
+        """The checks now due (none while the breaker is open); when the next are due."""
+        breaker = upstream.breaker
+        now = time.monotonic()
+        state = breaker.state(now)
+        if state is not BreakerState.OPEN:
+            if state is BreakerState.HALF_OPEN or now >= watch.probe_at:
+                watch.probe_at = now + probe_every_s
                 await self._probe(upstream, timeout)
-            await self._scrape(upstream, timeout)
-            self.router.sync_health(upstream, time.monotonic())
-            self.router.wake_all()
-            self._publish(upstream)
-            await asyncio.sleep(self._scrape_interval_s)
+            now = time.monotonic()
+            if breaker.allows_traffic(now) and now >= watch.scrape_at:
+                watch.scrape_at = now + self._scrape_interval_s
+                fresh = await self._scrape(upstream, timeout)
+                _log_scrape_change(upstream, watch)
+                if fresh:
+                    self.router.wake_all()
+        now = time.monotonic()
+        self.router.sync_health(upstream, now)
+        self._publish(upstream)
+        cooled_at = breaker.probe_due_at(now)
+        return cooled_at if cooled_at is not None else min(watch.probe_at, watch.scrape_at)
+
+    def _round_failed(self, upstream: Upstream, watch: _Watch, exc: Exception) -> None:
+        """Count the failed round, record it as the scrape error, log it unless repeated."""
+        failure = describe(exc)
+        self.metrics.task_failures.labels("monitor").inc()
+        upstream.scrape_error = f"monitor round failed: {failure}"
+        if failure != watch.logged_failure:
+            watch.logged_failure = failure
+            log.error(
+                "replica monitor round failed",
+                exc_info=exc,
+                extra={"event": "monitor_round_failed", "replica": upstream.name, "error": failure},
+            )
 
     async def _probe(self, upstream: Upstream, timeout: aiohttp.ClientTimeout) -> None:
         """``GET /health``, or a one-token completion when live requests opened the breaker."""
         breaker = upstream.breaker
         started_at = time.monotonic()
-        state = breaker.state(started_at)
-        if state is BreakerState.OPEN:
-            return  # cooling down: nothing a probe could change
-        live = breaker.needs_live_probe and state is BreakerState.HALF_OPEN
+        live = breaker.needs_live_probe and breaker.state(started_at) is BreakerState.HALF_OPEN
+        self.metrics.replica_checks.labels(upstream.pool, "live_probe" if live else "probe").inc()
         try:
             if live:
                 body = msgspec.json.encode(
@@ -100,11 +176,17 @@ class Monitor:
                 request = self.session.post(
                     upstream.url + "/v1/completions",
                     data=body,
-                    headers={"Content-Type": "application/json", **upstream.upstream_headers},
+                    headers={
+                        "Content-Type": "application/json",
+                        **_IDENTITY,
+                        **upstream.upstream_headers,
+                    },
                     timeout=timeout,
                 )
             else:
-                request = self.session.get(upstream.url + "/health", timeout=timeout)
+                request = self.session.get(
+                    upstream.url + "/health", headers=_IDENTITY, timeout=timeout
+                )
             async with request as resp:
                 await resp.read()
                 ok = resp.status == 200
@@ -119,27 +201,32 @@ class Monitor:
         else:
             breaker.record_failure(time.monotonic(), reason, probe=True)
 
-    async def _scrape(self, upstream: Upstream, timeout: aiohttp.ClientTimeout) -> None:
+    async def _scrape(self, upstream: Upstream, timeout: aiohttp.ClientTimeout) -> bool:
+        """Read and apply ``/metrics``, its problems as ``scrape_error``; whether figures came."""
+        self.metrics.replica_checks.labels(upstream.pool, "scrape").inc()
         try:
-            async with self.session.get(upstream.url + "/metrics", timeout=timeout) as resp:
-                text = await resp.text()
+            async with self.session.get(
+                upstream.url + "/metrics", headers=_IDENTITY, timeout=timeout
+            ) as resp:
                 if resp.status != 200:
                     raise ScrapeError(f"/metrics status {resp.status}")
-            scraped = parse_engine_metrics(text)
+                text = decode_exposition(await _read_capped(resp), resp.charset)
+            scrape = parse_engine_metrics(text)
         except aiohttp.ClientConnectorError:
             upstream.scrape_error = "refused"
             upstream.breaker.record_failure(
                 time.monotonic(), "/metrics refused", hard=True, probe=True
             )
-            return
-        except (TimeoutError, aiohttp.ClientError, ScrapeError, UnicodeDecodeError) as exc:
+            return False
+        except (TimeoutError, aiohttp.ClientError, ScrapeError) as exc:
             upstream.scrape_error = str(exc) or type(exc).__name__
-            return
+            return False
         now = time.monotonic()
-        upstream.last_scrape = scraped
+        upstream.last_scrape = scrape.metrics
         upstream.scraped_at = now
-        upstream.scrape_error = None
-        self.router.apply_scrape(upstream, scraped, now)
+        upstream.scrape_error = "; ".join(scrape.problems) or None
+        self.router.apply_scrape(upstream, scrape.metrics, now)
+        return True
 
     def _publish(self, upstream: Upstream) -> None:
         if self._tasks.get(upstream.url) is not asyncio.current_task():
@@ -156,3 +243,34 @@ class Monitor:
             self.metrics.ttft_factor.labels(*labels).set(state.ttft_factor)
             self.metrics.itl_factor.labels(*labels).set(state.itl_factor)
             self.metrics.prefill_duty.labels(*labels).set(state.prefill_duty(now))
+
+
+def _log_scrape_change(upstream: Upstream, watch: _Watch) -> None:
+    """Log the upstream's scrape problem when it appears or changes, and when it clears."""
+    error = upstream.scrape_error
+    if error == watch.logged_scrape_error:
+        return
+    watch.logged_scrape_error = error
+    if error is None:
+        log.info(
+            "replica scrape recovered",
+            extra={"event": "scrape_recovered", "replica": upstream.name},
+        )
+    else:
+        log.warning(
+            "replica scrape problem",
+            extra={"event": "scrape_error", "replica": upstream.name, "error": error},
+        )
+
+
+async def _read_capped(resp: aiohttp.ClientResponse) -> bytes:
+    """The body of a ``/metrics`` answer, refused past ``MAX_BODY_BYTES`` or compressed."""
+    encoding = resp.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding != "identity":
+        raise ScrapeError(f"/metrics sent {encoding[:40]!r}-encoded, not plain text")
+    body = bytearray()
+    async for chunk in resp.content.iter_chunked(1 << 16):
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise ScrapeError(f"/metrics body over {MAX_BODY_BYTES} bytes")
+    return bytes(body)
