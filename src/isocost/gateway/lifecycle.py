@@ -210,6 +210,7 @@ class Gateway:
             try:
                 config = parse_config(read_text(self.config_path), str(self.config_path))
                 self.router.check_config(config)
+                self.intake.listen.check_config(config, str(self.config_path))
             except IsocostError as exc:
                 log.error("config rejected", extra={"event": "reload_failed", "error": str(exc)})
                 continue

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
+from isocost.gateway.loops import HOPS_HEADER, hops
 from isocost.gateway.routing import GatewayRequest, Grant, Router
 from isocost.gateway.upstreams import Upstream
 from isocost.openai import sse
@@ -139,6 +140,7 @@ class Forwarder:
         replica = grant.replica
         settings = self.settings
         headers = {"Content-Type": "application/json", **replica.upstream_headers}
+        headers[HOPS_HEADER] = str(hops(http.headers) + 1)  # a loop ends in 508
         for name in _HOP_HEADERS:
             if name in http.headers:
                 headers[name] = http.headers[name]
@@ -163,7 +165,7 @@ class Forwarder:
         except aiohttp.ClientError as exc:
             raise _AttemptFailed(f"upstream: {type(exc).__name__}") from None
         try:
-            if upstream.status >= 500:
+            if upstream.status >= 500 and upstream.status != 508:  # a loop: relay, no retry
                 raise _AttemptFailed(f"status {upstream.status}", busy=upstream.status == 503)
             response_headers = {"x-isocost-replica": replica.name}
             if grant.predicted_ttft_s is not None:
