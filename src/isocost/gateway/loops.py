@@ -24,6 +24,7 @@ HOPS_HEADER = "x-isocost-hops"
 MAX_HOPS = 4  # gateways a request may pass before this one; a real chain has one or two
 
 _WILDCARDS = ("0.0.0.0", "::", "")
+_LOOPBACK = ("localhost", "127.0.0.1", "::1")
 
 
 def hops(headers: Mapping[str, str]) -> int:
@@ -44,8 +45,18 @@ def hops(headers: Mapping[str, str]) -> int:
     return count
 
 
+def _canonical(host: str) -> str:
+    """``host`` lower-cased, an IP address in its one short form (``::1``, not
+    ``0:0:0:0:0:0:0:1``)."""
+    host = host.strip("[]").lower()
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        return host
+
+
 def _is_local(host: str) -> bool:
-    """A name or address that always means this machine."""
+    """A name or address that means this machine."""
     if host in ("localhost", socket.gethostname().lower()) or host.endswith(".localhost"):
         return True
     try:
@@ -57,28 +68,32 @@ def _is_local(host: str) -> bool:
 
 class ListenAddress:
     """Where this gateway listens (set once its socket is bound): replica URLs that reach
-    it are refused. Compares literally, without DNS: a loop through another name is caught
-    by the hop count instead."""
+    it are refused. Compares names and addresses, without DNS: a loop through another
+    name is caught by the hop count instead."""
 
     def __init__(self) -> None:
         self.host: str | None = None
         self.port: int | None = None
 
     def set(self, host: str, port: int) -> None:
-        self.host, self.port = host.strip("[]").lower(), port
+        self.host, self.port = _canonical(host), port
 
     def reaches(self, url: str) -> bool:
-        """True when ``url`` (a normalized replica URL) names this gateway."""
+        """True when ``url`` (a normalized replica URL) names this gateway: the same
+        host; any local name when it listens on every address; ``localhost`` and the
+        loopback addresses for each other; ``0.0.0.0`` (connecting there reaches a local
+        listener)."""
         if self.host is None:
             return False
         parts = urlsplit(url)
-        host = (parts.hostname or "").lower()
         if parts.port != self.port:
             return False
-        if host == self.host:
+        host = _canonical(parts.hostname or "")
+        if host == self.host or host in _WILDCARDS:
             return True
-        # a wildcard listener answers on every local address; a loopback one on loopback
-        return _is_local(host) and (self.host in _WILDCARDS or _is_local(self.host))
+        if self.host in _WILDCARDS:
+            return _is_local(host)
+        return host in _LOOPBACK and self.host in _LOOPBACK
 
     def check(self, url: str) -> None:
         """ValueError when ``url`` names this gateway."""
