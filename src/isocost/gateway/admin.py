@@ -31,7 +31,7 @@ from isocost.gateway.lifecycle import Gateway
 from isocost.gateway.upstreams import Upstream
 from isocost.openai.errors import ApiError
 from isocost.openai.responses import json_response
-from isocost.runtime.config import ReplicaConfig
+from isocost.runtime.config import ReplicaConfig, normalize_replica_url
 
 __all__ = ["add_admin_routes", "snapshot"]
 
@@ -54,6 +54,8 @@ def _decode(body: bytes, kind: type[_T]) -> _T:
         return msgspec.json.decode(body, type=kind)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise ApiError(400, str(exc), code="invalid_request") from None
+    except RecursionError:
+        raise ApiError(400, "request body is nested too deeply", code="invalid_request") from None
 
 
 def _p50_ms(samples: Any) -> float | None:
@@ -177,6 +179,7 @@ def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
     async def add(request: web.Request) -> web.StreamResponse:
         body = _decode(await request.read(), _AddReplica)
         try:
+            gateway.intake.listen.check(normalize_replica_url(body.replica.url))
             replica = gateway.add_replica(body.model, body.replica)
         except ConfigError as exc:
             raise ApiError(400, str(exc), code="invalid_replica", param=exc.key) from None

@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from isocost.gateway.admin import add_admin_routes
 from isocost.gateway.dashboard import add_dashboard_routes
-from isocost.gateway.intake import Rejection
+from isocost.gateway.intake import Rejection, defer_continue
 from isocost.gateway.lifecycle import Gateway
 from isocost.gateway.proxy import CLIENT_GONE_STATUS, ClientGone, ForwardResult
 from isocost.gateway.routing import GatewayRequest
@@ -164,9 +164,12 @@ def build_app(gateway: Gateway) -> web.Application:
         await gateway.stop()
 
     app.cleanup_ctx.append(lifecycle)
-    app.router.add_post("/v1/chat/completions", _chat)
-    app.router.add_post("/v1/completions", _completions)
-    app.router.add_post("/v1/route", _route)
+    for path, handler in (
+        ("/v1/chat/completions", _chat),
+        ("/v1/completions", _completions),
+        ("/v1/route", _route),
+    ):  # the intake sends 100 Continue itself, once the key and length are checked
+        app.router.add_post(path, handler, expect_handler=defer_continue)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)

@@ -2,7 +2,9 @@
 
 Keys are compared in constant time (``hmac.compare_digest``) against every configured key,
 so neither a wrong key's length nor its prefix shows in the response time, and the key
-itself is never stored anywhere but here: logs and metrics carry the key's ``name``.
+itself is never stored anywhere but here: logs and metrics carry the key's ``name``. The
+comparison is on bytes (``secret_bytes``): a header with bytes that are no UTF-8 (which
+aiohttp hands on as surrogates) is a wrong key, never an encoding error.
 
 Budgets are token buckets refilled continuously: ``requests_per_minute`` buckets hold one
 minute's worth and each request takes one; ``tokens_per_minute`` buckets are charged the
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 
 from isocost.runtime.config import AuthConfig
 
-__all__ = ["ApiKey", "Authenticator", "TokenBucket", "bearer_token"]
+__all__ = ["ApiKey", "Authenticator", "TokenBucket", "bearer_token", "secret_bytes"]
 
 
 class TokenBucket:
@@ -49,6 +51,11 @@ class ApiKey:
     tokens: TokenBucket | None
 
 
+def secret_bytes(text: str) -> bytes:
+    """``text`` as bytes for a comparison; any str encodes, lone surrogates included."""
+    return text.encode("utf-8", "surrogatepass")
+
+
 def bearer_token(header: str | None) -> str | None:
     """The token of an ``Authorization: Bearer <token>`` header, else None."""
     if not header:
@@ -68,7 +75,7 @@ class Authenticator:
             self.keys.append(
                 ApiKey(
                     name=entry.name,
-                    secret=secret.encode(),
+                    secret=secret_bytes(secret),
                     requests=None
                     if entry.requests_per_minute is None
                     else TokenBucket(entry.requests_per_minute, now),
@@ -80,7 +87,7 @@ class Authenticator:
         admin = config.admin_token
         if admin is None and config.admin_token_env is not None:
             admin = os.environ[config.admin_token_env]
-        self._admin = admin.encode() if admin else None
+        self._admin = secret_bytes(admin) if admin else None
 
     @property
     def enabled(self) -> bool:
@@ -94,7 +101,7 @@ class Authenticator:
         """The key whose secret equals ``token``, checking every key in constant time."""
         if token is None:
             return None
-        candidate = token.encode()
+        candidate = secret_bytes(token)
         found: ApiKey | None = None
         for key in self.keys:
             if hmac.compare_digest(candidate, key.secret):
@@ -104,4 +111,4 @@ class Authenticator:
     def is_admin(self, token: str | None) -> bool:
         if self._admin is None or token is None:
             return False
-        return hmac.compare_digest(token.encode(), self._admin)
+        return hmac.compare_digest(secret_bytes(token), self._admin)

@@ -19,10 +19,11 @@ from isocost.openai.requests import (
     CompletionRequest,
     RequestError,
     decode_body,
+    output_cap,
 )
 from isocost.prefix.hashing import text_block_hashes, token_block_hashes
 
-__all__ = ["BYTES_PER_TOKEN", "RoutingView", "routing_view"]
+__all__ = ["BYTES_PER_TOKEN", "BodySummary", "RoutingView", "routing_view", "summarize"]
 
 BYTES_PER_TOKEN = 4  # rough UTF-8 bytes per token of English text for BPE tokenizers
 
@@ -33,43 +34,76 @@ class RoutingView:
 
     model: str
     stream: bool
-    max_tokens: int | None  # as sent; None when the client left it to the engine
+    max_tokens: int | None  # the output cap the engine will run (``output_cap``)
     user: str | None
     prompt_tokens: int
     prompt_tokens_exact: bool  # True when the prompt came as token ids
     block_hashes: tuple[int, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class BodySummary:
+    """A decoded body before its prompt is hashed: enough for every limit check, so that
+    a request refused as too long costs no hashing (``routing_view`` does that)."""
+
+    model: str
+    stream: bool
+    max_tokens: int | None
+    max_tokens_param: str  # the field the cap came from, for error messages
+    user: str | None
+    prompt_tokens: int
+    prompt_tokens_exact: bool
+    hash_source: str | list[int]  # the (first) prompt, as text or token ids
+
+    def routing_view(self, block_tokens: int) -> RoutingView:
+        """The view with the prompt's chained block hashes."""
+        source = self.hash_source
+        hashes = (
+            text_block_hashes(source, block_tokens * BYTES_PER_TOKEN)
+            if isinstance(source, str)
+            else token_block_hashes(source, block_tokens)
+        )
+        return RoutingView(
+            model=self.model,
+            stream=self.stream,
+            max_tokens=self.max_tokens,
+            user=self.user,
+            prompt_tokens=self.prompt_tokens,
+            prompt_tokens_exact=self.prompt_tokens_exact,
+            block_hashes=tuple(hashes),
+        )
+
+
 def routing_view(body: bytes, *, chat: bool, block_tokens: int) -> RoutingView:
     """The routing view of ``body``; RequestError on malformed JSON, wrong types or missing
     fields."""
+    return summarize(body, chat=chat).routing_view(block_tokens)
+
+
+def summarize(body: bytes, *, chat: bool) -> BodySummary:
+    """The limits' view of ``body`` (no hashing); RequestError as for ``routing_view``."""
     parsed: ChatRequest | CompletionRequest
-    if chat:
-        parsed = decode_body(body, ChatRequest)
-        max_tokens = parsed.max_completion_tokens or parsed.max_tokens
-    else:
-        parsed = decode_body(body, CompletionRequest)
-        max_tokens = parsed.max_tokens
-    if max_tokens is not None and max_tokens < 1:
-        raise RequestError("max_tokens must be at least 1", param="max_tokens")
+    parsed = decode_body(body, ChatRequest) if chat else decode_body(body, CompletionRequest)
+    max_tokens, param = output_cap(parsed)
+    source: str | list[int]
     if isinstance(parsed, ChatRequest):
         if not parsed.messages:
             raise RequestError("messages must be a non-empty list", param="messages")
-        text = "".join(_message_text(m) for m in parsed.messages)
-        tokens, hashes = _text_estimate(text, block_tokens)
-        exact = False
+        source = "".join(_message_text(m) for m in parsed.messages)
+        tokens, exact = _text_tokens(source), False
     else:
-        tokens, hashes = _prompt_estimate(parsed.prompt, block_tokens)
+        tokens, source = _prompt_estimate(parsed.prompt)
         prompt = parsed.prompt
         exact = not isinstance(prompt, str) and not any(isinstance(p, str) for p in prompt)
-    return RoutingView(
+    return BodySummary(
         model=parsed.model,
         stream=parsed.stream,
         max_tokens=max_tokens,
+        max_tokens_param=param,
         user=parsed.user,
         prompt_tokens=tokens,
         prompt_tokens_exact=exact,
-        block_hashes=tuple(hashes),
+        hash_source=source,
     )
 
 
@@ -77,31 +111,26 @@ def _message_text(message: ChatMessage) -> str:
     return f"<|{message.role}|>{message.text()}"
 
 
-def _text_estimate(text: str, block_tokens: int) -> tuple[int, list[int]]:
-    data_len = len(text.encode("utf-8", "surrogatepass"))
-    return max(1, -(-data_len // BYTES_PER_TOKEN)), text_block_hashes(
-        text, block_tokens * BYTES_PER_TOKEN
-    )
+def _text_tokens(text: str) -> int:
+    return max(1, -(-len(text.encode("utf-8", "surrogatepass")) // BYTES_PER_TOKEN))
 
 
-def _prompt_estimate(
-    prompt: str | list[str | int | list[int]], block_tokens: int
-) -> tuple[int, list[int]]:
+def _prompt_estimate(prompt: str | list[str | int | list[int]]) -> tuple[int, str | list[int]]:
+    """Tokens of a completion prompt, and what to hash: the prompt, or a batch's first."""
     if isinstance(prompt, str):
-        return _text_estimate(prompt, block_tokens)
+        return _text_tokens(prompt), prompt
     if all(isinstance(item, int) for item in prompt):
         ids = [item for item in prompt if isinstance(item, int)]
-        return max(1, len(ids)), token_block_hashes(ids, block_tokens)
+        return max(1, len(ids)), ids
     # A batch of prompts: route by the first, count them all.
     total = 0
-    first: list[int] | None = None
+    first: str | list[int] | None = None
     for item in prompt:
         if isinstance(item, str):
-            tokens, hashes = _text_estimate(item, block_tokens)
+            total += _text_tokens(item)
         elif isinstance(item, list):
-            tokens, hashes = max(1, len(item)), token_block_hashes(item, block_tokens)
+            total += max(1, len(item))
         else:
             raise RequestError("prompt mixes token ids with strings or lists", param="prompt")
-        total += tokens
-        first = hashes if first is None else first
-    return max(1, total), first or []
+        first = item if first is None else first
+    return max(1, total), first if first is not None else []

@@ -1,11 +1,16 @@
 """Request intake: the checks a client request passes before it reaches the router.
 
-In order: auth (the API key, then its requests-per-minute budget) -> body limits (declared
-length, read deadline, actual length) -> routing view (a valid OpenAI body) -> pool (a
-served model) -> prompt and ``max_tokens`` limits -> the key's tokens-per-minute budget.
-Each refusal is a ``Rejection`` carrying the reason it is counted under; it is raised
-here once and counted once, where every error becomes an HTTP answer (the gateway's error
-middleware), so no check both counts and raises.
+In order: the hop count (a routing loop ends in 508) and the client headers the gateway
+reads (printable UTF-8) -> auth (the API key, then its requests-per-minute budget) ->
+declared body length -> ``100 Continue`` when the client asked for it (so a bad key or an
+over-large body is refused before the client sends it) -> body read (deadline, actual
+length) -> decoded body (a valid OpenAI body) -> pool (a served model) -> prompt and output
+cap limits -> the key's tokens-per-minute budget -> the routing view (the prompt's block
+hashes: computed last, so a refused prompt costs no hashing). The output cap is the one
+the engine runs (``isocost.openai.requests.output_cap``). Each refusal is a ``Rejection``
+carrying the reason it is counted under; it is raised here once and counted once, where
+every error becomes an HTTP answer (the gateway's error middleware), so no check both
+counts and raises.
 """
 
 from __future__ import annotations
@@ -18,14 +23,25 @@ import aiohttp
 from aiohttp import web
 
 from isocost.gateway.auth import ApiKey, Authenticator, bearer_token
-from isocost.gateway.body import routing_view
+from isocost.gateway.body import summarize
+from isocost.gateway.loops import ListenAddress, hops
 from isocost.gateway.routing import GatewayRequest
 from isocost.gateway.upstreams import Pool
 from isocost.openai.errors import ApiError
 from isocost.openai.requests import RequestError
 from isocost.runtime.config import GatewayConfig
 
-__all__ = ["Intake", "Rejection"]
+__all__ = ["CLIENT_HEADERS", "Intake", "Rejection", "defer_continue"]
+
+# Headers whose values the gateway keeps as text: in logs, decisions, metric labels, or
+# forwarded (x-request-id). x-session-id is only hashed, from its bytes: any value goes.
+CLIENT_HEADERS = (
+    "x-request-id",
+    "x-isocost-class",
+    "x-priority",
+    "x-deadline-ms",
+    "x-tpot-ms",
+)
 
 
 class Rejection(ApiError):
@@ -56,6 +72,7 @@ class Intake:
         self.block_tokens = block_tokens
         self.limits = config.limits
         self.auth = Authenticator(config.auth, now)
+        self.listen = ListenAddress()
 
     def configure(self, config: GatewayConfig, now: float) -> None:
         """Take a reloaded config's limits and keys; unchanged keys keep their budgets."""
@@ -77,6 +94,8 @@ class Intake:
     async def prepare(self, http: web.Request, *, chat: bool) -> tuple[bytes, GatewayRequest]:
         """Auth, limits and the routing view; ApiError for anything refused here."""
         arrived_at = time.monotonic()
+        hops(http.headers)
+        _check_client_headers(http)
         key = self.authenticate(http)
         if key is not None and key.requests is not None:
             wait_s = key.requests.take(1, arrived_at)
@@ -92,6 +111,7 @@ class Intake:
         length = http.content_length
         if length is not None and length > limits.max_body_bytes:
             raise _too_large(limits.max_body_bytes)
+        await _send_continue(http)
         try:
             async with asyncio.timeout(limits.body_timeout_ms / 1000):
                 body = await _read_body(http, limits.max_body_bytes)
@@ -104,39 +124,40 @@ class Intake:
         if len(body) > limits.max_body_bytes:
             raise _too_large(limits.max_body_bytes)
         try:
-            view = routing_view(body, chat=chat, block_tokens=self.block_tokens)
+            summary = summarize(body, chat=chat)
         except RequestError as exc:
             raise Rejection(
                 "invalid_body", 400, exc.message, code="invalid_request", param=exc.param
             ) from None
-        pool = self.pools.get(view.model)
+        pool = self.pools.get(summary.model)
         if pool is None:
             raise Rejection(
                 "unknown_model",
                 404,
-                f"model {view.model!r} is not served here; see GET /v1/models",
+                f"model {summary.model!r} is not served here; see GET /v1/models",
                 code="model_not_found",
                 param="model",
             )
-        if view.prompt_tokens > limits.max_prompt_tokens:
+        if summary.prompt_tokens > limits.max_prompt_tokens:
             raise Rejection(
                 "prompt_too_long",
                 400,
-                f"prompt of ~{view.prompt_tokens} tokens exceeds the limit of "
+                f"prompt of ~{summary.prompt_tokens} tokens exceeds the limit of "
                 f"{limits.max_prompt_tokens}",
                 code="context_length_exceeded",
                 param="messages" if chat else "prompt",
             )
-        if view.max_tokens is not None and view.max_tokens > limits.max_tokens:
+        cap = summary.max_tokens
+        if cap is not None and cap > limits.max_tokens:
             raise Rejection(
                 "max_tokens_too_large",
                 400,
-                f"max_tokens {view.max_tokens} exceeds the limit of {limits.max_tokens}",
+                f"{summary.max_tokens_param} {cap} exceeds the limit of {limits.max_tokens}",
                 code="max_tokens_exceeded",
-                param="max_tokens",
+                param=summary.max_tokens_param,
             )
         if key is not None and key.tokens is not None:
-            wait_s = key.tokens.take(view.prompt_tokens + (view.max_tokens or 0), arrived_at)
+            wait_s = key.tokens.take(summary.prompt_tokens + (cap or 0), arrived_at)
             if wait_s:
                 raise Rejection(
                     "key_tokens_per_minute",
@@ -145,6 +166,7 @@ class Intake:
                     code="rate_limit_exceeded",
                     retry_after_s=wait_s,
                 )
+        view = summary.routing_view(self.block_tokens)
         request = GatewayRequest.from_http(
             http,
             view,
@@ -153,6 +175,33 @@ class Intake:
             key_name=key.name if key else None,
         )
         return body, request
+
+
+def _check_client_headers(http: web.Request) -> None:
+    """400 for a routing header that is no printable UTF-8 (aiohttp hands undecodable
+    bytes on as surrogates, which nothing downstream can encode again)."""
+    for name in CLIENT_HEADERS:
+        value = http.headers.get(name)
+        if value is not None and not value.isprintable():
+            raise Rejection(
+                "bad_header", 400, f"{name} must be printable UTF-8 text", code="bad_header"
+            )
+
+
+async def defer_continue(http: web.Request) -> None:
+    """The routes' ``expect_handler``: refuse unknown expectations (417) but hold back
+    ``100 Continue`` until the intake has checked the key and the declared length."""
+    if http.headers.get("Expect", "").lower() != "100-continue":
+        raise web.HTTPExpectationFailed(text="only Expect: 100-continue is supported")
+
+
+async def _send_continue(http: web.Request) -> None:
+    """``100 Continue`` to a client waiting for it before sending its body."""
+    if http.version >= aiohttp.HttpVersion11 and (
+        http.headers.get("Expect", "").lower() == "100-continue"
+    ):
+        await http.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        http.writer.output_size = 0  # the answer proper has not started
 
 
 async def _read_body(http: web.Request, limit: int) -> bytes:

@@ -317,6 +317,7 @@ class Gateway:
         try:
             config = parse_config(read_text(self.config_path), source)
             _refuse_lockout(self.config, config, source)
+            self.intake.listen.check_config(config, source)
             self.apply_config(config)
         except Exception as exc:  # no file may end the watcher
             error = str(exc) if isinstance(exc, IsocostError) else f"{type(exc).__name__}: {exc}"

@@ -37,6 +37,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from isocost.gateway.loops import HOPS_HEADER, hops
 from isocost.gateway.routing import GatewayRequest, Grant, Router
 from isocost.gateway.upstreams import Upstream
 from isocost.openai import sse
@@ -51,6 +52,7 @@ _HOP_HEADERS = ("Accept", "X-Request-Id")
 _NOT_SERVED_HERE = frozenset({401, 403, 404})  # the replica, not the client, is wrong
 _OVERLOADED = 429
 _FULL = 503
+_LOOP_DETECTED = 508  # from a gateway down the line
 CLIENT_GONE_STATUS = 499
 
 
@@ -259,6 +261,7 @@ class Forwarder:
             "Accept-Encoding": "identity",
             **replica.upstream_headers,
         }
+        headers[HOPS_HEADER] = str(hops(http.headers) + 1)  # a loop ends in 508
         for name in _HOP_HEADERS:
             if name in http.headers:
                 headers[name] = http.headers[name]
@@ -490,6 +493,8 @@ class Forwarder:
 
 def _judge_status(status: int) -> None:
     """_AttemptFailed for an upstream status that is the replica's failure, not the client's."""
+    if status == _LOOP_DETECTED:
+        return  # a gateway down the line found a loop: relay it, retrying would loop again
     if status >= 500:
         raise _AttemptFailed(f"status {status}", busy=status == _FULL)
     if status == _OVERLOADED:

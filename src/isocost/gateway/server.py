@@ -1,27 +1,36 @@
-"""Running ``isocost serve``: discovery without a file, JSON logs, the uvloop server loop."""
+"""Running ``isocost serve``: discovery without a file, JSON logs, the uvloop server loop.
+
+The HTTP server's own guards: a deadline for the headers of every request of a
+connection (``limits.body_timeout_ms``), a keep-alive timeout between requests
+(``limits.keepalive_timeout_ms``, read at start), the soft fd limit raised to the hard one
+(each connection is a socket), no replica that is the gateway's own address, and an
+answer for a client that half-closed after its request.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
+import resource
 import signal
-import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from http import HTTPStatus
 from pathlib import Path
 from typing import cast
 
 import aiohttp
 import msgspec
 from aiohttp import HttpVersion11, web
+from aiohttp.typedefs import Middleware
 from aiohttp.web_protocol import RequestHandler
 
 from isocost.core.catalog import Catalog
 from isocost.core.errors import ConfigError, IsocostError
 from isocost.gateway.app import build_app
 from isocost.gateway.lifecycle import Gateway
+from isocost.openai.errors import ApiError, error_response
 from isocost.runtime.config import (
     AuthConfig,
     GatewayConfig,
@@ -29,35 +38,11 @@ from isocost.runtime.config import (
     ReplicaConfig,
     normalize_replica_url,
 )
+from isocost.runtime.logs import configure_logging
 
 __all__ = ["configure_logging", "discover_config", "load_gateway", "run_gateway"]
 
 log = logging.getLogger("isocost.gateway")
-
-_STANDARD_ATTRS = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
-
-
-class _JsonFormatter(logging.Formatter):
-    """One JSON object per line: time, level, message and the record's extra fields."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        entry: dict[str, object] = {
-            "ts": round(record.created, 3),
-            "level": record.levelname.lower(),
-            "msg": record.getMessage(),
-        }
-        for key, value in vars(record).items():
-            if key not in _STANDARD_ATTRS:
-                entry[key] = value
-        return json.dumps(entry, default=str)
-
-
-def configure_logging(level: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_JsonFormatter())
-    log.handlers[:] = [handler]
-    log.setLevel(level.upper())
-    log.propagate = False
 
 
 class _ModelList(msgspec.Struct):
@@ -150,23 +135,37 @@ async def _serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    raise_fd_limit()
+    source = str(gateway.config_path or "--replica")
+    if port:  # known before binding: refuse a config that lists this gateway itself
+        gateway.intake.listen.set(host, port)
+        gateway.intake.listen.check_config(gateway.config, source)
+    connections: dict[asyncio.BaseProtocol, _HeaderDeadline] = {}
+    app = build_app(gateway)
+    app.middlewares.append(_request_phases(connections))
     runner = web.AppRunner(
-        build_app(gateway),
-        handler_cancellation=True,
-        access_log=None,
-        shutdown_timeout=shutdown_timeout_s,
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout_s
     )
     await runner.setup()
-    handler_factory = runner.server
-    assert handler_factory is not None
+    server = runner.server
+    assert server is not None
+    keepalive_s = gateway.config.limits.keepalive_timeout_ms / 1000
 
     def protocol() -> asyncio.Protocol:
         deadline_s = gateway.config.limits.body_timeout_ms / 1000
-        return _HeaderDeadline(handler_factory(), deadline_s)
+        handler = _JsonErrors(
+            server,
+            loop=loop,
+            keepalive_timeout=keepalive_s,
+            access_log=cast(logging.Logger, None),  # None turns access logs off; typed Logger
+        )
+        return _HeaderDeadline(handler, deadline_s, connections)
 
     listener = await loop.create_server(protocol, host, port, backlog=1024)
     try:
         bound = listener.sockets[0].getsockname()[1]
+        gateway.intake.listen.set(host, bound)
+        gateway.intake.listen.check_config(gateway.config, source)
         on_ready(f"http://{host}:{bound}")
         await stop.wait()
     finally:
@@ -175,42 +174,123 @@ async def _serve(
             await runner.cleanup()
 
 
+def raise_fd_limit() -> None:
+    """Raise the soft limit on open files to the hard one: every client connection and
+    every upstream connection is a socket, and the usual soft 1024 is soon reached."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (OSError, ValueError) as exc:
+            log.warning(
+                "fd limit not raised",
+                extra={"event": "fd_limit", "soft": soft, "hard": hard, "error": str(exc)},
+            )
+            return
+        soft = target
+    log.info("fd limit", extra={"event": "fd_limit", "soft": soft, "hard": hard})
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _request_phases(
+    connections: dict[asyncio.BaseProtocol, _HeaderDeadline],
+) -> Middleware:
+    """A middleware telling a connection's header deadline when each request's handling
+    starts (its headers are complete) and ends (the next request's headers may begin)."""
+
+    @web.middleware
+    async def phases(request: web.Request, handler: Handler) -> web.StreamResponse:
+        guard = connections.get(request.protocol)
+        if guard is not None:
+            guard.request_started()
+        try:
+            return await handler(request)
+        finally:
+            if guard is not None:
+                guard.request_finished()
+
+    return phases
+
+
+class _JsonErrors(RequestHandler):
+    """aiohttp's request handler, answering the requests its parser refuses (bad bytes,
+    over-long lines, no HTTP at all) as OpenAI-style JSON: aiohttp's own text answer
+    quotes the request's raw bytes back, keys and prompts included."""
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        super().handle_error(request, status, exc, message)  # logs it (redacted), checks
+        text = "the request is not valid HTTP/1.1" if status == 400 else HTTPStatus(status).phrase
+        response = error_response(ApiError(status, text, code="invalid_http"))
+        response.force_close()
+        return response
+
+
 _PROBE_S = 0.5  # how often a half-closed client is checked while its answer is prepared
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
 class _HeaderDeadline(asyncio.Protocol):
-    """aiohttp's request handler, plus a deadline for a connection's first request head.
+    """aiohttp's request handler, plus a deadline for the headers of every request.
 
     aiohttp bounds neither the time to send request headers nor the time before the first
-    byte, so a client trickling headers (slowloris) would hold a connection forever. The
-    connection is answered 408 and closed unless the blank line ending the first request's
-    headers arrives within ``deadline_s`` (``limits.body_timeout_ms``); later requests on a
-    kept-alive connection are bounded by aiohttp's keep-alive timeout between requests.
+    byte, so a client trickling headers (slowloris) would hold a connection forever. A
+    request's headers must be complete within ``deadline_s`` (``limits.body_timeout_ms``),
+    counted from the connection's start for its first request and from the first byte
+    after the previous request's answer for later ones (the idle time before that byte is
+    the keep-alive timeout's); else the connection is answered 408 and closed. The app's
+    middleware (``_request_phases``) reports when handling starts and ends.
     """
 
-    def __init__(self, inner: RequestHandler, deadline_s: float) -> None:
+    def __init__(
+        self,
+        inner: RequestHandler,
+        deadline_s: float,
+        connections: dict[asyncio.BaseProtocol, _HeaderDeadline],
+    ) -> None:
         self._inner = inner
         self._deadline_s = deadline_s
+        self._connections = connections
         self._timer: asyncio.TimerHandle | None = None
         self._transport: asyncio.Transport | None = None
-        self._tail = b""
+        self._awaiting_head = True
         self._received = False  # any bytes yet: an EOF before them closes at once
         self._probe: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
-        self._timer = asyncio.get_running_loop().call_later(self._deadline_s, self._expire)
+        self._connections[self._inner] = self
+        self._arm()
         self._inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
         self._received = True
-        if self._timer is not None:
-            self._tail = (self._tail + data)[-(len(data) + 3) :]
-            if b"\r\n\r\n" in self._tail:
-                self._timer.cancel()
-                self._timer = None
+        if self._awaiting_head and self._timer is None:
+            self._arm()
         self._inner.data_received(data)
+
+    def request_started(self) -> None:
+        self._awaiting_head = False
+        self._disarm()
+
+    def request_finished(self) -> None:
+        self._awaiting_head = True
+
+    def _arm(self) -> None:
+        self._timer = asyncio.get_running_loop().call_later(self._deadline_s, self._expire)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def eof_received(self) -> bool | None:
         """The client closed its sending side: it half-closed after its request
@@ -243,12 +323,11 @@ class _HeaderDeadline(asyncio.Protocol):
         self._probe = asyncio.get_running_loop().call_later(_PROBE_S, self._probe_client)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._disarm()
         if self._probe is not None:
             self._probe.cancel()
             self._probe = None
+        self._connections.pop(self._inner, None)
         self._inner.connection_lost(exc)
 
     def pause_writing(self) -> None:

@@ -31,6 +31,7 @@ STATUS_TYPES = {
     502: "upstream_error",
     503: "service_unavailable",
     504: "timeout_error",
+    508: "loop_detected_error",
 }
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 

@@ -6,6 +6,9 @@ prompt costs one pass over the bytes. The structs take what the OpenAI API allow
 completion ``prompt`` may be one string, token ids, or a batch of either); each edge adds
 its own rules on top (the engine simulator serves one prompt per request, the gateway
 routes a batch by its first prompt).
+
+Every HTTP edge reads the output cap through ``output_cap``, so the gateway checks and
+charges the very number an engine executes (see its docstring).
 """
 
 from __future__ import annotations
@@ -25,7 +28,10 @@ __all__ = [
     "RequestError",
     "StreamOptions",
     "decode_body",
+    "output_cap",
 ]
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # what OpenAI and vLLM run when /v1/completions omits it
 
 
 class StreamOptions(msgspec.Struct, frozen=True):
@@ -35,6 +41,7 @@ class StreamOptions(msgspec.Struct, frozen=True):
 class _Common(msgspec.Struct, frozen=True, kw_only=True):
     model: str
     max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -65,7 +72,6 @@ class ChatMessage(msgspec.Struct, frozen=True):
 
 class ChatRequest(_Common, frozen=True, kw_only=True):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
 
 
 class RequestError(ApiError):
@@ -94,6 +100,43 @@ def decode_body(body: bytes, kind: type[_T]) -> _T:
         raise RequestError(f"request body is not valid JSON: {exc}", code="invalid_json") from None
     except UnicodeDecodeError:  # msgspec raises it for invalid UTF-8 inside a JSON string
         raise RequestError("request body is not valid UTF-8", code="invalid_json") from None
+    except RecursionError:  # msgspec's own depth limit, even in fields it skips
+        raise RequestError("request body is nested too deeply", code="invalid_json") from None
+
+
+def output_cap(body: ChatRequest | CompletionRequest) -> tuple[int | None, str]:
+    """The most output tokens an engine will run for ``body``, and the field that says so.
+
+    Engines disagree on which field wins: vLLM reads ``max_completion_tokens or
+    max_tokens`` on chat, older engines and most completion endpoints read ``max_tokens``
+    only, some read ``max_completion_tokens`` on both endpoints. So both fields count on
+    both endpoints, and a body that gives both with different values is refused: any
+    engine then runs the one number that was checked. Without either, ``/v1/completions``
+    runs OpenAI's default of 16 and chat runs to the model's context (None). A cap below
+    1 is a RequestError.
+    """
+    given = [
+        (name, value)
+        for name, value in (
+            ("max_completion_tokens", body.max_completion_tokens),
+            ("max_tokens", body.max_tokens),
+        )
+        if value is not None
+    ]
+    if len({value for _, value in given}) > 1:
+        raise RequestError(
+            "max_tokens and max_completion_tokens differ; engines read different ones, "
+            "so send one (or both equal)",
+            param="max_completion_tokens",
+        )
+    if not given:
+        if isinstance(body, ChatRequest):
+            return None, "max_completion_tokens"
+        return COMPLETIONS_DEFAULT_MAX_TOKENS, "max_tokens"
+    param, cap = given[0]
+    if cap < 1:
+        raise RequestError(f"{param} must be at least 1, got {cap}", param=param)
+    return cap, param
 
 
 def _field(message: str) -> str | None:

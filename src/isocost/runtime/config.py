@@ -34,7 +34,8 @@ A full file, every key optional except ``pools[].model`` and ``replicas[].url``:
       max_prompt_tokens: 131072
       max_tokens: 32768
       connect_timeout_ms: 1000
-      body_timeout_ms: 30000          # to receive a request body (slow clients get 408)
+      body_timeout_ms: 30000          # to receive a request's headers, and its body (408)
+      keepalive_timeout_ms: 30000     # an idle client connection is closed (read at start)
       idle_timeout_ms: 60000          # until a stream's headers, and between two chunks
       total_timeout_ms: 1800000       # whole request, suits long streams
       max_response_bytes: 67108864    # a replica's whole answer (or one stream line); 502 beyond
@@ -123,6 +124,7 @@ class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     max_tokens: int = 32768
     connect_timeout_ms: float = 1000
     body_timeout_ms: float = 30000
+    keepalive_timeout_ms: float = 30000
     idle_timeout_ms: float = 60000
     total_timeout_ms: float = 1_800_000
     max_response_bytes: int = 64 * 1024 * 1024

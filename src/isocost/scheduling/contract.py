@@ -67,7 +67,8 @@ DEFAULT_CLASS = "default"  # the route class of a request no route rule claims
 
 def stable_hash64(text: str) -> int:
     """A 64-bit hash of ``text`` that is the same in every process (unlike ``hash``)."""
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+    data = text.encode("utf-8", "surrogatepass")  # any str, undecodable header bytes too
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,11 +41,35 @@ def test_content_parts_count_like_plain_text() -> None:
     )
 
 
-def test_max_completion_tokens_wins() -> None:
-    view = routing_view(
-        chat("x", max_tokens=9, max_completion_tokens=3), chat=True, block_tokens=16
-    )
-    assert view.max_tokens == 3
+def completion(**fields: object) -> bytes:
+    return json.dumps({"model": "m", "prompt": "x", **fields}).encode()
+
+
+@pytest.mark.parametrize(
+    ("body", "is_chat", "cap"),
+    [
+        (chat("x", max_completion_tokens=3), True, 3),
+        (chat("x", max_tokens=3), True, 3),
+        (chat("x", max_tokens=3, max_completion_tokens=3), True, 3),
+        (chat("x"), True, None),  # the engine runs to the context
+        (completion(max_completion_tokens=5), False, 5),
+        (completion(max_tokens=5), False, 5),
+        (completion(), False, 16),  # OpenAI's and vLLM's default
+    ],
+)
+def test_output_cap_reads_both_fields_on_both_endpoints(
+    body: bytes, is_chat: bool, cap: int | None
+) -> None:
+    assert routing_view(body, chat=is_chat, block_tokens=16).max_tokens == cap
+
+
+@pytest.mark.parametrize("is_chat", [True, False])
+def test_output_cap_fields_that_disagree_are_refused(is_chat: bool) -> None:
+    fields = {"max_tokens": 9, "max_completion_tokens": 3}
+    body = chat("x", **fields) if is_chat else completion(**fields)
+    with pytest.raises(RequestError) as info:
+        routing_view(body, chat=is_chat, block_tokens=16)
+    assert info.value.param == "max_completion_tokens"
 
 
 def test_token_id_prompts_are_exact() -> None:
@@ -72,6 +96,9 @@ def test_batched_prompts_count_all_and_hash_the_first() -> None:
         (b'{"model": 3, "messages": []}', True, "model"),
         (chat("x", max_tokens="7"), True, "max_tokens"),
         (chat("x", max_tokens=0), True, "max_tokens"),
+        (chat("x", max_completion_tokens=0), True, "max_completion_tokens"),
+        (b'{"model": "m", "prompt": "x", "max_completion_tokens": -1}', False, "max_comp"),
+        (b'{"model": "m", "prompt": "x", "n": ' + b"[" * 5000 + b"]" * 5000 + b"}", False, None),
         (chat("x", stream="yes"), True, "stream"),
         (b'{"model": "m", "messages": []}', True, "messages"),
         (b'{"model": "m", "messages": [{"content": "x"}]}', True, "messages[0]"),
