@@ -84,7 +84,8 @@ def own_forms(url: str) -> list[str]:
 @pytest.mark.parametrize("form", range(7))  # see own_forms
 def test_the_admin_api_refuses_the_gateway_own_address(setup: Setup, form: int) -> None:
     url = own_forms(setup.gateway.url)[form]
-    add = json.dumps({"model": "fake-model", "replica": {"url": url}}).encode()
+    replica = {"url": url, "cost_model": "llama-3.1-8b"}  # valid but for its address
+    add = json.dumps({"model": "fake-model", "replica": replica}).encode()
     status, _, answer = http("POST", setup.gateway.url + "/admin/replicas", add, ADMIN)
     assert status == 400, answer
     assert "own address" in answer["error"]["message"]

@@ -31,7 +31,7 @@ from isocost.gateway.lifecycle import Gateway
 from isocost.gateway.upstreams import Upstream
 from isocost.openai.errors import ApiError
 from isocost.openai.responses import json_response
-from isocost.runtime.config import ReplicaConfig, normalize_replica_url
+from isocost.runtime.config import ReplicaConfig
 
 __all__ = ["add_admin_routes", "snapshot"]
 
@@ -179,7 +179,6 @@ def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
     async def add(request: web.Request) -> web.StreamResponse:
         body = _decode(await request.read(), _AddReplica)
         try:
-            gateway.intake.listen.check(normalize_replica_url(body.replica.url))
             replica = gateway.add_replica(body.model, body.replica)
         except ConfigError as exc:
             raise ApiError(400, str(exc), code="invalid_replica", param=exc.key) from None

@@ -252,9 +252,14 @@ class Gateway:
 
     def add_replica(self, model: str, replica_config: ReplicaConfig) -> Upstream:
         """Add one replica at run time (the admin API): the config file's checks of a
-        replica entry, then unique URL and name; a ConfigError names the field."""
+        replica entry, not this gateway's own address, then unique URL and name; a
+        ConfigError names the field."""
         check_replica(replica_config, model, self.catalog, source=_ADMIN_SOURCE, key="replica")
         upstream = Upstream(replica_config, model, self.config.health)
+        try:
+            self.intake.listen.check(upstream.url)
+        except ValueError as exc:
+            raise ConfigError(_ADMIN_SOURCE, str(exc), key="replica.url") from None
         if upstream.url in self.replicas:
             raise ConfigError(
                 _ADMIN_SOURCE, f"replica {upstream.url} already exists", key="replica.url"
