@@ -344,6 +344,7 @@ def test_an_edited_replica_keeps_its_in_flight_requests(
         if key != "groups":
             assert row[key] == float(value)
     finally:
+        set_mode(first, completion="ok")  # its retries (an empty stream fails) end at once
         stream.join()
     wait_in_flight(gateway, first, 0)  # released once, on the replica it was counted on
 
@@ -361,9 +362,10 @@ def test_a_renamed_replica_keeps_its_in_flight_requests(
         wait_for(lambda: gateway.names() == {first: "renamed"}, what="the rename")
         assert gateway.rows()[first]["in_flight"] == 1
     finally:
+        set_mode(first, completion="ok")  # its retries (an empty stream fails) end at once
         stream.join()
     wait_in_flight(gateway, first, 0)
-    set_mode(first, completion="ok")  # the empty stream counted against it: wait it out
+    # the empty stream counted against it: wait it out
     wait_for(lambda: gateway.rows()[first]["state"] == "healthy", what="the replica back")
     status, headers, _ = http(
         "POST",
