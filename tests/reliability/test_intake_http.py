@@ -179,11 +179,13 @@ def test_more_idle_connections_than_the_old_soft_limit_leave_the_gateway_up(
             sock.close()
 
 
-def _expect_continue(setup: Setup, headers: str, length: int) -> bytes:
+def _expect_continue(
+    setup: Setup, headers: str, length: int, path: str = "/v1/completions"
+) -> bytes:
     """Send only the headers of a POST with ``Expect: 100-continue``; the first bytes back."""
     with rawhttp.connect(setup.patient.url) as sock:
         sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
             + f"{headers}Content-Length: {length}\r\nExpect: 100-continue\r\n\r\n".encode()
         )
         return sock.recv(65536)
@@ -203,6 +205,26 @@ def test_expect_100_continue_is_not_answered_before_the_key_and_size_checks(
 ) -> None:
     first = _expect_continue(setup, headers, length)
     assert first.startswith(f"HTTP/1.1 {status}".encode()), first[:100]
+
+
+ADMIN_POSTS = ["/admin/replicas", "/admin/policy", "/admin/replicas/x/drain"]
+
+
+@pytest.mark.parametrize("path", ADMIN_POSTS)
+@pytest.mark.parametrize("headers", ["", "Authorization: Bearer wrong-token\r\n"])
+def test_expect_100_continue_on_the_admin_api_waits_for_the_token(
+    setup: Setup, path: str, headers: str
+) -> None:
+    first = _expect_continue(setup, headers, 100, path)
+    assert first.startswith(b"HTTP/1.1 401"), first[:100]
+
+
+@pytest.mark.parametrize("path", ADMIN_POSTS)
+def test_expect_100_continue_on_the_admin_api_with_the_token_gets_continue(
+    setup: Setup, path: str
+) -> None:
+    first = _expect_continue(setup, f"Authorization: Bearer {ADMIN_TOKEN}\r\n", 100, path)
+    assert first.startswith(b"HTTP/1.1 100 Continue"), first[:100]
 
 
 def test_expect_100_continue_with_a_good_key_gets_continue_then_the_answer(

@@ -26,7 +26,7 @@ from aiohttp import web
 
 from isocost.core.errors import ConfigError, IsocostError
 from isocost.gateway.auth import bearer_token
-from isocost.gateway.intake import Rejection
+from isocost.gateway.intake import Rejection, defer_continue, send_continue
 from isocost.gateway.lifecycle import Gateway
 from isocost.gateway.upstreams import Upstream
 from isocost.openai.errors import ApiError
@@ -142,23 +142,27 @@ def snapshot(gateway: Gateway) -> dict[str, Any]:
 def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
     """Register the ``/admin/`` routes of ``gateway`` on ``app``."""
 
+    def check_token(request: web.Request) -> None:
+        auth = gateway.intake.auth
+        if not auth.admin_enabled:
+            raise ApiError(
+                403, "the admin API is disabled: set auth.admin_token", code="admin_disabled"
+            )
+        token = bearer_token(request.headers.get("Authorization")) or request.headers.get(
+            "X-Admin-Token"
+        )
+        if not auth.is_admin(token):
+            raise Rejection(
+                "admin_unauthorized",
+                401,
+                "missing or invalid admin token",
+                code="invalid_admin_token",
+            )
+
     def guarded(handler: Handler) -> Handler:
         async def check(request: web.Request) -> web.StreamResponse:
-            auth = gateway.intake.auth
-            if not auth.admin_enabled:
-                raise ApiError(
-                    403, "the admin API is disabled: set auth.admin_token", code="admin_disabled"
-                )
-            token = bearer_token(request.headers.get("Authorization")) or request.headers.get(
-                "X-Admin-Token"
-            )
-            if not auth.is_admin(token):
-                raise Rejection(
-                    "admin_unauthorized",
-                    401,
-                    "missing or invalid admin token",
-                    code="invalid_admin_token",
-                )
+            check_token(request)
+            await send_continue(request)  # Expect: 100-continue only once the token passed
             return await handler(request)
 
         return check
@@ -217,9 +221,13 @@ def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
         return json_response(snapshot(gateway))
 
     app.router.add_get("/admin/replicas", guarded(list_replicas))
-    app.router.add_post("/admin/replicas", guarded(add))
+    app.router.add_post("/admin/replicas", guarded(add), expect_handler=defer_continue)
     app.router.add_delete("/admin/replicas/{name}", guarded(remove))
-    app.router.add_post("/admin/replicas/{name}/drain", guarded(drain))
-    app.router.add_post("/admin/replicas/{name}/undrain", guarded(undrain))
-    app.router.add_post("/admin/policy", guarded(switch_policy))
+    app.router.add_post(
+        "/admin/replicas/{name}/drain", guarded(drain), expect_handler=defer_continue
+    )
+    app.router.add_post(
+        "/admin/replicas/{name}/undrain", guarded(undrain), expect_handler=defer_continue
+    )
+    app.router.add_post("/admin/policy", guarded(switch_policy), expect_handler=defer_continue)
     app.router.add_get("/admin/snapshot", guarded(get_snapshot))

@@ -31,7 +31,7 @@ from isocost.openai.errors import ApiError
 from isocost.openai.requests import RequestError
 from isocost.runtime.config import GatewayConfig
 
-__all__ = ["CLIENT_HEADERS", "Intake", "Rejection", "defer_continue"]
+__all__ = ["CLIENT_HEADERS", "Intake", "Rejection", "defer_continue", "send_continue"]
 
 # Headers whose values the gateway keeps as text: in logs, decisions, metric labels, or
 # forwarded (x-request-id). x-session-id is only hashed, from its bytes: any value goes.
@@ -111,7 +111,7 @@ class Intake:
         length = http.content_length
         if length is not None and length > limits.max_body_bytes:
             raise _too_large(limits.max_body_bytes)
-        await _send_continue(http)
+        await send_continue(http)
         try:
             async with asyncio.timeout(limits.body_timeout_ms / 1000):
                 body = await _read_body(http, limits.max_body_bytes)
@@ -190,12 +190,13 @@ def _check_client_headers(http: web.Request) -> None:
 
 async def defer_continue(http: web.Request) -> None:
     """The routes' ``expect_handler``: refuse unknown expectations (417) but hold back
-    ``100 Continue`` until the intake has checked the key and the declared length."""
+    ``100 Continue`` until the intake has checked the key and the declared length (the
+    admin API: its token), which then sends it (``send_continue``)."""
     if http.headers.get("Expect", "").lower() != "100-continue":
         raise web.HTTPExpectationFailed(text="only Expect: 100-continue is supported")
 
 
-async def _send_continue(http: web.Request) -> None:
+async def send_continue(http: web.Request) -> None:
     """``100 Continue`` to a client waiting for it before sending its body."""
     if http.version >= aiohttp.HttpVersion11 and (
         http.headers.get("Expect", "").lower() == "100-continue"
