@@ -17,7 +17,7 @@ from unittest import mock
 import pytest
 import rawhttp
 from aiohttp.test_utils import TestClient, TestServer
-from fake_upstream import start_fake_upstream
+from fake_upstream import set_mode, start_fake_upstream
 from gateway_harness import gateway_config, http
 from isocost_procs import Proc, start_isocost
 
@@ -59,7 +59,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
             max_tokens=MAX_TOKENS,
             keys="\n".join(
                 f"    - {{name: {field}, key: {METERED_KEY}-{field}, tokens_per_minute: 300}}"
-                for field in ("max_tokens", "max_completion_tokens")
+                for field in ("max_tokens", "max_completion_tokens", "uncapped")
             ),
         )
     )
@@ -117,6 +117,22 @@ def test_output_cap_is_charged_to_the_key_token_budget(setup: Setup, field: str)
     statuses = [http("POST", url, body(url, **{field: 60}), headers)[0] for _ in range(8)]
     assert 429 in statuses, statuses
     assert statuses[0] == 200
+
+
+def test_an_uncapped_answer_is_charged_to_the_key_token_budget_once_known(
+    setup: Setup,
+) -> None:
+    # 300 tokens per minute; a chat without a cap pays its prompt up front, its output after
+    headers = {**AUTH, "Authorization": f"Bearer {METERED_KEY}-uncapped"}
+    url = setup.gateway.url + "/v1/chat/completions"
+    set_mode(setup.upstream.url, completion_tokens=1000)
+    try:
+        assert http("POST", url, body(url), headers)[0] == 200
+    finally:
+        set_mode(setup.upstream.url, completion_tokens=2)
+    status, got, answer = http("POST", url, body(url), headers)
+    assert status == 429, answer
+    assert float(got["Retry-After"]) > 0
 
 
 # -- header bytes that are no UTF-8 ------------------------------------------------------

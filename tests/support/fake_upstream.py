@@ -26,6 +26,7 @@ Mode keys (``POST /_fake/mode`` merges them into the current mode):
 * ``stream_tokens``, ``token_bytes``, ``token_delay_s``: an ``ok`` stream of that many
   tokens of that size, that far apart (0 tokens: the two tokens ``hel``, ``lo``); the
   stream faults above come after the first token and its delay;
+* ``completion_tokens``: what a whole answer's ``usage`` says it generated (2);
 * ``model``: the model ``/v1/models`` lists (``fake-model``).
 
 Run as a script: ``python fake_upstream.py [--port 0]`` prints ``fake upstream ready at URL``.
@@ -74,6 +75,7 @@ DEFAULT_MODE: dict[str, Any] = {
     "stream_tokens": 0,
     "token_bytes": 1,
     "token_delay_s": 0.0,
+    "completion_tokens": 2,
     "model": "fake-model",
 }
 
@@ -137,7 +139,7 @@ def _app() -> web.Application:
             )
         if kind == "huge":
             padding = "x" * int(mode["size_bytes"])
-            return web.json_response(_answer(chat, padding, body))
+            return web.json_response(_answer(chat, padding, body, mode["completion_tokens"]))
         if kind == "hang":
             await asyncio.sleep(float(mode["stall_s"]))
         if kind == "stall":
@@ -146,7 +148,7 @@ def _app() -> web.Application:
             await asyncio.sleep(float(mode["stall_s"]))
             return response
         if not body.get("stream"):
-            return web.json_response(_answer(chat, "hello", body))
+            return web.json_response(_answer(chat, "hello", body, mode["completion_tokens"]))
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         count = int(mode["stream_tokens"])
@@ -185,13 +187,13 @@ def _app() -> web.Application:
     return app
 
 
-def _answer(chat: bool, text: str, request: dict[str, Any]) -> dict[str, Any]:
+def _answer(chat: bool, text: str, request: dict[str, Any], generated: int) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": 0, "finish_reason": "stop"}
     if chat:
         choice["message"] = {"role": "assistant", "content": text}
     else:
         choice["text"] = text
-    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    usage = {"prompt_tokens": 3, "completion_tokens": generated, "total_tokens": 3 + generated}
     kind = "chat.completion" if chat else "text_completion"
     return {
         "id": "fake-1",

@@ -52,7 +52,9 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return error_response(ApiError.from_http(exc))
 
 
-def _log_result(gateway: Gateway, request: GatewayRequest, result: ForwardResult) -> None:
+def _account(gateway: Gateway, request: GatewayRequest, result: ForwardResult) -> None:
+    """Log, count and charge how ``request`` ended: once per request, whatever the end."""
+    gateway.intake.charge_output(request, result.output_tokens, time.monotonic())
     replica = result.replica
     name = replica.name if replica else _NO_ROUTE
     gateway.metrics.requests.labels(str(result.status), request.pool.model, name).inc()
@@ -89,17 +91,17 @@ async def _completion(http: web.Request, *, chat: bool) -> web.StreamResponse:
         response = await gateway.forwarder.forward(http, body, request, result)
     except ApiError as exc:
         result.status = exc.status
-        _log_result(gateway, request, result)
+        _account(gateway, request, result)
         raise
     except ClientGone as exc:
         result.status, result.error = CLIENT_GONE_STATUS, exc.reason
-        _log_result(gateway, request, result)
+        _account(gateway, request, result)
         return web.Response(status=CLIENT_GONE_STATUS)  # never sent: the connection is closed
     except asyncio.CancelledError:
         result.status, result.error = CLIENT_GONE_STATUS, "client disconnected"
-        _log_result(gateway, request, result)
+        _account(gateway, request, result)
         raise
-    _log_result(gateway, request, result)
+    _account(gateway, request, result)
     return response
 
 

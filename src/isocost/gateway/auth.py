@@ -42,6 +42,13 @@ class TokenBucket:
             return 0.0
         return (need - self.level) / self.rate_per_s
 
+    def spend(self, amount: float, now: float) -> None:
+        """Take ``amount`` after the fact, even below empty: what a request used but could
+        not be charged up front (an uncapped answer) delays the key's next requests."""
+        self.level = min(self.capacity, self.level + (now - self.updated_at) * self.rate_per_s)
+        self.updated_at = now
+        self.level -= amount
+
 
 @dataclass(slots=True)
 class ApiKey:

@@ -91,6 +91,16 @@ class Intake:
             raise Rejection("unauthorized", 401, message, code="invalid_api_key")
         return key
 
+    def charge_output(self, request: GatewayRequest, output_tokens: int, now: float) -> None:
+        """Charge an uncapped request's output to its key's token budget once it is known:
+        ``prepare`` could charge only the prompt, and an answer without ``max_tokens`` may
+        run to the model's context. Capped requests paid prompt + cap up front."""
+        if request.view.max_tokens is not None or request.key_name is None:
+            return
+        key = next((k for k in self.auth.keys if k.name == request.key_name), None)
+        if key is not None and key.tokens is not None and output_tokens > 0:
+            key.tokens.spend(output_tokens, now)
+
     async def prepare(self, http: web.Request, *, chat: bool) -> tuple[bytes, GatewayRequest]:
         """Auth, limits and the routing view; ApiError for anything refused here."""
         arrived_at = time.monotonic()

@@ -61,3 +61,10 @@ def test_keys_and_admin(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_no_keys_means_open_and_no_admin() -> None:
     auth = Authenticator(AuthConfig(), now=0.0)
     assert not auth.enabled and not auth.admin_enabled and not auth.is_admin("")
+
+
+def test_spending_after_the_fact_goes_below_empty_and_delays_the_next_take() -> None:
+    bucket = TokenBucket(per_minute=60, now=0.0)  # one token a second
+    bucket.spend(100, now=0.0)  # an uncapped answer's output, charged once known
+    assert bucket.take(1, now=0.0) == pytest.approx(41.0)  # 40 below empty, then 1 more
+    assert bucket.take(1, now=41.0) == 0.0
