@@ -13,12 +13,13 @@ import socket
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
 from cluster import MODEL, start_engine
 from gateway_harness import http, wait_for
-from isocost_procs import Proc
+from isocost_procs import Proc, start_isocost
 from prometheus_client.parser import text_string_to_metric_families
 
 
@@ -185,3 +186,30 @@ def _http_any(
                 return response.status, dict(response.headers), response.read().decode()
         except urllib.error.HTTPError as exc:
             return exc.code, dict(exc.headers), exc.read().decode()
+
+
+def test_the_engine_logs_one_json_object_per_line_and_no_secret(tmp_path: Path) -> None:
+    secret = "sk-engine-log-7c1f"
+    log_path = tmp_path / "engine.log"
+    with log_path.open("w") as log:
+        proc = start_isocost(["engine", "--port", "0", "--model", MODEL], stderr=log)
+    try:
+        host, port = urlsplit(proc.url).hostname or "", urlsplit(proc.url).port or 0
+        for garbage in (
+            f"GET /health HTTP/1.1\r\nAuthorization: Bearer {secret}\x01\r\n\r\n".encode(),
+            f"POST /v1/completions HTTP/1.1\r\nContent-Length: x{secret}\r\n\r\n".encode(),
+            b"\x16\x03\x01 not http at all " + secret.encode() + b"\r\n\r\n",
+        ):
+            with socket.create_connection((host, port), timeout=10) as sock:
+                sock.sendall(garbage)
+                sock.settimeout(10)
+                while sock.recv(65536):
+                    pass
+        wait_for(lambda: log_path.read_text().strip() != "", 20, "the refusals logged")
+    finally:
+        proc.stop()
+    lines = [line for line in log_path.read_text().splitlines() if line.strip()]
+    assert lines
+    for line in lines:
+        assert isinstance(json.loads(line), dict), line
+        assert secret not in line, line

@@ -60,6 +60,9 @@ def engine(
     from isocost.engine.config import EngineReplicaConfig, Faults
     from isocost.engine.launch import launch
     from isocost.engine.replica import ServedReplica, ServeOptions
+    from isocost.runtime.logs import configure_logging
+
+    configure_logging("warning")  # one JSON object per line, secrets redacted, as serve
 
     faults = Faults(slowdown=slowdown, error_rate=error_rate, hang=hang, max_waiting=max_waiting)
     default = EngineReplicaConfig(
