@@ -454,10 +454,11 @@ class ReplicaSet:
         fewer waiting than this caller counts there has started that many of them: its
         oldest requests not streamed are taken to have started."""
         self._start_unseen(now)
-        if self._unseen_starts:
-            slots, waiting = np.atleast_1d(key).tolist(), np.atleast_1d(load[1]).tolist()
-            for slot, engine_waiting in zip(slots, waiting, strict=True):
-                self._start_shown_running(slot, engine_waiting, now)
+        if self._unseen_starts:  # only the slots holding requests not streamed need a look
+            pending = list({record.slot for _, _, record in self._unseen_starts})
+            slots, waiting = np.atleast_1d(key), np.atleast_1d(load[1])
+            for i in np.flatnonzero(np.isin(slots, pending)).tolist():
+                self._start_shown_running(int(slots[i]), float(waiting[i]), now)
         local = (self.local.waiting[key], self.local.running[key])
         for slot in self.scrapes.merge(key, local, load, counters, now, ops):
             self._forget_prefixes(slot)
@@ -535,7 +536,7 @@ class ReplicaSet:
         (the ones streamed show their own first token)."""
         unseen = self.slots.state_at(slot).unseen
         excess = int(self.local.waiting[slot] - engine_waiting)
-        for record in list(unseen.values())[: max(excess, 0)]:
+        for record in list(itertools.islice(unseen.values(), max(excess, 0))):
             del unseen[record.request_id]
             self._start(record, now)
 
