@@ -23,7 +23,7 @@ from isocost.openai.requests import (
 )
 from isocost.prefix.hashing import text_block_hashes, token_block_hashes
 
-__all__ = ["BYTES_PER_TOKEN", "BodySummary", "RoutingView", "routing_view", "summarize"]
+__all__ = ["BYTES_PER_TOKEN", "BodySummary", "RoutingView", "summarize"]
 
 BYTES_PER_TOKEN = 4  # rough UTF-8 bytes per token of English text for BPE tokenizers
 
@@ -72,12 +72,6 @@ class BodySummary:
             prompt_tokens_exact=self.prompt_tokens_exact,
             block_hashes=tuple(hashes),
         )
-
-
-def routing_view(body: bytes, *, chat: bool, block_tokens: int) -> RoutingView:
-    """The routing view of ``body``; RequestError on malformed JSON, wrong types or missing
-    fields."""
-    return summarize(body, chat=chat).routing_view(block_tokens)
 
 
 def summarize(body: bytes, *, chat: bool) -> BodySummary:

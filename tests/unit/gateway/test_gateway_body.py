@@ -9,9 +9,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from isocost.gateway.body import routing_view
+from isocost.gateway.body import RoutingView, summarize
 from isocost.openai.requests import RequestError
 from isocost.prefix.hashing import text_block_hashes, token_block_hashes
+
+
+def routing_view(body: bytes, *, chat: bool, block_tokens: int) -> RoutingView:
+    """What the intake routes by: the body's summary, then its block hashes."""
+    return summarize(body, chat=chat).routing_view(block_tokens)
 
 
 def chat(content: object, **extra: object) -> bytes:
