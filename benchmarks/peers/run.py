@@ -1,7 +1,7 @@
 """isocost against the peer routers, live: the same trace, the same engines, one router at a time.
 
 For each router in turn (sglang-router cache_aware and power_of_two, vllm-router, isocost
-round_robin and equal_cost) this script
+round_robin, sglang_cache_aware_slo, llmd_default_slo and equal_cost) this script
 
 1. starts a fresh ``isocost engine`` process serving the same heterogeneous replicas (the
    ``isocost demo`` layout: 2 H100, 3 A100 of which one is slowed 4x, 3 L20), so every
@@ -22,10 +22,16 @@ would have to. The engines do not serve SGLang's ``/get_load``, so sglang-router
 figures for them are -1 (``/get_loads``); its policies work from what the router itself
 sees.
 
+The isocost ``<peer>_slo`` rows run a peer's routing (isocost's re-implementation of it)
+behind the isocost gateway with equal_cost's SLO admission: equal_cost is compared with
+the real peers and, separately, with the best of these, so that what routing wins is not
+credited to admission.
+
 Load: the offered rate and the prefill demand as a share of the cluster's prefill
 capacity (cost model, no prefix-cache hits counted) are printed before the runs.
+``--dry-run`` prints them and the chosen routers, then exits without starting anything.
 
-Run (about 10 minutes on 2 busy cores, plus about a minute for the first install):
+Run (about 13 minutes on 2 busy cores, plus about a minute for the first install):
 
     benchmarks/peers/run.sh
 
@@ -50,6 +56,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -76,6 +83,7 @@ from isocost.demo._cluster import (
     gateway_config,
 )
 from isocost.demo._processes import Service, isocost_command
+from isocost.scheduling.policies import SLO_BASELINES
 from isocost.workload import WorkloadRequest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -106,6 +114,11 @@ class Router:
     def is_peer(self) -> bool:
         return self.family != "isocost"
 
+    @property
+    def is_slo_baseline(self) -> bool:
+        """A peer's routing behind isocost's gateway with equal_cost's SLO admission."""
+        return self.family == "isocost" and self.policy in SLO_BASELINES
+
 
 ROUTERS = (
     Router("sglang-cache_aware", "sglang-router cache_aware", "sglang", "cache_aware"),
@@ -113,6 +126,10 @@ ROUTERS = (
     Router("vllm-cache_aware", "vllm-router cache_aware", "vllm", "cache_aware"),
     Router("vllm-power_of_two", "vllm-router power_of_two", "vllm", "power_of_two"),
     Router("isocost-round_robin", "isocost round_robin", "isocost", "round_robin"),
+    *(
+        Router(f"isocost-{policy}", f"isocost {policy}", "isocost", policy)
+        for policy in ("sglang_cache_aware_slo", "llmd_default_slo")
+    ),
     Router("isocost-equal_cost", "isocost equal_cost", "isocost", "equal_cost"),
 )
 DEFAULT_ROUTERS = tuple(r.key for r in ROUTERS)  # both vllm-router candidates: the best counts
@@ -380,15 +397,15 @@ def table_rows(runs: list[RouterRun], slowed: list[int]) -> list[list[str]]:
     return rows
 
 
-def ratios(runs: list[RouterRun]) -> dict[str, Any] | None:
-    """isocost equal_cost against the best peer of each metric (lowest P99 TTFT, highest
-    goodput); None unless both took part."""
+def ratios(runs: list[RouterRun], baseline: Callable[[Router], bool]) -> dict[str, Any] | None:
+    """isocost equal_cost against the best ``baseline`` router of each metric (lowest P99
+    TTFT, highest goodput); None unless equal_cost and a baseline both took part."""
     ours = next((r for r in runs if r.router.key == HEADLINE), None)
-    peers = [r for r in runs if r.router.is_peer and r.summary.ttft_p99_s is not None]
-    if ours is None or ours.summary.ttft_p99_s is None or not peers:
+    others = [r for r in runs if baseline(r.router) and r.summary.ttft_p99_s is not None]
+    if ours is None or ours.summary.ttft_p99_s is None or not others:
         return None
-    best_ttft = min(peers, key=lambda r: r.summary.ttft_p99_s or 0.0)
-    best_goodput = max(peers, key=lambda r: r.summary.goodput_rps)
+    best_ttft = min(others, key=lambda r: r.summary.ttft_p99_s or 0.0)
+    best_goodput = max(others, key=lambda r: r.summary.goodput_rps)
     ttft_ratio = ours.summary.ttft_p99_s / (best_ttft.summary.ttft_p99_s or 1.0)
     goodput_ratio = (
         ours.summary.goodput_rps / best_goodput.summary.goodput_rps
@@ -406,14 +423,21 @@ def ratios(runs: list[RouterRun]) -> dict[str, Any] | None:
     }
 
 
-def ratio_lines(result: dict[str, Any] | None) -> list[str]:
+# (JSON key, what the ratio is against, which routers count)
+COMPARISONS: tuple[tuple[str, str, Callable[[Router], bool]], ...] = (
+    ("ratios", "the best peer's", lambda router: router.is_peer),
+    ("ratios_slo", "the best <peer>_slo's", lambda router: router.is_slo_baseline),
+)
+
+
+def ratio_lines(result: dict[str, Any] | None, against: str) -> list[str]:
     if result is None:
-        return ["(no ratio: isocost equal_cost and at least one peer must both run)"]
+        return [f"(no ratio to {against}: isocost equal_cost and one of them must both run)"]
     met = "met" if result["aim_met"] else "not met"
     return [
-        f"isocost equal_cost P99 TTFT = {result['ttft_p99_ratio']:.3f}x the best peer's "
+        f"isocost equal_cost P99 TTFT = {result['ttft_p99_ratio']:.3f}x {against} "
         f"({result['ttft_p99_best_peer']}); aim <= 0.7x",
-        f"isocost equal_cost goodput = {result['goodput_ratio']:.3f}x the best peer's "
+        f"isocost equal_cost goodput = {result['goodput_ratio']:.3f}x {against} "
         f"({result['goodput_best_peer']}); aim >= 1.3x",
         f"aim (both) {met}",
     ]
@@ -484,6 +508,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--log-dir", type=Path, default=ROOT / "out" / "peers")
     parser.add_argument("--json", type=Path, default=HERE / "results.json")
     parser.add_argument("--markdown", type=Path, default=HERE / "RESULTS.md")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print the load and the routers, start nothing"
+    )
     args = parser.parse_args(argv)
     by_key = {r.key: r for r in ROUTERS}
     unknown = [k for k in args.routers.split(",") if k not in by_key]
@@ -523,6 +550,9 @@ def main(argv: list[str] | None = None) -> None:
     setup = setup_lines(args, settings, load)
     for line in setup:
         console.print(line, soft_wrap=True)
+    if args.dry_run:
+        console.print(f"routers: {', '.join(r.key for r in args.chosen)}", soft_wrap=True)
+        return
     ensure_peers_venv(console)
     args.log_dir.mkdir(parents=True, exist_ok=True)
     running: list[Service] = []
@@ -547,8 +577,10 @@ def main(argv: list[str] | None = None) -> None:
     for row in rows:
         table.add_row(*row)
     console.print(table)
-    result = ratios(runs)
-    ratio_text = ratio_lines(result)
+    results = {key: ratios(runs, counts) for key, _, counts in COMPARISONS}
+    ratio_text = [
+        line for key, against, _ in COMPARISONS for line in ratio_lines(results[key], against)
+    ]
     sources = sorted({run.isocost_source for run in runs if not run.router.is_peer})
     ratio_text.append(f"isocost source: {'; '.join(sources) or '-'}")
     for line in ratio_text:
@@ -562,7 +594,7 @@ def main(argv: list[str] | None = None) -> None:
                 "setup": setup,
                 "load": load,
                 "runs": [_run_json(run) for run in runs],
-                "ratios": result,
+                **results,
             },
             indent=2,
         )

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from isocost.scheduling.plugins import PLUGIN_TYPES
-from isocost.scheduling.policies import BUILTIN_POLICIES, parse_scheduling_yaml
+from isocost.scheduling.policies import BUILTIN_POLICIES, SLO_BASELINES, parse_scheduling_yaml
 
 ISOCOST = Path(sys.executable).with_name("isocost")
 
@@ -27,6 +27,17 @@ def test_lists_every_policy_and_plugin_type() -> None:
     assert result.returncode == 0, result.stderr
     for name in [*BUILTIN_POLICIES, *PLUGIN_TYPES]:
         assert name in result.stdout
+
+
+def test_each_peer_is_listed_with_its_slo_twin() -> None:
+    table, as_yaml = _run(), _run("--yaml")
+    assert table.returncode == 0 and as_yaml.returncode == 0, table.stderr + as_yaml.stderr
+    listed = {p.name: p for p in parse_scheduling_yaml(as_yaml.stdout, "stdout").policies}
+    assert SLO_BASELINES and set(SLO_BASELINES) <= set(listed)
+    for twin in SLO_BASELINES:
+        assert twin in table.stdout and listed[twin].admission.slo
+        assert listed[twin].scorers == listed[twin.removesuffix("_slo")].scorers
+    assert "llmd_default_slo" in SLO_BASELINES and "SLO admission" in table.stdout
 
 
 def test_yaml_output_includes_user_policies_and_parses_back(tmp_path: Path) -> None:

@@ -22,8 +22,10 @@ A reference that is neither a declared instance nor a plugin type, or an unknown
 name, raises ``UnknownConfigEntryError`` naming the key and listing what is valid; unknown
 keys anywhere raise ``ConfigError`` with the key path. User policies are added to the
 built-in ones (``BUILTIN_POLICIES``; ``isocost policies --yaml`` prints them in this
-format), a user policy with a built-in name replaces it. Every ``build_policy`` call makes
-fresh plugin instances, so stateful plugins are never shared between policies.
+format): the peers' policies, equal_cost, and each peer again as ``<peer>_slo`` with
+equal_cost's SLO admission (``SLO_BASELINES``). A user policy with a built-in name
+replaces it. Every ``build_policy`` call makes fresh plugin instances, so stateful plugins
+are never shared between policies.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from isocost.scheduling.routes import RouteRule, RouteTable
 
 __all__ = [
     "BUILTIN_POLICIES",
+    "SLO_BASELINES",
     "AdmissionDecl",
     "PluginDecl",
     "PolicyProfile",
@@ -116,46 +119,62 @@ def _profile(
     )
 
 
-BUILTIN_POLICIES: dict[str, PolicyProfile] = {
-    p.name: p
-    for p in (
-        _profile("round_robin", "each eligible replica in turn", picker="round-robin-picker"),
-        _profile("random", "uniformly random, weighted by replica weight", picker="random-picker"),
-        _profile("least_request", "fewest requests in flight", {"least-request-scorer": 1.0}),
-        _profile(
-            "power_of_two",
-            "fewer requests in flight of two random replicas",
-            {"least-request-scorer": 1.0},
-            picker="power-of-two-picker",
-        ),
-        _profile("session", "rendezvous hash of the session key", {"session-affinity-scorer": 1.0}),
-        _profile(
-            "prefix",
-            "longest cached prefix, then fewest requests",
-            {"prefix-cache-scorer": 1.0, "least-request-scorer": 0.01},
-        ),
-        _profile(
-            "sglang_cache_aware",
-            "SGLang router cache_aware: prefix tree match, shortest queue when imbalanced",
-            {"sglang-cache-aware-scorer": 1.0},
-        ),
-        _profile(
-            "llmd_default",
-            "llm-d: queue 2, KV utilisation 2, prefix cache 3",
-            {"queue-scorer": 2.0, "kv-cache-utilization-scorer": 2.0, "prefix-cache-scorer": 3.0},
-        ),
-        _profile(
-            "dynamo_kv",
-            "Dynamo KV router: new prefill blocks + active blocks",
-            {"dynamo-kv-scorer": 1.0},
-        ),
-        _profile(
-            "equal_cost",
-            "least predicted completion cost to the request and to everyone else",
-            {"equal-cost-scorer": 1.0},
-            admission=AdmissionDecl(slo=True),
-        ),
+_PEERS = (
+    _profile("round_robin", "each eligible replica in turn", picker="round-robin-picker"),
+    _profile("random", "uniformly random, weighted by replica weight", picker="random-picker"),
+    _profile("least_request", "fewest requests in flight", {"least-request-scorer": 1.0}),
+    _profile(
+        "power_of_two",
+        "fewer requests in flight of two random replicas",
+        {"least-request-scorer": 1.0},
+        picker="power-of-two-picker",
+    ),
+    _profile("session", "rendezvous hash of the session key", {"session-affinity-scorer": 1.0}),
+    _profile(
+        "prefix",
+        "longest cached prefix, then fewest requests",
+        {"prefix-cache-scorer": 1.0, "least-request-scorer": 0.01},
+    ),
+    _profile(
+        "sglang_cache_aware",
+        "SGLang router cache_aware: prefix tree match, shortest queue when imbalanced",
+        {"sglang-cache-aware-scorer": 1.0},
+    ),
+    _profile(
+        "llmd_default",
+        "llm-d: queue 2, KV utilisation 2, prefix cache 3",
+        {"queue-scorer": 2.0, "kv-cache-utilization-scorer": 2.0, "prefix-cache-scorer": 3.0},
+    ),
+    _profile(
+        "dynamo_kv",
+        "Dynamo KV router: new prefill blocks + active blocks",
+        {"dynamo-kv-scorer": 1.0},
+    ),
+)
+_EQUAL_COST = _profile(
+    "equal_cost",
+    "least predicted completion cost to the request and to everyone else",
+    {"equal-cost-scorer": 1.0},
+    admission=AdmissionDecl(slo=True),
+)
+
+
+def _with_slo_admission(peer: PolicyProfile) -> PolicyProfile:
+    """``peer``'s plugins behind equal_cost's SLO admission, so that a comparison credits
+    routing to the routing and admission to the admission (DESIGN §6)."""
+    return msgspec.structs.replace(
+        peer,
+        name=f"{peer.name}_slo",
+        description=f"{peer.description} + SLO admission",
+        admission=msgspec.structs.replace(peer.admission, slo=True),
     )
+
+
+_SLO_TWINS = tuple(map(_with_slo_admission, _PEERS))
+SLO_BASELINES: tuple[str, ...] = tuple(p.name for p in _SLO_TWINS)
+"""The ``<peer>_slo`` policies: each peer with equal_cost's admission, its honest baseline."""
+BUILTIN_POLICIES: dict[str, PolicyProfile] = {
+    p.name: p for p in (*_PEERS, _EQUAL_COST, *_SLO_TWINS)
 }
 
 

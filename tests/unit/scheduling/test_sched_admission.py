@@ -50,6 +50,21 @@ def test_slo_admission_rejects_with_a_predicted_retry_after(make_replicas: Facto
     assert loose.outcome is Outcome.ADMIT
 
 
+@pytest.mark.parametrize("peer", ["llmd_default", "round_robin", "sglang_cache_aware"])
+def test_a_peers_slo_twin_rejects_what_the_peer_admits(make_replicas: Factory, peer: str) -> None:
+    replicas = make_replicas(["a100-80g"] * 2, factor_alpha=0.0)
+    for i in range(6):  # seconds of 8k-token prefill queued on each replica
+        replicas.on_dispatch(_req(100 + i, prompt=8000), f"r{i % 2}", 0.0)
+    impossible = _req(1, deadline_s=0.5)
+    plain = build_policy(peer).schedule(impossible, replicas, 0.0)
+    assert plain.outcome is Outcome.ADMIT
+    twin = build_policy(f"{peer}_slo").schedule(impossible, replicas, 0.0)
+    assert (twin.outcome, twin.reason) == (Outcome.REJECT, RejectReason.DEADLINE)
+    assert twin.retry_after_s is not None and twin.retry_after_s > 0.5
+    relaxed = build_policy(f"{peer}_slo").schedule(_req(2, deadline_s=60.0), replicas, 0.0)
+    assert relaxed.outcome is Outcome.ADMIT
+
+
 def test_global_shed_when_too_few_replicas_are_available(make_replicas: Factory) -> None:
     config = parse_scheduling_yaml(
         "policies:\n  - name: guarded\n    scorers: [{plugin: least-request-scorer}]\n"

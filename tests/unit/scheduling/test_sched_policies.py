@@ -18,6 +18,7 @@ from isocost.scheduling.plugins import PLUGIN_TYPES
 from isocost.scheduling.plugins.max_score import MaxScorePicker
 from isocost.scheduling.policies import (
     BUILTIN_POLICIES,
+    SLO_BASELINES,
     SchedulingConfig,
     build_policy,
     config_to_yaml,
@@ -197,3 +198,21 @@ def test_scores_are_clamped_nan_counting_as_zero(make_replicas: Factory) -> None
     assert decision.explanation.scores["wild"].tolist() == [0.0, 1.0, 0.0, 0.5]
     assert decision.explanation.total.tolist() == [0.0, 2.0, 0.0, 1.0]
     assert decision.replica_id == "r1"
+
+
+def test_every_peer_has_an_slo_twin_with_its_plugins_and_slo_admission() -> None:
+    peers = [p for name, p in BUILTIN_POLICIES.items() if name != "equal_cost"]
+    peers = [p for p in peers if p.name not in SLO_BASELINES]
+    assert len(peers) == 9 and len(SLO_BASELINES) == len(peers)
+    for peer in peers:
+        twin = BUILTIN_POLICIES[f"{peer.name}_slo"]
+        assert twin.name in SLO_BASELINES
+        assert not peer.admission.slo and twin.admission.slo
+        assert (twin.filters, twin.scorers, twin.picker) == (
+            peer.filters,
+            peer.scorers,
+            peer.picker,
+        )
+        assert twin.description == f"{peer.description} + SLO admission"
+        built = build_policy(twin.name)
+        assert built.admission.slo and not build_policy(peer.name).admission.slo
