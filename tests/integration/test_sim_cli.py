@@ -189,3 +189,46 @@ def test_a_bad_gateway_file_gets_the_same_line_as_serve(tmp_path: Path, text: st
     for done in (simulated, served):
         assert done.returncode == 2
         assert done.stderr.strip() == expected
+
+
+def test_capacity_by_bisection_brackets_each_policy_to_the_precision(tmp_path: Path) -> None:
+    args = ("--workload", "mix", "--max-requests", "200", "--replicas", "2", "--policies",
+            "round_robin,equal_cost", "--capacity", "0.5:20", "--precision", "0.1")  # fmt: skip
+    done = run(*args, "--json", str(tmp_path / "a.json"))
+    assert done.returncode == 0, done.stderr
+    assert "capacity at SLO" in done.stdout and "bisected to 10%" in done.stdout
+    result = json.loads((tmp_path / "a.json").read_text())
+    assert (result["low_rps"], result["high_rps"], result["precision"]) == (0.5, 20.0, 0.1)
+    target = result["target"]
+    assert [p["policy"] for p in result["policies"]] == ["round_robin", "equal_cost"]
+    for policy in result["policies"]:
+        assert policy["status"] == "bracketed", policy["status"]
+        attained = {p["rate_rps"]: p["slo_attainment"] for p in policy["probes"]}
+        meets, misses = policy["meets_at_rps"], policy["misses_at_rps"]
+        assert policy["capacity_rps"] == meets and 0.5 <= meets < misses <= 20.0
+        assert attained[meets] >= target > attained[misses]
+        assert policy["slo_attainment_at_capacity"] == attained[meets]
+        assert misses - meets <= 0.1 * meets
+        # no probe between the two ends of the bracket; every probe ran all 200 requests
+        assert not any(meets < rate < misses for rate in attained)
+        assert all(p["arrivals"] == 200 for p in policy["probes"])
+        assert policy["capacity_ratio"]["against"] != policy["policy"]
+    again = run(*args, "--json", str(tmp_path / "b.json"), "--jobs", "1")
+    assert again.returncode == 0, again.stderr
+    assert (tmp_path / "a.json").read_bytes() == (tmp_path / "b.json").read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (("--capacity", "0:20"), "LO must be > 0"),
+        (("--capacity", "5:2"), "HI finite and > LO"),
+        (("--capacity", "fast"), "give LO:HI"),
+        (("--capacity", "1:20", "--precision", "1"), "precision must be in (0, 1)"),
+        (("--capacity", "1:20", "--sweep-rate", "2,4"), "not both"),
+    ],
+)
+def test_bad_capacity_arguments_are_one_line(extra: tuple[str, ...], message: str) -> None:
+    done = run("--workload", "mix", "--max-requests", "20", "--replicas", "2", *extra)
+    assert done.returncode == 2
+    assert done.stderr.strip().count("\n") == 0 and message in done.stderr, done.stderr

@@ -26,9 +26,10 @@ from isocost.demo._report import replica_table
 from isocost.drill._drill import DrillReport
 from isocost.drill._report import drill_table
 from isocost.scheduling.policies import BUILTIN_POLICIES
+from isocost.sim._capacity import CapacityResult, CapacitySpec, CapacityStatus, Probe
 from isocost.sim._metrics import PolicySummary
-from isocost.sim._report import print_results
-from isocost.sim._run import RunOutput, SweepOutput
+from isocost.sim._report import print_capacity, print_results
+from isocost.sim._run import CapacityOutput, RunOutput, SweepOutput
 
 WIDTH = 80
 POLICIES = ("equal_cost", "round_robin", "sglang_cache_aware", "llmd_default")
@@ -75,6 +76,22 @@ def test_the_sim_results_fit_and_keep_the_headline_figures(rates: tuple[float | 
         assert "capacity at SLO" in text
     wide = _printed(lambda console: print_results(console, output, 0.9), width=250)
     assert "TTFT p50" in wide and "sim s/s" in wide and "--json" not in wide  # all of it
+
+
+def test_the_capacity_table_fits_with_the_longest_policy_names() -> None:
+    spec = CapacitySpec(0.5, 20.0, 0.05)
+    shapes = {
+        "sglang_cache_aware_slo": CapacityResult(
+            CapacityStatus.BRACKETED, 12.3456, 12.9, (Probe(12.3456, 0.9123), Probe(12.9, 0.85))
+        ),
+        "equal_cost": CapacityResult(CapacityStatus.AT_LEAST_HIGH, 20.0, None, (Probe(20, 0.95),)),
+        "round_robin_slo": CapacityResult(CapacityStatus.BELOW_LOW, None, 0.5, (Probe(0.5, 0.2),)),
+    }
+    output = CapacityOutput(shapes, {policy: [] for policy in shapes})
+    text = _printed(lambda console: print_capacity(console, output, spec))
+    _assert_fits(text, tuple(shapes))
+    for cell in ("12.3 – 12.9", "≥ 20", "< 0.5", "- – 0.5", "<peer>_slo", "91.2", "≥ 1.62x"):
+        assert cell in text, text
 
 
 def _bench_summary(label: str) -> BenchSummary:

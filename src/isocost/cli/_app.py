@@ -7,6 +7,7 @@ from typing import NoReturn
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from isocost import __version__
 from isocost.core.errors import IsocostError
@@ -25,8 +26,14 @@ err_console = Console(stderr=True)
 
 def fail(message: str, code: int = 2) -> NoReturn:
     """Print one line to stderr and exit: the CLI's only way to report bad input."""
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    _print_error(message)
     raise typer.Exit(code)
+
+
+def _print_error(message: str) -> None:
+    """One line, the message as typed: brackets and ":x:" in a user's input stay text."""
+    text = Text.assemble(("error:", "bold red"), " ", message)
+    err_console.print(text, highlight=False, soft_wrap=True, emoji=False)
 
 
 @app.callback()
@@ -42,5 +49,5 @@ def main() -> None:
     try:
         app()
     except IsocostError as exc:
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        _print_error(str(exc))
         sys.exit(2)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import typer
 
 from isocost.cli._app import app, console, fail
@@ -31,6 +33,9 @@ from isocost.core.slo import (
     DEFAULT_SLO_TTFT_PER_1K_MS,
     SloTargets,
 )
+
+if TYPE_CHECKING:
+    from isocost.sim import CapacitySpec
 
 
 @app.command()
@@ -70,6 +75,12 @@ def sim(
     sweep_rate: str | None = typer.Option(
         None, "--sweep-rate", help="r1,r2,...: replay at each mean rate; capacity at SLO."
     ),
+    capacity: str | None = typer.Option(
+        None, "--capacity", help="LO:HI req/s: each policy's capacity at SLO by bisection."
+    ),
+    precision: float = typer.Option(
+        0.05, "--precision", help="With --capacity: relative width of the bracket found."
+    ),
     target: float = typer.Option(
         DEFAULT_SLO_SHARE, "--target", help="Share meeting SLOs for capacity."
     ),
@@ -101,6 +112,7 @@ def sim(
     from isocost.files import load_catalog, read_text
     from isocost.runtime.config import check_references, parse_config
     from isocost.scheduling.policies import SchedulingConfig
+    from isocost.workload import mean_rate_rps
 
     trace_format = one_of("trace format", trace_format, simulator.TRACE_FORMATS)
     if config is not None and cluster is not None:
@@ -126,6 +138,11 @@ def sim(
         fail(f"--sweep-rate or SLO: {exc}")
     if any(r <= 0 for r in rates):
         fail(bounds)
+    search = _capacity_spec(capacity, precision, target) if capacity is not None else None
+    if search is not None and rates:
+        fail("give --capacity or --sweep-rate, not both: --capacity chooses its own rates")
+    if search is not None and plot is not None:
+        fail("--plot draws runs and sweeps; --capacity has no plot (its --json has each probe)")
     overrides = {
         k: v
         for k, v in (
@@ -156,17 +173,41 @@ def sim(
         duration_s=duration,
         seed=seed,
     )
+    requests = simulator.load_requests(choice)
+    if rates or search is not None:
+        try:
+            mean_rate_rps(requests)
+        except ValueError as exc:
+            fail(f"--sweep-rate and --capacity replay the requests at other rates, but {exc}")
     plan = simulator.SimPlan(
         cluster=fleet,
         replicas=tuple(members),
-        requests=simulator.load_requests(choice),
+        requests=requests,
         policies=names,
         slo=slo,
         scheduling=scheduling,
         seed=seed,
         deadlines=deadlines,
         rates_rps=rates,
+        capacity=search,
         sample_points=200 if plot else 0,
         jobs=jobs,
     )
     simulator.sim_command(console, plan, json_out, plot)
+
+
+def _capacity_spec(text: str, precision: float, target: float) -> CapacitySpec:
+    """``--capacity LO:HI`` with ``--precision`` and ``--target``; a one-line error if bad."""
+    from isocost.sim import CapacitySpec
+
+    low, sep, high = text.partition(":")
+    try:
+        rates = (float(low), float(high)) if sep else None
+    except ValueError:
+        rates = None
+    if rates is None:
+        fail(f"--capacity {text}: give LO:HI in req/s, e.g. 0.5:20")
+    try:
+        return CapacitySpec(*rates, precision, target)
+    except ValueError as exc:
+        fail(f"--capacity {text} --precision {precision:g}: {exc}")

@@ -3,10 +3,12 @@
 Replays a trace or a synthetic workload through the real scheduling brain
 (``isocost.scheduling``) onto engine models (``isocost.engine.model``), one per replica,
 in simulated time. Start with ``_core`` (the event loop), then ``_run`` (policies side by
-side, sweeps), ``_metrics`` (SLOs, the oracle, capacity at SLO) and ``_cluster`` (the
-cluster file, or one pool of a gateway config).
+side, sweeps, capacity searches), ``_metrics`` (SLOs, the oracle, capacity at SLO over a
+sweep), ``_capacity`` (capacity at SLO by bisection) and ``_cluster`` (the cluster file,
+or one pool of a gateway config).
 """
 
+from isocost.sim._capacity import CapacityResult, CapacitySpec, CapacityStatus
 from isocost.sim._cluster import (
     ClusterConfig,
     ClusterEvent,
@@ -28,13 +30,32 @@ from isocost.sim._metrics import (
     isolated_times,
     oracle_summary,
 )
-from isocost.sim._report import json_rows, print_results, sim_command, write_json
-from isocost.sim._run import RunOutput, SimPlan, SweepOutput, check_policies, run_plan
+from isocost.sim._report import (
+    capacity_json,
+    json_rows,
+    print_capacity,
+    print_results,
+    sim_command,
+    write_json,
+)
+from isocost.sim._run import (
+    CapacityOutput,
+    RunOutput,
+    SimPlan,
+    SweepOutput,
+    check_policies,
+    run_capacity,
+    run_plan,
+)
 from isocost.sim._workload import WorkloadChoice, at_rate, load_requests
 from isocost.workload import TRACE_FORMATS
 
 __all__ = [
     "TRACE_FORMATS",
+    "CapacityOutput",
+    "CapacityResult",
+    "CapacitySpec",
+    "CapacityStatus",
     "ClusterConfig",
     "ClusterEvent",
     "Isolated",
@@ -51,6 +72,7 @@ __all__ = [
     "at_rate",
     "block_hashes",
     "capacity_at_slo",
+    "capacity_json",
     "check_policies",
     "gateway_cluster",
     "gateway_pool",
@@ -59,8 +81,10 @@ __all__ = [
     "load_requests",
     "oracle_summary",
     "parse_cluster_yaml",
+    "print_capacity",
     "print_results",
     "resolve_cluster",
+    "run_capacity",
     "run_plan",
     "served_model",
     "sim_command",

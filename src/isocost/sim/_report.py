@@ -2,13 +2,15 @@
 
 The JSON holds only what the simulation determines (no wall-clock figures), so the same
 inputs and seed give byte-identical files; speed (simulated seconds per wall second)
-appears in the table only.
+appears in the table only. A capacity search (``--capacity``) prints its own table and
+writes its own JSON object instead (``capacity_json``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+import math
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -20,13 +22,23 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from isocost.core.errors import ConfigError
+from isocost.scheduling.policies import SLO_BASELINES
+from isocost.sim._capacity import CapacityResult, CapacitySpec, best_other, capacity_ratio
 from isocost.sim._metrics import PolicySummary
+from isocost.sim._run import CapacityOutput, RunOutput, SimPlan, SweepOutput, run_capacity, run_plan
 from isocost.sim._run import Progress as ProgressCallback
-from isocost.sim._run import RunOutput, SimPlan, SweepOutput, run_plan
 from isocost.tables import Fitted
 from isocost.workload import mean_rate_rps
 
-__all__ = ["json_rows", "print_results", "progress_bar", "sim_command", "write_json"]
+__all__ = [
+    "capacity_json",
+    "json_rows",
+    "print_capacity",
+    "print_results",
+    "progress_bar",
+    "sim_command",
+    "write_json",
+]
 
 
 def json_rows(output: SweepOutput) -> list[dict[str, Any]]:
@@ -45,15 +57,74 @@ def json_rows(output: SweepOutput) -> list[dict[str, Any]]:
     oracle: dict[str, Any] = dataclasses.asdict(output.oracle)
     oracle["rate_rps"] = None
     rows.append(oracle)
-    return [{k: _rounded(v) for k, v in row.items()} for row in rows]
+    return [_rounded(row) for row in rows]
 
 
 def _rounded(value: Any) -> Any:
+    """``value`` with every float in it (in dicts and lists too) kept to 12 digits."""
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
     return float(f"{value:.12g}") if isinstance(value, float) else value
 
 
+def capacity_json(output: CapacityOutput, spec: CapacitySpec) -> dict[str, Any]:
+    """The search's settings, then per policy its capacity, bracket, ratio and every probe
+    (the run's summary at that rate, in the order probed)."""
+    among, reference = _ratio_reference(list(output.results))
+    policies = []
+    for policy, result in output.results.items():
+        ratio = _ratio(output.results, policy, among)
+        row: dict[str, Any] = {
+            "policy": policy,
+            "status": result.status.value,
+            "capacity_rps": result.capacity_rps,
+            "meets_at_rps": result.meets_rps,
+            "misses_at_rps": result.misses_rps,
+            "slo_attainment_at_capacity": result.attainment_at(result.meets_rps),
+            "capacity_ratio": None
+            if ratio is None
+            else {"against": ratio[0], "low": ratio[1], "high": _finite(ratio[2])},
+            "probes": [
+                {"rate_rps": run.rate_rps, **dataclasses.asdict(run.summary)}
+                for run in output.probes[policy]
+            ],
+        }
+        policies.append(row)
+    settings = {"low_rps": spec.low_rps, "high_rps": spec.high_rps, "precision": spec.precision}
+    content = {**settings, "target": spec.target, "ratio_against": reference}
+    return {k: _rounded(v) for k, v in {**content, "policies": policies}.items()}
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def _ratio_reference(policies: Sequence[str]) -> tuple[list[str], str]:
+    """Whom each policy's capacity is divided by: the best of the others among the
+    ``<peer>_slo`` policies that ran (equal_cost's admission, so routing is compared with
+    routing), or among all others when none of those ran."""
+    honest = [p for p in policies if p in SLO_BASELINES]
+    return (honest, "best other <peer>_slo") if honest else (list(policies), "best other")
+
+
+def _ratio(
+    results: dict[str, CapacityResult], policy: str, among: Sequence[str]
+) -> tuple[str, float, float] | None:
+    """(the reference policy, bounds on the ratio) or None when no other policy ran."""
+    reference = best_other(results, policy, among)
+    if reference is None:
+        return None
+    return (reference, *capacity_ratio(results[policy], results[reference]))
+
+
 def write_json(output: SweepOutput, path: str) -> None:
-    data = msgspec.json.format(msgspec.json.encode(json_rows(output)), indent=2)
+    _write_json(json_rows(output), path)
+
+
+def _write_json(content: object, path: str) -> None:
+    data = msgspec.json.format(msgspec.json.encode(content), indent=2)
     try:
         Path(path).write_bytes(data + b"\n")
     except OSError as exc:
@@ -119,6 +190,59 @@ def print_results(console: Console, output: SweepOutput, target: float) -> None:
         console.print(capacity)
 
 
+def print_capacity(console: Console, output: CapacityOutput, spec: CapacitySpec) -> None:
+    """Each policy's capacity at SLO, its bracket, its probes and its ratio to the best
+    other policy (``_ratio_reference``)."""
+    among, reference = _ratio_reference(list(output.results))
+    ratios = len(output.results) > 1
+    table = Table(
+        title=f"capacity at SLO ({spec.target:.0%} of requests meet both), "
+        f"bisected to {spec.precision:.0%}",
+        title_justify="left",
+        caption="bracket: the highest rate probed that met the target, then the lowest "
+        "above it that missed; SLO %: at the capacity (at LO when below it)",
+        caption_justify="left",
+    )
+    table.add_column("policy", no_wrap=True)
+    for header in ("capacity\nreq/s", "bracket\nreq/s", "probes", "SLO\n%"):
+        table.add_column(header, justify="right")
+    if ratios:
+        table.add_column(f"÷ {reference}", justify="right")
+    for policy, result in output.results.items():
+        attained = result.attainment_at(result.meets_rps or result.misses_rps)
+        cells = [
+            policy,
+            _capacity_text(result, spec),
+            f"{_rate(result.meets_rps)} – {_rate(result.misses_rps)}",
+            str(len(result.probes)),
+            "-" if attained is None else f"{100 * attained:.1f}",
+        ]
+        if ratios:
+            ratio = _ratio(output.results, policy, among)
+            cells.append(_ratio_text(ratio[1], ratio[2]) if ratio else "-")
+        table.add_row(*cells)
+    console.print(table)
+
+
+def _capacity_text(result: CapacityResult, spec: CapacitySpec) -> str:
+    if result.capacity_rps is None:
+        return f"< {spec.low_rps:g}"
+    if result.misses_rps is None:
+        return f"≥ {spec.high_rps:g}"
+    return _rate(result.capacity_rps)
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3g}"
+
+
+def _ratio_text(low: float, high: float) -> str:
+    """Bounds on a ratio as one figure: exact, at least, at most, or unknown ("-")."""
+    if math.isinf(high):
+        return "-" if low == 0 else f"≥ {low:.2f}x"
+    return f"{low:.2f}x" if low == high else f"≤ {high:.2f}x"
+
+
 def _results_table(
     names: Sequence[str], rows: Sequence[dict[str, str]], oracle: dict[str, str], narrow: bool
 ) -> Table:
@@ -177,32 +301,50 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{1000 * value:.0f}ms"
 
 
+Bars = Callable[[Sequence[tuple[str, float]]], ProgressCallback]
+
+
+@contextmanager
+def _bars(console: Console) -> Iterator[Bars]:
+    """``show(bars)``: a bar per run over simulated time, each up to its last arrival
+    (label, seconds), in place of those shown before; returns their update callback."""
+    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[at]}"))
+    with Progress(*columns, TimeElapsedColumn(), console=console, transient=True) as bar:
+
+        def show(bars: Sequence[tuple[str, float]]) -> ProgressCallback:
+            for task_id in bar.task_ids:
+                bar.remove_task(task_id)
+            tasks = [(bar.add_task(label, total=max(end, 1e-9), at=""), end) for label, end in bars]
+
+            def update(task: int, now: float) -> None:
+                task_id, end = tasks[task]
+                bar.update(task_id, completed=min(now, end), at=f"t={now:,.0f}s")
+
+            return update
+
+        yield show
+
+
 @contextmanager
 def progress_bar(console: Console, bars: Sequence[tuple[str, float]]) -> Iterator[ProgressCallback]:
     """A bar per run over simulated time, each up to its last arrival (label, seconds)."""
-    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[at]}"))
-    with Progress(*columns, TimeElapsedColumn(), console=console, transient=True) as bar:
-        tasks = [(bar.add_task(label, total=max(end, 1e-9), at=""), end) for label, end in bars]
-
-        def update(task: int, now: float) -> None:
-            task_id, end = tasks[task]
-            bar.update(task_id, completed=min(now, end), at=f"t={now:,.0f}s")
-
-        yield update
+    with _bars(console) as show:
+        yield show(bars)
 
 
 def sim_command(
     console: Console, plan: SimPlan, json_path: str | None, plot_path: str | None
-) -> SweepOutput:
-    """Run ``plan`` under a progress bar, print the tables, write JSON and the plot."""
-    rates: tuple[float | None, ...] = plan.rates_rps or (None,)
-    last_s = max(r.arrival_s for r in plan.requests)
-    base_rps = mean_rate_rps(plan.requests) if plan.rates_rps else 1.0
-    bars = [
-        (policy, last_s) if rate is None else (f"{policy} @ {rate:g}/s", last_s * base_rps / rate)
-        for policy in plan.policies
-        for rate in rates
-    ]
+) -> SweepOutput | CapacityOutput:
+    """Run ``plan`` under a progress bar, print the tables, write JSON and the plot (a
+    capacity search has no plot)."""
+    if plan.capacity is not None:
+        return _capacity_command(console, plan, plan.capacity, json_path)
+    if plan.rates_rps:
+        bar = _bar_at_rate(plan)
+        bars = [bar(policy, rate) for policy in plan.policies for rate in plan.rates_rps]
+    else:
+        last_s = max(r.arrival_s for r in plan.requests)
+        bars = [(policy, last_s) for policy in plan.policies]
     with progress_bar(console, bars) as update:
         output = run_plan(plan, update)
     print_results(console, output, plan.slo.share)
@@ -214,4 +356,24 @@ def sim_command(
 
         write_plot(output, plot_path)
         console.print(f"wrote {plot_path}", highlight=False)
+    return output
+
+
+def _bar_at_rate(plan: SimPlan) -> Callable[[str, float], tuple[str, float]]:
+    """The bar of a run at a rate: its label and its last arrival once scaled to it."""
+    last_s = max(r.arrival_s for r in plan.requests)
+    base_rps = mean_rate_rps(plan.requests)
+    return lambda policy, rate: (f"{policy} @ {rate:g}/s", last_s * base_rps / rate)
+
+
+def _capacity_command(
+    console: Console, plan: SimPlan, spec: CapacitySpec, json_path: str | None
+) -> CapacityOutput:
+    bar = _bar_at_rate(plan)
+    with _bars(console) as show:
+        output = run_capacity(plan, lambda round_: show([bar(p, rate) for p, rate in round_]))
+    print_capacity(console, output, spec)
+    if json_path is not None:
+        _write_json(capacity_json(output, spec), json_path)
+        console.print(f"wrote {json_path}", highlight=False)
     return output

@@ -2,8 +2,10 @@
 
 Runs are independent, so they go to worker processes (``jobs``; forked, so the request
 list and isolated times are shared, not sent) and report simulated time back for the
-progress bar. Each run builds a fresh policy with ``random.Random(seed)``, so a run's
-result depends only on its inputs: the same seed gives the same JSON.
+progress bar. A capacity search (``SimPlan.capacity``, ``sim._capacity``) runs in rounds:
+each round's probes, one or two per policy still searching, go to the workers together.
+Each run builds a fresh policy with ``random.Random(seed)``, so a run's result depends
+only on its inputs: the same seed gives the same JSON.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import numpy.typing as npt
 
 from isocost.core.slo import SloTargets
 from isocost.scheduling.policies import SchedulingConfig, build_policy
+from isocost.sim._capacity import CapacityResult, CapacitySpec, search_capacity
 from isocost.sim._cluster import ClusterConfig, SimReplica, served_model
 from isocost.sim._core import SimResult, Simulator
 from isocost.sim._metrics import (
@@ -35,10 +38,19 @@ from isocost.sim._metrics import (
 from isocost.sim._workload import at_rate
 from isocost.workload import WorkloadRequest
 
-__all__ = ["RunOutput", "SimPlan", "SweepOutput", "check_policies", "run_plan"]
+__all__ = [
+    "CapacityOutput",
+    "RunOutput",
+    "SimPlan",
+    "SweepOutput",
+    "check_policies",
+    "run_capacity",
+    "run_plan",
+]
 
 FloatArray = npt.NDArray[np.float64]
 Progress = Callable[[int, float], None]  # (task index, simulated seconds)
+Task = tuple[str, float | None]  # (policy, rate; None: the requests' own)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +66,7 @@ class SimPlan:
     seed: int = 0
     deadlines: bool = True  # requests carry their TTFT target (SLO admission can use it)
     rates_rps: tuple[float, ...] = ()  # a sweep: replay the requests at each mean rate
+    capacity: CapacitySpec | None = None  # instead, search each policy's capacity at SLO
     sample_points: int = 0  # load samples per run, for plots (0: none)
     jobs: int = 2
 
@@ -84,6 +97,12 @@ class SweepOutput:
     capacity_rps: dict[str, float | None]  # per policy (sweeps only)
 
 
+@dataclass(frozen=True, slots=True)
+class CapacityOutput:
+    results: dict[str, CapacityResult]  # per policy, in the plan's order
+    probes: dict[str, list[RunOutput]]  # per policy, each probe's run in the order probed
+
+
 def check_policies(names: Sequence[str], scheduling: SchedulingConfig | None = None) -> None:
     """Raise UnknownConfigEntryError, listing the valid names, for an unknown policy
     (the built-ins and those ``scheduling`` defines)."""
@@ -93,22 +112,11 @@ def check_policies(names: Sequence[str], scheduling: SchedulingConfig | None = N
 
 def run_plan(plan: SimPlan, progress: Progress | None = None) -> SweepOutput:
     """Every policy at every rate (or once at the requests' own rate)."""
-    isolated = isolated_times(
-        plan.requests, [r.cost_model for r in plan.replicas], plan.cluster.network_delay_ms / 1000
-    )
+    isolated = _isolated(plan)
     rates: tuple[float | None, ...] = plan.rates_rps or (None,)
-    tasks = [(policy, rate) for policy in plan.policies for rate in rates]
-    global _SHARED
-    _SHARED = (plan, isolated)
-    jobs = max(1, min(plan.jobs, len(tasks), os.cpu_count() or 1))
-    if jobs == 1:
-        runs = [
-            _run_task(i, policy, rate, None if progress is None else progress)
-            for i, (policy, rate) in enumerate(tasks)
-        ]
-    else:
-        runs = _run_parallel(tasks, jobs, progress)
-    _SHARED = None
+    runs = _run_tasks(
+        plan, isolated, [(p, rate) for p in plan.policies for rate in rates], progress
+    )
     capacity: dict[str, float | None] = {}
     if plan.rates_rps:
         for policy in plan.policies:
@@ -121,13 +129,50 @@ def run_plan(plan: SimPlan, progress: Progress | None = None) -> SweepOutput:
     return SweepOutput(runs, oracle_summary(plan.requests, plan.slo, isolated), capacity)
 
 
+def run_capacity(
+    plan: SimPlan, progress: Callable[[Sequence[tuple[str, float]]], Progress | None]
+) -> CapacityOutput:
+    """Each policy's capacity at SLO by bisection (``plan.capacity``); ``progress(round)``
+    gives the callback for one round's probes (task indices count within the round)."""
+    assert plan.capacity is not None
+    isolated = _isolated(plan)
+    probes: dict[str, list[RunOutput]] = {policy: [] for policy in plan.policies}
+
+    def measure(round_: Sequence[tuple[str, float]]) -> list[float]:
+        runs = _run_tasks(plan, isolated, list(round_), progress(round_))
+        for (policy, _), run in zip(round_, runs, strict=True):
+            probes[policy].append(run)
+        return [run.summary.slo_attainment for run in runs]
+
+    results = search_capacity(plan.policies, plan.capacity, measure)
+    return CapacityOutput(results, probes)
+
+
+def _isolated(plan: SimPlan) -> Isolated:
+    cost_models = [r.cost_model for r in plan.replicas]
+    return isolated_times(plan.requests, cost_models, plan.cluster.network_delay_ms / 1000)
+
+
+def _run_tasks(
+    plan: SimPlan, isolated: Isolated, tasks: list[Task], progress: Progress | None
+) -> list[RunOutput]:
+    """``tasks`` run in order, or in worker processes forked with ``plan`` and ``isolated``."""
+    global _SHARED
+    _SHARED = (plan, isolated)
+    jobs = max(1, min(plan.jobs, len(tasks), os.cpu_count() or 1))
+    try:
+        if jobs == 1:
+            return [_run_task(i, policy, rate, progress) for i, (policy, rate) in enumerate(tasks)]
+        return _run_parallel(tasks, jobs, progress)
+    finally:
+        _SHARED = None
+
+
 _SHARED: tuple[SimPlan, Isolated] | None = None  # set before workers fork
 _PROGRESS: multiprocessing.queues.SimpleQueue[tuple[int, float]] | None = None
 
 
-def _run_parallel(
-    tasks: list[tuple[str, float | None]], jobs: int, progress: Progress | None
-) -> list[RunOutput]:
+def _run_parallel(tasks: list[Task], jobs: int, progress: Progress | None) -> list[RunOutput]:
     global _PROGRESS
     context = multiprocessing.get_context("fork")
     _PROGRESS = queue = context.SimpleQueue()
