@@ -14,6 +14,7 @@ from isocost.sim._cluster import (
     SimReplica,
     gateway_cluster,
     gateway_pool,
+    lowest_slowdowns,
     parse_cluster_yaml,
     resolve_cluster,
     served_model,
@@ -27,6 +28,7 @@ from isocost.sim._metrics import (
     capacity_at_slo,
     isolated_times,
     oracle_summary,
+    reusable_prefix_blocks,
 )
 from isocost.sim._report import json_rows, print_results, sim_command, write_json
 from isocost.sim._run import RunOutput, SimPlan, SweepOutput, check_policies, run_plan
@@ -57,10 +59,12 @@ __all__ = [
     "isolated_times",
     "json_rows",
     "load_requests",
+    "lowest_slowdowns",
     "oracle_summary",
     "parse_cluster_yaml",
     "print_results",
     "resolve_cluster",
+    "reusable_prefix_blocks",
     "run_plan",
     "served_model",
     "sim_command",

@@ -22,7 +22,7 @@ import numpy.typing as npt
 
 from isocost.core.slo import SloTargets
 from isocost.scheduling.policies import SchedulingConfig, build_policy
-from isocost.sim._cluster import ClusterConfig, SimReplica, served_model
+from isocost.sim._cluster import ClusterConfig, SimReplica, lowest_slowdowns, served_model
 from isocost.sim._core import SimResult, Simulator
 from isocost.sim._metrics import (
     Isolated,
@@ -94,7 +94,10 @@ def check_policies(names: Sequence[str], scheduling: SchedulingConfig | None = N
 def run_plan(plan: SimPlan, progress: Progress | None = None) -> SweepOutput:
     """Every policy at every rate (or once at the requests' own rate)."""
     isolated = isolated_times(
-        plan.requests, [r.cost_model for r in plan.replicas], plan.cluster.network_delay_ms / 1000
+        plan.requests,
+        [r.cost_model for r in plan.replicas],
+        plan.cluster.network_delay_ms / 1000,
+        lowest_slowdowns(plan.cluster, plan.replicas),
     )
     rates: tuple[float | None, ...] = plan.rates_rps or (None,)
     tasks = [(policy, rate) for policy in plan.policies for rate in rates]
