@@ -63,6 +63,11 @@ def sim(
         "--deadlines/--no-deadlines",
         help="Requests carry their TTFT and TPOT targets (SLO admission sees them).",
     ),
+    audit_admission: bool = typer.Option(
+        False,
+        "--audit-admission",
+        help="Replay each SLO-admission rejection as admitted: precision, recall.",
+    ),
     rate: float | None = typer.Option(
         None, "--rate", help="Mean req/s: scales a trace's time; Poisson for --workload."
     ),
@@ -126,6 +131,8 @@ def sim(
         fail(f"--sweep-rate or SLO: {exc}")
     if any(r <= 0 for r in rates):
         fail(bounds)
+    if audit_admission and not deadlines:
+        fail("--audit-admission audits SLO admission, which --no-deadlines turns off")
     overrides = {
         k: v
         for k, v in (
@@ -168,5 +175,6 @@ def sim(
         rates_rps=rates,
         sample_points=200 if plot else 0,
         jobs=jobs,
+        audit_admission=audit_admission,
     )
     simulator.sim_command(console, plan, json_out, plot)

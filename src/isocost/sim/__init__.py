@@ -3,10 +3,12 @@
 Replays a trace or a synthetic workload through the real scheduling brain
 (``isocost.scheduling``) onto engine models (``isocost.engine.model``), one per replica,
 in simulated time. Start with ``_core`` (the event loop), then ``_run`` (policies side by
-side, sweeps), ``_metrics`` (SLOs, the oracle, capacity at SLO) and ``_cluster`` (the
-cluster file, or one pool of a gateway config).
+side, sweeps), ``_metrics`` (SLOs, the oracle, capacity at SLO), ``_cluster`` (the
+cluster file, or one pool of a gateway config) and ``_audit`` (SLO-admission rejections
+replayed as admitted).
 """
 
+from isocost.sim._audit import AdmissionAudit, AdmissionAuditor, ForcedAdmission
 from isocost.sim._cluster import (
     ClusterConfig,
     ClusterEvent,
@@ -37,8 +39,11 @@ from isocost.workload import TRACE_FORMATS
 
 __all__ = [
     "TRACE_FORMATS",
+    "AdmissionAudit",
+    "AdmissionAuditor",
     "ClusterConfig",
     "ClusterEvent",
+    "ForcedAdmission",
     "Isolated",
     "PolicySummary",
     "ReplicaGroup",

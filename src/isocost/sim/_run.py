@@ -8,6 +8,7 @@ result depends only on its inputs: the same seed gives the same JSON.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import multiprocessing
 import os
@@ -22,6 +23,7 @@ import numpy.typing as npt
 
 from isocost.core.slo import SloTargets
 from isocost.scheduling.policies import SchedulingConfig, build_policy
+from isocost.sim._audit import AdmissionAudit, AdmissionAuditor
 from isocost.sim._cluster import ClusterConfig, SimReplica, lowest_slowdowns, served_model
 from isocost.sim._core import SimResult, Simulator
 from isocost.sim._metrics import (
@@ -56,6 +58,7 @@ class SimPlan:
     rates_rps: tuple[float, ...] = ()  # a sweep: replay the requests at each mean rate
     sample_points: int = 0  # load samples per run, for plots (0: none)
     jobs: int = 2
+    audit_admission: bool = False  # replay each SLO-admission rejection as admitted
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +74,7 @@ class RunOutput:
     wall_s: float
     num_events: int
     end_s: float
+    audit: AdmissionAudit | None = None  # with ``audit_admission``
 
     @property
     def sim_s_per_wall_s(self) -> float:
@@ -174,6 +178,7 @@ def _run_task(
     policy = build_policy(
         policy_name, config=plan.scheduling, rng=Random(plan.seed), source="--policies"
     )
+    auditor = AdmissionAuditor(plan.slo) if plan.audit_admission else None
     simulator = Simulator(
         plan.cluster,
         plan.replicas,
@@ -183,9 +188,13 @@ def _run_task(
         slo=plan.slo if plan.deadlines else None,
         sample_interval_s=span / plan.sample_points if plan.sample_points and span > 0 else None,
         on_progress=None if progress is None else (lambda now: progress(task, now)),
+        audit=auditor,
     )
     result = simulator.run()
-    return _output(result, requests, plan.slo, isolated, rate)
+    output = _output(result, requests, plan.slo, isolated, rate)
+    if auditor is None:
+        return output
+    return dataclasses.replace(output, audit=auditor.summary(result.records))
 
 
 def _output(
