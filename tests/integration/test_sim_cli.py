@@ -232,3 +232,22 @@ def test_bad_capacity_arguments_are_one_line(extra: tuple[str, ...], message: st
     done = run("--workload", "mix", "--max-requests", "20", "--replicas", "2", *extra)
     assert done.returncode == 2
     assert done.stderr.strip().count("\n") == 0 and message in done.stderr, done.stderr
+
+
+def test_the_admission_audit_replays_rejections_in_each_worker(tmp_path: Path) -> None:
+    args = ("--trace", str(TRACE), "--replicas", "2", "--policies", "equal_cost,round_robin",
+            "--speedup", "4", "--slo-ttft-per-1k-ms", "200", "--max-requests", "80",
+            "--audit-admission", "--jobs", "2")  # fmt: skip
+    done = run(*args, "--json", str(tmp_path / "a.json"))
+    assert done.returncode == 0, done.stderr
+    assert "admission audit" in done.stdout and "precision" in done.stdout
+    rows = json.loads((tmp_path / "a.json").read_text())
+    audit = rows[0]["admission_audit"]
+    assert audit["rejections"] == rows[0]["rejected_by_reason"].get("deadline", 0) > 0
+    assert audit["true_rejections"] + audit["false_rejections"] == audit["rejections"]
+    again = run(*args[:-1], "1", "--json", str(tmp_path / "b.json"))
+    assert again.returncode == 0, again.stderr
+    assert (tmp_path / "a.json").read_bytes() == (tmp_path / "b.json").read_bytes()
+    refused = run(*args, "--no-deadlines")
+    assert refused.returncode != 0 and refused.stderr.strip().count("\n") == 0
+    assert "--audit-admission" in refused.stderr

@@ -26,6 +26,7 @@ from isocost.demo._report import replica_table
 from isocost.drill._drill import DrillReport
 from isocost.drill._report import drill_table
 from isocost.scheduling.policies import BUILTIN_POLICIES
+from isocost.sim._audit import AdmissionAudit, audit_table
 from isocost.sim._capacity import CapacityResult, CapacitySpec, CapacityStatus, Probe
 from isocost.sim._metrics import PolicySummary
 from isocost.sim._report import print_capacity, print_results
@@ -125,6 +126,10 @@ def _drill_report() -> DrillReport:
     )  # fmt: skip
 
 
+def _audited(policy: str) -> tuple[str, float, AdmissionAudit]:
+    return policy, 40.0, AdmissionAudit(12_031, 12_345, 1_234, 1_234, 11_111, 23_456, 1_234.5)
+
+
 SUMMARIES = [_bench_summary(policy) for policy in POLICIES]
 RUNS = [BenchResult([], summary) for summary in SUMMARIES]
 TABLES: dict[str, tuple[RenderableType | Callable[[Console], None], tuple[str, ...]]] = {
@@ -136,6 +141,7 @@ TABLES: dict[str, tuple[RenderableType | Callable[[Console], None], tuple[str, .
     "demo replicas, 4 policies": (replica_table(RUNS, DEFAULT_LAYOUT), POLICIES),
     "drill": (drill_table(_drill_report()), ()),
     "plan --explain": (_plan_tables, ()),
+    "sim admission audit": (audit_table([_audited(policy) for policy in POLICIES]), POLICIES),
 }
 
 

@@ -68,6 +68,11 @@ def sim(
         "--deadlines/--no-deadlines",
         help="Requests carry their TTFT and TPOT targets (SLO admission sees them).",
     ),
+    audit_admission: bool = typer.Option(
+        False,
+        "--audit-admission",
+        help="Replay each SLO-admission rejection as admitted: precision, recall.",
+    ),
     rate: float | None = typer.Option(
         None, "--rate", help="Mean req/s: scales a trace's time; Poisson for --workload."
     ),
@@ -143,6 +148,8 @@ def sim(
         fail("give --capacity or --sweep-rate, not both: --capacity chooses its own rates")
     if search is not None and plot is not None:
         fail("--plot draws runs and sweeps; --capacity has no plot (its --json has each probe)")
+    if audit_admission and not deadlines:
+        fail("--audit-admission audits SLO admission, which --no-deadlines turns off")
     overrides = {
         k: v
         for k, v in (
@@ -192,6 +199,7 @@ def sim(
         capacity=search,
         sample_points=200 if plot else 0,
         jobs=jobs,
+        audit_admission=audit_admission,
     )
     simulator.sim_command(console, plan, json_out, plot)
 

@@ -5,7 +5,7 @@ without pulling in aiohttp; the server lives in ``isocost.engine.server``.
 """
 
 from isocost.engine.kvcache import BlockPool
-from isocost.engine.model import EngineModel
+from isocost.engine.model import EngineModel, prefill_floor_s
 from isocost.engine.records import (
     EngineCounters,
     EngineEvent,
@@ -28,4 +28,5 @@ __all__ = [
     "Preempted",
     "RequestSpec",
     "RequestState",
+    "prefill_floor_s",
 ]

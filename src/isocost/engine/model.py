@@ -22,7 +22,10 @@ time. The model is vLLM V1's scheduler in miniature:
   later recomputes prompt + output). A step that preempted admits no one.
 * **Step price.** The step's prefill chunks are priced as one chunk of their summed size
   (attending to their token-weighted mean cached context); decodes by batch size and total
-  context. With one prefill chunk this is exactly ``CostModel.step_time_s``.
+  context. With one prefill chunk this is exactly ``CostModel.step_time_s``. The mean
+  context makes a memory-bound chunk with a long cached context cheaper beside fresh
+  chunks than alone (less KV is priced as read); ``prefill_floor_s`` is the least a
+  prefill can cost in any company, which the simulator's isolated-service bound uses.
 
 Driving contract::
 
@@ -72,6 +75,7 @@ that did not fit at the run's first step does not fit at any later one.
 
 from __future__ import annotations
 
+import heapq
 import sys
 from collections import deque
 
@@ -89,11 +93,59 @@ from isocost.engine.records import (
     RequestState,
 )
 
-__all__ = ["EngineModel"]
+__all__ = ["EngineModel", "prefill_floor_s"]
 
 
 def _blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
+
+
+def prefill_floor_s(cost: CostModel, new_tokens: int, cached_tokens: int = 0) -> float:
+    """The least time the engine model can take to prefill ``new_tokens`` after
+    ``cached_tokens`` from the prefix cache, in any company, at slowdown 1.
+
+    In chunks of ``max_num_batched_tokens``, as alone (``CostModel.prefill_time_s``), each
+    at its cheapest step (``_cheapest_prefill_step_s``).
+    """
+    budget = cost.limits.max_num_batched_tokens
+    total, done = 0.0, 0
+    while done < new_tokens:
+        size = min(budget, new_tokens - done)
+        total += _cheapest_prefill_step_s(cost, size, cached_tokens + done, budget)
+        done += size
+    return total
+
+
+def _cheapest_prefill_step_s(cost: CostModel, size: int, context: int, budget: int) -> float:
+    """The cheapest step holding a prefill chunk of ``size`` tokens after ``context``.
+
+    Fresh prefill chunks (no cached context) joining it, ``p`` tokens in all, price the
+    step at ``step_time_s(p, size * context // p)``; anything else a step could hold
+    (decodes, cached contexts) only adds. The minimum over ``p`` up to the budget is found
+    exactly by best-first branch and bound: ``step_time_s`` grows with both arguments, so
+    ``step_time_s(lo, size * context // hi)`` bounds every ``p`` in ``lo..hi`` from below.
+    """
+    pairs = size * context  # the chunk's tokens times its context
+
+    def step(tokens: int) -> float:
+        return cost.step_time_s(tokens, pairs // tokens)
+
+    best = step(size)
+    ranges = [(0.0, size + 1, budget)]  # (lower bound, lo, hi)
+    while ranges:
+        bound, lo, hi = heapq.heappop(ranges)
+        if bound >= best:
+            break
+        if hi - lo < 4:
+            best = min([best, *map(step, range(lo, hi + 1))])
+            continue
+        mid = (lo + hi) // 2
+        best = min(best, step(mid))
+        for a, b in ((lo, mid - 1), (mid + 1, hi)):
+            bound = cost.step_time_s(a, pairs // b)
+            if bound < best:
+                heapq.heappush(ranges, (bound, a, b))
+    return best
 
 
 class EngineModel:

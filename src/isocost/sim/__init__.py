@@ -4,10 +4,12 @@ Replays a trace or a synthetic workload through the real scheduling brain
 (``isocost.scheduling``) onto engine models (``isocost.engine.model``), one per replica,
 in simulated time. Start with ``_core`` (the event loop), then ``_run`` (policies side by
 side, sweeps, capacity searches), ``_metrics`` (SLOs, the oracle, capacity at SLO over a
-sweep), ``_capacity`` (capacity at SLO by bisection) and ``_cluster`` (the cluster file,
-or one pool of a gateway config).
+sweep), ``_capacity`` (capacity at SLO by bisection), ``_cluster`` (the cluster file, or
+one pool of a gateway config) and ``_audit`` (SLO-admission rejections replayed as
+admitted).
 """
 
+from isocost.sim._audit import AdmissionAudit, AdmissionAuditor, ForcedAdmission
 from isocost.sim._capacity import CapacityResult, CapacitySpec, CapacityStatus
 from isocost.sim._cluster import (
     ClusterConfig,
@@ -16,6 +18,7 @@ from isocost.sim._cluster import (
     SimReplica,
     gateway_cluster,
     gateway_pool,
+    lowest_slowdowns,
     parse_cluster_yaml,
     resolve_cluster,
     served_model,
@@ -29,6 +32,7 @@ from isocost.sim._metrics import (
     capacity_at_slo,
     isolated_times,
     oracle_summary,
+    reusable_prefix_blocks,
 )
 from isocost.sim._report import (
     capacity_json,
@@ -52,12 +56,15 @@ from isocost.workload import TRACE_FORMATS
 
 __all__ = [
     "TRACE_FORMATS",
+    "AdmissionAudit",
+    "AdmissionAuditor",
     "CapacityOutput",
     "CapacityResult",
     "CapacitySpec",
     "CapacityStatus",
     "ClusterConfig",
     "ClusterEvent",
+    "ForcedAdmission",
     "Isolated",
     "PolicySummary",
     "ReplicaGroup",
@@ -79,11 +86,13 @@ __all__ = [
     "isolated_times",
     "json_rows",
     "load_requests",
+    "lowest_slowdowns",
     "oracle_summary",
     "parse_cluster_yaml",
     "print_capacity",
     "print_results",
     "resolve_cluster",
+    "reusable_prefix_blocks",
     "run_capacity",
     "run_plan",
     "served_model",

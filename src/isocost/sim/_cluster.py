@@ -35,6 +35,7 @@ simulator simulates each replica from its GPU, model and ``tp``.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -55,6 +56,7 @@ __all__ = [
     "SimReplica",
     "gateway_cluster",
     "gateway_pool",
+    "lowest_slowdowns",
     "parse_cluster_yaml",
     "resolve_cluster",
     "served_model",
@@ -218,6 +220,16 @@ def gateway_cluster(
         dataclasses.replace(r, replica_id=name) for r, name in zip(replicas, names, strict=True)
     ]
     return cluster, named
+
+
+def lowest_slowdowns(config: ClusterConfig, replicas: Sequence[SimReplica]) -> list[float]:
+    """Per replica, the smallest slowdown it ever runs at: its own, or a ``slowdown``
+    event's factor (what the isolated-service bound must not be beaten by)."""
+    lowest = {r.replica_id: r.slowdown for r in replicas}
+    for event in config.events:
+        if event.action == "slowdown" and event.replica in lowest:
+            lowest[event.replica] = min(lowest[event.replica], event.factor)
+    return [lowest[r.replica_id] for r in replicas]
 
 
 def served_model(config: ClusterConfig) -> str:

@@ -32,6 +32,11 @@ A replica decoding a steady batch is therefore woken around its completions, and
 decode run between them is applied as one jump; the cost of a run grows with events
 (requests, completions, scrapes), not with decode steps.
 
+An ``audit`` hook (``sim._audit``, ``--audit-admission``) is asked at each SLO-admission
+rejection (REJECT ``deadline`` from the policy) whether to admit the request after all;
+the audit's forked replays say yes and run until it and the requests running beside it
+settle.
+
 Invariant: every arrival ends exactly once, completed or rejected (a failed attempt is
 retried up to ``max_retries`` times, then rejected as ``failed``).
 """
@@ -43,7 +48,7 @@ import math
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Protocol, cast
 
 import numpy as np
 
@@ -60,7 +65,7 @@ from isocost.scheduling.state import ReplicaSet
 from isocost.sim._cluster import ClusterConfig, SimReplica
 from isocost.workload import WorkloadRequest, prefix_block_hashes
 
-__all__ = ["SimRecord", "SimResult", "Simulator", "block_hashes"]
+__all__ = ["AdmissionHook", "SimRecord", "SimResult", "Simulator", "block_hashes"]
 
 FAULT, ENGINE, HOOK, SCRAPE, ARRIVAL, DELIVER, SAMPLE = range(7)
 _FIRST, _DONE, _FAILED, _TIMEOUT = range(4)  # hook kinds
@@ -87,6 +92,7 @@ class SimRecord:
     rejected: str | None = None  # reason, when rejected
     failed_on: tuple[str, ...] = ()  # replicas whose attempt broke: retries avoid them
     hashes: tuple[int, ...] | None = None  # the prompt's block hashes, once computed
+    counterfactual: tuple[float, float] | None = None  # audited rejection: TTFT, E2E admitted
 
     @property
     def settled(self) -> bool:
@@ -128,6 +134,24 @@ class _SimulatedReplica:
     preemptions: int = 0
 
 
+class AdmissionHook(Protocol):
+    """What the simulator asks at each SLO-admission rejection (``sim._audit``)."""
+
+    def admit_instead(
+        self, simulator: Simulator, record: SimRecord, view: RequestView
+    ) -> Decision | None:
+        """The decision to admit ``record`` with after all, or None to reject it."""
+        ...
+
+    def settled(self, record: SimRecord) -> None:
+        """In a replay (``Simulator.replaying``): ``record`` settled."""
+        ...
+
+    def abandon(self) -> None:
+        """A replay's run ended before the hook ended it."""
+        ...
+
+
 _Event = tuple[float, int, int, object]  # (time, phase, sequence, payload)
 _Hook = tuple[int, str, int | str]  # (kind, attempt id, output tokens | failure reason)
 _Delivery = tuple[_SimulatedReplica, RequestView, SimRecord, int]  # (..., replica epoch)
@@ -148,6 +172,7 @@ class Simulator:
         slo: SloTargets | None = None,
         sample_interval_s: float | None = None,
         on_progress: Callable[[float], None] | None = None,
+        audit: AdmissionHook | None = None,
     ) -> None:
         self.policy = policy
         self.model = model
@@ -157,6 +182,8 @@ class Simulator:
         self.max_retries = cluster.max_retries
         self.sample_interval_s = sample_interval_s
         self.on_progress = on_progress
+        self.audit = audit  # asked at each SLO-admission rejection
+        self.replaying = False  # a forked replay: settles go to the audit, which ends it
         self.shadow = ReplicaSet(block_tokens=BLOCK_TOKENS)
         self.shadow.add_listener(policy)
         self.dispatcher: Dispatcher[SimRecord] = Dispatcher(
@@ -214,17 +241,29 @@ class Simulator:
             self._on_deliver,
             self._on_sample,
         )
-        progress = self.on_progress
-        while heap and self._unsettled:
-            now, phase, _, payload = heapq.heappop(heap)
-            self._now = now
-            self._num_events += 1
-            handlers[phase](payload)
-            if progress is not None and not self._num_events & 0xFFF:
-                progress(now)
-        if progress is not None:
-            progress(self._now)
+        try:
+            while heap and self._unsettled:
+                now, phase, _, payload = heapq.heappop(heap)
+                self._now = now
+                self._num_events += 1
+                handlers[phase](payload)
+                if not self._num_events & 0xFFF and self.on_progress is not None:
+                    self.on_progress(now)
+        finally:
+            if self.replaying:  # a replay never returns into its parent's callers
+                assert self.audit is not None
+                self.audit.abandon()
+        if self.on_progress is not None:
+            self.on_progress(self._now)
         return self._result(time.perf_counter() - started)
+
+    @property
+    def now(self) -> float:
+        return self._now
+
+    def in_flight_on(self, replica_id: str) -> list[SimRecord]:
+        """The requests dispatched to ``replica_id`` and not yet back, in dispatch order."""
+        return [r for r in self._attempts.values() if r.replica_id == replica_id]
 
     def _push(self, at_s: float, phase: int, payload: object) -> None:
         heapq.heappush(self._heap, (at_s, phase, self._seq, payload))
@@ -295,6 +334,11 @@ class Simulator:
         reason: RejectReason,
         decision: Decision | None,
     ) -> None:
+        if self.audit is not None and decision is not None and reason is RejectReason.DEADLINE:
+            admitted = self.audit.admit_instead(self, record, view)
+            if admitted is not None:
+                self._bind(record, view, admitted, self._now)
+                return
         self._reject(record, str(reason))
 
     def _on_hook(self, payload: object) -> None:
@@ -329,6 +373,9 @@ class Simulator:
         self._settle(record)
 
     def _settle(self, record: SimRecord) -> None:
+        if self.replaying:
+            assert self.audit is not None
+            self.audit.settled(record)
         self._unsettled -= 1
         session = record.request.session_id
         if session is None:

@@ -8,11 +8,25 @@
   TPOT <= ``tpot_s`` (``core.slo.SloTargets``, the definition bench and demo use too).
   Goodput = such requests per second of the run's span (first arrival to the last
   request settled); ``slo_attainment`` = their share of all arrivals.
-* Isolated service time: the request alone on an empty replica of the fastest kind in the
-  cluster, cold cache, plus both network legs: the prefill in chunks, then ``m - 1``
-  decode steps. A lone sequence decodes memory-bound, where a step's time is linear in
-  its context, so the ``m - 1`` steps cost exactly ``m - 1`` steps at the mean context.
-  Slowdown = E2E / isolated E2E (below 1 only through prefix-cache hits).
+* Isolated service time, a lower bound on every request's TTFT and E2E under any policy:
+  the request alone on an empty replica of the fastest kind in the cluster (step times
+  times the smallest slowdown below 1 any replica of that kind runs at), plus both
+  network legs; its prefill in chunks, each at its cheapest company
+  (``engine.prefill_floor_s``: the engine model prices a step's prefill chunks at their
+  mean cached context, so fresh chunks make a long-context chunk cheaper than alone),
+  then ``m - 1`` lone decode steps at contexts ``n .. n + m - 2`` (in closed form,
+  ``DecodeLines.run_time_s``). The prefill reuses the best prefix cache the request could
+  meet: the longest prefix of its block hashes that requests arriving before it (ties:
+  earlier in the list, as the gateway takes them) have in their prompts
+  (``reusable_prefix_blocks``), within the engine's rules (only prompt blocks are cached;
+  at least one prompt token is computed, so at most ``(n - 1) // block_size`` blocks hit).
+  Why no run beats it: hits come only from blocks some prompt computed before the
+  request's admission; a prompt arriving later (or the request's own earlier attempt) can
+  have computed them only while the request waited, and computing them costs at least
+  what they save (a prompt's FLOPs add up however it is chunked; each extra step pays its
+  overhead and a weight read again); decodes, bigger contexts and slower replicas only
+  add time. Slowdown = E2E / isolated E2E, at least 1 (``tests/property/test_sim_bound.py``
+  checks every completed request of several policies and workloads against its bound).
 * Load imbalance = coefficient of variation (std / mean) of per-replica busy time.
 * Capacity at SLO over a rate sweep: the highest offered rate whose SLO attainment is at
   least the target share (e.g. 0.9, ``SloTargets.share``).
@@ -20,6 +34,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 from collections.abc import Sequence
@@ -30,6 +45,8 @@ import numpy.typing as npt
 
 from isocost.core.costmodel import CostModel
 from isocost.core.slo import SloTargets
+from isocost.engine import prefill_floor_s
+from isocost.sim._core import block_hashes
 from isocost.workload import WorkloadRequest
 
 __all__ = [
@@ -38,44 +55,77 @@ __all__ = [
     "capacity_at_slo",
     "isolated_times",
     "oracle_summary",
+    "reusable_prefix_blocks",
     "summarize_sim",
 ]
 
 FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
 
 
 @dataclass(frozen=True, slots=True)
 class Isolated:
-    """Isolated service times per request (aligned with the request list); nan: fits nowhere."""
+    """Isolated service times per request (aligned with the request list); nan: fits nowhere.
+    ``cached_tokens``: the prompt tokens the bound took from the prefix cache."""
 
     ttft_s: FloatArray
     e2e_s: FloatArray
+    cached_tokens: IntArray
 
 
 def isolated_times(
-    requests: Sequence[WorkloadRequest], cost_models: Sequence[CostModel], delay_s: float
+    requests: Sequence[WorkloadRequest],
+    cost_models: Sequence[CostModel],
+    delay_s: float,
+    slowdowns: Sequence[float] = (),
 ) -> Isolated:
-    """Each request's isolated TTFT and E2E on the fastest replica kind that fits it."""
-    kinds = {(c.model.id, c.gpu.id, c.tensor_parallel): c for c in cost_models}
+    """Each request's isolated TTFT and E2E on the fastest replica kind that fits it.
+
+    ``slowdowns[i]``, when given, is the smallest step-time factor the replica of
+    ``cost_models[i]`` ever runs at (``_cluster.lowest_slowdowns``): a factor below 1 makes
+    that kind faster in the bound, one above 1 does not slow it (the bound is a healthy
+    replica's).
+    """
+    kinds: dict[tuple[str, str, int], tuple[CostModel, float]] = {}
+    for i, cost in enumerate(cost_models):
+        key = (cost.model.id, cost.gpu.id, cost.tensor_parallel)
+        factor = min(1.0, slowdowns[i] if slowdowns else 1.0)
+        kinds[key] = (cost, min(factor, kinds[key][1]) if key in kinds else factor)
+    lone_decode = {key: cost.decode_lines(1) for key, (cost, _) in kinds.items()}
+    reusable = reusable_prefix_blocks(requests)
     ttft = np.full(len(requests), math.nan)
     e2e = np.full(len(requests), math.nan)
+    cached_tokens = np.zeros(len(requests), dtype=np.int64)
     for i, request in enumerate(requests):
         n, m = request.prompt_tokens, request.output_tokens
-        for cost in kinds.values():
+        for key, (cost, factor) in kinds.items():
             if n + m > min(cost.model.max_context_tokens, cost.kv_capacity_tokens):
                 continue
-            prefill = cost.prefill_time_s(n)
-            decode = 0.0
-            if m > 1:  # decode contexts n .. n + m - 2
-                low = n + (m - 2) // 2
-                high = n + (m - 1) // 2
-                step = 0.5 * (cost.step_time_s(0, 0, 1, low) + cost.step_time_s(0, 0, 1, high))
-                decode = (m - 1) * step
+            block = cost.limits.block_size
+            cached = min(reusable[i], (n - 1) // block) * block
+            prefill = prefill_floor_s(cost, n - cached, cached) * factor
+            decode = lone_decode[key].run_time_s(n, m - 1) * factor if m > 1 else 0.0
             total = prefill + decode + 2 * delay_s
             if not total >= e2e[i]:  # also true while e2e[i] is nan
                 ttft[i] = prefill + 2 * delay_s
                 e2e[i] = total
-    return Isolated(ttft, e2e)
+                cached_tokens[i] = cached
+    return Isolated(ttft, e2e, cached_tokens)
+
+
+def reusable_prefix_blocks(requests: Sequence[WorkloadRequest]) -> list[int]:
+    """Per request, how many leading blocks of its prompt (``_core.block_hashes``) are in
+    the prompt of some request that arrives before it (same time: earlier in the list):
+    the most its prefix-cache lookup can hit on any replica (the engine caches prompt
+    blocks only). Depends on the arrival order only, so a rate sweep keeps it."""
+    hashes = [block_hashes(r) for r in requests]
+    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
+    seen: set[int] = set()
+    blocks = [0] * len(requests)
+    for i in order:
+        blocks[i] = sum(1 for _ in itertools.takewhile(seen.__contains__, hashes[i]))
+        seen.update(hashes[i])
+    return blocks
 
 
 @dataclass(frozen=True, slots=True)

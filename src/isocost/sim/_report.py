@@ -23,6 +23,7 @@ from rich.table import Table
 
 from isocost.core.errors import ConfigError
 from isocost.scheduling.policies import SLO_BASELINES
+from isocost.sim._audit import audit_table
 from isocost.sim._capacity import CapacityResult, CapacitySpec, best_other, capacity_ratio
 from isocost.sim._metrics import PolicySummary
 from isocost.sim._run import CapacityOutput, RunOutput, SimPlan, SweepOutput, run_capacity, run_plan
@@ -53,6 +54,8 @@ def json_rows(output: SweepOutput) -> list[dict[str, Any]]:
         row["rate_rps"] = run.rate_rps
         if run.rate_rps is not None:
             row["capacity_at_slo_rps"] = output.capacity_rps.get(run.summary.policy)
+        if run.audit is not None:
+            row["admission_audit"] = {k: _rounded(v) for k, v in run.audit.json_fields().items()}
         rows.append(row)
     oracle: dict[str, Any] = dataclasses.asdict(output.oracle)
     oracle["rate_rps"] = None
@@ -181,6 +184,9 @@ def print_results(console: Console, output: SweepOutput, target: float) -> None:
         kept = [name for name in names if name not in _NARROWING[:dropped]]
         layouts.append(_results_table(kept, rows, oracle, narrow=True))
     console.print(Fitted(*layouts))
+    audited = [(r.summary.policy, r.rate_rps, r.audit) for r in output.runs if r.audit is not None]
+    if audited:
+        console.print(audit_table(audited))
     if sweep:
         capacity = Table(title=f"capacity at SLO ({target:.0%} of requests meet both)")
         capacity.add_column("policy")

@@ -10,6 +10,7 @@ only on its inputs: the same seed gives the same JSON.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import multiprocessing
 import os
@@ -24,8 +25,9 @@ import numpy.typing as npt
 
 from isocost.core.slo import SloTargets
 from isocost.scheduling.policies import SchedulingConfig, build_policy
+from isocost.sim._audit import AdmissionAudit, AdmissionAuditor
 from isocost.sim._capacity import CapacityResult, CapacitySpec, search_capacity
-from isocost.sim._cluster import ClusterConfig, SimReplica, served_model
+from isocost.sim._cluster import ClusterConfig, SimReplica, lowest_slowdowns, served_model
 from isocost.sim._core import SimResult, Simulator
 from isocost.sim._metrics import (
     Isolated,
@@ -69,6 +71,7 @@ class SimPlan:
     capacity: CapacitySpec | None = None  # instead, search each policy's capacity at SLO
     sample_points: int = 0  # load samples per run, for plots (0: none)
     jobs: int = 2
+    audit_admission: bool = False  # replay each SLO-admission rejection as admitted
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +87,7 @@ class RunOutput:
     wall_s: float
     num_events: int
     end_s: float
+    audit: AdmissionAudit | None = None  # with ``audit_admission``
 
     @property
     def sim_s_per_wall_s(self) -> float:
@@ -149,8 +153,12 @@ def run_capacity(
 
 
 def _isolated(plan: SimPlan) -> Isolated:
-    cost_models = [r.cost_model for r in plan.replicas]
-    return isolated_times(plan.requests, cost_models, plan.cluster.network_delay_ms / 1000)
+    return isolated_times(
+        plan.requests,
+        [r.cost_model for r in plan.replicas],
+        plan.cluster.network_delay_ms / 1000,
+        lowest_slowdowns(plan.cluster, plan.replicas),
+    )
 
 
 def _run_tasks(
@@ -216,6 +224,7 @@ def _run_task(
     policy = build_policy(
         policy_name, config=plan.scheduling, rng=Random(plan.seed), source="--policies"
     )
+    auditor = AdmissionAuditor(plan.slo) if plan.audit_admission else None
     simulator = Simulator(
         plan.cluster,
         plan.replicas,
@@ -225,9 +234,13 @@ def _run_task(
         slo=plan.slo if plan.deadlines else None,
         sample_interval_s=span / plan.sample_points if plan.sample_points and span > 0 else None,
         on_progress=None if progress is None else (lambda now: progress(task, now)),
+        audit=auditor,
     )
     result = simulator.run()
-    return _output(result, requests, plan.slo, isolated, rate)
+    output = _output(result, requests, plan.slo, isolated, rate)
+    if auditor is None:
+        return output
+    return dataclasses.replace(output, audit=auditor.summary(result.records))
 
 
 def _output(

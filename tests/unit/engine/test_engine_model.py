@@ -18,6 +18,7 @@ from isocost.engine import (
     FirstToken,
     Preempted,
     RequestSpec,
+    prefill_floor_s,
 )
 from isocost.prefix.hashing import token_block_hashes
 
@@ -187,6 +188,49 @@ def test_a_fully_cached_prompt_still_computes_its_last_token() -> None:
     model.submit(_spec("b", prompt, 1), _drain(model)[-1].time_s)
     _drain(model)
     assert model.counters.prefix_cache_hits == 48  # three blocks; the fourth is recomputed
+
+
+def _first_token_beside(company: list[RequestSpec]) -> float:
+    """TTFT of a prompt whose 40,000-token prefix is cached, entering with ``company``."""
+    model = EngineModel(_cost())
+    prefix = list(range(40_000))
+    model.submit(_spec("warmup", [*prefix, 1], 1), 0.0)
+    now = _drain(model)[-1].time_s
+    model.submit(_spec("warm", [*prefix, *range(7, 17)], 1), now)
+    for spec in company:
+        model.submit(spec, now)
+    return next(
+        e.ttft_s for e in _drain(model) if isinstance(e, FirstToken) and e.request_id == "warm"
+    )
+
+
+def test_the_prefill_floor_is_below_a_cached_prompt_sped_up_by_fresh_company() -> None:
+    """A step prices its prefill chunks at their mean cached context: fresh chunks beside a
+    memory-bound chunk with a long cached context make its step cheaper than alone."""
+    cost = _cost()
+    alone = _first_token_beside([])
+    beside = min(
+        _first_token_beside([_spec(f"fresh{size}", list(range(10**6, 10**6 + size)), 1)])
+        for size in (30, 300, 3000)
+    )
+    assert alone == pytest.approx(cost.prefill_time_s(10, 40_000), rel=1e-12)
+    assert beside < 0.95 * alone
+    assert prefill_floor_s(cost, 10, 40_000) <= beside
+
+
+@pytest.mark.parametrize(("new", "cached"), [(5000, 0), (20_000, 3000), (8192, 100)])
+def test_the_prefill_floor_of_compute_bound_chunks_is_their_time_alone(
+    new: int, cached: int
+) -> None:
+    cost = _cost()
+    assert prefill_floor_s(cost, new, cached) == cost.prefill_time_s(new, cached)
+
+
+def test_the_prefill_floor_is_the_cheapest_company_of_fresh_chunks() -> None:
+    cost = _cost(EngineLimits(max_num_batched_tokens=600))
+    new, cached = 24, 30_000
+    scanned = min(cost.step_time_s(tokens, new * cached // tokens) for tokens in range(new, 601))
+    assert prefill_floor_s(cost, new, cached) == scanned < cost.prefill_time_s(new, cached)
 
 
 def test_lru_eviction_keeps_the_recently_used_prefix() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -10,8 +11,25 @@ import pytest
 from isocost.core.catalog import Catalog
 from isocost.core.costmodel import CostModel
 from isocost.core.slo import SloTargets
-from isocost.engine import EngineModel, Finished, FirstToken, RequestSpec
-from isocost.sim import capacity_at_slo, isolated_times
+from isocost.engine import (
+    EngineEvent,
+    EngineModel,
+    Finished,
+    FirstToken,
+    RequestSpec,
+    prefill_floor_s,
+)
+from isocost.sim import (
+    ClusterConfig,
+    ClusterEvent,
+    ReplicaGroup,
+    block_hashes,
+    capacity_at_slo,
+    isolated_times,
+    lowest_slowdowns,
+    resolve_cluster,
+    reusable_prefix_blocks,
+)
 from isocost.sim._metrics import summarize_sim
 from isocost.workload import Segment, WorkloadRequest
 
@@ -47,6 +65,67 @@ def test_isolated_times_take_the_fastest_kind_and_nan_when_nothing_fits() -> Non
     alone = isolated_times(requests, [h100], 0.0)
     assert both.e2e_s[0] == alone.e2e_s[0] < isolated_times(requests, [a100], 0.0).e2e_s[0]
     assert math.isnan(both.e2e_s[1]) and math.isnan(both.ttft_s[1])
+
+
+def test_a_prompt_reuses_the_blocks_of_prompts_arriving_before_it_never_replies() -> None:
+    system, user, reply = Segment(7, 1000), Segment(8, 40), Segment(9, 300)
+    first = WorkloadRequest(0, 0.0, 1040, 300, (system, user))
+    second = WorkloadRequest(1, 5.0, 1380, 10, (system, user, reply, Segment(10, 40)))
+    same_time = WorkloadRequest(2, 5.0, 1040, 10, (system, user))  # after `second` in the list
+    unrelated = WorkloadRequest(3, 6.0, 500, 10, (Segment(11, 500),))
+    requests = [first, second, same_time, unrelated]
+    # the engine caches prompt blocks only: `second` finds `first`'s 65 full blocks, not
+    # the reply's; `same_time` could hit all of `first` but computes its last token
+    assert reusable_prefix_blocks(requests) == [0, 65, 65, 0]
+    cost = CostModel(CATALOG.model("llama-3.1-8b"), CATALOG.gpu("a100-80g"), 1)
+    isolated = isolated_times(requests, [cost], 0.0)
+    assert list(isolated.cached_tokens) == [0, 1040, 1024, 0]
+    assert isolated.ttft_s[1] == prefill_floor_s(cost, 1380 - 1040, 1040)
+    assert isolated.ttft_s[2] == prefill_floor_s(cost, 16, 1024)
+    # the order, not the times, decides: a rate sweep keeps the bound's reuse
+    faster = [dataclasses.replace(r, arrival_s=r.arrival_s / 3) for r in requests]
+    assert reusable_prefix_blocks(faster) == reusable_prefix_blocks(requests)
+
+
+def test_the_bound_is_the_engine_alone_after_the_prefix_donor() -> None:
+    """Tight: on an empty replica right after the prompt that cached its prefix, a request
+    takes exactly its bound (compute-bound prefill)."""
+    cost = CostModel(CATALOG.model("llama-3.1-8b"), CATALOG.gpu("a100-80g"), 1)
+    requests = [
+        WorkloadRequest(0, 0.0, 6100, 1, (Segment(1, 6000), Segment(2, 100))),
+        WorkloadRequest(1, 1.0, 9000, 50, (Segment(1, 6000), Segment(3, 3000))),
+    ]
+    engine = EngineModel(cost)
+    events: list[EngineEvent] = []
+    for r in requests:
+        spec = RequestSpec(str(r.request_id), r.prompt_tokens, r.output_tokens, block_hashes(r))
+        engine.submit(spec, events[-1].time_s if events else 0.0)
+        while (t := engine.next_event_time()) is not None:
+            events += engine.advance_to(t)
+    first = next(e for e in events if isinstance(e, FirstToken) and e.request_id == "1")
+    done = next(e for e in events if isinstance(e, Finished) and e.request_id == "1")
+    isolated = isolated_times(requests, [cost], 0.0)
+    assert isolated.cached_tokens[1] == 6000
+    assert isolated.ttft_s[1] == pytest.approx(first.ttft_s, rel=1e-12)
+    assert isolated.e2e_s[1] == pytest.approx(done.e2e_s, rel=1e-9)
+
+
+def test_only_replicas_faster_than_their_kind_lower_the_bound() -> None:
+    cluster = ClusterConfig(
+        replicas=[
+            ReplicaGroup(gpu="a100-80g", model="llama-3.1-8b", name="a", count=2),
+            ReplicaGroup(gpu="a100-80g", model="llama-3.1-8b", name="slow", slowdown=3.0),
+        ],
+        events=[ClusterEvent(at_s=50, replica="a-1", action="slowdown", factor=0.8)],
+    )
+    replicas = resolve_cluster(cluster, CATALOG)
+    assert lowest_slowdowns(cluster, replicas) == [1.0, 0.8, 3.0]
+    requests = [request(0, 3000, 100)]
+    costs = [r.cost_model for r in replicas]
+    healthy = isolated_times(requests, costs, 0.0)
+    assert isolated_times(requests, costs, 0.0, [1.0, 1.0, 3.0]).e2e_s == healthy.e2e_s
+    faster = isolated_times(requests, costs, 0.0, lowest_slowdowns(cluster, replicas))
+    assert faster.e2e_s[0] == pytest.approx(0.8 * healthy.e2e_s[0], rel=1e-12)
 
 
 def test_slo_accounting_scales_ttft_with_prompt_length() -> None:
