@@ -15,9 +15,10 @@ eligible, so that reading is a view rather than a copy):
 2. Filters (plugins) narrow the candidates further; one that empties the set is ignored
    (recorded in the explanation) rather than failing the request.
 3. SLO admission (``admission.slo``): candidates whose predicted TTFT misses the request's
-   deadline, or whose predicted inter-token time (the request's own, or that of the
-   requests already running there once its prefill joins them) exceeds its TPOT target,
-   are dropped; none left: REJECT ``deadline`` with ``retry_after_s`` = the least
+   deadline, whose predicted inter-token time exceeds its TPOT target, or where its
+   prefill is expected to push more than ``MAX_TPOT_VICTIMS`` of the streams already
+   running there past that target (``scheduling.predict``: a stall ruins a short reply,
+   not a long one), are dropped; none left: REJECT ``deadline`` with ``retry_after_s`` = the least
    predicted wait among them (the time their queued work needs to clear).
 4. Scorers (plugins) return one score per candidate; the engine clamps each to [0, 1]
    (NaN counts as 0) and sums them with the profile's weights.
@@ -60,7 +61,11 @@ from isocost.scheduling.slots import BoolArray
 from isocost.scheduling.state import ReplicaSet
 from isocost.scheduling.timing import FloatArray
 
-__all__ = ["AdmissionSettings", "Policy"]
+__all__ = ["MAX_TPOT_VICTIMS", "AdmissionSettings", "Policy"]
+
+# SLO admission's bound on the running streams a request may push past the TPOT target:
+# one, the request it serves (admitting it then does not lower the expected count met).
+MAX_TPOT_VICTIMS = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,7 +221,7 @@ class Policy:
             meets &= prediction.ttft_s <= request.deadline_s - ctx.now
         if request.tpot_target_s is not None:
             meets &= prediction.tpot_s <= request.tpot_target_s
-            meets &= prediction.others_tpot_s <= request.tpot_target_s
+            meets &= ctx.tpot_victims(request.tpot_target_s) <= MAX_TPOT_VICTIMS
         if not meets.any():
             retry = max(float(prediction.wait_s.min()), self.admission.retry_after_s)
             return self._reject(RejectReason.DEADLINE, ctx.route_class, retry)

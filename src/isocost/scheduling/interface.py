@@ -21,7 +21,14 @@ from typing import Any, ClassVar, Protocol, TypeVar
 import numpy as np
 
 from isocost.scheduling.contract import RequestView, stable_hash64
-from isocost.scheduling.predict import IndexArray, Load, Prediction, SlotKey, predict
+from isocost.scheduling.predict import (
+    IndexArray,
+    Load,
+    Prediction,
+    SlotKey,
+    predict,
+    tpot_victims,
+)
 from isocost.scheduling.slots import BoolArray
 from isocost.scheduling.state import ReplicaSet
 from isocost.scheduling.timing import FloatArray
@@ -134,6 +141,19 @@ class Context:
                 calibration.itl_factor[key],
             )
         return self._prediction
+
+    def tpot_victims(self, tpot_target_s: float) -> FloatArray:
+        """Per candidate, the running streams its prefill is expected to push past
+        ``tpot_target_s`` (``scheduling.predict``); their mean output is the model's."""
+        prediction, request = self.prediction, self.request
+        mean_output = self.replicas.estimator.expected_tokens(request.model, self.route_class, None)
+        return tpot_victims(
+            self.load.running,
+            prediction.prefill_s,
+            prediction.others_itl_s,
+            tpot_target_s,
+            float(mean_output),
+        )
 
     @property
     def request_hash(self) -> int:

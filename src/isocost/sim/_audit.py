@@ -13,9 +13,10 @@ audited.)
 
 The counterfactual replica: among the candidates the policy's pipeline left before SLO
 admission (eligible, under their queue cap, past the filters), the one predicted closest
-to meeting the SLO, i.e. with the least worst ratio of prediction to target over its TTFT
-(to the time left before the deadline), its TPOT and the TPOT of the requests running
-there once it joins them; ties go to the least predicted TTFT. For a TTFT rejection that
+to meeting the SLO, i.e. with the least worst ratio of prediction to bound over its TTFT
+(to the time left before the deadline), its TPOT (to the target) and the running streams
+its prefill is expected to push past the target (to ``MAX_TPOT_VICTIMS``); ties go to the
+least predicted TTFT. For a TTFT rejection that
 is the least predicted TTFT; for a TPOT rejection it is a replica where the decode would
 come closest to fitting, which the least TTFT need not be.
 
@@ -63,6 +64,7 @@ from rich.text import Text
 from isocost.core.slo import SloTargets
 from isocost.scheduling.contract import RequestView
 from isocost.scheduling.decision import Decision, Outcome
+from isocost.scheduling.framework import MAX_TPOT_VICTIMS
 from isocost.scheduling.interface import Context
 
 if TYPE_CHECKING:
@@ -259,7 +261,7 @@ def _counterfactual_admission(
         ratios.append(prediction.ttft_s / max(view.deadline_s - now, 1e-12))
     if view.tpot_target_s is not None:
         ratios += [prediction.tpot_s / view.tpot_target_s,
-                   prediction.others_tpot_s / view.tpot_target_s]  # fmt: skip
+                   ctx.tpot_victims(view.tpot_target_s) / MAX_TPOT_VICTIMS]  # fmt: skip
     worst = np.max(ratios, axis=0)
     position = int(np.lexsort((prediction.ttft_s, worst))[0])
     slot = int(ctx.idx[position])

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import pytest
 from conftest import MODEL, Factory, cost_model
 
@@ -9,6 +12,7 @@ from isocost.scheduling.contract import ReplicaSpec, RequestView
 from isocost.scheduling.decision import Outcome, RejectReason
 from isocost.scheduling.dispatch import RequestQueue
 from isocost.scheduling.policies import build_policy, parse_scheduling_yaml
+from isocost.scheduling.predict import tpot_victims
 from isocost.scheduling.state import ReplicaSet
 
 
@@ -191,20 +195,34 @@ def test_tpot_target_rejects_where_prefill_chunks_would_slow_the_streams(
 def test_a_long_prefill_is_kept_away_from_streams_it_would_stall(make_replicas: Factory) -> None:
     replicas = make_replicas(["a100-80g"] * 2, factor_alpha=0.0)
     policy = build_policy("equal_cost")
-    replicas.on_dispatch(_req(100), "r0", 0.0)
-    replicas.on_first_token("q100", 0.0)  # one short stream decodes on r0, r1 is idle
+    for i in (100, 101):  # two short streams decode on r0, r1 is idle
+        replicas.on_dispatch(_req(i), "r0", 0.0)
+        replicas.on_first_token(f"q{i}", 0.0)
     alone_step_s = replicas.predict_one(1, 0.0, 30_000, 0, 64).step_s
-    # a target the new request meets on either replica; r0's stream meets it only unstalled
+    # a target the new request meets on either replica; r0's streams keep it only unstalled
     long_prompt = _req(1, prompt=30_000, tpot_target_s=1.2 * alone_step_s)
     decision = policy.schedule(long_prompt, replicas, 0.0)
     assert decision.replica_id == "r1"
-    replicas.set_health("r1", False)  # only r0 is left: its stream would miss the target
+    replicas.set_health("r1", False)  # only r0 is left: its streams would likely miss
     alone = policy.schedule(long_prompt, replicas, 0.0)
     assert (alone.outcome, alone.reason) == (Outcome.REJECT, RejectReason.DEADLINE)
     no_target = policy.schedule(_req(2, prompt=30_000), replicas, 0.0)
     assert no_target.outcome is Outcome.ADMIT  # no TPOT target
-    replicas.on_complete("q100", 0.5, ok=True, output_tokens=64)  # the stream is done
+    # one stream left: the stall risks at most one reply to serve this one, so it is admitted
+    replicas.on_complete("q100", 0.5, ok=True, output_tokens=64)
     assert policy.schedule(long_prompt, replicas, 0.5).replica_id == "r0"
+
+
+def test_tpot_victims_count_the_streams_a_stall_pushes_past_the_target() -> None:
+    running = np.array([0.0, 4.0, 4.0, 4.0, 4.0])
+    stall = np.array([5.0, 0.0, 0.5, 5.0, 5.0])
+    itl = np.array([0.0, 0.02, 0.02, 0.02, 0.1])  # the last streams are at the target already
+    victims = tpot_victims(running, stall, itl, 0.1, 300.0)
+    assert victims[0] == 0.0 and victims[1] == 0.0  # no streams; no stall
+    # a 0.5 s stall ruins replies shorter than 0.5 / 0.08 = 6.25 tokens: few of mean 300
+    assert victims[2] == pytest.approx(4.0 * -math.expm1(-6.25 / 300.0))
+    assert victims[2] < victims[3] < 4.0  # a longer stall ruins longer replies too
+    assert victims[4] == 4.0
 
 
 def test_predicted_times_are_plain_floats_for_json(make_replicas: Factory) -> None:

@@ -178,7 +178,7 @@ def test_one_replica_prediction_is_bit_identical_to_the_vector_one(
 
     vector = predict_for(idx)
     as_slice = predict_for(slice(0, 3))  # a contiguous run is read through views
-    for field in ("wait_s", "prefill_s", "ttft_s", "tpot_s", "others_tpot_s", "decode_s"):
+    for field in ("wait_s", "prefill_s", "ttft_s", "tpot_s", "others_itl_s", "decode_s"):
         assert np.array_equal(getattr(as_slice, field), getattr(vector, field))
     for slot in range(3):
         one = replicas.predict_one(slot, now, prompt, cached, output)
