@@ -251,3 +251,17 @@ def test_the_admission_audit_replays_rejections_in_each_worker(tmp_path: Path) -
     refused = run(*args, "--no-deadlines")
     assert refused.returncode != 0 and refused.stderr.strip().count("\n") == 0
     assert "--audit-admission" in refused.stderr
+
+
+def test_a_lengths_only_trace_gets_poisson_arrivals_at_the_rate(tmp_path: Path) -> None:
+    lengths = TRACE.with_name("vidur_arxiv_head.csv")
+    args = ("--trace", str(lengths), "--replicas", "2", "--policies", "round_robin",
+            "--max-requests", "60", "--rate", "4")  # fmt: skip
+    done = run(*args, "--json", str(tmp_path / "a.json"))
+    assert done.returncode == 0, done.stderr
+    row = json.loads((tmp_path / "a.json").read_text())[0]
+    assert row["completed"] + row["rejected"] == 60
+    assert 2.5 < row["offered_rps"] < 6.0  # 60 Poisson arrivals at 4/s, not one burst at t=0
+    again = run(*args, "--json", str(tmp_path / "b.json"))
+    assert again.returncode == 0, again.stderr
+    assert (tmp_path / "a.json").read_bytes() == (tmp_path / "b.json").read_bytes()

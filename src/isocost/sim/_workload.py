@@ -1,7 +1,8 @@
 """From command-line choices to the request list every policy replays.
 
 A trace keeps its own arrival times, compressed by ``speedup`` or scaled so that its mean
-rate is ``rate_rps`` (the shape of its bursts stays). A synthetic workload draws Poisson
+rate is ``rate_rps`` (the shape of its bursts stays); one without times (lengths only)
+gets Poisson arrivals at ``rate_rps`` from ``seed``. A synthetic workload draws Poisson
 arrivals at ``rate_rps`` (default 1/s) from ``seed``. ``duration_s`` then keeps the
 requests arriving before it and ``max_requests`` the first so many. A rate sweep replays
 this same list with its time scaled to each rate, so every point has the same requests.
@@ -23,6 +24,7 @@ from isocost.workload import (
     scale_to_rate,
     speedup,
     synthetic_workload,
+    with_arrivals,
 )
 
 __all__ = ["WorkloadChoice", "at_rate", "load_requests"]
@@ -54,9 +56,11 @@ def load_requests(choice: WorkloadChoice) -> list[WorkloadRequest]:
     if choice.trace is not None:
         requests = load_trace(choice.trace, choice.trace_format)
         if choice.rate_rps is not None:
-            if len({r.arrival_s for r in requests}) < 2:
-                raise ConfigError(choice.trace, "the trace has no arrival times to scale")
-            requests = list(scale_to_rate(requests, choice.rate_rps))
+            if len({r.arrival_s for r in requests}) < 2:  # lengths only: Poisson arrivals
+                arrivals = poisson_arrivals(Random(choice.seed), choice.rate_rps)
+                requests = list(with_arrivals(requests, arrivals))
+            else:
+                requests = list(scale_to_rate(requests, choice.rate_rps))
         else:
             requests = list(speedup(requests, choice.speedup))
     else:
