@@ -39,7 +39,8 @@ Stateful plugins additionally implement ``on_dispatch`` / ``on_first_token`` /
 policy forwards after ``ReplicaSet`` applied them (``replicas.add_listener(policy)``).
 
 ``schedule`` runs these stages in this order, one small method each: ``_eligible`` and
-``_under_queue_cap`` (1), ``_filter`` (2), ``_slo_admission`` (3), ``_score`` (4), the
+``_under_queue_cap`` (1), ``_filter`` (2) — together ``candidates``, public for callers
+that need the candidates without a decision — ``_slo_admission`` (3), ``_score`` (4), the
 picker (5), then ``_admit`` builds the ADMIT decision with its predictions and explanation.
 """
 
@@ -136,21 +137,41 @@ class Policy:
         ``exclude`` names replicas this request must not use (e.g. those that already
         failed it); they count as unavailable for it, not for the global shed.
         """
-        route = self.routes.classify(request)
         notes: dict[str, str] = {}
-        eligible = self._eligible(request, replicas, route, exclude, notes)
-        if isinstance(eligible, Decision):
-            return eligible
-        ctx = Context(request, replicas, now, self.rng, eligible, route.name)
-        if not self._under_queue_cap(ctx):
-            return Decision(Outcome.QUEUE, self.name, route_class=route.name)
-        self._filter(ctx, notes)
+        ctx = self.candidates(request, replicas, now, exclude=exclude, notes=notes)
+        if isinstance(ctx, Decision):
+            return ctx
         rejected = self._slo_admission(ctx)
         if rejected is not None:
             return rejected
         scores, weights, total = self._score(ctx)
         chosen = self.picker.pick(ctx, total)
         return self._admit(ctx, chosen, scores, weights, total, notes)
+
+    def candidates(
+        self,
+        request: RequestView,
+        replicas: ReplicaSet,
+        now: float,
+        *,
+        exclude: Collection[str] = (),
+        rng: Random | None = None,
+        notes: dict[str, str] | None = None,
+    ) -> Context | Decision:
+        """Stages 1 and 2: the decision context of the candidates left after eligibility,
+        the queue caps and the filters, or the REJECT / QUEUE decision when none is left.
+        ``rng`` is what plugins will draw from (default: the policy's; the simulator's
+        admission audit passes its own, so that the run's stream stays as it was)."""
+        route = self.routes.classify(request)
+        notes = {} if notes is None else notes
+        eligible = self._eligible(request, replicas, route, exclude, notes)
+        if isinstance(eligible, Decision):
+            return eligible
+        ctx = Context(request, replicas, now, rng or self.rng, eligible, route.name)
+        if not self._under_queue_cap(ctx):
+            return Decision(Outcome.QUEUE, self.name, route_class=route.name)
+        self._filter(ctx, notes)
+        return ctx
 
     def _eligible(
         self,

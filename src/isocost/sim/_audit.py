@@ -65,7 +65,6 @@ from isocost.core.slo import SloTargets
 from isocost.scheduling.contract import RequestView
 from isocost.scheduling.decision import Decision, Outcome
 from isocost.scheduling.framework import MAX_TPOT_VICTIMS
-from isocost.scheduling.interface import Context
 
 if TYPE_CHECKING:
     from isocost.sim._core import SimRecord, Simulator
@@ -248,13 +247,8 @@ def _counterfactual_admission(
     that the rest of the run must find as it was.
     """
     policy, shadow, now = simulator.policy, simulator.shadow, simulator.now
-    route = policy.routes.classify(view)
-    notes: dict[str, str] = {}
-    eligible = policy._eligible(view, shadow, route, record.failed_on, notes)
-    assert not isinstance(eligible, Decision), "SLO admission rejected an ineligible request"
-    ctx = Context(view, shadow, now, Random(0), eligible, route.name)
-    assert policy._under_queue_cap(ctx), "SLO admission rejected a request that queues"
-    policy._filter(ctx, notes)
+    ctx = policy.candidates(view, shadow, now, exclude=record.failed_on, rng=Random(0))
+    assert not isinstance(ctx, Decision), "SLO admission rejected a request with no candidate"
     prediction = ctx.prediction
     ratios = []
     if view.deadline_s is not None:
