@@ -2,7 +2,9 @@
 
 Each benchmark measures its comparison side by side inside its own run; this script only
 sequences them and stops at the first that fails. The live peer comparison
-(`benchmarks/peers/run.sh`, ~10 minutes, installs the peer routers) runs with `--peers`.
+(`benchmarks/peers/run.sh`, ~10 minutes, installs the peer routers) runs with `--peers`,
+the equal-terms capacity comparison (`benchmarks/equal_terms/run.sh`, ~15 minutes, reads
+the traces in ../shared/traces) with `--equal-terms`.
 """
 
 from __future__ import annotations
@@ -29,10 +31,15 @@ RUNS: list[list[str]] = [
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peers", action="store_true", help="also run benchmarks/peers")
+    parser.add_argument(
+        "--equal-terms", action="store_true", help="also run benchmarks/equal_terms"
+    )
     args = parser.parse_args()
     runs = [[sys.executable, str(HERE / name), *rest] for name, *rest in RUNS]
     if args.peers:
         runs.append(["bash", str(HERE / "peers" / "run.sh")])
+    if args.equal_terms:
+        runs.append(["bash", str(HERE / "equal_terms" / "run.sh")])
     for command in runs:
         print(f"\n=== {' '.join(Path(part).name if '/' in part else part for part in command)}",
               flush=True)  # fmt: skip

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Capacity at SLO of equal_cost against the peers' routing with the same SLO admission
+# (<peer>_slo), by bisection, on the shared traces and several fleets. One run of this
+# script gives every row of the README's "equal terms" table.
+#   benchmarks/equal_terms/run.sh [OUT_DIR] [TRACES_DIR]
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+root="$(cd "$here/../.." && pwd)"
+out="${1:-equal-terms-results}"
+traces="${2:-$root/../shared/traces}"
+mkdir -p "$out"
+isocost="$root/.venv/bin/isocost"
+peers=equal_cost,llmd_default_slo,dynamo_kv_slo,sglang_cache_aware_slo,prefix_slo,least_request_slo
+mooncake="$traces/mooncake_conversation_trace.jsonl"
+long_slo=(--slo-ttft-ms 1000 --slo-ttft-per-1k-ms 250 --slo-tpot-ms 100)
+run() {  # name, then sim arguments
+  local name="$1"; shift
+  echo "== $name" | tee "$out/$name.txt"
+  "$isocost" sim --policies "$peers" --jobs 2 --json "$out/$name.json" "$@" \
+    | tee -a "$out/$name.txt"
+}
+capacity=(--precision 0.05 --capacity)
+run mooncake-homogeneous --trace "$mooncake" --max-requests 2000 --replicas 16 \
+  "${long_slo[@]}" "${capacity[@]}" 1:24
+run mooncake-a100-l20 --trace "$mooncake" --max-requests 2000 --cluster "$here/a100-l20.yaml" \
+  "${long_slo[@]}" "${capacity[@]}" 1:24
+run mooncake-two-slowed --trace "$mooncake" --max-requests 2000 \
+  --cluster "$here/two-slowed.yaml" "${long_slo[@]}" "${capacity[@]}" 1:24
+run azure-code-h100-a100-l20 --trace "$traces/AzureLLMInferenceTrace_code.csv" \
+  --max-requests 3000 --cluster "$here/h100-a100-l20.yaml" \
+  --slo-ttft-ms 500 --slo-ttft-per-1k-ms 100 --slo-tpot-ms 50 "${capacity[@]}" 2:200
+run arxiv-homogeneous --trace "$traces/vidur_arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv" \
+  --max-requests 2000 --rate 4 --replicas 16 "${long_slo[@]}" "${capacity[@]}" 1:64
+# a burst at twice the best capacity found above: goodput and SLO attainment at one rate
+run mooncake-homogeneous-2x --trace "$mooncake" --max-requests 2000 --replicas 16 \
+  "${long_slo[@]}" --rate 18
