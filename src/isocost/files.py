@@ -39,10 +39,16 @@ def load_catalog(paths: list[str] | None = None) -> Catalog:
     return catalog
 
 
+def is_model_path(name: str) -> bool:
+    """Whether ``name`` names a local model folder or ``config.json`` rather than a catalog id."""
+    p = Path(name)
+    return p.is_dir() or p.suffix == ".json" or name.startswith((".", "/"))
+
+
 def resolve_model(name: str, catalog: Catalog) -> ModelSpec:
     """A catalog id, or a local Hugging Face model folder / ``config.json`` path."""
     p = Path(name)
-    if p.is_dir() or p.suffix == ".json" or name.startswith((".", "/")):
+    if is_model_path(name):
         config = p / "config.json" if p.is_dir() or not p.suffix else p
         model_id = (p if p.is_dir() or not p.suffix else p.parent).name or str(p)
         return model_from_hf_config(read_text(config), str(config), model_id)

@@ -226,6 +226,7 @@ class _PolicyRun:
     queries: float  # vLLM's prefix-cache query tokens (the prompt tokens)
     served: tuple[int, ...]  # requests per replica, in fleet order
     ttft_factors: tuple[float, ...]  # the gateway's learned TTFT correction per replica
+    ttft_errors: tuple[float, ...]  # the gateway's recent TTFT prediction error (MAPE)
 
 
 def _run_workload(
@@ -260,6 +261,7 @@ def _run_workload(
         queries=sum(_vllm_counter(u, "vllm:prefix_cache_queries") for u in urls) - queries_before,
         served=tuple(served[u] for u in urls),
         ttft_factors=tuple(rows[u]["ttft_factor"] for u in urls),
+        ttft_errors=tuple(rows[u]["ttft_error"] for u in urls),
     )
 
 
@@ -313,7 +315,7 @@ def test_prefix_aware_routing_raises_vllm_prefix_cache_hits(
             print(
                 f"  {policy:18s} hits={run.hits:6.0f} of {run.queries:6.0f} tokens "
                 f"({run.hits / run.queries:5.1%})  split={run.served}  "
-                f"ttft_factors={run.ttft_factors}"
+                f"ttft_factors={run.ttft_factors} ttft_mape={run.ttft_errors}"
             )
     assert len({run.queries for run in runs.values()}) == 1  # the same prompts each time
     rr_hits = runs["round_robin"].hits

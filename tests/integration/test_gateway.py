@@ -324,6 +324,7 @@ def test_admin_snapshot_describes_every_replica(cluster: Cluster) -> None:
         assert row["state"] == "healthy"
         assert row["kv_usage"] is not None and 0 <= row["kv_usage"] <= 1
         assert row["ttft_factor"] > 0 and row["itl_factor"] > 0
+        assert row["ttft_error"] >= 0 and row["itl_error"] >= 0
         assert 0 <= row["prefill_duty"] < 1
     assert snap["pools"][0]["model"] == MODEL and snap["pools"][0]["healthy"] == 3
     decision = snap["decisions"][-1]
@@ -405,6 +406,8 @@ def test_metrics_and_logs(cluster: Cluster) -> None:
         "isocost_replica_healthy",
         "isocost_replica_ttft_factor",
         "isocost_replica_itl_factor",
+        "isocost_replica_ttft_prediction_error",
+        "isocost_replica_itl_prediction_error",
         "isocost_replica_prefill_duty",
         'isocost_rejections_total{reason="invalid_body"}',
     ):
@@ -783,6 +786,27 @@ def test_serve_without_a_file_discovers_the_model(cluster: Cluster) -> None:
         _assert_error(status, answer, 403, "admin_disabled")
     finally:
         gateway.stop()
+
+
+def test_serve_routes_a_model_in_no_catalog_priced_as_the_generic_prior(tmp_path: Path) -> None:
+    private = "org/Private-Model-13B"
+    engine = start_engine(0, "--served-model-name", private)
+    log = tmp_path / "gateway.log"
+    try:
+        with log.open("w") as stderr:
+            gateway = _start(["serve", "--port", "0", "--replica", engine.url], "isocost serve",
+                             stderr=stderr)  # fmt: skip
+        try:
+            client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused")
+            for _ in range(3):
+                reply = client.completions.create(model=private, prompt="x", max_tokens=2)
+                assert reply.usage is not None and reply.usage.completion_tokens == 2
+        finally:
+            gateway.stop()
+    finally:
+        engine.stop()
+    said = [line for line in log.read_text().splitlines() if "generic_prior" in line]
+    assert len(said) == 1 and private in said[0], said
 
 
 @pytest.mark.parametrize(

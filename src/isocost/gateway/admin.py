@@ -93,6 +93,8 @@ def replica_row(
         "scrape_error": replica.scrape_error,
         "ttft_factor": round(state.ttft_factor, 4) if state else None,
         "itl_factor": round(state.itl_factor, 4) if state else None,
+        "ttft_error": round(state.ttft_error, 4) if state else None,
+        "itl_error": round(state.itl_error, 4) if state else None,
         "prefill_duty": round(state.prefill_duty(now), 4) if state else None,
         "recent_ttft_p50_ms": _p50_ms(replica.recent_ttft_s),
         "recent_itl_p50_ms": _p50_ms(replica.recent_itl_s),

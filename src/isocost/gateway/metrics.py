@@ -106,6 +106,14 @@ class GatewayMetrics:
             "isocost_replica_itl_factor",
             "Learned observed / predicted inter-token time of the replica.",
         )
+        self.ttft_error = per_replica(
+            "isocost_replica_ttft_prediction_error",
+            "Recent mean absolute percentage error of the replica's predicted TTFT (0.1: 10%).",
+        )
+        self.itl_error = per_replica(
+            "isocost_replica_itl_prediction_error",
+            "Recent mean absolute percentage error of the replica's predicted inter-token time.",
+        )
         self.prefill_duty = per_replica(
             "isocost_replica_prefill_duty",
             "Share of the replica's time that prefill recently sent there will take.",

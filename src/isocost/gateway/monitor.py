@@ -242,6 +242,8 @@ class Monitor:
             state = self.router.replicas.get(upstream.name)
             self.metrics.ttft_factor.labels(*labels).set(state.ttft_factor)
             self.metrics.itl_factor.labels(*labels).set(state.itl_factor)
+            self.metrics.ttft_error.labels(*labels).set(state.ttft_error)
+            self.metrics.itl_error.labels(*labels).set(state.itl_error)
             self.metrics.prefill_duty.labels(*labels).set(state.prefill_duty(now))
 
 

@@ -32,6 +32,7 @@ Circuit-breaker state is mirrored into ``ReplicaSet.set_health`` and drains into
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 import uuid
@@ -51,9 +52,11 @@ from isocost.gateway.upstreams import Pool, Upstream
 from isocost.openai.errors import ApiError
 from isocost.prefix.hashing import BLOCK_TOKENS
 from isocost.runtime.config import (
+    GENERIC_PRIOR_MODEL,
     GatewayConfig,
     ReplicaConfig,
     check_references,
+    priced_as_generic,
     replica_cost_model,
 )
 from isocost.scheduling.contract import EngineMetrics, InFlight, ReplicaSpec, RequestView
@@ -64,6 +67,8 @@ from isocost.scheduling.policies import SchedulingConfig, build_policy
 from isocost.scheduling.state import ReplicaSet
 
 __all__ = ["GatewayRequest", "Grant", "Router"]
+
+log = logging.getLogger("isocost.gateway")
 
 _RECENT_DECISIONS = 50
 _REJECT_STATUS = {
@@ -185,6 +190,7 @@ class Router:
         # (time, prompt tokens, decision): described only when someone asks (admin API).
         self._recent: deque[tuple[float, int, Decision]] = deque(maxlen=_RECENT_DECISIONS)
         self._by_id: dict[str, Upstream] = {}
+        self._generic_models: set[str] = set()  # pool models priced as the generic prior
         self._seed = seed
         self.scheduling = SchedulingConfig()
         self._queue_size = queue_size
@@ -248,7 +254,16 @@ class Router:
             waiter.set_exception(ApiError(404, "model removed", code="model_not_found"))
 
     def replica_spec(self, model: str, name: str, config: ReplicaConfig) -> ReplicaSpec:
-        """The brain's description of replica ``name`` of pool ``model``."""
+        """The brain's description of replica ``name`` of pool ``model`` (one in no catalog
+        is priced as the generic prior, said once per model in the log)."""
+        if model not in self._generic_models and priced_as_generic(config, model, self.catalog):
+            self._generic_models.add(model)
+            log.warning(
+                "model %r is in no catalog: priced as %s until calibration learns it",
+                model,
+                GENERIC_PRIOR_MODEL,
+                extra={"event": "generic_prior", "model": model},
+            )
         return ReplicaSpec(
             replica_id=name,
             model=model,

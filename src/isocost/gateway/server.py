@@ -91,13 +91,8 @@ async def discover_config(
         models = await asyncio.gather(*(_served_model(session, u, deadline) for u in normalized))
     pools: dict[str, list[ReplicaConfig]] = {}
     for url, model in zip(normalized, models, strict=True):
-        spec_model = cost_model or (model if model.lower() in catalog.models else None)
-        if spec_model is None:
-            raise ConfigError(
-                url, f"serves {model!r}, which is not in the catalog; pass --cost-model"
-            )
         pools.setdefault(model, []).append(
-            ReplicaConfig(url=url, gpu=gpu, cost_model=spec_model, tp=tp)
+            ReplicaConfig(url=url, gpu=gpu, cost_model=cost_model, tp=tp)
         )
     return GatewayConfig(
         pools=[PoolConfig(model=m, replicas=r) for m, r in pools.items()],

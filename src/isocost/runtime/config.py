@@ -79,10 +79,11 @@ import msgspec
 from isocost.core.catalog import Catalog
 from isocost.core.costmodel import CostModel
 from isocost.core.errors import ConfigError, IsocostError
-from isocost.files import resolve_model
+from isocost.files import is_model_path, resolve_model
 from isocost.scheduling.policies import SchedulingConfig, build_policy
 
 __all__ = [
+    "GENERIC_PRIOR_MODEL",
     "ApiKeyConfig",
     "AuthConfig",
     "GatewayConfig",
@@ -94,9 +95,14 @@ __all__ = [
     "check_replica",
     "normalize_replica_url",
     "parse_config",
+    "priced_as_generic",
     "replica_cost_model",
     "replica_name",
 ]
+
+# The shape a served model in no catalog is priced as until calibration corrects it: a
+# mid-size dense model, so that neither its prefill nor its decode starts out negligible.
+GENERIC_PRIOR_MODEL = "llama-3.1-8b"
 
 
 class ReplicaConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -225,10 +231,25 @@ def parse_config(text: str, source: str, *, secrets: bool = True) -> GatewayConf
     return config
 
 
+def priced_as_generic(replica: ReplicaConfig, pool_model: str, catalog: Catalog) -> bool:
+    """Whether ``replica`` serves a model that is in no catalog and no local folder, with no
+    ``cost_model`` named: it is priced as ``GENERIC_PRIOR_MODEL`` and calibration (pooled
+    per hardware class) learns how far off that is, rather than the replica being refused."""
+    return (
+        replica.cost_model is None
+        and pool_model.lower() not in catalog.models
+        and not is_model_path(pool_model)
+    )
+
+
 def replica_cost_model(replica: ReplicaConfig, pool_model: str, catalog: Catalog) -> CostModel:
-    """The cost model of ``replica``: its ``cost_model`` (else its pool's model) on ``tp``
-    of its GPU; an unknown model or GPU names the valid ones."""
-    model = resolve_model(replica.cost_model or pool_model, catalog)
+    """The cost model of ``replica``: its ``cost_model`` (else its pool's model, else the
+    generic prior: ``priced_as_generic``) on ``tp`` of its GPU; an unknown ``cost_model``
+    or GPU names the valid ones."""
+    if priced_as_generic(replica, pool_model, catalog):
+        model = catalog.model(GENERIC_PRIOR_MODEL)
+    else:
+        model = resolve_model(replica.cost_model or pool_model, catalog)
     return CostModel(model, catalog.gpu(replica.gpu), replica.tp)
 
 

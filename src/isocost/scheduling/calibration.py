@@ -1,20 +1,45 @@
 """Online calibration: per-replica correction factors learned from what the streams show.
 
-Learned per replica: ``ttft_factor`` and ``itl_factor``, geometric EWMAs of observed /
-predicted TTFT and inter-token time (1.0 = the cost model is right; 2.0 = this replica is
-twice as slow as its spec; geometric, so an outlier cannot make a replica look slower than
-its twin). A TTFT observation weighs by the prefill's share of its prediction (time queued
-says more about the queue model than about the replica); a stream's inter-token time is
-compared with its decode steps plus the prefills of the requests that started streaming
-meanwhile (each prefill stalls every running stream). Waiting is evidence too:
-``ttft_factor_at`` raises a replica's TTFT factor to (elapsed / predicted) of its oldest
-request still awaiting a first token, so a replica that slowed down is priced before it
-answers. A request not streamed shows no first token: it is never that evidence and never
-teaches the TTFT factor; its end-to-end time, less the TTFT the factor predicts, teaches
-the ITL factor.
+Learned per replica: ``ttft_factor`` and ``itl_factor``, observed / predicted TTFT and
+inter-token time (1.0 = the cost model is right; 2.0 = this replica is twice as slow as
+its spec), learned as geometric EWMAs (in log space, so an outlier cannot make a replica
+look slower than its twin). A TTFT observation weighs by the prefill's share of its
+prediction (time queued says more about the queue model than about the replica); a
+stream's inter-token time is compared with its decode steps plus the prefills of the
+requests that started streaming meanwhile (each prefill stalls every running stream).
+Waiting is evidence too: ``ttft_factor_at`` raises a replica's TTFT factor to (elapsed /
+predicted) of its oldest request still awaiting a first token, so a replica that slowed
+down is priced before it answers. A request not streamed shows no first token: it is
+never that evidence and never teaches the TTFT factor; its end-to-end time, less the TTFT
+the factor predicts, teaches the ITL factor.
 
-``ReplicaSet`` (``scheduling.state``) calls the ``observe_*`` methods from its hooks; the
-predictions they compare with are the uncorrected ones the record carries from dispatch.
+Pooled by hardware class. A factor is its class's (replicas of the same model, GPU, tensor
+parallelism and weight precision) times the replica's own deviation from it, shrunk by
+the replica's evidence::
+
+    log factor_r = log class_c + w_r * deviation_r      w_r = n_r / (n_r + PRIOR_SAMPLES)
+
+Every observation teaches the class (an EWMA over its members' observations) and the
+replica's deviation (an EWMA of its observations over the class's figure); ``n_r`` counts
+the replica's observations and fades with time constant ``FRESHNESS_TAU_S`` since its
+latest one. Why: with one factor per replica learned alone, the first replicas seen to be
+faster than the analytic model look cheapest, take all traffic, and the rest never learn
+(four identical replicas taking 0.35x the model's time, 240 requests at 2 req/s behind
+equal-cost: 134, 106, 0 and 0, two factors left at 1.0). Pooled, identical
+replicas are priced alike from the first observation on; a replica added to a warm pool
+starts from what its class has learned; a new class starts from what the whole pool
+learned (an engine the catalog does not describe, CPU vLLM say, is off for every replica
+alike); and a replica that stopped getting traffic (after a bad spell) drifts back to its
+class's figure, and equal-cost tries it again (``stale``), which costs about one request
+per such replica per ``FRESHNESS_TAU_S`` at most.
+
+Prediction error: each observation's error against the prediction made with the factor
+before it, ``|predicted - observed| / observed``, feeds a per-replica EWMA over about
+``ERROR_WINDOW`` observations: ``ttft_error`` and ``itl_error``, the MAPE the gateway reports.
+
+``ReplicaSet`` (``scheduling.state``) calls ``join`` when it adds a replica and the
+``observe_*`` methods from its hooks; the predictions they compare with are the
+uncorrected ones the record carries from dispatch.
 """
 
 from __future__ import annotations
@@ -24,17 +49,114 @@ from collections.abc import Callable, Mapping
 from typing import ClassVar
 
 import numpy as np
+import numpy.typing as npt
 
 from isocost.scheduling.contract import InFlight
 from isocost.scheduling.predict import SlotKey
-from isocost.scheduling.slots import SlotArrays
+from isocost.scheduling.slots import BoolArray, SlotArrays
 from isocost.scheduling.timing import FloatArray, StepCoefficients
 
-__all__ = ["Calibration"]
+__all__ = ["ERROR_WINDOW", "FRESHNESS_TAU_S", "PRIOR_SAMPLES", "Calibration"]
 
 _FACTOR_MIN, _FACTOR_MAX = 0.05, 20.0  # bounds of one observed/predicted ratio
+PRIOR_SAMPLES = 2.0  # observations after which a replica's own deviation weighs half
+FRESHNESS_TAU_S = 300.0  # how fast a replica's own evidence fades once it gets none
+ERROR_WINDOW = 50  # observations the prediction-error EWMA spans, about
+_ERROR_ALPHA = 2.0 / (ERROR_WINDOW + 1)
 # (slot, now) -> the uncorrected decode step of the slot's current batch
 StepNow = Callable[[int, float], float]
+
+
+class _Learned(SlotArrays):
+    """One learned quantity (TTFT or ITL) of every slot: the effective ``factor`` and what
+    it is made of (module docstring), with the class and pool estimates behind it."""
+
+    FRESH: ClassVar[Mapping[str, float]] = {
+        "deviation": 0.0,  # log of the replica's own estimate over its class's
+        "samples": 0.0,  # its (weighted) observation count
+        "seen_s": -math.inf,  # its latest observation
+        "error": 0.0,  # EWMA of |predicted - observed| / observed
+        "errors": 0.0,  # observations in it
+    }
+
+    deviation: FloatArray
+    samples: FloatArray
+    seen_s: FloatArray
+    error: FloatArray
+    errors: FloatArray
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.class_log: list[float] = []  # per hardware class: log of its factor
+        self.pool_log = 0.0  # every observation's: where a new class starts
+        self._factor = np.ones(0)
+        self._stale = True
+        self._clock = 0.0
+
+    def grow(self, size: int) -> None:
+        super().grow(size)
+        self._stale = True
+
+    def reset(self, slot: int) -> None:
+        super().reset(slot)
+        self._stale = True
+
+    def new_class(self) -> None:
+        self.class_log.append(self.pool_log)
+
+    def factor(self, class_id: npt.NDArray[np.int64]) -> FloatArray:
+        """The effective factor of every slot (recomputed after an observation)."""
+        if self._stale:
+            fade = np.exp(np.minimum(self.seen_s - self._clock, 0.0) / FRESHNESS_TAU_S)
+            evidence = self.samples * fade
+            own = evidence / (evidence + PRIOR_SAMPLES)
+            classes = np.asarray(self.class_log or [0.0], dtype=np.float64)
+            self._factor = np.asarray(
+                np.exp(classes[class_id] + own * self.deviation), dtype=np.float64
+            )
+            self._stale = False
+        return self._factor
+
+    def observe(
+        self,
+        slot: int,
+        class_id: int,
+        observed_s: float,
+        predicted_s: float,
+        now: float,
+        alpha: float,
+        weight: float,
+    ) -> None:
+        if predicted_s <= 0.0 or observed_s < 0.0:
+            return
+        if observed_s > 0.0:  # the error of the prediction made with the factor so far
+            corrected = predicted_s * self._effective(slot, class_id)
+            errors = self.errors[slot] = self.errors[slot] + 1.0
+            step = max(_ERROR_ALPHA, 1.0 / errors)
+            self.error[slot] += step * (abs(corrected - observed_s) / observed_s - self.error[slot])
+        # In log space (geometric EWMAs): factors multiply, and one observation 20x off (a
+        # stall the model did not foresee) moves a factor by 20**alpha, not by +19*alpha.
+        x = math.log(min(max(observed_s / predicted_s, _FACTOR_MIN), _FACTOR_MAX))
+        step = alpha * min(max(weight, 0.0), 1.0)
+        if step <= 0.0:
+            return
+        self.class_log[class_id] += step * (x - self.class_log[class_id])
+        self.deviation[slot] += step * (x - self.class_log[class_id] - self.deviation[slot])
+        self.samples[slot] = self._evidence(slot, now) + min(max(weight, 0.0), 1.0)
+        self.seen_s[slot] = now
+        self.pool_log += step * (x - self.pool_log)
+        self._clock = max(self._clock, now)
+        self._stale = True
+
+    def _evidence(self, slot: int, now: float) -> float:
+        age = max(now - float(self.seen_s[slot]), 0.0)
+        return float(self.samples[slot]) * math.exp(-age / FRESHNESS_TAU_S)
+
+    def _effective(self, slot: int, class_id: int) -> float:
+        """``factor(...)[slot]`` alone, without recomputing every slot's."""
+        evidence = self._evidence(slot, self._clock)
+        own = evidence / (evidence + PRIOR_SAMPLES)
+        return math.exp(self.class_log[class_id] + own * self.deviation[slot])
 
 
 class Calibration(SlotArrays):
@@ -44,24 +166,78 @@ class Calibration(SlotArrays):
     """
 
     FRESH: ClassVar[Mapping[str, float]] = {
-        "ttft_factor": 1.0,
-        "itl_factor": 1.0,
         "prefill_done_tokens": 0.0,
         "awaiting_since_s": math.inf,
         "awaiting_ttft_s": 1.0,
+        "dispatched_s": -math.inf,
     }
 
-    ttft_factor: FloatArray
-    itl_factor: FloatArray
     prefill_done_tokens: FloatArray  # cumulative uncached prompt tokens whose first token came
     awaiting_since_s: FloatArray  # dispatch of the oldest request awaiting its first token
     awaiting_ttft_s: FloatArray  # its uncorrected predicted TTFT
+    dispatched_s: FloatArray  # its latest dispatch
 
     def __init__(self, factor_alpha: float) -> None:
         if not 0.0 <= factor_alpha <= 1.0:
             raise ValueError("factor_alpha must be in [0, 1]")
+        self.ttft = _Learned()
+        self.itl = _Learned()
         super().__init__()
         self.factor_alpha = factor_alpha
+        self._classes: dict[str, int] = {}
+        self._class_id = np.zeros(0, dtype=np.int64)  # per slot, its hardware class (``join``)
+
+    def grow(self, size: int) -> None:
+        super().grow(size)
+        self.ttft.grow(size)
+        self.itl.grow(size)
+        grown = np.zeros(size, dtype=np.int64)
+        grown[: self._class_id.size] = self._class_id
+        self._class_id = grown
+
+    def reset(self, slot: int) -> None:
+        super().reset(slot)
+        self.ttft.reset(slot)
+        self.itl.reset(slot)
+
+    def join(self, slot: int, hardware_class: str) -> None:
+        """``slot`` holds a replica of ``hardware_class``: it starts from the
+        class's factors (a new class: from the pool's)."""
+        class_id = self._classes.get(hardware_class)
+        if class_id is None:
+            class_id = self._classes[hardware_class] = len(self._classes)
+            self.ttft.new_class()
+            self.itl.new_class()
+        self._class_id[slot] = class_id
+        self.ttft.reset(slot)  # its cached factors are out of date
+        self.itl.reset(slot)
+
+    def stale(self, now: float, key: SlotKey) -> BoolArray:
+        """The slots ``key`` that were used once but sent nothing for ``FRESHNESS_TAU_S``:
+        what is known of them is old (the scorer gives them a chance to be measured again).
+        One never used is priced as its class and needs no such chance."""
+        dispatched = self.dispatched_s[key]
+        return np.asarray(
+            np.isfinite(dispatched) & (now - dispatched > FRESHNESS_TAU_S), dtype=bool
+        )
+
+    @property
+    def ttft_factor(self) -> FloatArray:
+        return self.ttft.factor(self._class_id)
+
+    @property
+    def itl_factor(self) -> FloatArray:
+        return self.itl.factor(self._class_id)
+
+    @property
+    def ttft_error(self) -> FloatArray:
+        """Per slot, the recent mean absolute percentage error of predicted TTFT (0..)."""
+        return self.ttft.error
+
+    @property
+    def itl_error(self) -> FloatArray:
+        """Per slot, the recent mean absolute percentage error of inter-token time (0..)."""
+        return self.itl.error
 
     def ttft_factor_at(self, now: float, key: SlotKey) -> FloatArray:
         """``ttft_factor`` of the slots ``key``, raised to what waiting already proves: the
@@ -92,10 +268,11 @@ class Calibration(SlotArrays):
         # replica's speed: weigh the observation by the prefill's share of the prediction.
         prefill_share = 1.0 - record.predicted_wait_s / max(record.predicted_ttft_s, 1e-9)
         self._learn(
-            self.ttft_factor,
+            self.ttft,
             slot,
             now - record.dispatch_s,
             record.predicted_ttft_s,
+            now,
             weight=prefill_share,
         )
 
@@ -112,7 +289,7 @@ class Calibration(SlotArrays):
         if record.last_token_s is not None and now > record.last_token_s:
             step = step_now(record.slot, now)
             predicted = num_tokens * step + self._prefill_stall_s(record, coefficients)
-            self._learn(self.itl_factor, record.slot, now - record.last_token_s, predicted)
+            self._learn(self.itl, record.slot, now - record.last_token_s, predicted, now)
 
     def observe_completion(
         self,
@@ -138,23 +315,20 @@ class Calibration(SlotArrays):
             # The mean inter-token time since the first token.
             step = (record.predicted_step_s + step_now(slot, now)) / 2.0
             predicted = (generated - 1) * step + self._prefill_stall_s(record, coefficients)
-            self._learn(self.itl_factor, slot, now - first_token_s, predicted)
+            self._learn(self.itl, slot, now - first_token_s, predicted, now)
 
     def _learn(
         self,
-        factors: FloatArray,
+        learned: _Learned,
         slot: int,
         observed_s: float,
         predicted_s: float,
+        now: float,
         weight: float = 1.0,
     ) -> None:
-        if predicted_s <= 0.0 or observed_s < 0.0:
-            return
-        # In log space (a geometric EWMA): factors multiply, and one observation 20x off
-        # (a stall the model did not foresee) moves the factor by 20**alpha, not by +19*alpha.
-        ratio = min(max(observed_s / predicted_s, _FACTOR_MIN), _FACTOR_MAX)
-        step = self.factor_alpha * min(max(weight, 0.0), 1.0)
-        factors[slot] *= (ratio / factors[slot]) ** step
+        learned.observe(
+            slot, int(self._class_id[slot]), observed_s, predicted_s, now, self.factor_alpha, weight
+        )
 
     def _prefill_stall_s(self, record: InFlight, coefficients: StepCoefficients) -> float:
         """Time the record's stream stalled for other requests' prefills since its last

@@ -109,6 +109,13 @@ class ReplicaSpec:
             raise ValueError(f"replica {self.replica_id}: max_queue must be >= 0")
 
     @property
+    def hardware_class(self) -> str:
+        """Replicas alike enough to share what calibration learns: same model, GPU, tensor
+        parallelism and weight precision."""
+        cm = self.cost_model
+        return f"{self.model}/{cm.gpu.name}/tp{cm.tensor_parallel}/{cm.weight_dtype}"
+
+    @property
     def price_usd_per_hour(self) -> float:
         if self.usd_per_hour is not None:
             return self.usd_per_hour

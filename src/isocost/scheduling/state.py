@@ -114,6 +114,16 @@ class ReplicaState:
         return float(self._set.calibration.itl_factor[self.slot])
 
     @property
+    def ttft_error(self) -> float:
+        """Recent mean absolute percentage error of its predicted TTFT (0.1: 10%)."""
+        return float(self._set.calibration.ttft_error[self.slot])
+
+    @property
+    def itl_error(self) -> float:
+        """Recent mean absolute percentage error of its predicted inter-token time."""
+        return float(self._set.calibration.itl_error[self.slot])
+
+    @property
     def scrape_s(self) -> float | None:
         """When the latest scrape was taken, None before the first one."""
         taken = float(self._set.scrapes.taken_s[self.slot])
@@ -241,6 +251,7 @@ class ReplicaSet:
         state = self.slots.add(
             spec, coefficients, lambda slot: ReplicaState(self, spec, slot, coefficients)
         )
+        self.calibration.join(state.slot, spec.hardware_class)
         self.prefix.add_replica(state.slot, spec.cost_model.kv_capacity_tokens // self.block_tokens)
         return state
 
@@ -346,6 +357,7 @@ class ReplicaSet:
             state.unseen[request.request_id] = record
             heapq.heappush(self._unseen_starts, (start, next(self._unseen_order), record))
         self.local.dispatched(record)
+        self.calibration.dispatched_s[slot] = now
         self.duty.add(slot, now, known.prefill_s * float(self.calibration.ttft_factor[slot]))
         self.prefix.insert(slot, request.block_hashes)
         self.scrapes.observe_prompt(request.prompt_tokens)

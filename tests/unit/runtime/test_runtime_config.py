@@ -13,6 +13,7 @@ import pytest
 from isocost.core.catalog import Catalog
 from isocost.core.errors import ConfigError, IsocostError
 from isocost.runtime.config import (
+    GENERIC_PRIOR_MODEL,
     GatewayConfig,
     PoolConfig,
     ReplicaConfig,
@@ -20,6 +21,8 @@ from isocost.runtime.config import (
     check_replica,
     normalize_replica_url,
     parse_config,
+    priced_as_generic,
+    replica_cost_model,
     replica_name,
 )
 from isocost.scheduling.policies import build_policy
@@ -162,7 +165,10 @@ def test_the_shipped_example_resolves_its_references() -> None:
             "no-such-scorer",
         ),
         ("pools: [{model: llama-3.1-8b, replicas: [{url: 'http://a:1', gpu: a101}]}]", "a101"),
-        ("pools: [{model: no-such-model, replicas: [{url: 'http://a:1'}]}]", "no-such-model"),
+        (
+            "pools: [{model: m, replicas: [{url: 'http://a:1', cost_model: no-such-model}]}]",
+            "no-such-model",
+        ),
     ],
 )
 def test_unknown_references_are_errors(text: str, fragment: str) -> None:
@@ -209,3 +215,15 @@ def test_check_replica_names_the_field_as_the_file_would(
 def test_check_replica_passes_a_good_entry() -> None:
     replica = ReplicaConfig(url="http://a:1", gpu="h100-80g", tp=2, usd_per_hour=3.0)
     check_replica(replica, "llama-3.1-8b", Catalog.builtin(), source="add", key="replica")
+
+
+def test_a_served_model_in_no_catalog_is_priced_as_the_generic_prior() -> None:
+    config = parse_config("pools: [{model: org/Unknown-7B, replicas: [{url: 'http://a:1'}]}]", "g")
+    catalog = Catalog.builtin()
+    check_references(config, catalog)  # routes rather than being refused
+    replica = config.pools[0].replicas[0]
+    assert priced_as_generic(replica, "org/Unknown-7B", catalog)
+    assert replica_cost_model(replica, "org/Unknown-7B", catalog).model.id == GENERIC_PRIOR_MODEL
+    assert not priced_as_generic(replica, "llama-3.1-8b", catalog)
+    named = ReplicaConfig(url="http://a:1", cost_model="qwen2.5-7b")
+    assert not priced_as_generic(named, "org/Unknown-7B", catalog)

@@ -3,13 +3,26 @@
 from __future__ import annotations
 
 import numpy as np
-from conftest import MODEL, Factory
+from conftest import MODEL, Factory, cost_model
 
-from isocost.scheduling.contract import EngineMetrics, RequestView
-from isocost.scheduling.policies import build_policy
+from isocost.scheduling.calibration import FRESHNESS_TAU_S
+from isocost.scheduling.contract import EngineMetrics, ReplicaSpec, RequestView
+from isocost.scheduling.policies import build_policy, parse_scheduling_yaml
 from isocost.scheduling.state import ReplicaSet
 
 SLOTS = np.array([0, 1], dtype=np.int64)
+NO_EXPLORE = parse_scheduling_yaml(
+    """
+policies:
+  - name: equal_cost_noexplore
+    scorers: [{plugin: blind, weight: 1.0}]
+plugins:
+  - name: blind
+    type: equal-cost-scorer
+    parameters: {explore_slack: 0.0}
+""",
+    "test",
+)
 
 
 def _dispatch(
@@ -118,9 +131,67 @@ def test_one_outlier_barely_moves_a_factor_a_steady_slowdown_is_learned(
 ) -> None:
     replicas = make_replicas(["a100-80g", "a100-80g"])  # factor_alpha 0.1
     now = _answer_after(replicas, "stall", 0.0, 20.0)  # a stall the model did not foresee
-    # Geometric: 20 ** 0.1 = 1.35 (an arithmetic EWMA would jump to 2.9 and make an
-    # identical replica look three times slower than its twin).
-    assert np.isclose(replicas.calibration.ttft_factor[0], 20.0**0.1)
+    # Geometric: their class moves by 20 ** 0.1 = 1.35 and r0 a little more (an arithmetic
+    # EWMA would jump to 2.9 and make an identical replica look three times slower than
+    # its twin); the twin moves with the class.
+    factors = replicas.calibration.ttft_factor
+    assert np.isclose(factors[1], 20.0**0.1)
+    assert factors[1] < factors[0] < 1.5
     for i in range(60):  # consistently 4x slow
         now = _answer_after(replicas, f"slow{i}", now, 4.0)
-    assert 3.8 < replicas.calibration.ttft_factor[0] < 4.0
+    assert 3.8 < replicas.calibration.ttft_factor[0] < 4.2  # within 5%
+
+
+def test_a_replica_added_to_a_warm_pool_starts_from_its_class(make_replicas: Factory) -> None:
+    replicas = make_replicas(["a100-80g", "a100-80g"])
+    now = 0.0
+    for i in range(40):  # the A100s prove 3x slow, r0 and r1 alike
+        now = _answer_after(replicas, f"slow{i}", now, 3.0)
+        replicas.on_dispatch(RequestView(f"b{i}", MODEL, 1000, max_tokens=128), "r1", now)
+        done = now + 3.0 * replicas.get("r1").in_flight[f"b{i}"].predicted_ttft_s
+        replicas.on_first_token(f"b{i}", done)
+        replicas.on_complete(f"b{i}", done, ok=False)
+        now = done
+    learned = replicas.calibration.ttft_factor[0]
+    assert 2.7 < learned < 3.3
+    replicas.add(ReplicaSpec("r2", MODEL, cost_model("a100-80g")))
+    replicas.add(ReplicaSpec("r3", MODEL, cost_model("h100-80g")))
+    factors = replicas.calibration.ttft_factor
+    assert np.isclose(factors[2], learned, rtol=0.1)  # its class's figure, not 1.0
+    # A new class starts from what the whole pool learned: the catalog is off for all alike.
+    assert 2.5 < factors[3] < 3.1
+
+
+def test_the_prediction_error_is_measured_against_the_factor_in_use(
+    make_replicas: Factory,
+) -> None:
+    replicas = make_replicas(["a100-80g", "a100-80g"])
+    now = _answer_after(replicas, "first", 0.0, 2.0)  # predicted with factor 1: 50% off
+    assert np.isclose(replicas.calibration.ttft_error[0], 0.5)
+    for i in range(200):
+        now = _answer_after(replicas, f"steady{i}", now, 2.0)
+    # learned: the recent predictions are close (the EWMA of the error has forgotten the start)
+    assert replicas.calibration.ttft_error[0] < 0.05
+    assert replicas.get("r0").ttft_error == replicas.calibration.ttft_error[0]
+
+
+def test_equal_cost_measures_again_a_replica_it_has_not_used_for_long(
+    make_replicas: Factory,
+) -> None:
+    replicas = make_replicas(["a100-80g", "a100-80g"])
+    now = 0.0
+    for i in range(10):  # r0 looked 1.3x slow once
+        now = _answer_after(replicas, f"slow{i}", now, 1.3)
+    policy = build_policy("equal_cost")
+    soon = policy.schedule(RequestView("q0", MODEL, 1000, max_tokens=128), replicas, now)
+    assert soon.replica_id == "r1"  # dearer than its idle twin
+    # Nothing was sent to r0 for longer than the freshness horizon: what it showed is old,
+    # and it is within the exploration slack of its twin.
+    later = now + FRESHNESS_TAU_S + 1.0
+    replicas.on_dispatch(RequestView("keep", MODEL, 10, max_tokens=1), "r1", later - 1.0)
+    replicas.on_complete("keep", later - 0.5, output_tokens=1)
+    probe = policy.schedule(RequestView("q1", MODEL, 1000, max_tokens=128), replicas, later)
+    assert probe.replica_id == "r0"
+    blind = build_policy("equal_cost_noexplore", config=NO_EXPLORE)
+    q2 = RequestView("q2", MODEL, 1000, max_tokens=128)
+    assert blind.schedule(q2, replicas, later).replica_id == "r1"

@@ -152,6 +152,8 @@
     ["kv", (r) => (r.kv_usage === null ? "–" : `${fmt(r.kv_usage * 100, 1)} %`)],
     ["ttft-factor", (r) => fmt(r.ttft_factor, 2)],
     ["itl-factor", (r) => fmt(r.itl_factor, 2)],
+    ["ttft-error", (r) => (r.ttft_error === null ? "–" : `${fmt(r.ttft_error * 100)} %`)],
+    ["itl-error", (r) => (r.itl_error === null ? "–" : `${fmt(r.itl_error * 100)} %`)],
     ["prefill-duty", (r) => (r.prefill_duty === null ? "–" : `${fmt(r.prefill_duty * 100)} %`)],
     ["ttft", (r) => fmt(r.recent_ttft_p50_ms)],
     ["itl", (r) => fmt(r.recent_itl_p50_ms, 1)],

@@ -39,13 +39,20 @@ rendezvous hash of the key are preferred; a preferred replica that is not overlo
 has its cost divided by ``1 + affinity_slack``: it wins unless some replica is cheaper by
 more than that slack. Its cached prefix usually makes it cheapest anyway.
 
+Exploration: a replica sent nothing for ``FRESHNESS_TAU_S`` (``Calibration.stale``) has
+its cost divided by ``1 + explore_slack``, so that one request goes there when it costs at
+most that much more than the best, and its factors are measured again instead of frozen at
+whatever made it look dear. Under steady traffic no replica goes stale and this costs
+nothing; at worst, one request per idle replica per ``FRESHNESS_TAU_S`` is placed up to
+``1 + explore_slack`` times dearer than the best.
+
 Score: ``min(cost) / cost_r`` in (0, 1]; with the max-score picker the least cost wins,
 ties by a stable hash.
 
 Parameters (range, default): ``lambda_delay`` (0..10, 1.0); ``gpu_price_weight`` mu
 (0..10, 1.0); ``busy_wait_s`` (> 0, 1.0); ``affinity_replicas`` (0..8, 2; 0 disables
 affinity); ``affinity_slack`` (0..10, 0.25); ``overload_queue_fraction`` (0..1, 0.5);
-``overload_kv_usage`` (0..1, 0.95).
+``overload_kv_usage`` (0..1, 0.95); ``explore_slack`` (0..10, 0.5; 0 disables exploration).
 """
 
 from __future__ import annotations
@@ -70,6 +77,7 @@ class Params(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     affinity_slack: float = 0.25
     overload_queue_fraction: float = 0.5
     overload_kv_usage: float = 0.95
+    explore_slack: float = 0.5
 
 
 def _check(p: Params) -> None:
@@ -81,6 +89,7 @@ def _check(p: Params) -> None:
         ("affinity_slack", 0.0 <= p.affinity_slack <= 10.0, "0..10"),
         ("overload_queue_fraction", 0.0 <= p.overload_queue_fraction <= 1.0, "0..1"),
         ("overload_kv_usage", 0.0 <= p.overload_kv_usage <= 1.0, "0..1"),
+        ("explore_slack", 0.0 <= p.explore_slack <= 10.0, "0..10"),
     )
     for name, ok, valid in checks:
         if not ok:
@@ -130,6 +139,10 @@ class EqualCostScorer:
         cost = self.cost_s(ctx)
         if ctx.request.session_key is not None and p.affinity_replicas > 0:
             cost = self._apply_affinity(ctx, cost)
+        if p.explore_slack > 0.0:
+            stale = ctx.replicas.calibration.stale(ctx.now, ctx.key)
+            if stale.any() and not stale.all():
+                cost = np.where(stale, cost / (1.0 + p.explore_slack), cost)
         best = float(cost.min())
         if best <= 0.0:
             return np.asarray(cost <= best, dtype=np.float64)
