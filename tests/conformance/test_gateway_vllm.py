@@ -16,6 +16,7 @@ import asyncio
 import json
 import random
 import subprocess
+import time
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -227,13 +228,41 @@ class _PolicyRun:
     served: tuple[int, ...]  # requests per replica, in fleet order
     ttft_factors: tuple[float, ...]  # the gateway's learned TTFT correction per replica
     ttft_errors: tuple[float, ...]  # the gateway's recent TTFT prediction error (MAPE)
+    ttft_s: tuple[float, ...] = ()  # per request, streamed runs only
+
+    def ttft_ms(self, q: float) -> float:
+        ordered = sorted(self.ttft_s)
+        return 1000 * ordered[min(int(q * len(ordered)), len(ordered) - 1)]
+
+
+def _stream_one(client: openai.OpenAI, prompt: str, max_tokens: int) -> tuple[str, float]:
+    """(the replica that served it, its TTFT) for one streamed completion."""
+    start = time.perf_counter()
+    raw = client.completions.with_raw_response.create(
+        model=SERVED_NAME, prompt=prompt, max_tokens=max_tokens, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    ttft = None
+    tokens = 0
+    for chunk in raw.parse():
+        if chunk.choices and chunk.choices[0].text:
+            ttft = time.perf_counter() - start if ttft is None else ttft
+            tokens += 1
+    assert ttft is not None and tokens >= 1
+    return _served_by(raw.headers), ttft
 
 
 def _run_workload(
-    folder: Path, fleet: VllmFleet, policy: str, cost_model: str, prompts: list[str]
+    folder: Path,
+    fleet: VllmFleet,
+    policy: str,
+    cost_model: str,
+    prompts: list[str],
+    concurrency: int = 1,
 ) -> _PolicyRun:
-    """Send ``prompts`` one by one under ``policy`` through a fresh gateway (an empty prefix
-    index) to replicas whose prefix caches were just emptied."""
+    """Send ``prompts`` under ``policy`` through a fresh gateway (an empty prefix index) to
+    replicas whose prefix caches were just emptied: one by one for one token each, or
+    streamed, ``concurrency`` at a time, for 8 tokens each (with their TTFTs)."""
     folder.mkdir()
     urls = fleet.urls
     for url in urls:
@@ -244,15 +273,22 @@ def _run_workload(
     queries_before = sum(_vllm_counter(u, "vllm:prefix_cache_queries") for u in urls)
     gateway = _start_gateway(folder, fleet, policy, cost_model)
     served = dict.fromkeys(urls, 0)
+    ttfts: list[float] = []
     try:
         with gateway.client(max_retries=0) as client:
-            for prompt in prompts:
-                raw = client.completions.with_raw_response.create(
-                    model=SERVED_NAME, prompt=prompt, max_tokens=1
-                )
-                served[_served_by(raw.headers)] += 1
-                reply = raw.parse()
-                assert reply.usage is not None and reply.usage.completion_tokens == 1
+            if concurrency > 1:
+                with ThreadPoolExecutor(concurrency) as pool:
+                    for url, ttft in pool.map(lambda p: _stream_one(client, p, 8), prompts):
+                        served[url] += 1
+                        ttfts.append(ttft)
+            else:
+                for prompt in prompts:
+                    raw = client.completions.with_raw_response.create(
+                        model=SERVED_NAME, prompt=prompt, max_tokens=1
+                    )
+                    served[_served_by(raw.headers)] += 1
+                    reply = raw.parse()
+                    assert reply.usage is not None and reply.usage.completion_tokens == 1
         rows = gateway.rows()
     finally:
         gateway.process.stop()
@@ -262,6 +298,7 @@ def _run_workload(
         served=tuple(served[u] for u in urls),
         ttft_factors=tuple(rows[u]["ttft_factor"] for u in urls),
         ttft_errors=tuple(rows[u]["ttft_error"] for u in urls),
+        ttft_s=tuple(ttfts),
     )
 
 
@@ -325,6 +362,38 @@ def test_prefix_aware_routing_raises_vllm_prefix_cache_hits(
         assert runs[label].hits >= 1.5 * rr_hits, label
     # equal_cost's choices also follow the TTFT factors it learns from vLLM's real timings,
     # so its counts are printed above, not asserted.
+
+
+def test_prefix_aware_routing_under_concurrency(
+    vllm: VllmFleet, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """16 documents asked 4 questions each, shuffled, 8 streams at a time (8 tokens each):
+    queueing matters, and a document's repeats may arrive while its first is in flight.
+    Measured per policy: vLLM's own prefix-cache hits, TTFT p50/p99 at the client, and the
+    gateway's TTFT prediction error per replica."""
+    tokenizer = Tokenizer.from_file(str(TINY_MODEL / "tokenizer.json"))
+    rng = random.Random(9)
+    documents = _documents(tokenizer, 16, rng)
+    order = [(d, q) for d in range(len(documents)) for q in range(4)]
+    rng.shuffle(order)
+    prompts = [f"{documents[d]}\nQuestion {q}: what is point {q}?" for d, q in order]
+    runs = {
+        label: _run_workload(tmp_path / label, vllm, policy, cost_model, prompts, concurrency=8)
+        for label, policy, cost_model in _COMPARED
+    }
+    with capsys.disabled():
+        print(f"\n{len(prompts)} streamed requests over 16 shared documents, concurrency 8:")
+        print(f"  {'policy':18s} {'vLLM hits':>9s} {'TTFT p50':>9s} {'p99':>7s}  split    MAPE")
+        for label, run in runs.items():
+            mape = "/".join(f"{e:.0%}" for e in run.ttft_errors)
+            print(
+                f"  {label:18s} {run.hits / run.queries:9.1%} {run.ttft_ms(0.5):7.0f}ms "
+                f"{run.ttft_ms(0.99):5.0f}ms  {run.served!s:8s} {mape}"
+            )
+    assert all(len(run.ttft_s) == len(prompts) for run in runs.values())
+    rr_hits = runs["round_robin"].hits
+    for label in ("prefix", "sglang_cache_aware"):  # affinity by prefix, whatever the load
+        assert runs[label].hits > rr_hits, label
 
 
 # -- a real benchmark client -------------------------------------------------------------
