@@ -45,6 +45,7 @@ ALLOWED: dict[str, set[str]] = {
         "tables",
     },
     "drill": {"core", "workload", "files", "bench"},
+    "agent": {"core", "files", "openai", "runtime"},
     "cli": {
         "core",
         "prefix",
@@ -58,6 +59,7 @@ ALLOWED: dict[str, set[str]] = {
         "runtime",
         "demo",
         "drill",
+        "agent",
     },
 }
 PURE = {"core", "prefix", "workload", "scheduling"}

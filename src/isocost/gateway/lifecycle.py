@@ -19,6 +19,7 @@ import hashlib
 import logging
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from isocost.gateway.supervise import supervise
 from isocost.gateway.upstreams import Pool, Upstream
 from isocost.runtime.config import (
     AuthConfig,
+    DiscoveryConfig,
     GatewayConfig,
     LimitsConfig,
     ReplicaConfig,
@@ -47,6 +49,9 @@ from isocost.runtime.config import (
     parse_config,
     replica_name,
 )
+from isocost.runtime.discovery import Malformed, Registration
+from isocost.runtime.discovery.etcd import EtcdDiscovery
+from isocost.runtime.discovery.membership import Membership
 from isocost.scheduling.contract import ReplicaSpec
 from isocost.scheduling.framework import Policy
 
@@ -55,6 +60,7 @@ __all__ = ["Gateway"]
 log = logging.getLogger("isocost.gateway")
 
 _RELOAD_POLL_S = 0.5
+_DISCOVERY_SETTLE_S = 0.02  # changes arriving this close together are applied as one
 _ADMIN_SOURCE = "POST /admin/replicas"
 
 
@@ -64,7 +70,8 @@ class Gateway:
     def __init__(
         self, config: GatewayConfig, catalog: Catalog, config_path: Path | None = None
     ) -> None:
-        self.config = config
+        self.config = config  # the file's (or --replica's), plus what discovery found
+        self.file_config = config
         self.catalog = catalog
         self.config_path = config_path
         self._config_digest = _digest(config_path) if config_path else None
@@ -86,6 +93,11 @@ class Gateway:
         self._session: aiohttp.ClientSession | None = None
         self._forwarder: Forwarder | None = None
         self._monitor: Monitor | None = None
+        self.membership = Membership(catalog)
+        self._member_draining: dict[str, bool] = {}  # by URL, as last applied
+        self._discovery: list[asyncio.Task[None]] = []
+        self._running_discovery = config.discovery  # read at start only
+        self._discovery_pending: asyncio.TimerHandle | None = None
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -99,15 +111,19 @@ class Gateway:
         )
         self._monitor = Monitor(self._session, self.router, self.metrics, self.config)
         self.apply_config(self.config)
+        self._start_discovery(self.config.discovery)
         if self.config_path is not None:
             self._watcher = supervise(
                 "config_watcher", self._watch_config, self.metrics.task_failures
             )
 
     async def stop(self) -> None:
-        if self._watcher is not None:
-            self._watcher.cancel()
-            await asyncio.gather(self._watcher, return_exceptions=True)
+        if self._discovery_pending is not None:
+            self._discovery_pending.cancel()
+        tasks = [*self._discovery, *([self._watcher] if self._watcher else [])]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self._monitor is not None:
             await self._monitor.stop()
         if self._session is not None:
@@ -313,6 +329,85 @@ class Gateway:
             del self.pools[pool.model]
             self.router.remove_pool(pool.model)
 
+    # -- discovery (isocost.runtime.discovery) -----------------------------------------
+
+    def _start_discovery(self, discovery: DiscoveryConfig) -> None:
+        """One supervised task per configured provider; each reports here (a
+        ``DiscoverySink``)."""
+        providers = [EtcdDiscovery(discovery.etcd, self)] if discovery.etcd else []
+        if discovery.kubernetes is not None:
+            from isocost.runtime.discovery.kubernetes import KubernetesDiscovery
+
+            providers.append(KubernetesDiscovery(discovery.kubernetes, self))
+        for provider in providers:
+            self.metrics.discovery_up.labels(provider.name).set(0)
+            self._discovery.append(
+                supervise(
+                    f"discovery {provider.name}",
+                    provider.run,
+                    self.metrics.task_failures,
+                    kind="discovery",
+                )
+            )
+
+    def replace(self, provider: str, records: Mapping[str, Registration | Malformed]) -> None:
+        """A provider's whole membership now; applied after a short settling delay, so a
+        burst of registrations is one config change, not hundreds."""
+        self.membership.replace(provider, records)
+        if self._discovery_pending is None:
+            loop = asyncio.get_running_loop()
+            self._discovery_pending = loop.call_later(_DISCOVERY_SETTLE_S, self._apply_discovered)
+
+    def set_up(self, provider: str, up: bool) -> None:
+        self.metrics.discovery_up.labels(provider).set(1 if up else 0)
+
+    def _apply_discovered(self) -> None:
+        """Apply the merged config as a reload would: new members join, edited ones change
+        in place, those gone drain and then leave (``remove_replica``, as the admin API)."""
+        self._discovery_pending = None
+        try:
+            self.apply_config(self._merged(self.file_config))
+        except IsocostError as exc:  # members are checked one by one: not expected
+            log.error(
+                "discovered replicas not applied",
+                extra={"event": "discovery_failed", "error": str(exc)},
+            )
+            return
+        self._sync_member_draining()
+
+    def _merged(self, file_config: GatewayConfig) -> GatewayConfig:
+        """``file_config`` plus every acceptable member; each refused record logged (once
+        per reason) and counted."""
+        config, refused = self.membership.merge(file_config, self.intake.listen.check)
+        for skip in refused:
+            log.warning(
+                "registration skipped",
+                extra={
+                    "event": "registration_skipped",
+                    "provider": skip.provider,
+                    "key": skip.key,
+                    "error": skip.reason,
+                },
+            )
+            self.metrics.discovery_rejected.labels(skip.provider).inc()
+        counts = Counter(member.provider for member in self.membership.members)
+        for task in self._discovery:
+            name = task.get_name().removeprefix("discovery ")
+            self.metrics.discovery_replicas.labels(name).set(counts[name])
+        return config
+
+    def _sync_member_draining(self) -> None:
+        """Drain or undrain members whose registered state changed (an admin drain of a
+        member stays until its record's state changes)."""
+        draining: dict[str, bool] = {}
+        for member in self.membership.members:
+            replica = self.replicas.get(member.url)
+            wanted = member.record.draining
+            draining[member.url] = wanted
+            if replica is not None and self._member_draining.get(member.url) != wanted:
+                self.router.set_draining(replica, wanted)
+        self._member_draining = draining
+
     def reload(self) -> None:
         """Read the config file and apply it, all or nothing. A bad file (unreadable,
         invalid, or one that would switch the gateway off, see ``_refuse_lockout``) is
@@ -320,10 +415,13 @@ class Gateway:
         assert self.config_path is not None
         source = str(self.config_path)
         try:
-            config = parse_config(read_text(self.config_path), source)
-            _refuse_lockout(self.config, config, source)
+            file_config = parse_config(read_text(self.config_path), source)
+            _refuse_lockout(self.file_config, file_config, source)
+            config = self._merged(file_config)
             self.intake.listen.check_config(config, source)
             self.apply_config(config)
+            self.file_config = file_config
+            self._sync_member_draining()
         except Exception as exc:  # no file may end the watcher
             error = str(exc) if isinstance(exc, IsocostError) else f"{type(exc).__name__}: {exc}"
             log.error(
@@ -334,6 +432,11 @@ class Gateway:
             return
         self.metrics.config_reloads.labels("ok").inc()
         log.info("config reloaded", extra={"event": "reloaded", "file": source})
+        if file_config.discovery != self._running_discovery:
+            log.warning(
+                "discovery settings changed: they take effect at the next start",
+                extra={"event": "discovery_unchanged", "file": source},
+            )
 
     async def _watch_config(self) -> None:
         """Reload the file once new content has held still for one poll.
