@@ -43,7 +43,10 @@ def agent(
     min_success_rate: float = typer.Option(0.5, "--min-success-rate", help="Within [0, 1]."),
     log_level: str = typer.Option("info", "--log-level", help="debug|info|warning|error"),
 ) -> None:
-    """Register an engine in etcd with a lease; SIGTERM drains it, then deregisters."""
+    """Register an engine in etcd under a lease.
+
+    SIGTERM marks it draining, waits for the engine to go idle, then deregisters.
+    """
     import asyncio
     import signal
     from urllib.parse import urlsplit

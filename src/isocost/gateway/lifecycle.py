@@ -335,10 +335,6 @@ class Gateway:
         """One supervised task per configured provider; each reports here (a
         ``DiscoverySink``)."""
         providers = [EtcdDiscovery(discovery.etcd, self)] if discovery.etcd else []
-        if discovery.kubernetes is not None:
-            from isocost.runtime.discovery.kubernetes import KubernetesDiscovery
-
-            providers.append(KubernetesDiscovery(discovery.kubernetes, self))
         for provider in providers:
             self.metrics.discovery_up.labels(provider.name).set(0)
             self._discovery.append(
