@@ -26,7 +26,7 @@ from typing import Any
 
 import openai
 import pytest
-from etcd_server import ETCD, EtcdServer
+from etcd_server import ETCD, EtcdServer, free_port
 from gateway_harness import http, wait_for
 from isocost_procs import ISOCOST, Proc, ready_urls, start_isocost
 
@@ -93,8 +93,8 @@ def start_gateway(tmp: Path, etcd: EtcdServer, procs: list[Proc], **fields: int)
     return gateway
 
 
-def start_engine(procs: list[Proc], *extra: str) -> Proc:
-    args = ["engine", "--port", "0", "--model", MODEL, "--gpu", "a100-80g"]
+def start_engine(procs: list[Proc], *extra: str, port: int = 0) -> Proc:
+    args = ["engine", "--port", str(port), "--model", MODEL, "--gpu", "a100-80g"]
     engine = start_isocost([*args, "--output-dist", "max", *extra], "isocost engine")
     procs.append(engine)
     return engine
@@ -412,3 +412,26 @@ def test_agent_refuses_bad_input_in_one_line() -> None:
         timeout=30,
     )
     assert (result.returncode, result.stderr.strip()) == (2, "error: --ttl must be >= 1")
+
+
+def test_engine_death_revokes_at_once_and_a_restart_registers_again(
+    tmp_path: Path, etcd: EtcdServer, procs: list[Proc]
+) -> None:
+    gateway = start_gateway(tmp_path, etcd, procs)
+    port = free_port()
+    engine = start_engine(procs, port=port)
+    args = ["agent", "--engine", engine.url, "--etcd", etcd.url, "--name", "e1"]
+    args += ["--ttl", "10", "--prefix", PREFIX, "--warmup-prompt", "warm up"]
+    with (tmp_path / "agent.log").open("a") as log:
+        agent = start_isocost(args, "isocost agent", stderr=log)
+    procs.append(agent)
+    wait_until(lambda: healthy_names(gateway) == ["e1"], 5, "e1 routable")
+    engine.popen.send_signal(signal.SIGKILL)
+    gone_s = wait_until(lambda: replicas(gateway) == [], 10, "e1 removed")
+    assert gone_s < 10 / 2  # revoked, not left to its 10 s lease
+    assert agent.popen.poll() is None
+    start_engine(procs, port=port)
+    wait_until(lambda: healthy_names(gateway) == ["e1"], 10, "e1 registered again")
+    log_text = (tmp_path / "agent.log").read_text()
+    assert log_text.count('"event": "registered"') == 2
+    assert '"event": "engine_down"' in log_text
