@@ -49,7 +49,7 @@ from isocost.runtime.config import (
     parse_config,
     replica_name,
 )
-from isocost.runtime.discovery import Malformed, Registration
+from isocost.runtime.discovery import DiscoveryProvider, Malformed, Registration
 from isocost.runtime.discovery.etcd import EtcdDiscovery
 from isocost.runtime.discovery.membership import Membership
 from isocost.scheduling.contract import ReplicaSpec
@@ -334,7 +334,13 @@ class Gateway:
     def _start_discovery(self, discovery: DiscoveryConfig) -> None:
         """One supervised task per configured provider; each reports here (a
         ``DiscoverySink``)."""
-        providers = [EtcdDiscovery(discovery.etcd, self)] if discovery.etcd else []
+        providers: list[DiscoveryProvider] = []
+        if discovery.etcd is not None:
+            providers.append(EtcdDiscovery(discovery.etcd, self))
+        if discovery.kubernetes is not None:  # its client takes half a second to import
+            from isocost.runtime.discovery.kubernetes import KubernetesDiscovery
+
+            providers.append(KubernetesDiscovery(discovery.kubernetes, self))
         for provider in providers:
             self.metrics.discovery_up.labels(provider.name).set(0)
             self._discovery.append(

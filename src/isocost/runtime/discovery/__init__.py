@@ -16,7 +16,7 @@ from typing import Protocol
 
 from isocost.runtime.discovery.records import Malformed, Registration
 
-__all__ = ["DiscoverySink", "Malformed", "Registration"]
+__all__ = ["DiscoveryProvider", "DiscoverySink", "Malformed", "Registration"]
 
 
 class DiscoverySink(Protocol):
@@ -26,3 +26,11 @@ class DiscoverySink(Protocol):
     def replace(self, provider: str, records: Mapping[str, Registration | Malformed]) -> None: ...
 
     def set_up(self, provider: str, up: bool) -> None: ...
+
+
+class DiscoveryProvider(Protocol):
+    """A source of records: ``run`` follows it until cancelled, reporting to its sink."""
+
+    name: str
+
+    async def run(self) -> None: ...
