@@ -125,3 +125,41 @@ def test_key_ranges_cover_exactly_the_prefix() -> None:
     assert prefix_end(b"/a/") == b"/a0"
     assert prefix_end(b"a\xff") == b"b"
     assert prefix_end(b"\xff") == b"\0"
+
+
+def test_an_endpoint_slice_maps_ready_addresses_with_its_annotations() -> None:
+    from isocost.runtime.config import KubernetesDiscoveryConfig
+    from isocost.runtime.discovery.kubernetes import slice_records
+
+    settings = KubernetesDiscoveryConfig(namespace="ns", service="vllm", port_name="http")
+    endpoint_slice = {
+        "metadata": {
+            "name": "vllm-x",
+            "namespace": "ns",
+            "labels": {"isocost.io/gpu": "h100-80g"},
+            "annotations": {"isocost.io/model": MODEL, "isocost.io/groups": "a,b"},
+        },
+        "ports": [{"name": "metrics", "port": 9000}, {"name": "http", "port": 8000}],
+        "endpoints": [
+            {"addresses": ["10.1.0.5"], "conditions": {"ready": True},
+             "targetRef": {"name": "pod-1"}},
+            {"addresses": ["10.1.0.6"], "conditions": {"ready": False}},
+            {"addresses": ["fd00::7"], "conditions": {}},
+        ],
+    }  # fmt: skip
+    records = slice_records(endpoint_slice, settings)
+    assert sorted(records) == ["ns/vllm-x/10.1.0.5:8000", "ns/vllm-x/[fd00::7]:8000"]
+    first = records["ns/vllm-x/10.1.0.5:8000"]
+    assert isinstance(first, Registration)
+    assert (first.name, first.url, first.gpu, first.groups) == (
+        "pod-1", "http://10.1.0.5:8000", "h100-80g", ["a", "b"]
+    )  # fmt: skip
+    no_model = {**endpoint_slice, "metadata": {"name": "s"}}
+    reasons = [getattr(r, "reason", "") for r in slice_records(no_model, settings).values()]
+    assert len(reasons) == 2 and all("model" in reason for reason in reasons)
+    weight = {"isocost.io/model": MODEL, "isocost.io/weight": "heavy"}
+    bad_weight = {**endpoint_slice, "metadata": {"name": "s", "annotations": weight}}
+    (only,) = slice_records(bad_weight, settings).values()
+    assert isinstance(only, Malformed) and "heavy" in only.reason
+    no_port = slice_records({**endpoint_slice, "ports": []}, settings)
+    assert [type(r) for r in no_port.values()] == [Malformed]
