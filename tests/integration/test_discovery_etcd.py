@@ -435,3 +435,13 @@ def test_engine_death_revokes_at_once_and_a_restart_registers_again(
     log_text = (tmp_path / "agent.log").read_text()
     assert log_text.count('"event": "registered"') == 2
     assert '"event": "engine_down"' in log_text
+
+
+def test_a_watching_gateway_stops_on_sigterm_even_as_etcd_dies(
+    tmp_path: Path, etcd: EtcdServer, procs: list[Proc]
+) -> None:
+    gateway = start_gateway(tmp_path, etcd, procs)
+    wait_until(lambda: metric(gateway, "isocost_discovery_up") == 1, 10, "etcd listed")
+    etcd.kill()  # the watch breaks as the stop begins
+    gateway.popen.send_signal(signal.SIGTERM)
+    assert gateway.popen.wait(timeout=15) == 0

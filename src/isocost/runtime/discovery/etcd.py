@@ -13,7 +13,6 @@ plane keeps routing to the replicas it knew, and the re-list reconciles them.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 import aiohttp
@@ -85,11 +84,10 @@ class EtcdDiscovery:
             done, _ = await asyncio.wait({probe, watch}, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 task.result()  # the exception that ended the round
-        finally:
-            for task in (probe, watch):
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+        finally:  # a cancel of this round itself still propagates out of gather
+            probe.cancel()
+            watch.cancel()
+            await asyncio.gather(probe, watch, return_exceptions=True)
 
     async def _watch(self, start_revision: int) -> None:
         async for events in self.client.watch(self.prefix, start_revision):

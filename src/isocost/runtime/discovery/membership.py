@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import msgspec
 
 from isocost.core.catalog import Catalog
-from isocost.core.errors import ConfigError
 from isocost.runtime.config import (
     GatewayConfig,
     PoolConfig,
@@ -37,10 +36,7 @@ class Member:
     key: str
     record: Registration
     replica: ReplicaConfig
-
-    @property
-    def url(self) -> str:
-        return normalize_replica_url(self.replica.url)
+    url: str  # normalized
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +53,8 @@ class Membership:
         self.catalog = catalog
         self._records: dict[str, dict[str, Registration | Malformed]] = {}
         self._refused: dict[tuple[str, str], str] = {}
+        # (provider, key) -> the record last checked on its own, its URL or why it failed
+        self._checked: dict[tuple[str, str], tuple[Registration, str | ValueError]] = {}
         self.members: list[Member] = []
 
     def replace(self, provider: str, records: Mapping[str, Registration | Malformed]) -> None:
@@ -73,19 +71,26 @@ class Membership:
         names = {replica_name(r) for p in base.pools for r in p.replicas}
         members: list[Member] = []
         refused: dict[tuple[str, str], str] = {}
+        checked: dict[tuple[str, str], tuple[Registration, str | ValueError]] = {}
         for provider in sorted(self._records):
             records = self._records[provider]
             for key in sorted(records):
                 record = records[key]
-                reason = self._check(provider, key, record, urls, names, refuse_url)
+                if isinstance(record, Malformed):
+                    refused[(provider, key)] = record.reason
+                    continue
+                cached = self._checked.get((provider, key))
+                url = cached[1] if cached and cached[0] == record else self._check(record)
+                checked[(provider, key)] = (record, url)
+                reason = _clash(url, record.name, urls, names, refuse_url)
                 if reason is not None:
                     refused[(provider, key)] = reason
                     continue
-                assert isinstance(record, Registration)
-                member = Member(provider, key, record, record.replica_config())
-                urls.add(member.url)
+                assert isinstance(url, str)
+                members.append(Member(provider, key, record, record.replica_config(), url))
+                urls.add(url)
                 names.add(record.name)
-                members.append(member)
+        self._checked = checked
         new = [
             Refused(provider, key, reason)
             for (provider, key), reason in refused.items()
@@ -95,36 +100,42 @@ class Membership:
         self.members = members
         return _with_members(base, members), new
 
-    def _check(
-        self,
-        provider: str,
-        key: str,
-        record: Registration | Malformed,
-        urls: set[str],
-        names: set[str],
-        refuse_url: Callable[[str], None] | None,
-    ) -> str | None:
-        """Why ``record`` cannot join, or None."""
-        if isinstance(record, Malformed):
-            return record.reason
+    def _check(self, record: Registration) -> str | ValueError:
+        """The record's normalized URL, or why its fields or references are wrong (the
+        checks that depend on the record alone, so they are made once per version)."""
         try:
             check_replica(
                 record.replica_config(),
                 record.model,
                 self.catalog,
-                source=f"{provider} {key}",
+                source=f"registration {record.name}",
                 key="registration",
             )
-            url = normalize_replica_url(record.url)
-            if refuse_url is not None:
-                refuse_url(url)
-        except (ConfigError, ValueError) as exc:
-            return str(exc)
-        if url in urls:
-            return f"{url} is already a replica (listed or registered earlier)"
-        if record.name in names:
-            return f"a replica named {record.name!r} already exists"
-        return None
+            return normalize_replica_url(record.url)
+        except ValueError as exc:  # ConfigError is one
+            return exc
+
+
+def _clash(
+    url: str | ValueError,
+    name: str,
+    urls: set[str],
+    names: set[str],
+    refuse_url: Callable[[str], None] | None,
+) -> str | None:
+    """Why a checked record cannot join beside those before it, or None."""
+    if isinstance(url, ValueError):
+        return str(url)
+    try:
+        if refuse_url is not None:
+            refuse_url(url)
+    except ValueError as exc:
+        return str(exc)
+    if url in urls:
+        return f"{url} is already a replica (listed or registered earlier)"
+    if name in names:
+        return f"a replica named {name!r} already exists"
+    return None
 
 
 def _with_members(base: GatewayConfig, members: list[Member]) -> GatewayConfig:
