@@ -44,6 +44,8 @@ class EtcdServer:
         args += ["--listen-client-urls", self.url, "--advertise-client-urls", self.url]
         args += ["--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer]
         args += ["--initial-cluster", f"test={peer}"]
+        # a short election: a restarted etcd extends every lease by it (a single node)
+        args += ["--heartbeat-interval", "50", "--election-timeout", "500"]
         with self.log.open("ab") as log:
             self.popen = subprocess.Popen(args, stdout=log, stderr=log)
         deadline = time.monotonic() + timeout_s
