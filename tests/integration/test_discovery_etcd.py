@@ -13,6 +13,7 @@ routable within 5 s. Every wait polls against a deadline.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -453,3 +454,24 @@ def test_a_watching_gateway_stops_on_sigterm_even_as_etcd_dies(
     etcd.kill()  # the watch breaks as the stop begins
     gateway.popen.send_signal(signal.SIGTERM)
     assert gateway.popen.wait(timeout=15) == 0
+
+
+def test_admin_added_replicas_stay_while_discovered_ones_come_and_go(
+    tmp_path: Path, etcd: EtcdServer, procs: list[Proc]
+) -> None:
+    gateway = start_gateway(tmp_path, etcd, procs)
+    engines = [start_engine(procs) for _ in range(2)]
+    body = json.dumps({"model": MODEL, "replica": {"url": engines[0].url, "name": "manual"}})
+    status, _, answer = http("POST", gateway.url + "/admin/replicas", body.encode(), ADMIN)
+    assert status == 201, answer
+    key = f"{PREFIX}/replicas/auto"
+
+    async def put(value: bytes | None) -> None:
+        client = EtcdClient([etcd.url])
+        await (client.delete(key) if value is None else client.put(key, value))
+        await client.close()
+
+    asyncio.run(put(Registration(name="auto", url=engines[1].url, models=[MODEL]).encode()))
+    wait_for(lambda: healthy_names(gateway) == ["auto", "manual"], 5, "both routable")
+    asyncio.run(put(None))
+    wait_for(lambda: healthy_names(gateway) == ["manual"], 5, "auto gone, manual kept")

@@ -51,7 +51,7 @@ from isocost.runtime.config import (
 )
 from isocost.runtime.discovery import DiscoveryProvider, Malformed, Registration
 from isocost.runtime.discovery.etcd import EtcdDiscovery
-from isocost.runtime.discovery.membership import Membership
+from isocost.runtime.discovery.membership import Membership, with_replicas
 from isocost.scheduling.contract import ReplicaSpec
 from isocost.scheduling.framework import Policy
 
@@ -94,6 +94,7 @@ class Gateway:
         self._forwarder: Forwarder | None = None
         self._monitor: Monitor | None = None
         self.membership = Membership(catalog)
+        self._admin_added: dict[str, tuple[str, ReplicaConfig]] = {}  # by URL, kept on apply
         self._member_draining: dict[str, bool] = {}  # by URL, as last applied
         self._discovery: list[asyncio.Task[None]] = []
         self._running_discovery = config.discovery  # read at start only
@@ -292,6 +293,7 @@ class Gateway:
             )
             self.pools[model] = Pool(model, self.config.policy)
         self._add(upstream, self.router.replica_spec(model, upstream.name, replica_config))
+        self._admin_added[upstream.url] = (model, replica_config)
         return upstream
 
     def _add(self, replica: Upstream, spec: ReplicaSpec) -> None:
@@ -304,6 +306,7 @@ class Gateway:
 
     def remove_replica(self, url: str, *, finalize_now: bool = False) -> None:
         """Stop new work to ``url``; it leaves once its in-flight requests end."""
+        self._admin_added.pop(url, None)
         replica = self.replicas.get(url)
         if replica is None:
             return
@@ -378,9 +381,16 @@ class Gateway:
         self._sync_member_draining()
 
     def _merged(self, file_config: GatewayConfig) -> GatewayConfig:
-        """``file_config`` plus every acceptable member; each refused record logged (once
-        per reason) and counted."""
-        config, refused = self.membership.merge(file_config, self.intake.listen.check)
+        """``file_config``, plus the replicas the admin API added (those whose URL or name
+        the file now lists are the file's), plus every acceptable member; each refused
+        record logged (once per reason) and counted."""
+        listed = [r for pool in file_config.pools for r in pool.replicas]
+        taken = {normalize_replica_url(r.url) for r in listed} | {replica_name(r) for r in listed}
+        for url, (_, replica) in list(self._admin_added.items()):
+            if url in taken or replica_name(replica) in taken:
+                del self._admin_added[url]
+        base = with_replicas(file_config, list(self._admin_added.values()))
+        config, refused = self.membership.merge(base, self.intake.listen.check)
         for skip in refused:
             log.warning(
                 "registration skipped",

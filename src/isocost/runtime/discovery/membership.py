@@ -25,7 +25,7 @@ from isocost.runtime.config import (
 )
 from isocost.runtime.discovery.records import Malformed, Registration
 
-__all__ = ["Member", "Membership", "Refused"]
+__all__ = ["Member", "Membership", "Refused", "with_replicas"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +98,7 @@ class Membership:
         ]
         self._refused = refused
         self.members = members
-        return _with_members(base, members), new
+        return with_replicas(base, [(m.record.model, m.replica) for m in members]), new
 
     def _check(self, record: Registration) -> str | ValueError:
         """The record's normalized URL, or why its fields or references are wrong (the
@@ -138,15 +138,17 @@ def _clash(
     return None
 
 
-def _with_members(base: GatewayConfig, members: list[Member]) -> GatewayConfig:
-    if not members:
+def with_replicas(base: GatewayConfig, joining: list[tuple[str, ReplicaConfig]]) -> GatewayConfig:
+    """``base`` with each ``(model, replica)`` added to the pool of its model (after the
+    pool's own replicas), or to a new pool, in order, for a model ``base`` lacks."""
+    if not joining:
         return base
-    joining: dict[str, list[ReplicaConfig]] = {}
-    for member in members:
-        joining.setdefault(member.record.model, []).append(member.replica)
+    by_model: dict[str, list[ReplicaConfig]] = {}
+    for model, replica in joining:
+        by_model.setdefault(model, []).append(replica)
     pools = [
-        msgspec.structs.replace(pool, replicas=[*pool.replicas, *joining.pop(pool.model, [])])
+        msgspec.structs.replace(pool, replicas=[*pool.replicas, *by_model.pop(pool.model, [])])
         for pool in base.pools
     ]
-    pools.extend(PoolConfig(model=model, replicas=replicas) for model, replicas in joining.items())
+    pools.extend(PoolConfig(model=model, replicas=replicas) for model, replicas in by_model.items())
     return msgspec.structs.replace(base, pools=pools)
