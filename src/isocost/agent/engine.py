@@ -7,8 +7,11 @@
   its serving arguments as it exports them (vLLM's ``cache_config_info`` labels), so two
   releases of one model differ in the registry;
 * load: running and waiting requests (the gateway's own parser, ``runtime.scrape``) and
-  the finished-request counters (``vllm:request_success_total`` by ``finished_reason``:
-  ``stop`` and ``length`` are successes, anything else, e.g. ``abort``, a failure).
+  the outcomes of real requests (``request_outcomes``): the HTTP status classes of the
+  OpenAI routes where the engine counts them (vLLM's ``http_requests_total``: 2xx
+  successes, 5xx failures, 4xx the client's own), else its finished requests
+  (``vllm:request_success_total`` by ``finished_reason``: ``stop`` and ``length`` are
+  successes, anything else, e.g. ``abort``, a failure).
 """
 
 from __future__ import annotations
@@ -30,12 +33,14 @@ __all__ = [
     "engine_facts",
     "engine_load",
     "ready",
+    "request_outcomes",
     "warm_up",
 ]
 
 _KINDS = ("vllm", "sglang", "isocost")
 _OK_REASONS = frozenset({"stop", "length"})
 _SUCCESS = ("vllm:request_success_total", "vllm:request_success")
+_HTTP = "http_requests_total"
 
 
 class EngineDown(Exception):
@@ -118,21 +123,38 @@ async def engine_load(session: aiohttp.ClientSession, base: str) -> EngineLoad:
         raise ScrapeError(f"/metrics answered HTTP {status}")
     text = body.decode(errors="replace")
     scraped = parse_engine_metrics(text).metrics
-    ok = failed = 0
+    ok, failed = request_outcomes(text)
+    return EngineLoad(scraped.num_running, scraped.num_waiting, ok, failed)
+
+
+def _label(line: str, name: str) -> str | None:
+    marker = f'{name}="'
+    return line.split(marker, 1)[1].split('"', 1)[0] if marker in line else None
+
+
+def request_outcomes(text: str) -> tuple[int, int]:
+    """Cumulative (successful, failed) real requests in a ``/metrics`` text."""
+    http = {"2": 0, "5": 0}
+    finished = {True: 0, False: 0}
+    seen_http = False
     for line in text.splitlines():
         name = line.split("{", 1)[0]
-        if name not in _SUCCESS or 'finished_reason="' not in line:
+        if name not in _SUCCESS and name != _HTTP:
             continue
-        reason = line.split('finished_reason="', 1)[1].split('"', 1)[0]
         try:
             count = int(float(line.rsplit(" ", 1)[1]))
-        except ValueError:
+        except (ValueError, IndexError):
             continue
-        if reason in _OK_REASONS:
-            ok += count
-        else:
-            failed += count
-    return EngineLoad(scraped.num_running, scraped.num_waiting, ok, failed)
+        if name == _HTTP:
+            handler, status = _label(line, "handler") or "", _label(line, "status") or ""
+            if handler.startswith("/v1/") and status[:1] in http:
+                http[status[:1]] += count
+                seen_http = True
+        elif (reason := _label(line, "finished_reason")) is not None:
+            finished[reason in _OK_REASONS] += count
+    if seen_http:
+        return http["2"], http["5"]
+    return finished[True], finished[False]
 
 
 async def warm_up(session: aiohttp.ClientSession, base: str, model: str, prompt: str) -> None:

@@ -35,3 +35,22 @@ def test_too_few_requests_tell_nothing_and_a_restart_resets() -> None:
     assert window.rate() is None
     feed(window, [(2, 0, 50), (3, 0, 0)])  # counters went back: a new engine
     assert window.rate() is None and not window.failing(10)
+
+
+def test_request_outcomes_prefer_http_status_classes_over_finish_reasons() -> None:
+    from isocost.agent.engine import request_outcomes
+
+    finished = (
+        'vllm:request_success_total{finished_reason="stop",model_name="m"} 90.0\n'
+        'vllm:request_success_total{finished_reason="length",model_name="m"} 5.0\n'
+        'vllm:request_success_total{finished_reason="abort",model_name="m"} 3.0\n'
+    )
+    assert request_outcomes(finished) == (95, 3)
+    http = (
+        'http_requests_total{handler="/v1/completions",method="POST",status="2xx"} 40.0\n'
+        'http_requests_total{handler="/v1/chat/completions",method="POST",status="5xx"} 7.0\n'
+        'http_requests_total{handler="/v1/completions",method="POST",status="4xx"} 9.0\n'
+        'http_requests_total{handler="/metrics",method="GET",status="2xx"} 500.0\n'
+    )
+    assert request_outcomes(finished + http) == (40, 7)
+    assert request_outcomes("# nothing\n") == (0, 0)
