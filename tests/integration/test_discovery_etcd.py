@@ -475,3 +475,31 @@ def test_admin_added_replicas_stay_while_discovered_ones_come_and_go(
     wait_for(lambda: healthy_names(gateway) == ["auto", "manual"], 5, "both routable")
     asyncio.run(put(None))
     wait_for(lambda: healthy_names(gateway) == ["manual"], 5, "auto gone, manual kept")
+
+
+def test_an_agent_waits_out_an_absent_etcd_and_stops_cleanly_without_it(
+    tmp_path: Path, procs: list[Proc]
+) -> None:
+    etcd = EtcdServer(tmp_path / "late-etcd")  # its ports are chosen, nothing listens yet
+    engine = start_engine(procs)
+    log = tmp_path / "agent.log"
+    args = [ISOCOST, "agent", "--engine", engine.url, "--etcd", etcd.url, "--name", "early"]
+    with log.open("a") as sink:
+        popen = subprocess.Popen(
+            [*args, "--ttl", str(TTL_S), "--prefix", PREFIX],
+            stdout=subprocess.PIPE,
+            stderr=sink,
+            text=True,
+        )
+    procs.append(Proc(popen, ""))
+    try:
+        wait_for(lambda: '"etcd_down"' in log.read_text(), 10, "the agent to find no etcd")
+        etcd.start()
+        (url,) = ready_urls(popen, "isocost agent", timeout_s=10)
+        assert url == engine.url
+        assert log.read_text().count('"etcd_down"') == 1  # logged once, not per retry
+        etcd.kill()
+        popen.send_signal(signal.SIGTERM)
+        assert popen.wait(timeout=15) == 0
+    finally:
+        etcd.stop()

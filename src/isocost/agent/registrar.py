@@ -89,7 +89,11 @@ class Agent:
                 while not stop.is_set():
                     if not await self._wait_ready(session, stop):
                         return
-                    await self._register(session)
+                    try:
+                        if not await self._register(session, stop):
+                            return
+                    except (EngineDown, *_ENGINE_ERRORS):
+                        continue  # the engine went away meanwhile: wait for it again
                     if await self._serve(session, stop):
                         await self._drain(session)
                         return
@@ -111,8 +115,9 @@ class Agent:
             await _wait(stop, _TICK_S)
         return False
 
-    async def _register(self, session: aiohttp.ClientSession) -> None:
-        """Write the record under a new lease, retrying while etcd is away."""
+    async def _register(self, session: aiohttp.ClientSession, stop: asyncio.Event) -> bool:
+        """Write the record under a new lease, retrying while etcd is away; False when
+        stopped first."""
         s = self.settings
         facts = await engine_facts(session, s.engine_url)
         self.record = Registration(
@@ -129,7 +134,9 @@ class Agent:
             release=facts.release,
         )
         while not await self._write(new_lease=True):
-            await asyncio.sleep(_TICK_S)
+            await _wait(stop, _TICK_S)
+            if stop.is_set():
+                return False
         log.info(
             "registered",
             extra={
@@ -141,6 +148,7 @@ class Agent:
             },
         )
         self.on_registered(self.record)
+        return True
 
     async def _write(self, *, new_lease: bool = False) -> bool:
         """Put the record (under a fresh lease when asked); False when etcd is away."""
