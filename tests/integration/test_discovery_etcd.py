@@ -32,7 +32,7 @@ from gateway_harness import http, wait_for
 from isocost_procs import ISOCOST, Proc, ready_urls, start_isocost
 
 from isocost.runtime.discovery.records import Registration
-from isocost.runtime.etcd import EtcdClient
+from isocost.runtime.etcd import Compacted, EtcdClient
 
 pytestmark = pytest.mark.skipif(ETCD is None, reason="no etcd binary (make test installs it)")
 
@@ -503,3 +503,22 @@ def test_an_agent_waits_out_an_absent_etcd_and_stops_cleanly_without_it(
         assert popen.wait(timeout=15) == 0
     finally:
         etcd.stop()
+
+
+def test_a_watch_from_a_compacted_revision_says_so(etcd: EtcdServer) -> None:
+    async def run() -> tuple[int, int]:
+        client = EtcdClient([etcd.url])
+        first = await client.put(f"{PREFIX}/replicas/a", b"{}")
+        latest = await client.put(f"{PREFIX}/replicas/a", b'{"v": 2}')
+        await client.call("/v3/kv/compaction", {"revision": str(latest)})
+        try:
+            async for _ in client.watch(PREFIX + "/replicas/", first):
+                raise AssertionError("events from a compacted revision")
+        except Compacted as exc:
+            return exc.compact_revision, latest
+        finally:
+            await client.close()
+        raise AssertionError("the watch ended without a compaction error")
+
+    compacted, latest = asyncio.run(run())
+    assert compacted == latest  # the provider lists again from there
