@@ -10,6 +10,11 @@ off (no pool or replica left, no admin token, API-key auth gone). Requests flow:
 body limits -> routing view -> pool -> key budget (``intake``) -> router (admission, queue,
 decision) -> forwarder (attempts, retries, relay); the HTTP routes are in
 ``isocost.gateway.app``.
+
+Discovery (``isocost.runtime.discovery``) reports here: each provider's membership is merged
+into the file's config (with the replicas the admin API added) and applied through the same
+plan as a reload, so a registration that goes drains, then leaves, like a replica the file
+no longer lists.
 """
 
 from __future__ import annotations
@@ -97,6 +102,7 @@ class Gateway:
         self._admin_added: dict[str, tuple[str, ReplicaConfig]] = {}  # by URL, kept on apply
         self._member_draining: dict[str, bool] = {}  # by URL, as last applied
         self._discovery: list[asyncio.Task[None]] = []
+        self._providers: list[str] = []
         self._running_discovery = config.discovery  # read at start only
         self._discovery_pending: asyncio.TimerHandle | None = None
 
@@ -345,6 +351,7 @@ class Gateway:
 
             providers.append(KubernetesDiscovery(discovery.kubernetes, self))
         for provider in providers:
+            self._providers.append(provider.name)
             self.metrics.discovery_up.labels(provider.name).set(0)
             self._discovery.append(
                 supervise(
@@ -386,10 +393,12 @@ class Gateway:
         record logged (once per reason) and counted."""
         listed = [r for pool in file_config.pools for r in pool.replicas]
         taken = {normalize_replica_url(r.url) for r in listed} | {replica_name(r) for r in listed}
-        for url, (_, replica) in list(self._admin_added.items()):
-            if url in taken or replica_name(replica) in taken:
-                del self._admin_added[url]
-        base = with_replicas(file_config, list(self._admin_added.values()))
+        admin = [
+            (model, replica)
+            for url, (model, replica) in self._admin_added.items()
+            if url not in taken and replica_name(replica) not in taken
+        ]
+        base = with_replicas(file_config, admin)
         config, refused = self.membership.merge(base, self.intake.listen.check)
         for skip in refused:
             log.warning(
@@ -403,8 +412,7 @@ class Gateway:
             )
             self.metrics.discovery_rejected.labels(skip.provider).inc()
         counts = Counter(member.provider for member in self.membership.members)
-        for task in self._discovery:
-            name = task.get_name().removeprefix("discovery ")
+        for name in self._providers:
             self.metrics.discovery_replicas.labels(name).set(counts[name])
         return config
 
