@@ -139,6 +139,7 @@ def test_bookmarks_move_the_watch_on_and_410_gone_lists_again(
     )  # fmt: skip
     gateway = start_gateway(tmp_path, kube, procs)
     wait_for(lambda: healthy(gateway) == ["pod-a"], 10, "pod-a routable")
+    wait_for(lambda: len(kube.watches) == 1, 5, "the watch after the list")
     assert kube.watches[0]["allowWatchBookmarks"] in ("true", "True")  # both parse as true
 
     moved_to = kube.bump()  # the cluster's version moves; only a bookmark tells the client
