@@ -75,7 +75,7 @@ test-real: venv
 unit: venv
 	$(BIN)/python -m pytest -q tests/unit tests/property
 
-bench: venv
+bench: venv etcd
 	$(BIN)/python benchmarks/run_all.py
 
 clean:
