@@ -522,3 +522,27 @@ def test_a_watch_from_a_compacted_revision_says_so(etcd: EtcdServer) -> None:
 
     compacted, latest = asyncio.run(run())
     assert compacted == latest  # the provider lists again from there
+
+
+def test_a_sustained_bad_success_rate_marks_the_replica_draining(
+    tmp_path: Path, etcd: EtcdServer, procs: list[Proc]
+) -> None:
+    gateway = start_gateway(tmp_path, etcd, procs)
+    engine = start_engine(procs, "--error-rate", "0.8", "--seed", "3")
+    args = ["agent", "--engine", engine.url, "--etcd", etcd.url, "--name", "flaky"]
+    args += ["--ttl", str(TTL_S), "--prefix", PREFIX, "--health-window", "1.5"]
+    with (tmp_path / "agent.log").open("a") as log:
+        procs.append(start_isocost(args, "isocost agent", stderr=log))
+    wait_until(lambda: healthy_names(gateway) == ["flaky"], 5, "flaky routable")
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 1}).encode()
+    headers = {"Content-Type": "application/json"}
+    statuses: list[int] = []
+
+    def drained() -> bool:  # real requests, straight to the engine, until the agent acts
+        statuses.append(http("POST", engine.url + "/v1/completions", body, headers)[0])
+        return replicas(gateway)[0]["state"] == "drained"
+
+    took_s = wait_until(drained, 15, "the replica drained by its agent", 0.05)
+    assert statuses.count(500) > statuses.count(200)
+    assert took_s >= 1.5  # bad for a whole window first, not on the first failures
+    assert '"state": "draining"' in (tmp_path / "agent.log").read_text()
