@@ -173,10 +173,10 @@ class ReplicaMetrics:
         answers = CounterMetricFamily(
             "http_requests",
             "HTTP answers of the OpenAI routes, by handler, method and status class.",
-            labels=["handler", "method", "status"],
+            labels=[*_LABELS, "handler", "method", "status"],
         )
         for key, count in sorted(self.http.items()):
-            answers.add_metric(list(key), count)
+            answers.add_metric([*labels, *key], count)
         yield answers
         yield self.ttft.family(
             "vllm:time_to_first_token_seconds", "Time to first token in seconds.", labels
