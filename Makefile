@@ -11,7 +11,7 @@ VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 TINY_MODEL := ../shared/models/tiny-llama
 
-.PHONY: venv demo browser test test-real lint unit bench clean
+.PHONY: venv demo browser etcd test test-real lint unit bench clean
 
 venv: $(STAMP)
 
@@ -35,12 +35,22 @@ browser:
 	    echo "warning: no $(CHROMIUM) and not root: the browser test will be skipped"; \
 	  fi; }
 
+# The discovery tests start a real etcd server (Debian's etcd-server); as root on a fresh
+# machine, install it.
+etcd:
+	@command -v etcd >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q etcd-server; \
+	  else \
+	    echo "warning: no etcd and not root: the etcd discovery tests will be skipped"; \
+	  fi; }
+
 lint: venv
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy
 
-test: lint browser
+test: lint browser etcd
 	$(BIN)/python -m pytest -q -m "not real_vllm and not soak" tests
 	@if [ -d $(TINY_MODEL) ]; then $(MAKE) --no-print-directory test-real; \
 	else echo "make test: skipping the real-vLLM suite ($(TINY_MODEL) not found)"; fi
@@ -65,7 +75,7 @@ test-real: venv
 unit: venv
 	$(BIN)/python -m pytest -q tests/unit tests/property
 
-bench: venv
+bench: venv etcd
 	$(BIN)/python benchmarks/run_all.py
 
 clean:

@@ -34,7 +34,7 @@ from processes import Endpoint, IsocostProcess
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from isocost.gateway.scrape import parse_engine_metrics
+from isocost.runtime.scrape import parse_engine_metrics
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 

@@ -1,6 +1,6 @@
 """The import-layer rule of DESIGN §2, enforced by reading every module's imports.
 
-Imports point down only: cli -> gateway | sim | bench | engine -> runtime ->
+Imports point down only: cli -> gateway | agent | sim | bench | engine -> runtime ->
 files -> scheduling -> prefix | workload | openai -> core; ``tables`` (Rich layouts that
 fit the terminal) sits under sim, bench, demo and cli and imports nothing of isocost.
 gateway, sim and bench never import each other: what two of them share moves down (the
@@ -45,6 +45,7 @@ ALLOWED: dict[str, set[str]] = {
         "tables",
     },
     "drill": {"core", "workload", "files", "bench"},
+    "agent": {"core", "files", "openai", "runtime"},
     "cli": {
         "core",
         "prefix",
@@ -58,6 +59,7 @@ ALLOWED: dict[str, set[str]] = {
         "runtime",
         "demo",
         "drill",
+        "agent",
     },
 }
 PURE = {"core", "prefix", "workload", "scheduling"}

@@ -167,7 +167,7 @@ def test_isocost_policies_fits(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize(
-    "command", [[], ["engine"], ["serve"], ["plan"], ["policies"], ["demo"], ["drill"],
+    "command", [[], ["engine"], ["serve"], ["agent"], ["plan"], ["policies"], ["demo"], ["drill"],
                 ["sim"], ["bench"], ["bench", "compare"]],
     ids=" ".join,
 )  # fmt: skip

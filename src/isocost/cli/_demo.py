@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from isocost.cli._app import app, console, err_console
+from isocost.cli._app import app, console, err_console, fail
 from isocost.cli._options import (
     SloTpotOption,
     SloTtftOption,
@@ -34,6 +34,9 @@ def demo(
     keep_running: bool = typer.Option(
         False, "--keep-running", help="Leave the last cluster up for the dashboard."
     ),
+    discovery: str | None = typer.Option(
+        None, "--discovery", help="etcd: replicas join and leave while traffic runs."
+    ),
 ) -> None:
     """Round-robin vs equal-cost on a local heterogeneous cluster.
 
@@ -42,7 +45,24 @@ def demo(
     from pathlib import Path
 
     from isocost.bench import TRACE_FORMATS
-    from isocost.demo import DemoInterrupted, DemoOptions, run_demo
+    from isocost.demo import (
+        DemoInterrupted,
+        DemoOptions,
+        DiscoveryDemoOptions,
+        run_demo,
+        run_discovery_demo,
+    )
+
+    if discovery is not None:
+        if discovery != "etcd":
+            fail(f"--discovery {discovery!r}: the only one is etcd")
+        if duration < 9 or rate <= 0:
+            fail("--discovery etcd needs --duration >= 9 and --rate > 0")
+        run_discovery_demo(
+            DiscoveryDemoOptions(Path(out), duration_s=duration, rate_rps=rate, seed=seed),
+            console,
+        )
+        return
 
     trace_format = one_of("trace format", trace_format, TRACE_FORMATS)
     options = DemoOptions(

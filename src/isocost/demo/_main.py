@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import secrets
 import signal
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,7 +50,7 @@ from isocost.demo._cluster import (
     start_cluster,
 )
 from isocost.demo._live import LiveState, poll_snapshot, render
-from isocost.demo._processes import Services
+from isocost.demo._processes import Services, free_port
 from isocost.demo._report import headline, replica_table, write_report
 from isocost.scheduling.policies import BUILTIN_POLICIES
 from isocost.workload import SyntheticSpec, TraceFormat
@@ -113,12 +112,6 @@ class DemoOptions:
 
 def _valid_policies() -> str:
     return f"valid policies: {', '.join(BUILTIN_POLICIES)}"
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def _workload(options: DemoOptions) -> WorkloadSpec:
@@ -238,7 +231,7 @@ def run_demo(options: DemoOptions, console: Console) -> Path:
         time_scale=options.time_scale,
         stream_interval=options.stream_interval,
         gateway_host=options.host,
-        gateway_port=options.port or _free_port(options.host),
+        gateway_port=options.port or free_port(options.host),
         admin_token=token,
         seed=options.seed,
     )

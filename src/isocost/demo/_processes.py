@@ -14,6 +14,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from isocost.core.errors import IsocostError
 
-__all__ = ["DemoError", "Service", "Services", "isocost_command"]
+__all__ = ["DemoError", "Service", "Services", "free_port", "isocost_command"]
 
 _READY = " ready at "
 _POLL_S = 0.05
@@ -30,6 +31,12 @@ _POLL_S = 0.05
 
 class DemoError(IsocostError):
     """The demo cannot go on: a service failed to start or the cluster never became ready."""
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
 
 
 def isocost_command() -> list[str]:
@@ -103,13 +110,20 @@ class Services:
         self.grace_s = grace_s
         self._running: list[Service] = []
 
-    def start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Service:
-        """``isocost *args`` in its own session, output to ``<log_dir>/<name>.log``."""
+    def start(
+        self,
+        name: str,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        program: list[str] | None = None,
+    ) -> Service:
+        """``isocost *args`` (or ``program *args``) in its own session, output to
+        ``<log_dir>/<name>.log``."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
         with log_path.open("wb") as log:
             popen = subprocess.Popen(
-                [*isocost_command(), *args],
+                [*(program or isocost_command()), *args],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,

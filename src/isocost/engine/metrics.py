@@ -10,6 +10,7 @@ Exported: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
 ``vllm:num_preemptions_total``, ``vllm:prompt_tokens_total``,
 ``vllm:generation_tokens_total``, ``vllm:prefix_cache_queries_total`` and
 ``vllm:prefix_cache_hits_total`` (tokens), ``vllm:request_success_total{finished_reason}``,
+``http_requests_total{handler, method, status}`` (status classes, as vLLM's API server),
 the info gauge ``vllm:cache_config_info{block_size, num_gpu_blocks, ...}``,
 and the histograms ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``
 (also under its older name ``vllm:time_per_output_token_seconds``) and
@@ -91,6 +92,7 @@ class ReplicaMetrics:
         self.inter_token = Histogram(INTER_TOKEN_BUCKETS_S)
         self.e2e = Histogram(E2E_BUCKETS_S)
         self.finished: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
+        self.http: dict[tuple[str, str, str], int] = {}  # (handler, method, "2xx") -> count
         self._registry = CollectorRegistry(auto_describe=False)
         self._registry.register(self)
 
@@ -113,6 +115,11 @@ class ReplicaMetrics:
         )
         info.add_metric(list(config.values()), 1.0)
         return info
+
+    def count_http(self, handler: str, method: str, status: int) -> None:
+        """One answer of an OpenAI route, by its status class."""
+        key = (handler, method, f"{status // 100}xx")
+        self.http[key] = self.http.get(key, 0) + 1
 
     def render(self) -> bytes:
         return generate_latest(self._registry)
@@ -163,6 +170,14 @@ class ReplicaMetrics:
         for reason, count in self.finished.items():
             success.add_metric([*labels, reason], count)
         yield success
+        answers = CounterMetricFamily(
+            "http_requests",
+            "HTTP answers of the OpenAI routes, by handler, method and status class.",
+            labels=[*_LABELS, "handler", "method", "status"],
+        )
+        for key, count in sorted(self.http.items()):
+            answers.add_metric([*labels, *key], count)
+        yield answers
         yield self.ttft.family(
             "vllm:time_to_first_token_seconds", "Time to first token in seconds.", labels
         )

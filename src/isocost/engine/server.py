@@ -46,25 +46,33 @@ def _shutting_down() -> ApiError:
     return ApiError(503, "the replica is shutting down", type_="server_error", code="shutting_down")
 
 
+_COUNTED = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models"})
+
+
 @web.middleware
 async def _faults_and_errors(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
     """Hold requests while the replica hangs (``/admin/*`` never), refuse them while it
-    shuts down, and answer every ApiError, and aiohttp's own refusals, as OpenAI error JSON."""
+    shuts down, answer every ApiError, and aiohttp's own refusals, as OpenAI error JSON,
+    and count the OpenAI routes' answers by status class (vLLM's ``http_requests_total``)."""
     replica = request.app[REPLICA]
+    response: web.StreamResponse
     try:
         if not request.path.startswith("/admin/"):
             await replica.faults.unhung.wait()
             if replica.closing:
                 raise _shutting_down()
-        return await handler(request)
+        response = await handler(request)
     except ApiError as error:
-        return error_response(error)
+        response = error_response(error)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return error_response(ApiError.from_http(exc))
+        response = error_response(ApiError.from_http(exc))
+    if request.path in _COUNTED:
+        replica.metrics.count_http(request.path, request.method, response.status)
+    return response
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:

@@ -10,6 +10,11 @@ off (no pool or replica left, no admin token, API-key auth gone). Requests flow:
 body limits -> routing view -> pool -> key budget (``intake``) -> router (admission, queue,
 decision) -> forwarder (attempts, retries, relay); the HTTP routes are in
 ``isocost.gateway.app``.
+
+Discovery (``isocost.runtime.discovery``) reports here: each provider's membership is merged
+into the file's config (with the replicas the admin API added) and applied through the same
+plan as a reload, so a registration that goes drains, then leaves, like a replica the file
+no longer lists.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import hashlib
 import logging
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +44,7 @@ from isocost.gateway.supervise import supervise
 from isocost.gateway.upstreams import Pool, Upstream
 from isocost.runtime.config import (
     AuthConfig,
+    DiscoveryConfig,
     GatewayConfig,
     LimitsConfig,
     ReplicaConfig,
@@ -47,6 +54,9 @@ from isocost.runtime.config import (
     parse_config,
     replica_name,
 )
+from isocost.runtime.discovery import DiscoveryProvider, Malformed, Registration
+from isocost.runtime.discovery.etcd import EtcdDiscovery
+from isocost.runtime.discovery.membership import Membership, with_replicas
 from isocost.scheduling.contract import ReplicaSpec
 from isocost.scheduling.framework import Policy
 
@@ -55,6 +65,7 @@ __all__ = ["Gateway"]
 log = logging.getLogger("isocost.gateway")
 
 _RELOAD_POLL_S = 0.5
+_DISCOVERY_SETTLE_S = 0.02  # changes arriving this close together are applied as one
 _ADMIN_SOURCE = "POST /admin/replicas"
 
 
@@ -64,7 +75,8 @@ class Gateway:
     def __init__(
         self, config: GatewayConfig, catalog: Catalog, config_path: Path | None = None
     ) -> None:
-        self.config = config
+        self.config = config  # the file's (or --replica's), plus what discovery found
+        self.file_config = config
         self.catalog = catalog
         self.config_path = config_path
         self._config_digest = _digest(config_path) if config_path else None
@@ -86,6 +98,13 @@ class Gateway:
         self._session: aiohttp.ClientSession | None = None
         self._forwarder: Forwarder | None = None
         self._monitor: Monitor | None = None
+        self.membership = Membership(catalog)
+        self._admin_added: dict[str, tuple[str, ReplicaConfig]] = {}  # by URL, kept on apply
+        self._member_draining: dict[str, bool] = {}  # by URL, as last applied
+        self._discovery: list[asyncio.Task[None]] = []
+        self._providers: list[str] = []
+        self._running_discovery = config.discovery  # read at start only
+        self._discovery_pending: asyncio.TimerHandle | None = None
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -99,15 +118,19 @@ class Gateway:
         )
         self._monitor = Monitor(self._session, self.router, self.metrics, self.config)
         self.apply_config(self.config)
+        self._start_discovery(self.config.discovery)
         if self.config_path is not None:
             self._watcher = supervise(
                 "config_watcher", self._watch_config, self.metrics.task_failures
             )
 
     async def stop(self) -> None:
-        if self._watcher is not None:
-            self._watcher.cancel()
-            await asyncio.gather(self._watcher, return_exceptions=True)
+        if self._discovery_pending is not None:
+            self._discovery_pending.cancel()
+        tasks = [*self._discovery, *([self._watcher] if self._watcher else [])]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self._monitor is not None:
             await self._monitor.stop()
         if self._session is not None:
@@ -276,6 +299,7 @@ class Gateway:
             )
             self.pools[model] = Pool(model, self.config.policy)
         self._add(upstream, self.router.replica_spec(model, upstream.name, replica_config))
+        self._admin_added[upstream.url] = (model, replica_config)
         return upstream
 
     def _add(self, replica: Upstream, spec: ReplicaSpec) -> None:
@@ -288,6 +312,7 @@ class Gateway:
 
     def remove_replica(self, url: str, *, finalize_now: bool = False) -> None:
         """Stop new work to ``url``; it leaves once its in-flight requests end."""
+        self._admin_added.pop(url, None)
         replica = self.replicas.get(url)
         if replica is None:
             return
@@ -313,6 +338,96 @@ class Gateway:
             del self.pools[pool.model]
             self.router.remove_pool(pool.model)
 
+    # -- discovery (isocost.runtime.discovery) -----------------------------------------
+
+    def _start_discovery(self, discovery: DiscoveryConfig) -> None:
+        """One supervised task per configured provider; each reports here (a
+        ``DiscoverySink``)."""
+        providers: list[DiscoveryProvider] = []
+        if discovery.etcd is not None:
+            providers.append(EtcdDiscovery(discovery.etcd, self))
+        if discovery.kubernetes is not None:  # its client takes half a second to import
+            from isocost.runtime.discovery.kubernetes import KubernetesDiscovery
+
+            providers.append(KubernetesDiscovery(discovery.kubernetes, self))
+        for provider in providers:
+            self._providers.append(provider.name)
+            self.metrics.discovery_up.labels(provider.name).set(0)
+            self._discovery.append(
+                supervise(
+                    f"discovery {provider.name}",
+                    provider.run,
+                    self.metrics.task_failures,
+                    kind="discovery",
+                )
+            )
+
+    def replace(self, provider: str, records: Mapping[str, Registration | Malformed]) -> None:
+        """A provider's whole membership now; applied after a short settling delay, so a
+        burst of registrations is one config change, not hundreds."""
+        self.membership.replace(provider, records)
+        if self._discovery_pending is None:
+            loop = asyncio.get_running_loop()
+            self._discovery_pending = loop.call_later(_DISCOVERY_SETTLE_S, self._apply_discovered)
+
+    def set_up(self, provider: str, up: bool) -> None:
+        self.metrics.discovery_up.labels(provider).set(1 if up else 0)
+
+    def _apply_discovered(self) -> None:
+        """Apply the merged config as a reload would: new members join, edited ones change
+        in place, those gone drain and then leave (``remove_replica``, as the admin API)."""
+        self._discovery_pending = None
+        try:
+            self.apply_config(self._merged(self.file_config))
+        except IsocostError as exc:  # members are checked one by one: not expected
+            log.error(
+                "discovered replicas not applied",
+                extra={"event": "discovery_failed", "error": str(exc)},
+            )
+            return
+        self._sync_member_draining()
+
+    def _merged(self, file_config: GatewayConfig) -> GatewayConfig:
+        """``file_config``, plus the replicas the admin API added (those whose URL or name
+        the file now lists are the file's), plus every acceptable member; each refused
+        record logged (once per reason) and counted."""
+        listed = [r for pool in file_config.pools for r in pool.replicas]
+        taken = {normalize_replica_url(r.url) for r in listed} | {replica_name(r) for r in listed}
+        admin = [
+            (model, replica)
+            for url, (model, replica) in self._admin_added.items()
+            if url not in taken and replica_name(replica) not in taken
+        ]
+        base = with_replicas(file_config, admin)
+        config, refused = self.membership.merge(base, self.intake.listen.check)
+        for skip in refused:
+            log.warning(
+                "registration skipped",
+                extra={
+                    "event": "registration_skipped",
+                    "provider": skip.provider,
+                    "key": skip.key,
+                    "error": skip.reason,
+                },
+            )
+            self.metrics.discovery_rejected.labels(skip.provider).inc()
+        counts = Counter(member.provider for member in self.membership.members)
+        for name in self._providers:
+            self.metrics.discovery_replicas.labels(name).set(counts[name])
+        return config
+
+    def _sync_member_draining(self) -> None:
+        """Drain or undrain members whose registered state changed (an admin drain of a
+        member stays until its record's state changes)."""
+        draining: dict[str, bool] = {}
+        for member in self.membership.members:
+            replica = self.replicas.get(member.url)
+            wanted = member.record.draining
+            draining[member.url] = wanted
+            if replica is not None and self._member_draining.get(member.url) != wanted:
+                self.router.set_draining(replica, wanted)
+        self._member_draining = draining
+
     def reload(self) -> None:
         """Read the config file and apply it, all or nothing. A bad file (unreadable,
         invalid, or one that would switch the gateway off, see ``_refuse_lockout``) is
@@ -320,10 +435,13 @@ class Gateway:
         assert self.config_path is not None
         source = str(self.config_path)
         try:
-            config = parse_config(read_text(self.config_path), source)
-            _refuse_lockout(self.config, config, source)
+            file_config = parse_config(read_text(self.config_path), source)
+            _refuse_lockout(self.file_config, file_config, source)
+            config = self._merged(file_config)
             self.intake.listen.check_config(config, source)
             self.apply_config(config)
+            self.file_config = file_config
+            self._sync_member_draining()
         except Exception as exc:  # no file may end the watcher
             error = str(exc) if isinstance(exc, IsocostError) else f"{type(exc).__name__}: {exc}"
             log.error(
@@ -334,6 +452,11 @@ class Gateway:
             return
         self.metrics.config_reloads.labels("ok").inc()
         log.info("config reloaded", extra={"event": "reloaded", "file": source})
+        if file_config.discovery != self._running_discovery:
+            log.warning(
+                "discovery settings changed: they take effect at the next start",
+                extra={"event": "discovery_unchanged", "file": source},
+            )
 
     async def _watch_config(self) -> None:
         """Reload the file once new content has held still for one poll.

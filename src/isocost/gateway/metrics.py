@@ -83,6 +83,25 @@ class GatewayMetrics:
             ["pool", "check"],
             registry=r,
         )
+        self.discovery_up = Gauge(
+            "isocost_discovery_up",
+            "1 while the discovery provider's source answers; 0 while it does not (the last"
+            " known replicas stay).",
+            ["provider"],
+            registry=r,
+        )
+        self.discovery_replicas = Gauge(
+            "isocost_discovery_replicas",
+            "Replicas the discovery provider has registered and the gateway accepted.",
+            ["provider"],
+            registry=r,
+        )
+        self.discovery_rejected = Counter(
+            "isocost_discovery_rejected",
+            "Registrations skipped (malformed, unknown GPU or model, URL or name taken).",
+            ["provider"],
+            registry=r,
+        )
 
         def per_replica(name: str, documentation: str) -> Gauge:
             return Gauge(name, documentation, ["pool", "replica"], registry=r)

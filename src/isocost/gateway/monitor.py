@@ -30,15 +30,15 @@ import msgspec
 from isocost.gateway.health import BreakerState
 from isocost.gateway.metrics import GatewayMetrics
 from isocost.gateway.routing import Router
-from isocost.gateway.scrape import (
+from isocost.gateway.supervise import describe, supervise
+from isocost.gateway.upstreams import Upstream
+from isocost.runtime.config import GatewayConfig, HealthConfig
+from isocost.runtime.scrape import (
     MAX_BODY_BYTES,
     ScrapeError,
     decode_exposition,
     parse_engine_metrics,
 )
-from isocost.gateway.supervise import describe, supervise
-from isocost.gateway.upstreams import Upstream
-from isocost.runtime.config import GatewayConfig, HealthConfig
 
 __all__ = ["Monitor"]
 

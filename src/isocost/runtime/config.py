@@ -57,6 +57,19 @@ A full file, every key optional except ``pools[].model`` and ``replicas[].url``:
           key_env: TEAM_A_KEY
           requests_per_minute: 600
           tokens_per_minute: 200000
+    discovery:                        # replicas that register themselves, beside pools
+      etcd:                           # `isocost agent` registrations (see runtime.discovery)
+        endpoints: [http://10.0.0.2:2379]
+        prefix: /isocost              # keys <prefix>/replicas/<name>
+        timeout_ms: 2000              # per etcd call
+        probe_interval_ms: 1000       # liveness probe of etcd while the watch is idle
+        max_backoff_ms: 5000          # longest wait between reconnection attempts
+      kubernetes:                     # ready endpoints of EndpointSlices, isocost.io/* annotations
+        namespace: inference
+        service: vllm                 # or label_selector: app=vllm
+        port_name: http               # or port: 8000 (default: the slice's first port)
+        model: llama-3.1-8b           # default: the isocost.io/model annotation
+        kubeconfig: ~/.kube/config    # default: in-cluster, else the default kubeconfig
 
 Secrets are read from environment variables (``*_env``) or given inline (``admin_token``,
 ``key``) for tests; they never appear in logs.
@@ -86,8 +99,11 @@ __all__ = [
     "GENERIC_PRIOR_MODEL",
     "ApiKeyConfig",
     "AuthConfig",
+    "DiscoveryConfig",
+    "EtcdDiscoveryConfig",
     "GatewayConfig",
     "HealthConfig",
+    "KubernetesDiscoveryConfig",
     "LimitsConfig",
     "PoolConfig",
     "ReplicaConfig",
@@ -163,6 +179,30 @@ class AuthConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     api_keys: list[ApiKeyConfig] = []
 
 
+class EtcdDiscoveryConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    endpoints: list[str]
+    prefix: str = "/isocost"
+    timeout_ms: float = 2000
+    probe_interval_ms: float = 1000
+    max_backoff_ms: float = 5000
+
+
+class KubernetesDiscoveryConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    namespace: str = "default"
+    service: str | None = None
+    label_selector: str | None = None
+    port: int | None = None
+    port_name: str | None = None
+    model: str | None = None
+    kubeconfig: str | None = None
+    max_backoff_ms: float = 5000
+
+
+class DiscoveryConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    etcd: EtcdDiscoveryConfig | None = None
+    kubernetes: KubernetesDiscoveryConfig | None = None
+
+
 class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     pools: list[PoolConfig] = []
     policy: str = "equal_cost"
@@ -171,6 +211,7 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     limits: LimitsConfig = LimitsConfig()
     health: HealthConfig = HealthConfig()
     auth: AuthConfig = AuthConfig()
+    discovery: DiscoveryConfig = DiscoveryConfig()
 
 
 _PATH_RE = re.compile(r"\$((?:\.[A-Za-z_]\w*|\[\d+\])+)")
@@ -346,6 +387,7 @@ def _check(config: GatewayConfig, source: str, secrets: bool) -> None:
             raise bad(f"health.{field}", "must be positive")
     if config.scrape_interval_ms <= 0:
         raise bad("scrape_interval_ms", "must be positive")
+    _check_discovery(config.discovery, source)
     auth = config.auth
     env = auth.admin_token_env
     if secrets and env is not None and env not in os.environ:
@@ -360,3 +402,29 @@ def _check(config: GatewayConfig, source: str, secrets: bool) -> None:
             value = getattr(api_key, field)
             if value is not None and value <= 0:
                 raise bad(f"{key}.{field}", "must be positive")
+
+
+def _check_discovery(discovery: DiscoveryConfig, source: str) -> None:
+    etcd, kube = discovery.etcd, discovery.kubernetes
+    if etcd is not None:
+        if not etcd.endpoints:
+            raise ConfigError(source, "give at least one endpoint", key="discovery.etcd.endpoints")
+        for i, endpoint in enumerate(etcd.endpoints):
+            try:
+                normalize_replica_url(endpoint)
+            except ValueError as exc:
+                raise ConfigError(source, str(exc), key=f"discovery.etcd.endpoints[{i}]") from None
+        if not etcd.prefix.startswith("/"):
+            raise ConfigError(source, "must start with /", key="discovery.etcd.prefix")
+        for field in ("timeout_ms", "probe_interval_ms", "max_backoff_ms"):
+            if not getattr(etcd, field) > 0:
+                raise ConfigError(source, "must be positive", key=f"discovery.etcd.{field}")
+    if kube is not None:
+        if (kube.service is None) == (kube.label_selector is None):
+            raise ConfigError(
+                source, "give exactly one of service and label_selector", key="discovery.kubernetes"
+            )
+        if kube.port is not None and not 0 < kube.port < 65536:
+            raise ConfigError(source, "must be within 1..65535", key="discovery.kubernetes.port")
+        if not kube.max_backoff_ms > 0:
+            raise ConfigError(source, "must be positive", key="discovery.kubernetes.max_backoff_ms")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from isocost.gateway.scrape import (
+from isocost.runtime.scrape import (
     MAX_REQUESTS,
     ScrapeError,
     decode_exposition,

@@ -1,4 +1,4 @@
-"""Read the load figures the gateway needs from a replica's Prometheus ``/metrics`` text.
+"""Read the load figures of a replica's Prometheus ``/metrics`` text (gateway and agent).
 
 Understands vLLM's names (``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
 ``vllm:kv_cache_usage_perc`` and the older ``vllm:gpu_cache_usage_perc``, both fractions

@@ -1,0 +1,118 @@
+"""``isocost agent``: register one engine in etcd under a lease, drain it on SIGTERM."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from isocost.cli._app import app, console, fail
+
+
+def _names(text: str | None) -> list[str]:
+    return [part.strip() for part in (text or "").split(",") if part.strip()]
+
+
+@app.command()
+def agent(
+    engine: str = typer.Option(
+        ..., "--engine", help="The engine's URL, e.g. http://127.0.0.1:8000."
+    ),
+    etcd: str = typer.Option(..., "--etcd", help="etcd endpoint URL(s), comma-separated."),
+    name: str | None = typer.Option(None, "--name", help="Replica name (default: host:port)."),
+    advertise: str | None = typer.Option(
+        None, "--advertise", help="URL gateways use (default: --engine)."
+    ),
+    gpu: str = typer.Option("a100-80g", "--gpu", help="GPU catalog id."),
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel GPUs."),
+    groups: str | None = typer.Option(None, "--groups", help="Route groups, comma-separated."),
+    weight: float = typer.Option(1.0, "--weight", help="Relative capacity share, > 0."),
+    usd_per_hour: float | None = typer.Option(None, "--usd-per-hour", help="Price per hour."),
+    cost_model: str | None = typer.Option(
+        None, "--cost-model", help="Catalog model (default: the served model name)."
+    ),
+    ttl: int = typer.Option(10, "--ttl", help="Lease TTL in seconds (renewed every TTL/3)."),
+    prefix: str = typer.Option("/isocost", "--prefix", help="etcd key prefix."),
+    warmup_prompt: str | None = typer.Option(
+        None, "--warmup-prompt", help="One completion before registering."
+    ),
+    drain_timeout: float = typer.Option(60.0, "--drain-timeout", help="Seconds, on SIGTERM."),
+    health_window: float = typer.Option(
+        30.0, "--health-window", help="Seconds the success rate must stay bad to drain."
+    ),
+    min_success_rate: float = typer.Option(0.5, "--min-success-rate", help="Within [0, 1]."),
+    log_level: str = typer.Option("info", "--log-level", help="debug|info|warning|error"),
+) -> None:
+    """Register an engine in etcd under a lease.
+
+    SIGTERM marks it draining, waits for the engine to go idle, then deregisters.
+    """
+    import asyncio
+    import signal
+    from urllib.parse import urlsplit
+
+    from isocost.agent.registrar import Agent, AgentSettings
+    from isocost.runtime.config import normalize_replica_url
+    from isocost.runtime.discovery.records import Registration
+    from isocost.runtime.logs import configure_logging
+
+    try:
+        engine_url = normalize_replica_url(engine)
+        advertise_url = normalize_replica_url(advertise or engine)
+        endpoints = [normalize_replica_url(e) for e in _names(etcd)]
+    except ValueError as exc:
+        fail(str(exc))
+    if not endpoints:
+        fail("--etcd: give at least one endpoint URL")
+    checks = [
+        (ttl >= 1, "--ttl must be >= 1"),
+        (tp >= 1, "--tp must be >= 1"),
+        (weight > 0, "--weight must be > 0"),
+        (usd_per_hour is None or usd_per_hour >= 0, "--usd-per-hour must be >= 0"),
+        (drain_timeout >= 0, "--drain-timeout must be >= 0"),
+        (health_window > 0, "--health-window must be > 0"),
+        (0 <= min_success_rate <= 1, "--min-success-rate must be within [0, 1]"),
+        (prefix.startswith("/"), "--prefix must start with /"),
+        (name is None or (name and "/" not in name), "--name must be non-empty, without /"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            fail(message)
+    parts = urlsplit(advertise_url)
+    settings = AgentSettings(
+        engine_url=engine_url,
+        advertise_url=advertise_url,
+        name=name or f"{parts.hostname}:{parts.port}",
+        etcd=endpoints,
+        gpu=gpu,
+        tp=tp,
+        groups=_names(groups),
+        weight=weight,
+        usd_per_hour=usd_per_hour,
+        cost_model=cost_model,
+        ttl_s=ttl,
+        prefix=prefix,
+        warmup_prompt=warmup_prompt,
+        drain_timeout_s=drain_timeout,
+        health_window_s=health_window,
+        min_success_rate=min_success_rate,
+    )
+    configure_logging(log_level)
+
+    def registered(record: Registration) -> None:
+        console.print(
+            f"isocost agent: {record.name} ({record.engine}, release {record.release})"
+            f" registered, ready at {record.url}",
+            highlight=False,
+            soft_wrap=True,
+        )
+        sys.stdout.flush()
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await Agent(settings, registered).run(stop)
+
+    asyncio.run(main())

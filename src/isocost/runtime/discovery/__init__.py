@@ -1,0 +1,36 @@
+"""Discovery: replicas that register themselves, merged into the gateway's static pools.
+
+A provider (``etcd``: the keys ``isocost agent`` writes; ``kubernetes``: ready endpoints of
+EndpointSlices) follows its source and hands every change to a ``DiscoverySink`` as the
+whole membership it now sees (``replace``): a re-list after a reconnect or a compaction is
+then the same call as one watch event, and nothing it no longer lists can linger.
+``Membership`` (``membership``) checks each record as the config file's replica entries are
+checked and merges the survivors into the static config, so a data plane applies discovery
+through the very path a config reload takes (drain, then remove, for what left).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+from isocost.runtime.discovery.records import Malformed, Registration
+
+__all__ = ["DiscoveryProvider", "DiscoverySink", "Malformed", "Registration"]
+
+
+class DiscoverySink(Protocol):
+    """Where a provider reports: the records it sees, keyed by their source key, and
+    whether its source is reachable (while it is not, the last records stand)."""
+
+    def replace(self, provider: str, records: Mapping[str, Registration | Malformed]) -> None: ...
+
+    def set_up(self, provider: str, up: bool) -> None: ...
+
+
+class DiscoveryProvider(Protocol):
+    """A source of records: ``run`` follows it until cancelled, reporting to its sink."""
+
+    name: str
+
+    async def run(self) -> None: ...

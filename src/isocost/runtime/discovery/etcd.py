@@ -1,0 +1,123 @@
+"""The etcd provider: the registrations under ``<prefix>/replicas/``, listed, then watched.
+
+One round: list the prefix (its records and the store revision), report them, then watch
+from revision + 1, so no change between the list and the watch is missed; each watch
+message updates the records and reports them all again. A compaction of that revision, a
+broken stream, or a failed liveness probe (``/v3/maintenance/status`` every
+``probe_interval_ms``: an idle watch sends nothing, so only a probe tells a silent etcd
+from a quiet registry) ends the round, and the next starts with a fresh list, after a
+backoff while etcd does not answer. While etcd is away the last records stand: the data
+plane keeps routing to the replicas it knew, and the re-list reconciles them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aiohttp
+
+from isocost.runtime.config import EtcdDiscoveryConfig
+from isocost.runtime.discovery import DiscoverySink
+from isocost.runtime.discovery.records import Malformed, Registration, decode_registration
+from isocost.runtime.etcd import Compacted, EtcdClient, EtcdError
+
+__all__ = ["EtcdDiscovery", "replicas_prefix"]
+
+log = logging.getLogger("isocost.discovery")
+
+_INITIAL_BACKOFF_S = 0.1
+
+
+def replicas_prefix(prefix: str) -> str:
+    """Where registrations live under ``prefix``: ``<prefix>/replicas/``."""
+    return prefix.rstrip("/") + "/replicas/"
+
+
+class EtcdDiscovery:
+    """Follows one etcd cluster's registrations and reports them to ``sink``."""
+
+    name = "etcd"
+
+    def __init__(self, config: EtcdDiscoveryConfig, sink: DiscoverySink) -> None:
+        self.config = config
+        self.sink = sink
+        self.prefix = replicas_prefix(config.prefix)
+        self.client = EtcdClient(list(config.endpoints), timeout_s=config.timeout_ms / 1000)
+        self.records: dict[str, Registration | Malformed] = {}
+        self.up: bool | None = None  # None: not tried yet
+        self._listed = False  # this round's list succeeded
+
+    async def run(self) -> None:
+        """Rounds of list-then-watch, forever (cancel to stop)."""
+        backoff_s = _INITIAL_BACKOFF_S
+        try:
+            while True:
+                self._listed = False
+                try:
+                    await self._round()
+                except Compacted as exc:
+                    log.info(
+                        "etcd watch compacted, listing again",
+                        extra={"event": "discovery_relist", "provider": self.name,
+                               "compact_revision": exc.compact_revision},
+                    )  # fmt: skip
+                    continue
+                except (EtcdError, aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                    self._set_up(False, exc)
+                if self._listed:  # it was healthy: retry at once, back off from there
+                    backoff_s = _INITIAL_BACKOFF_S
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(backoff_s * 2, self.config.max_backoff_ms / 1000)
+        finally:
+            await self.client.close()
+
+    async def _round(self) -> None:
+        revision, kvs = await self.client.range_prefix(self.prefix)
+        self.records = {kv.key: decode_registration(kv.value) for kv in kvs}
+        self.sink.replace(self.name, self.records)
+        self._listed = True
+        self._set_up(True)
+        probe = asyncio.create_task(self._probe(), name="etcd discovery probe")
+        watch = asyncio.create_task(self._watch(revision + 1), name="etcd discovery watch")
+        try:
+            done, _ = await asyncio.wait({probe, watch}, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()  # the exception that ended the round
+        finally:  # a cancel of this round itself still propagates out of gather
+            probe.cancel()
+            watch.cancel()
+            await asyncio.gather(probe, watch, return_exceptions=True)
+
+    async def _watch(self, start_revision: int) -> None:
+        async for events in self.client.watch(self.prefix, start_revision):
+            for event in events:
+                if event.value is None:
+                    self.records.pop(event.key, None)
+                else:
+                    self.records[event.key] = decode_registration(event.value)
+            self.sink.replace(self.name, self.records)
+
+    async def _probe(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.probe_interval_ms / 1000)
+            await self.client.status()
+
+    def _set_up(self, up: bool, error: BaseException | None = None) -> None:
+        """Report reachability; log only when it changes."""
+        if up == self.up:
+            return
+        self.up = up
+        self.sink.set_up(self.name, up)
+        if up:
+            log.info(
+                "etcd reachable, registrations listed",
+                extra={"event": "discovery_up", "provider": self.name,
+                       "replicas": len(self.records)},
+            )  # fmt: skip
+        else:
+            log.warning(
+                "etcd unreachable, keeping the last known replicas",
+                extra={"event": "discovery_down", "provider": self.name,
+                       "error": f"{type(error).__name__}: {error}"},
+            )  # fmt: skip
