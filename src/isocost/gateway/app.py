@@ -73,6 +73,7 @@ def _account(gateway: Gateway, request: GatewayRequest, result: ForwardResult) -
             "prompt_tokens": request.view.prompt_tokens,
             "output_tokens": result.output_tokens,
             "retries": result.retries,
+            "resumes": result.resumes,
             "ttft_ms": None if result.ttft_s is None else round(result.ttft_s * 1000, 1),
             "e2e_ms": round(e2e_s * 1000, 1),
             "key": request.key_name,

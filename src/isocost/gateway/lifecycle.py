@@ -213,6 +213,8 @@ class Gateway:
         )
         for model, (name, _) in plan.policies.items():
             self.pools[model].policy = name
+        for pool_config in config.pools:
+            self.pools[pool_config.model].resume = pool_config.resume
         self.router.queue_size = config.limits.max_queue
         self.router.queue_timeout_s = config.limits.queue_timeout_ms / 1000
         if self._forwarder is not None:

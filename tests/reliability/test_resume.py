@@ -1,0 +1,96 @@
+"""Streams resumed on another replica when theirs dies mid-generation, through real processes.
+
+Two ``isocost engine`` processes behind a gateway; the official openai client streams a
+long answer (``ignore_eos``, so its length is exactly ``max_tokens``), and once some text
+has arrived the replica serving it is crashed (its ``crash`` fault ends the process). The
+engine's filler answer goes on from the word its prompt ends with, as a model continues
+its own text, so the client's text must be exactly the filler cycle from its start: any
+token duplicated or lost at the seam shows. The usage must add up over both replicas.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from cluster import API_KEY, MODEL, Cluster, http, start_cluster
+
+from isocost.engine.tokens import filler_start, filler_text, render_chat
+
+MAX_TOKENS = 300
+CRASH_AFTER = 20  # text chunks received before the serving replica is crashed
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> Iterator[Cluster]:
+    cluster = start_cluster(tmp_path, 2, policy="round_robin")
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+def client(cluster: Cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.gateway.url + "/v1", api_key=API_KEY, max_retries=0)
+
+
+def crash(cluster: Cluster, replica: str) -> None:
+    """Crash the engine the gateway names ``replica`` (its ``host:port``)."""
+    (url,) = [u for u in cluster.engine_urls if u.endswith(replica)]
+    status, _, _ = http("POST", url + "/admin/fault", json.dumps({"crash": True}).encode())
+    assert status == 200
+
+
+def chunk_text(chunk: Any) -> str:
+    choice = chunk.choices[0]
+    return (choice.delta.content if hasattr(choice, "delta") else choice.text) or ""
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_a_stream_whose_replica_dies_goes_on_elsewhere_without_a_seam(
+    pair: Cluster, chat: bool
+) -> None:
+    prompt = "Tell me a long story about routers"
+    common: dict[str, Any] = {
+        "model": MODEL,
+        "max_tokens": MAX_TOKENS,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "extra_body": {"ignore_eos": True},
+    }
+    api = client(pair)
+    if chat:
+        raw: Any = api.chat.completions.with_raw_response.create(
+            messages=[{"role": "user", "content": prompt}], **common
+        )
+        expected_start = filler_start(render_chat([("user", prompt)]))
+    else:
+        raw = api.completions.with_raw_response.create(prompt=prompt, **common)
+        expected_start = filler_start(prompt)
+    first_replica = raw.headers["x-isocost-replica"]
+    text, ids, finishes, usage = [], set(), [], None
+    for chunk in raw.parse():
+        ids.add(chunk.id)
+        if chunk.usage is not None:
+            usage = chunk.usage
+        if not chunk.choices:
+            continue
+        text.append(chunk_text(chunk))
+        if chunk.choices[0].finish_reason:
+            finishes.append(chunk)
+        if sum(map(bool, text)) == CRASH_AFTER:
+            crash(pair, first_replica)
+    assert "".join(text) == filler_text(expected_start, MAX_TOKENS)  # the seam is exact
+    assert len(ids) == 1  # one stream id, the first replica's
+    assert usage is not None and usage.completion_tokens == MAX_TOKENS
+    assert usage.total_tokens == usage.prompt_tokens + MAX_TOKENS
+    (finish,) = finishes
+    assert finish.choices[0].finish_reason == "length"
+    (resume,) = finish.model_extra["isocost"]["resumed"]
+    second = next(r for r in pair.engine_urls if not r.endswith(first_replica))
+    assert resume["from"] == first_replica and second.endswith(resume["to"])
+    assert CRASH_AFTER <= resume["after_tokens"] < MAX_TOKENS
