@@ -15,10 +15,18 @@ closed). Streams are relayed line by line as they arrive (aiohttp sets TCP_NODEL
 sides), each checked: every ``data:`` payload a JSON object, the stream closed by
 ``[DONE]``. The client's response starts with the first event, so "before the first byte"
 is exact. Once streaming has begun, an upstream failure (a reset, a timeout, a line that is
-not SSE, an end without ``[DONE]``) is recorded against the replica and ends the client's
-stream with an OpenAI-style error event and ``[DONE]``. Each data event counts as one
-streamed token for the shadow state (the usage event, when the client asked for one, gives
-the exact count), and the times between chunks are the observed inter-token latencies.
+not SSE, an error event, an end without ``[DONE]``) is recorded against the replica, and
+the stream is *resumed*: its continuation (``isocost.openai.continuation``) is scheduled
+like any request (the brain prices its prompt, the text so far included, as prefill; the
+replicas already tried are excluded) and relayed into the same client stream through its
+``StreamLedger`` (``isocost.gateway.resume``), within the same retry budget and total
+timeout. A stream that cannot be resumed (its pool says ``resume: off``, the request is
+not resumable, a tool-call delta went out, no replica took the continuation) ends with an
+OpenAI-style error event and ``[DONE]``, as does any stream once the budget is spent.
+Each data event counts as one streamed token for the shadow state (the usage event, when
+the client asked for one, gives the exact count; a resumable stream asks its upstream for
+the usage in every chunk), and the times between chunks are the observed inter-token
+latencies.
 
 A client that leaves (its connection lost) or stops reading (a write blocked for
 ``idle_timeout_ms``) ends the attempt: the upstream connection is closed, so the engine
