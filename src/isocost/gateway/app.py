@@ -142,8 +142,10 @@ async def _health(request: web.Request) -> web.StreamResponse:
     gateway = request.app[GATEWAY]
     now = time.monotonic()
     routable = sum(r.routable(now) for r in gateway.replicas.values())
+    status = "draining" if gateway.draining else "ok"
     return json_response(
-        {"status": "ok", "replicas": len(gateway.replicas), "routable_replicas": routable}
+        {"status": status, "replicas": len(gateway.replicas), "routable_replicas": routable},
+        status=503 if gateway.draining else 200,
     )
 
 

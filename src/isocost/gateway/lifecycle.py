@@ -82,6 +82,7 @@ class Gateway:
         )
         self.intake = Intake(config, self.pools, self.router.block_tokens, time.monotonic())
         self.started_at = time.monotonic()
+        self.draining = False  # shutting down: readiness fails, in-flight requests finish
         self._watcher: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
         self._forwarder: Forwarder | None = None

@@ -1,5 +1,10 @@
 """Running ``isocost serve``: discovery without a file, JSON logs, the uvloop server loop.
 
+Shutdown (SIGTERM or SIGINT) is graceful: readiness fails first (``GET /health`` answers
+503 ``draining``), the listening socket closes (no new connections; idle keep-alive ones
+close), the requests in flight get ``shutdown_timeout_s`` to finish (streams included),
+then the process exits 0; a request still running at the deadline is cancelled.
+
 The HTTP server's own guards: a deadline for the headers of every request of a
 connection (``limits.body_timeout_ms``), a keep-alive timeout between requests
 (``limits.keepalive_timeout_ms``, read at start), the soft fd limit raised to the hard one
@@ -113,7 +118,8 @@ def run_gateway(
     on_ready: Callable[[str], None],
     shutdown_timeout_s: float = 10.0,
 ) -> None:
-    """Serve until SIGINT/SIGTERM; in-flight requests get ``shutdown_timeout_s`` to finish."""
+    """Serve until SIGINT/SIGTERM, then drain: in-flight requests get
+    ``shutdown_timeout_s`` to finish."""
     try:
         import uvloop
 
@@ -168,10 +174,20 @@ async def _serve(
         gateway.intake.listen.check_config(gateway.config, source)
         on_ready(f"http://{host}:{bound}")
         await stop.wait()
+        gateway.draining = True  # readiness fails before anything else changes
+        log.info(
+            "draining",
+            extra={
+                "event": "draining",
+                "in_flight": sum(r.num_in_flight for r in gateway.replicas.values()),
+                "deadline_s": shutdown_timeout_s,
+            },
+        )
     finally:
         listener.close()
         with contextlib.suppress(IsocostError):
             await runner.cleanup()
+        log.info("stopped", extra={"event": "stopped"})
 
 
 def raise_fd_limit() -> None:
