@@ -35,8 +35,9 @@ def not_resumable(body: dict[str, Any], *, chat: bool) -> str | None:
     """Why the request ``body`` cannot be continued exactly, or None when it can."""
     if body.get("n") not in (None, 1) or body.get("best_of") not in (None, 1):
         return "n > 1"
+    logprobs = body.get("logprobs")  # chat: a bool; completions: a count, 0 included
     if (
-        body.get("logprobs") not in (None, False)
+        (logprobs is not None and logprobs is not False)
         or body.get("top_logprobs")
         or (body.get("prompt_logprobs") is not None)
     ):
