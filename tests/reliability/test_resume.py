@@ -6,18 +6,24 @@ has arrived the replica serving it is crashed (its ``crash`` fault ends the proc
 engine's filler answer goes on from the word its prompt ends with, as a model continues
 its own text, so the client's text must be exactly the filler cycle from its start: any
 token duplicated or lost at the seam shows. The usage must add up over both replicas.
+A request that cannot be resumed exactly ends with an error event, as before; one not
+streamed is retried whole.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 from cluster import API_KEY, MODEL, Cluster, http, start_cluster
+from gateway_harness import wait_for
 
 from isocost.engine.tokens import filler_start, filler_text, render_chat
 
@@ -94,3 +100,56 @@ def test_a_stream_whose_replica_dies_goes_on_elsewhere_without_a_seam(
     second = next(r for r in pair.engine_urls if not r.endswith(first_replica))
     assert resume["from"] == first_replica and second.endswith(resume["to"])
     assert CRASH_AFTER <= resume["after_tokens"] < MAX_TOKENS
+
+
+def test_a_request_that_cannot_be_resumed_exactly_ends_with_an_error_event(
+    pair: Cluster,
+) -> None:
+    """``logprobs`` (one of the README's list): the continuation's would restart."""
+    raw: Any = client(pair).completions.with_raw_response.create(
+        model=MODEL,
+        prompt="Tell me a long story",
+        max_tokens=MAX_TOKENS,
+        stream=True,
+        logprobs=1,
+        extra_body={"ignore_eos": True},
+    )
+    first_replica = raw.headers["x-isocost-replica"]
+    received = 0
+    with pytest.raises(openai.APIError, match="failed mid-stream"):
+        for _ in raw.parse():
+            received += 1
+            if received == CRASH_AFTER:
+                crash(pair, first_replica)
+    assert received >= CRASH_AFTER
+
+
+def test_requests_not_streamed_in_flight_on_a_dead_replica_are_retried_whole(
+    pair: Cluster,
+) -> None:
+    """Nothing of a whole answer reached the client, so each is sent again elsewhere."""
+    api = client(pair)
+    victim = pair.engine_urls[0]
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        answers = [
+            pool.submit(
+                api.completions.create,
+                model=MODEL,
+                prompt=f"request {i}",
+                max_tokens=MAX_TOKENS * 4,
+                extra_body={"ignore_eos": True},
+            )
+            for i in range(6)
+        ]
+        wait_for(lambda: engine_running(victim) >= 2, what="requests running on the victim")
+        crash(pair, victim.rsplit("/", 1)[-1])
+        results = [answer.result(timeout=60) for answer in answers]
+    assert all(r.usage is not None and r.usage.completion_tokens == MAX_TOKENS * 4 for r in results)
+    assert all(r.choices[0].text == filler_text(0, MAX_TOKENS * 4) for r in results)
+
+
+def engine_running(url: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
+        text = response.read().decode()
+    found = re.search(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
