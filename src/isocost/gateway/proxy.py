@@ -611,7 +611,9 @@ class Forwarder:
         finally:
             done = reader.done and broken is None
             self.router.release(grant, time.monotonic(), ok=done, output_tokens=reader.tokens)
-            if not done:
+            if done:
+                upstream.release()
+            else:
                 upstream.close()
 
     async def _resume(
@@ -644,27 +646,28 @@ class Forwarder:
             ledger.start_segment(previous, grant.replica.name)
             try:
                 upstream = await self._open(attempt.http, body, continued, grant)
-                if upstream.status >= 400:  # refused as a request: nowhere else takes it
-                    upstream.close()
-                    self.router.release(grant, time.monotonic(), ok=False, output_tokens=0)
-                    ledger.abandon_segment()
-                    metrics.labels("failed").inc()
-                    log.warning(
-                        "continuation refused",
-                        extra={
-                            "event": "resume_refused",
-                            "request_id": request.request_id,
-                            "replica": grant.replica.name,
-                            "status": upstream.status,
-                        },
-                    )
-                    return None
-                reader = _StreamReader(self.settings.max_response_bytes, ledger)
                 try:
+                    if upstream.status >= 400:  # refused as a request: nowhere else takes it
+                        raise ApiError(upstream.status, f"continuation refused: {upstream.status}")
+                    reader = _StreamReader(self.settings.max_response_bytes, ledger)
                     block = await self._first_events(upstream, reader, continued)
                 except BaseException:
                     upstream.close()
                     raise
+            except ApiError as refused:
+                self.router.release(grant, time.monotonic(), ok=False, output_tokens=0)
+                ledger.abandon_segment()
+                metrics.labels("failed").inc()
+                log.warning(
+                    "continuation refused",
+                    extra={
+                        "event": "resume_refused",
+                        "request_id": request.request_id,
+                        "replica": grant.replica.name,
+                        "error": refused.message,
+                    },
+                )
+                return None
             except _AttemptFailed as failed:
                 ledger.abandon_segment()
                 if not await self._after_failure(
