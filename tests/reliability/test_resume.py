@@ -40,8 +40,10 @@ def pair(tmp_path: Path) -> Iterator[Cluster]:
         cluster.close()
 
 
-def client(cluster: Cluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=cluster.gateway.url + "/v1", api_key=API_KEY, max_retries=0)
+@pytest.fixture
+def api(pair: Cluster) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=pair.gateway.url + "/v1", api_key=API_KEY, max_retries=0) as client:
+        yield client
 
 
 def crash(cluster: Cluster, replica: str) -> None:
@@ -58,7 +60,7 @@ def chunk_text(chunk: Any) -> str:
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
 def test_a_stream_whose_replica_dies_goes_on_elsewhere_without_a_seam(
-    pair: Cluster, chat: bool
+    pair: Cluster, api: openai.OpenAI, chat: bool
 ) -> None:
     prompt = "Tell me a long story about routers"
     common: dict[str, Any] = {
@@ -68,7 +70,6 @@ def test_a_stream_whose_replica_dies_goes_on_elsewhere_without_a_seam(
         "stream_options": {"include_usage": True},
         "extra_body": {"ignore_eos": True},
     }
-    api = client(pair)
     if chat:
         raw: Any = api.chat.completions.with_raw_response.create(
             messages=[{"role": "user", "content": prompt}], **common
@@ -103,10 +104,10 @@ def test_a_stream_whose_replica_dies_goes_on_elsewhere_without_a_seam(
 
 
 def test_a_request_that_cannot_be_resumed_exactly_ends_with_an_error_event(
-    pair: Cluster,
+    pair: Cluster, api: openai.OpenAI
 ) -> None:
     """``logprobs`` (one of the README's list): the continuation's would restart."""
-    raw: Any = client(pair).completions.with_raw_response.create(
+    raw: Any = api.completions.with_raw_response.create(
         model=MODEL,
         prompt="Tell me a long story",
         max_tokens=MAX_TOKENS,
@@ -125,10 +126,9 @@ def test_a_request_that_cannot_be_resumed_exactly_ends_with_an_error_event(
 
 
 def test_requests_not_streamed_in_flight_on_a_dead_replica_are_retried_whole(
-    pair: Cluster,
+    pair: Cluster, api: openai.OpenAI
 ) -> None:
     """Nothing of a whole answer reached the client, so each is sent again elsewhere."""
-    api = client(pair)
     victim = pair.engine_urls[0]
     with ThreadPoolExecutor(max_workers=6) as pool:
         answers = [
