@@ -3,7 +3,8 @@
 # 5x faster than an H100), `isocost serve` on 8100 with docs/drills/gateway.yaml, one
 # `isocost drill --json` against replica 8101 (TARGET=auto: the replica the policy prefers),
 # then everything it started is stopped (a restarted engine too).
-#   usage: docs/drills/run.sh FAULT [POLICY] [FAULT_SECONDS]   (extra drill flags: DRILL_ARGS)
+#   usage: docs/drills/run.sh FAULT [POLICY] [FAULT_SECONDS]   (extra drill flags: DRILL_ARGS,
+#          output tokens per request: MAX_TOKENS, default 192)
 #   e.g.   docs/drills/run.sh kill;  TARGET=auto docs/drills/run.sh slow equal_cost 5
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
@@ -30,7 +31,7 @@ extra=()
 [ "$1" = restart ] && extra=(--restart-command "$B engine --port $T --time-scale 0.2")
 # shellcheck disable=SC2086  # DRILL_ARGS is a list of flags
 $B drill --gateway http://127.0.0.1:8100 --replica-admin "http://127.0.0.1:$T" --fault "$1" \
-  ${DRILL_ARGS:-} --rate 16 --max-tokens 192 --warmup 2 --fault-duration "${3:-3}" "${extra[@]}" \
+  ${DRILL_ARGS:-} --rate 16 --max-tokens "${MAX_TOKENS:-192}" --warmup 2 --fault-duration "${3:-3}" "${extra[@]}" \
   --json > "$out/$1.json"
 echo "exit $?; report: $out/$1.json" >&2
 for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done

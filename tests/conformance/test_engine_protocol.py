@@ -99,6 +99,49 @@ def test_sse_framing_finish_reason_usage_and_done(endpoint: Endpoint, path: str)
     assert usage["total_tokens"] == usage["prompt_tokens"] + 12 and usage["prompt_tokens"] > 0
 
 
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_continuous_usage_counts_every_chunk(endpoint: Endpoint, path: str) -> None:
+    """``continuous_usage_stats``: the usage so far in every chunk (the gateway counts the
+    tokens of a resumable stream from it)."""
+    body = _body(
+        path, endpoint.model, "Count to ten.", max_tokens=12, stream=True, ignore_eos=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )  # fmt: skip
+    status, _, raw = _post(endpoint.url + path, body)
+    assert status == 200
+    events = raw.decode().split("\n\n")[:-2]
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events]
+    with_text = [c for c in chunks if c["choices"] and _text_of(c["choices"][0])]
+    assert with_text and all(c.get("usage") for c in with_text)
+    counts = [c["usage"]["completion_tokens"] for c in chunks if c.get("usage")]
+    assert counts == sorted(counts) and counts[-1] == 12
+    prompts = {c["usage"]["prompt_tokens"] for c in chunks if c.get("usage")}
+    assert len(prompts) == 1 and prompts.pop() > 0
+
+
+def test_a_chat_continues_its_final_assistant_message(endpoint: Endpoint) -> None:
+    """vLLM's ``continue_final_message`` (with ``add_generation_prompt: false``): the
+    partial answer is prompt, continued in place; both switches on at once is a 400."""
+    messages = [{"role": "user", "content": "Count to ten."}]
+    fresh = _body(CHAT, endpoint.model, "", max_tokens=4, ignore_eos=True)
+    fresh["messages"] = messages
+    status, _, raw = _post(endpoint.url + CHAT, fresh)
+    assert status == 200
+    fresh_prompt = json.loads(raw)["usage"]["prompt_tokens"]
+    partial = {"role": "assistant", "content": " one two three four five six"}
+    continued = {
+        **fresh, "messages": [*messages, partial], "continue_final_message": True,
+        "add_generation_prompt": False,
+    }  # fmt: skip
+    status, _, raw = _post(endpoint.url + CHAT, continued)
+    assert status == 200, raw
+    answer = json.loads(raw)
+    assert answer["usage"]["prompt_tokens"] > fresh_prompt
+    assert answer["usage"]["completion_tokens"] == 4
+    status, _, raw = _post(endpoint.url + CHAT, {**continued, "add_generation_prompt": True})
+    assert status == 400, raw
+
+
 def test_no_usage_chunk_unless_asked(client: openai.OpenAI, endpoint: Endpoint) -> None:
     chunks = list(
         client.completions.create(

@@ -44,15 +44,17 @@ def config_text(
     max_tokens: int = 4096,
     gpu: str = "a100-80g",
     idle_timeout_ms: int = 1500,
+    replica_fields: str = "",
 ) -> str:
-    """The suites' gateway config with this suite's key, short idle timeout and GPU."""
+    """The suites' gateway config with this suite's key, short idle timeout and GPU
+    (``replica_fields``: more ``key: value`` fields of every replica)."""
     return gateway_config(
         engine_urls,
         model=MODEL,
         admin_token=ADMIN_TOKEN,
         api_key=API_KEY,
         policy=policy,
-        replica_fields=f"gpu: {gpu}",
+        replica_fields=f"gpu: {gpu}{', ' if replica_fields else ''}{replica_fields}",
         limits=f"  idle_timeout_ms: {idle_timeout_ms}\n{limits}",
         keys=keys,
         max_tokens=max_tokens,
@@ -89,6 +91,7 @@ def start_cluster(
     max_tokens: int = 4096,
     gpu: str = "a100-80g",
     idle_timeout_ms: int = 1500,
+    replica_fields: str = "",
 ) -> Cluster:
     engines: list[Proc] = []
     try:
@@ -104,6 +107,7 @@ def start_cluster(
                 max_tokens=max_tokens,
                 gpu=gpu,
                 idle_timeout_ms=idle_timeout_ms,
+                replica_fields=replica_fields,
             )
         )
         with log.open("a") as sink:

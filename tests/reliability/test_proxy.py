@@ -71,7 +71,13 @@ class Rig:
 
 
 def start_rig(
-    tmp: Path, num_upstreams: int, *, limits: str = "", health: str = "", fields: str = ""
+    tmp: Path,
+    num_upstreams: int,
+    *,
+    limits: str = "",
+    health: str = "",
+    fields: str = "",
+    pool_fields: str = "",
 ) -> Rig:
     upstreams: list[Proc] = []
     try:
@@ -85,6 +91,7 @@ def start_rig(
             replica_fields=f"gpu: a100-80g{fields}",
             limits=f"  idle_timeout_ms: 1500\n{limits}",
             health=health,
+            pool_fields=pool_fields,
         )
         path, log = tmp / "gateway.yaml", tmp / "gateway.log"
         path.write_text(config)
@@ -147,10 +154,22 @@ BROKEN_STREAMS = {
 }
 
 
+@pytest.fixture
+def rig_no_resume(tmp_path: Path) -> Iterator[Rig]:
+    """One fake upstream, whose pool does not resume broken streams."""
+    rig = start_rig(tmp_path, 1, pool_fields="    resume: off")
+    try:
+        yield rig
+    finally:
+        rig.close()
+
+
 @pytest.mark.parametrize("mode", list(BROKEN_STREAMS.values()), ids=list(BROKEN_STREAMS))
 def test_a_broken_stream_ends_with_an_error_event_and_counts_against_the_replica(
-    rig: Rig, mode: dict[str, Any]
+    rig_no_resume: Rig, mode: dict[str, Any]
 ) -> None:
+    """With ``resume: off`` (and for every stream that cannot be resumed)."""
+    rig = rig_no_resume
     (upstream,) = rig.upstreams
     set_mode(upstream.url, **mode, token_delay_s=0.3)  # the first token is relayed first
     status, _, raw = post(rig, stream=True, request_id="broken-1")

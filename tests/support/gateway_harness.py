@@ -30,9 +30,11 @@ def gateway_config(
     max_body_bytes: int = 64 * 1024,
     max_tokens: int = 4096,
     health_timeout_ms: int = 500,
+    pool_fields: str = "",
 ) -> str:
     """YAML for one pool of ``model`` over ``engine_urls``; the extra strings are indented
-    lines appended to their sections (``replica_fields``: ``key: value, ...`` per replica)."""
+    lines appended to their sections (``replica_fields``: ``key: value, ...`` per replica,
+    ``pool_fields``: ``key: value`` lines of the pool)."""
     fields = f", {replica_fields}" if replica_fields else ""
     replicas = "\n".join(f"      - {{url: '{url}'{fields}}}" for url in engine_urls)
     return f"""
@@ -40,6 +42,7 @@ policy: {policy}
 scrape_interval_ms: 100
 pools:
   - model: {model}
+{pool_fields}
     replicas:
 {replicas}
 limits:

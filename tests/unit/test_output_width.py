@@ -121,8 +121,8 @@ def _drill_report() -> DrillReport:
         fault="kill", gateway="http://127.0.0.1:8080", targets=["a100-2", "l20-0"], rate_rps=8,
         injected_at_s=3.0, detected_after_s=0.52, drained_after_s=0.6, cleared_after_s=None,
         recovered_after_s=None, requests=160, completed=150, lost=3, streams_cut=7,
-        errors_by_kind={"http_502": 3, "stream_cut": 7}, in_window=80, share_before=0.25,
-        share_during=0.02, max_factor_ratio=3.1,
+        streams_resumed=12, resumed_exact=12, errors_by_kind={"http_502": 3, "stream_cut": 7},
+        in_window=80, share_before=0.25, share_during=0.02, max_factor_ratio=3.1,
     )  # fmt: skip
 
 

@@ -116,6 +116,14 @@ def _usage(event: dict[str, Any], record: BenchRecord) -> None:
             record.output_tokens = completion
 
 
+def _resumes(event: dict[str, Any], record: BenchRecord) -> None:
+    """An isocost gateway names a stream's resumes in its finish chunk."""
+    extra = event.get("isocost")
+    resumed = extra.get("resumed") if isinstance(extra, dict) else None
+    if isinstance(resumed, list):
+        record.resumed = len(resumed)
+
+
 async def _read_stream(
     response: aiohttp.ClientResponse, clock: Callable[[], float], record: BenchRecord
 ) -> None:
@@ -142,6 +150,7 @@ async def _read_stream(
             record.chunk_times_s.append(now)
             chunks += 1
         _usage(event, record)
+        _resumes(event, record)
     raise _Garbage("truncated", "the stream ended without data: [DONE]")
 
 

@@ -41,6 +41,7 @@ class BenchRecord(msgspec.Struct, kw_only=True):
     output_tokens: int = 0  # usage.completion_tokens, else the number of text chunks
     status: int = 0  # HTTP status; 0 when no response came
     replica: str | None = None  # x-isocost-replica of an isocost gateway's answer
+    resumed: int = 0  # times an isocost gateway resumed the stream on another replica
     error_kind: str | None = None
     error: str | None = None
 

@@ -23,6 +23,9 @@ def drill(
     rate: float = typer.Option(8.0, "--rate", help="Steady load, requests/s (Poisson)."),
     max_tokens: int = typer.Option(32, "--max-tokens", help="Output tokens per request."),
     stream: bool = typer.Option(True, "--stream/--no-stream", help="Load streams (SSE)."),
+    ignore_eos: bool = typer.Option(
+        False, "--ignore-eos", help="Ask for exactly --max-tokens per request."
+    ),
     warmup: float = typer.Option(3.0, "--warmup", help="Seconds of load before the fault."),
     fault_duration: float = typer.Option(5.0, "--fault-duration", help="Seconds it lasts."),
     settle: float = typer.Option(10.0, "--settle", help="Longest wait for recovery, s."),
@@ -54,6 +57,7 @@ def drill(
         rate_rps=rate,
         max_tokens=max_tokens,
         stream=stream,
+        ignore_eos=ignore_eos,
         warmup_s=warmup,
         fault_s=fault_duration,
         settle_s=settle,

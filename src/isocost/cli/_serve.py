@@ -34,6 +34,9 @@ def serve(
     catalog: CatalogOption = None,
     discover_timeout: float = typer.Option(30.0, "--discover-timeout", help="Seconds."),
     log_level: str = typer.Option("info", "--log-level", help="debug|info|warning|error"),
+    shutdown_timeout: float = typer.Option(
+        10.0, "--shutdown-timeout", help="SIGTERM: seconds in-flight requests get to finish."
+    ),
 ) -> None:
     """Run the OpenAI-compatible gateway that routes by equal cost."""
     import asyncio
@@ -52,6 +55,8 @@ def serve(
 
     if (config is None) == (not replica):
         fail("give either --config FILE or one or more --replica URL")
+    if not shutdown_timeout > 0:
+        fail("--shutdown-timeout must be a positive number of seconds")
     cat = load_catalog(catalog or [])
     if config is not None:
         gateway_config = parse_config(read_text(config), config)
@@ -77,4 +82,4 @@ def serve(
         console.print(f"isocost serve: ready at {url}", highlight=False, soft_wrap=True)
         sys.stdout.flush()
 
-    run_gateway(gateway, host, port, ready)
+    run_gateway(gateway, host, port, ready, shutdown_timeout_s=shutdown_timeout)

@@ -18,7 +18,10 @@ with its factors back under the flag).
 
 Requests are judged from the load generator's records. A failure before the first token
 is *lost*: the gateway should have retried it elsewhere. A failure after it is a *stream
-cut*: tokens already reached the client, so no proxy can move it. The traffic share of
+cut*: tokens already reached the client and the stream could not be resumed elsewhere.
+A *resumed* stream went on on another replica (the gateway names its resumes in the
+stream's finish chunk); with ``ignore_eos`` its ``resumed_exact`` count says how many of
+them still carried exactly ``max_tokens`` completion tokens in their usage. The traffic share of
 the targets is the share of completed requests they served, before injection and between
 injection and clearing (or the end of sending).
 """
@@ -72,6 +75,7 @@ class DrillOptions:
     rate_rps: float = 8.0
     max_tokens: int = 32
     stream: bool = True  # False: whole answers, held until the end (the gateway's total timeout)
+    ignore_eos: bool = False  # every request asks for exactly max_tokens
     max_prompt_tokens: int = 512
     warmup_s: float = 3.0
     fault_s: float = 5.0
@@ -123,6 +127,8 @@ class DrillReport(msgspec.Struct, kw_only=True):
     completed: int
     lost: int  # failed before their first token
     streams_cut: int  # failed after tokens had reached the client
+    streams_resumed: int  # went on on another replica and completed
+    resumed_exact: int | None  # of those, with max_tokens in their usage (ignore_eos only)
     errors_by_kind: dict[str, int]
     in_window: int  # requests overlapping [injection, recovery or end of sending]
     share_before: float | None  # targets' share of completed requests before injection
@@ -309,6 +315,7 @@ async def run_drill(
             model=options.model or rows[targets[0]]["pool"],
             max_tokens=options.max_tokens,
             stream=options.stream,
+            ignore_eos=options.ignore_eos,
             timeout_s=options.request_timeout_s,
             api_key=options.api_key,
             label=f"drill-{options.fault}",
@@ -353,6 +360,7 @@ def _report(
     ]
     during_end = timeline.cleared_at if timeline.cleared_at is not None else end
     target_names = set(names)
+    resumed = [r for r in records if r.ok and r.resumed]
 
     def after(at: float | None) -> float | None:
         return None if at is None else round(at - injected, 3)
@@ -373,6 +381,10 @@ def _report(
         completed=len(records) - len(failed),
         lost=sum(r.first_token_s is None for r in failed),
         streams_cut=sum(r.first_token_s is not None for r in failed),
+        streams_resumed=len(resumed),
+        resumed_exact=sum(r.output_tokens == r.max_tokens for r in resumed)
+        if options.ignore_eos
+        else None,
         errors_by_kind=dict(Counter(r.error_kind or "" for r in failed)),
         in_window=len(in_window),
         share_before=_share([r for r in records if r.sent_s < injected], target_names),

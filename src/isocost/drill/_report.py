@@ -25,6 +25,12 @@ def _share(value: float | None) -> str:
     return "-" if value is None else f"{value:.0%}"
 
 
+def _resumed(report: DrillReport) -> str:
+    if report.resumed_exact is None:
+        return str(report.streams_resumed)
+    return f"{report.streams_resumed} ({report.resumed_exact} with exactly max_tokens)"
+
+
 def drill_table(report: DrillReport) -> Table:
     """One row per figure of ``report``."""
     table = Table(title=f"drill: {report.fault} {', '.join(report.targets)}")
@@ -43,6 +49,7 @@ def drill_table(report: DrillReport) -> Table:
         ("completed", str(report.completed)),
         ("lost (failed before first token)", str(report.lost)),
         ("streams cut (failed mid-stream)", str(report.streams_cut)),
+        ("streams resumed on another replica", _resumed(report)),
         ("errors", errors),
         ("requests in the fault window", str(report.in_window)),
         (

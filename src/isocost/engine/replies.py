@@ -2,8 +2,10 @@
 
 A whole answer is one JSON object; a stream is SSE chunks of ``stream_interval`` tokens
 (chat streams open with the assistant role), a last chunk with the ``finish_reason``, the
-usage chunk when ``stream_options.include_usage`` asked for it, and ``[DONE]``. The text
-is filler (``filler_text``): what is modelled is how many tokens come, and when. A client
+usage chunk when ``stream_options.include_usage`` asked for it, and ``[DONE]``; with
+vLLM's ``continuous_usage_stats`` as well, every chunk carries the usage so far. The text
+is filler (``filler_text``, from ``filler_start``): what is modelled is how many tokens
+come, and when. A client
 that stops reading is taken for gone once a write has waited ``write_timeout_s``: its
 connection is dropped and its request aborted, so it cannot hold a batch slot forever.
 """
@@ -20,6 +22,7 @@ from aiohttp import web
 from isocost.engine.records import RequestSpec
 from isocost.engine.replica import ServedReplica, Waiter
 from isocost.engine.tokens import filler_text
+from isocost.engine.validation import Generation
 from isocost.openai import sse
 from isocost.openai.usage import Usage
 
@@ -29,16 +32,31 @@ __all__ = ["Reply", "stream_reply"]
 class Reply:
     """OpenAI response objects for one request (completion or chat, whole or chunks)."""
 
-    def __init__(self, chat: bool, model_name: str, spec: RequestSpec, finish_reason: str):
+    def __init__(
+        self,
+        chat: bool,
+        model_name: str,
+        spec: RequestSpec,
+        finish_reason: str,
+        filler_from: int = 0,
+    ):
         self.chat = chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + spec.request_id
         self.created = int(time.time())
         self.model_name = model_name
         self.spec = spec
         self.finish_reason = finish_reason
+        self.filler_from = filler_from  # where in the filler cycle the answer begins
 
-    def usage(self) -> Usage:
-        prompt, output = self.spec.prompt_tokens, self.spec.max_output_tokens
+    def text(self, start: int, count: int) -> str:
+        """Output tokens ``start .. start+count-1`` of this answer."""
+        return filler_text(self.filler_from + start, count)
+
+    def usage(self, output: int | None = None) -> Usage:
+        """The usage of the whole answer, or of its first ``output`` tokens."""
+        prompt = self.spec.prompt_tokens
+        if output is None:
+            output = self.spec.max_output_tokens
         return Usage(prompt_tokens=prompt, completion_tokens=output, total_tokens=prompt + output)
 
     def _envelope(self, stream: bool) -> dict[str, Any]:
@@ -49,7 +67,7 @@ class Reply:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model_name}
 
     def whole(self) -> dict[str, Any]:
-        text = filler_text(0, self.spec.max_output_tokens)
+        text = self.text(0, self.spec.max_output_tokens)
         choice: dict[str, Any] = {"index": 0}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
@@ -59,7 +77,12 @@ class Reply:
         return self._envelope(False) | {"choices": [choice], "usage": self.usage()}
 
     def chunk(
-        self, text: str | None, finish_reason: str | None, include_usage: bool, role: bool = False
+        self,
+        text: str | None,
+        finish_reason: str | None,
+        include_usage: bool,
+        role: bool = False,
+        usage: Usage | None = None,
     ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0}
         if self.chat:
@@ -72,7 +95,7 @@ class Reply:
         choice |= {"logprobs": None, "finish_reason": finish_reason}
         chunk = self._envelope(True) | {"choices": [choice]}
         if include_usage:
-            chunk["usage"] = None
+            chunk["usage"] = usage
         return chunk
 
     def usage_chunk(self) -> dict[str, Any]:
@@ -84,7 +107,7 @@ async def stream_reply(
     replica: ServedReplica,
     waiter: Waiter,
     reply: Reply,
-    include_usage: bool,
+    generation: Generation,
 ) -> web.StreamResponse:
     """Stream ``reply`` as ``waiter``'s tokens come; a client that leaves, or stops
     reading, ends it quietly (the caller aborts the request)."""
@@ -98,7 +121,7 @@ async def stream_reply(
             replica,
             waiter,
             reply,
-            include_usage,
+            generation,
         )
     except ConnectionResetError:
         if request.transport is not None:
@@ -133,10 +156,17 @@ async def _write_stream(
     replica: ServedReplica,
     waiter: Waiter,
     reply: Reply,
-    include_usage: bool,
+    generation: Generation,
 ) -> None:
+    include_usage = generation.include_usage
+
+    def so_far(tokens: int) -> Usage | None:
+        return reply.usage(tokens) if generation.continuous_usage else None
+
     if reply.chat:
-        await response.write(sse.event(reply.chunk("", None, include_usage, role=True)))
+        await response.write(
+            sse.event(reply.chunk("", None, include_usage, role=True, usage=so_far(0)))
+        )
     state, sent = waiter.state, 0
     interval = replica.options.stream_interval
     while True:
@@ -145,13 +175,15 @@ async def _write_stream(
             return  # shutdown: the stream ends without [DONE], the request is aborted
         produced = state.num_output_tokens
         if produced > sent:
-            text = filler_text(sent, produced - sent)
-            await response.write(sse.event(reply.chunk(text, None, include_usage)))
+            text = reply.text(sent, produced - sent)
+            chunk = reply.chunk(text, None, include_usage, usage=so_far(produced))
+            await response.write(sse.event(chunk))
             sent = produced
         if state.finished_s is not None:
             break
         waiter.wake_at = sent + interval
-    await response.write(sse.event(reply.chunk(None, reply.finish_reason, include_usage)))
+    last = reply.chunk(None, reply.finish_reason, include_usage, usage=so_far(sent))
+    await response.write(sse.event(last))
     if include_usage:
         await response.write(sse.event(reply.usage_chunk()))
     await response.write(sse.DONE_EVENT)

@@ -27,8 +27,8 @@ from isocost.engine.faults import add_fault_routes
 from isocost.engine.model import EngineModel
 from isocost.engine.replica import ServedReplica, ServeOptions
 from isocost.engine.replies import Reply, stream_reply
-from isocost.engine.tokens import Tokenizer, load_tokenizer
-from isocost.engine.validation import chat_text, prompt_ids, validate
+from isocost.engine.tokens import Tokenizer, filler_start, load_tokenizer
+from isocost.engine.validation import chat_text, prompt_ids, prompt_text, validate
 from isocost.files import resolve_model
 from isocost.openai.errors import ApiError, error_response
 from isocost.openai.requests import ChatRequest, CompletionRequest, decode_body
@@ -78,14 +78,18 @@ async def _faults_and_errors(
 async def _completions(request: web.Request) -> web.StreamResponse:
     replica = request.app[REPLICA]
     body = decode_body(await request.read(), CompletionRequest)
-    return await _generate(request, replica, body, prompt_ids(replica, body.prompt), chat=False)
+    ids = prompt_ids(replica, body.prompt)
+    text = prompt_text(body.prompt)
+    start = 0 if text is None else filler_start(text)
+    return await _generate(request, replica, body, ids, start, chat=False)
 
 
 async def _chat_completions(request: web.Request) -> web.StreamResponse:
     replica = request.app[REPLICA]
     body = decode_body(await request.read(), ChatRequest)
-    ids = replica.tokenizer.encode(chat_text(body))
-    return await _generate(request, replica, body, ids, chat=True)
+    text = chat_text(body)
+    ids = replica.tokenizer.encode(text)
+    return await _generate(request, replica, body, ids, filler_start(text), chat=True)
 
 
 async def _generate(
@@ -93,6 +97,7 @@ async def _generate(
     replica: ServedReplica,
     body: ChatRequest | CompletionRequest,
     ids: list[int],
+    filler_from: int,
     *,
     chat: bool,
 ) -> web.StreamResponse:
@@ -102,10 +107,10 @@ async def _generate(
     finish_reason = "length" if spec.max_output_tokens == generation.max_tokens else "stop"
     wake_every = replica.options.stream_interval if generation.stream else spec.max_output_tokens
     waiter = replica.submit(spec, wake_every, finish_reason)
-    reply = Reply(chat, replica.served_model_name, spec, finish_reason)
+    reply = Reply(chat, replica.served_model_name, spec, finish_reason, filler_from)
     try:
         if generation.stream:
-            return await stream_reply(request, replica, waiter, reply, generation.include_usage)
+            return await stream_reply(request, replica, waiter, reply, generation)
         while waiter.state.finished_s is None:
             await waiter.wait()
             if replica.closing:

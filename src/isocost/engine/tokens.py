@@ -10,8 +10,12 @@ so shared text prefixes give shared token blocks and hit the prefix cache. With
 
 Chat messages render to one prompt string, one ``<|role|>`` header per message and a
 trailing ``<|assistant|>``, so identical conversation prefixes render to identical text
-prefixes. Generated text is filler: output token i is the i-th word of a fixed cycle, each
-word one approximate token.
+prefixes; vLLM's ``continue_final_message`` leaves the last (assistant) message open
+instead, and ``add_generation_prompt: false`` leaves the trailing header out. Generated
+text is filler: a fixed cycle of words, each one approximate token, that goes on from the
+word the prompt ends with when that is a word of the cycle (``filler_start``), else from
+its first word. So a continuation (the prompt plus the answer so far, or the chat with the
+partial answer continued) goes on exactly where the answer broke off, as a model would.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ __all__ = [
     "ApproxTokenizer",
     "HfTokenizer",
     "Tokenizer",
+    "filler_start",
     "filler_text",
     "load_tokenizer",
     "render_chat",
@@ -81,11 +86,30 @@ def load_tokenizer(path: str | None, vocab_size: int) -> Tokenizer:
     return HfTokenizer(path) if path else ApproxTokenizer(vocab_size)
 
 
-def render_chat(messages: Sequence[tuple[str, str]]) -> str:
-    """One prompt string for ``(role, content)`` messages, ready for the assistant."""
+def render_chat(
+    messages: Sequence[tuple[str, str]],
+    *,
+    continue_final: bool = False,
+    generation_prompt: bool = True,
+) -> str:
+    """One prompt string for ``(role, content)`` messages: ready for the assistant's
+    answer (``generation_prompt``), or with the last message left open to be continued
+    (``continue_final``)."""
     parts = [f"<|{role}|>\n{content}\n" for role, content in messages]
-    parts.append("<|assistant|>\n")
+    if continue_final and parts:
+        parts[-1] = parts[-1].removesuffix("\n")
+    elif generation_prompt:
+        parts.append("<|assistant|>\n")
     return "".join(parts)
+
+
+def filler_start(prompt: str) -> int:
+    """Where in the filler cycle the answer to ``prompt`` begins: after the cycle's word
+    that ends the prompt, else at the cycle's first word."""
+    for index, word in enumerate(_FILLER):
+        if prompt.endswith(word):
+            return (index + 1) % len(_FILLER)
+    return 0
 
 
 def filler_text(start: int, count: int) -> str:

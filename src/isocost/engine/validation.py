@@ -17,7 +17,7 @@ from isocost.openai.errors import ApiError
 from isocost.openai.requests import ChatRequest, CompletionRequest
 from isocost.prefix.hashing import token_block_hashes
 
-__all__ = ["Generation", "chat_text", "prompt_ids", "validate"]
+__all__ = ["Generation", "chat_text", "prompt_ids", "prompt_text", "validate"]
 
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -30,24 +30,51 @@ class Generation:
     max_tokens: int
     stream: bool
     include_usage: bool
+    continuous_usage: bool  # usage so far in every chunk (vLLM's continuous_usage_stats)
+
+
+def prompt_text(prompt: str | list[str | int | list[int]]) -> str | None:
+    """The text of a completion prompt given as text (one string), else None."""
+    if isinstance(prompt, str):
+        return prompt
+    if len(prompt) == 1 and isinstance(prompt[0], str):
+        return prompt[0]
+    return None
 
 
 def prompt_ids(replica: ServedReplica, prompt: str | list[str | int | list[int]]) -> list[int]:
     """The token ids of a completion prompt: one string or one list of token ids."""
-    if isinstance(prompt, str):
-        return replica.tokenizer.encode(prompt)
-    if len(prompt) == 1 and isinstance(prompt[0], str):
-        return replica.tokenizer.encode(prompt[0])
+    text = prompt_text(prompt)
+    if text is not None:
+        return replica.tokenizer.encode(text)
     if all(isinstance(p, int) for p in prompt):
         return [p for p in prompt if isinstance(p, int)]
     raise ApiError(400, "prompt must be one string or one list of token ids", param="prompt")
 
 
 def chat_text(body: ChatRequest) -> str:
-    """The chat rendered as the replica's template would render it."""
+    """The chat rendered as the replica's template would render it; vLLM's refusals of
+    a final message that cannot be continued."""
     if not body.messages:
         raise ApiError(400, "messages must not be empty", param="messages")
-    return render_chat([(message.role, message.text()) for message in body.messages])
+    if body.continue_final_message:
+        if body.add_generation_prompt:
+            raise ApiError(
+                400,
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                param="continue_final_message",
+            )
+        if body.messages[-1].role != "assistant":
+            raise ApiError(
+                400,
+                "continue_final_message needs the final message to be the assistant's",
+                param="messages",
+            )
+    return render_chat(
+        [(message.role, message.text()) for message in body.messages],
+        continue_final=body.continue_final_message,
+        generation_prompt=body.add_generation_prompt,
+    )
 
 
 def validate(
@@ -97,5 +124,7 @@ def validate(
     output = requested if body.ignore_eos else replica.output_lengths.draw(requested)
     block_hashes = token_block_hashes(prompt_ids, replica.model.block_size)
     spec = RequestSpec(uuid.uuid4().hex, num_prompt, output, tuple(block_hashes))
-    include_usage = body.stream_options is not None and body.stream_options.include_usage
-    return Generation(spec, requested, body.stream, include_usage)
+    options = body.stream_options
+    include_usage = options is not None and options.include_usage
+    continuous = include_usage and options is not None and options.continuous_usage_stats
+    return Generation(spec, requested, body.stream, include_usage, continuous)

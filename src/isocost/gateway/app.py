@@ -73,6 +73,7 @@ def _account(gateway: Gateway, request: GatewayRequest, result: ForwardResult) -
             "prompt_tokens": request.view.prompt_tokens,
             "output_tokens": result.output_tokens,
             "retries": result.retries,
+            "resumes": result.resumes,
             "ttft_ms": None if result.ttft_s is None else round(result.ttft_s * 1000, 1),
             "e2e_ms": round(e2e_s * 1000, 1),
             "key": request.key_name,
@@ -141,8 +142,10 @@ async def _health(request: web.Request) -> web.StreamResponse:
     gateway = request.app[GATEWAY]
     now = time.monotonic()
     routable = sum(r.routable(now) for r in gateway.replicas.values())
+    status = "draining" if gateway.draining else "ok"
     return json_response(
-        {"status": "ok", "replicas": len(gateway.replicas), "routable_replicas": routable}
+        {"status": status, "replicas": len(gateway.replicas), "routable_replicas": routable},
+        status=503 if gateway.draining else 200,
     )
 
 

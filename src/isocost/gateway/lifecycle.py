@@ -94,6 +94,7 @@ class Gateway:
         )
         self.intake = Intake(config, self.pools, self.router.block_tokens, time.monotonic())
         self.started_at = time.monotonic()
+        self.draining = False  # shutting down: readiness fails, in-flight requests finish
         self._watcher: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
         self._forwarder: Forwarder | None = None
@@ -236,6 +237,8 @@ class Gateway:
         )
         for model, (name, _) in plan.policies.items():
             self.pools[model].policy = name
+        for pool_config in config.pools:
+            self.pools[pool_config.model].resume = pool_config.resume
         self.router.queue_size = config.limits.max_queue
         self.router.queue_timeout_s = config.limits.queue_timeout_ms / 1000
         if self._forwarder is not None:

@@ -63,6 +63,13 @@ class GatewayMetrics:
             ["reason"],
             registry=r,
         )
+        self.stream_resumes = Counter(
+            "isocost_stream_resumes",
+            "Streams broken mid-way, by outcome: resumed on another replica, failed (no"
+            " replica could continue it) or not_resumable (see the README).",
+            ["outcome"],
+            registry=r,
+        )
         self.config_reloads = Counter(
             "isocost_config_reloads",
             "Config file reloads, by result: ok (applied) or rejected (the running config stays).",

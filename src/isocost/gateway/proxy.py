@@ -15,10 +15,18 @@ closed). Streams are relayed line by line as they arrive (aiohttp sets TCP_NODEL
 sides), each checked: every ``data:`` payload a JSON object, the stream closed by
 ``[DONE]``. The client's response starts with the first event, so "before the first byte"
 is exact. Once streaming has begun, an upstream failure (a reset, a timeout, a line that is
-not SSE, an end without ``[DONE]``) is recorded against the replica and ends the client's
-stream with an OpenAI-style error event and ``[DONE]``. Each data event counts as one
-streamed token for the shadow state (the usage event, when the client asked for one, gives
-the exact count), and the times between chunks are the observed inter-token latencies.
+not SSE, an error event, an end without ``[DONE]``) is recorded against the replica, and
+the stream is *resumed*: its continuation (``isocost.openai.continuation``) is scheduled
+like any request (the brain prices its prompt, the text so far included, as prefill; the
+replicas already tried are excluded) and relayed into the same client stream through its
+``StreamLedger`` (``isocost.gateway.resume``), within the same retry budget and total
+timeout. A stream that cannot be resumed (its pool says ``resume: off``, the request is
+not resumable, a tool-call delta went out, no replica took the continuation) ends with an
+OpenAI-style error event and ``[DONE]``, as does any stream once the budget is spent.
+Each data event counts as one streamed token for the shadow state (the usage event, when
+the client asked for one, gives the exact count; a resumable stream asks its upstream for
+the usage in every chunk), and the times between chunks are the observed inter-token
+latencies.
 
 A client that leaves (its connection lost) or stops reading (a write blocked for
 ``idle_timeout_ms``) ends the attempt: the upstream connection is closed, so the engine
@@ -28,19 +36,24 @@ aborts the request, and the result is 499.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import aiohttp
 import msgspec
 from aiohttp import web
 
+from isocost.gateway.body import summarize
 from isocost.gateway.loops import HOPS_HEADER, hops
+from isocost.gateway.resume import SegmentError, StreamLedger
 from isocost.gateway.routing import GatewayRequest, Grant, Router
 from isocost.gateway.upstreams import Upstream
 from isocost.openai import sse
+from isocost.openai.continuation import not_resumable
 from isocost.openai.errors import ApiError
 from isocost.openai.usage import answer_usage
 
@@ -102,6 +115,7 @@ class ForwardResult:
     replica: Upstream | None = None
     output_tokens: int = 0
     retries: int = 0
+    resumes: int = 0  # times its stream went on on another replica
     ttft_s: float | None = None
     error: str | None = None
 
@@ -116,21 +130,62 @@ class ForwardSettings:
     max_response_bytes: int
 
 
+@dataclass(frozen=True, slots=True)
+class _Attempt:
+    """One client request's side of its attempts: what every attempt and resume shares."""
+
+    http: web.Request
+    request: GatewayRequest
+    result: ForwardResult
+    tried: set[str]  # replica names tried so far (retries and resumes avoid them)
+    deadline: float  # monotonic seconds: the request's total timeout
+    ledger: StreamLedger | None  # a resumable stream's relayed state
+
+
+@dataclass(frozen=True, slots=True)
+class _Break:
+    """Why one upstream's part of a stream ended early, and whether another may go on."""
+
+    reason: str
+    resumable: bool = True
+
+
+class _Segment(NamedTuple):
+    """One upstream's part of a stream: its response, grant, reader, first bytes to relay."""
+
+    upstream: aiohttp.ClientResponse
+    grant: Grant
+    reader: _StreamReader
+    block: bytes
+
+
 class _StreamReader:
     """Checks an upstream SSE stream as it arrives and hands back whole lines to relay.
 
     ``feed`` returns the complete lines of what came so far (a partial line waits for the
     rest), after checking each: SSE, and every data payload a JSON object or ``[DONE]``.
     At ``[DONE]`` the stream is over: the rest is dropped and the canonical ``[DONE]``
-    event relayed."""
+    event relayed. A line that breaks the stream stops the feed there: what came before it
+    is still handed back (it is sound, and a resumed stream must relay exactly what its
+    ledger counted), and ``broken`` says why. With a ``ledger`` (a resumable stream) every
+    event is what the ledger makes of it, and nothing else is relayed."""
 
-    def __init__(self, max_line_bytes: int) -> None:
+    def __init__(self, max_line_bytes: int, ledger: StreamLedger | None = None) -> None:
         self.max_line_bytes = max_line_bytes
+        self.ledger = ledger
         self.events = 0  # data events, [DONE] not counted
         self.usage_tokens: int | None = None
         self.done = False
+        self.broken: str | None = None
         self.at_event_end = True  # what was relayed ends with a blank line
         self._partial = bytearray()
+
+    @property
+    def tokens(self) -> int:
+        """This upstream's completion tokens: counted exactly when it said, else events."""
+        if self.ledger is not None:
+            return self.ledger.segment_tokens
+        return self.events if self.usage_tokens is None else self.usage_tokens
 
     def feed(self, chunk: bytes) -> bytes:
         cut = chunk.rfind(b"\n") + 1
@@ -141,27 +196,50 @@ class _StreamReader:
             return b""
         lines = bytes(self._partial) + chunk[:cut]
         self._partial = bytearray(chunk[cut:])
+        relayed = bytearray()
         start = 0
         while start < len(lines):
             end = lines.index(b"\n", start) + 1
+            line = lines[start:end]
+            start = end
             try:
-                payload = sse.line_data(lines[start:end])
+                payload = sse.line_data(line)
             except sse.SseError:
-                raise _BadStream("not an SSE line") from None
+                self.broken = "not an SSE line"
+                break
             if payload == sse.DONE:
                 self.done = True
-                return lines[:start] + sse.DONE_EVENT
-            if payload is not None:
+                relayed += sse.DONE_EVENT
+                break
+            if self.ledger is None:
+                if payload is not None and not self._count(payload):
+                    break
+                relayed += line
+            elif payload is not None:
                 try:
-                    usage = answer_usage(payload)
-                except msgspec.DecodeError:
-                    raise _BadStream("event is not a JSON object") from None
+                    event = self.ledger.relay(payload)
+                except SegmentError as exc:
+                    self.broken = str(exc)
+                    break
                 self.events += 1
-                if usage is not None:
-                    self.usage_tokens = usage.completion_tokens
-            start = end
-        self.at_event_end = lines.endswith((b"\n\n", b"\r\n\r\n"))
-        return lines
+                if event is not None:
+                    relayed += b"data: " + event + b"\n\n"
+        if self.ledger is None and relayed and not self.done:
+            self.at_event_end = relayed.endswith((b"\n\n", b"\r\n\r\n"))
+        return bytes(relayed)
+
+    def _count(self, payload: bytes) -> bool:
+        """Count one relayed event (its usage, if it carries one); False when it is no
+        JSON object (the stream is broken there)."""
+        try:
+            usage = answer_usage(payload)
+        except msgspec.DecodeError:
+            self.broken = "event is not a JSON object"
+            return False
+        self.events += 1
+        if usage is not None:
+            self.usage_tokens = usage.completion_tokens
+        return True
 
     def end_reason(self) -> str:
         """Why a stream that stopped here is broken."""
@@ -186,41 +264,22 @@ class Forwarder:
         tried: set[str] = set()
         last: _AttemptFailed | None = None
         deadline = request.arrived_at + self.settings.total_timeout_s
+        ledger = self._ledger(http, body, request)
+        upstream_body = body if ledger is None else ledger.upstream_body()
         while True:
             grant = await self._acquire(request, frozenset(tried), deadline)
             tried.add(grant.replica.name)
             result.replica = grant.replica
             try:
-                return await self._attempt(http, body, request, grant, result)
+                attempt = _Attempt(http, request, result, tried, deadline, ledger)
+                return await self._attempt(attempt, upstream_body, grant)
             except BaseException as exc:  # the client left (cancelled) or the attempt failed
                 if not isinstance(exc, _AttemptFailed):
                     self.router.release(grant, time.monotonic(), ok=False, output_tokens=0)
                     raise
                 failed = last = exc
-            now = time.monotonic()
-            if not failed.busy:
-                grant.replica.breaker.record_failure(
-                    now, failed.reason, hard=failed.hard, soft=failed.soft
-                )
-            self.router.release(grant, now, ok=False, output_tokens=0)
-            if result.retries >= self.settings.max_retries or now >= deadline:
+            if not await self._after_failure(failed, grant, request, result, deadline, tried):
                 break
-            result.retries += 1
-            self.router.metrics.retries.labels(failed.reason).inc()
-            log.info(
-                "retry",
-                extra={
-                    "event": "retry",
-                    "request_id": request.request_id,
-                    "replica": grant.replica.name,
-                    "reason": failed.reason,
-                    "attempt": result.retries,
-                },
-            )
-            backoff_s = self.settings.retry_backoff_s * 2 ** (result.retries - 1)
-            await asyncio.sleep(min(backoff_s, max(0.0, deadline - time.monotonic())))
-            if not self.router.has_candidate(request, frozenset(tried)):
-                tried.clear()  # every replica failed once: allow a second try anywhere
         assert last is not None
         if time.monotonic() >= deadline:
             raise _timed_out(last.reason)
@@ -231,6 +290,67 @@ class Forwarder:
         raise ApiError(
             502, f"no replica could serve the request: {last.reason}", code="upstream_error"
         )
+
+    def _ledger(
+        self, http: web.Request, body: bytes, request: GatewayRequest
+    ) -> StreamLedger | None:
+        """The ledger of a stream that may be resumed, None for any other request."""
+        if not (request.view.stream and request.pool.resume):
+            return None
+        chat = http.path.endswith("/chat/completions")
+        decoded = msgspec.json.decode(body)  # the intake decoded it: a JSON object
+        if not isinstance(decoded, dict) or not_resumable(decoded, chat=chat) is not None:
+            return None
+        return StreamLedger(decoded, chat=chat, cap=request.view.max_tokens)
+
+    async def _after_failure(
+        self,
+        failed: _AttemptFailed,
+        grant: Grant,
+        request: GatewayRequest,
+        result: ForwardResult,
+        deadline: float,
+        tried: set[str],
+    ) -> bool:
+        """Settle a failed attempt (breaker, shadow state); then whether to try again."""
+        now = time.monotonic()
+        if not failed.busy:
+            grant.replica.breaker.record_failure(
+                now, failed.reason, hard=failed.hard, soft=failed.soft
+            )
+        self.router.release(grant, now, ok=False, output_tokens=0)
+        return await self._next_try(request, result, deadline, tried, grant, failed.reason)
+
+    async def _next_try(
+        self,
+        request: GatewayRequest,
+        result: ForwardResult,
+        deadline: float,
+        tried: set[str],
+        grant: Grant,
+        reason: str,
+    ) -> bool:
+        """Whether the retry budget and the total timeout allow one more attempt; if so it
+        is counted and logged, and its backoff waited."""
+        if result.retries >= self.settings.max_retries or time.monotonic() >= deadline:
+            return False
+        result.retries += 1
+        self.router.metrics.retries.labels(reason).inc()
+        log.info(
+            "retry",
+            extra={
+                "event": "retry",
+                "request_id": request.request_id,
+                "replica": grant.replica.name,
+                "reason": reason,
+                "attempt": result.retries,
+            },
+        )
+        backoff_s = self.settings.retry_backoff_s * 2 ** (result.retries - 1)
+        await asyncio.sleep(min(backoff_s, max(0.0, deadline - time.monotonic())))
+        if not self.router.has_candidate(request, frozenset(tried)):
+            tried.clear()  # every replica failed once: allow a second try anywhere
+        return True
 
     async def _acquire(
         self, request: GatewayRequest, exclude: frozenset[str], deadline: float
@@ -245,14 +365,11 @@ class Forwarder:
         except TimeoutError:
             raise _timed_out("waiting for a replica") from None
 
-    async def _attempt(
-        self,
-        http: web.Request,
-        body: bytes,
-        request: GatewayRequest,
-        grant: Grant,
-        result: ForwardResult,
-    ) -> web.StreamResponse:
+    async def _open(
+        self, http: web.Request, body: bytes, request: GatewayRequest, grant: Grant
+    ) -> aiohttp.ClientResponse:
+        """POST ``body`` to the granted replica; _AttemptFailed for no answer or one that
+        is the replica's failure (``_judge_status``)."""
         replica = grant.replica
         settings = self.settings
         # identity: the body is judged (and relayed) as the replica wrote it
@@ -287,19 +404,25 @@ class Forwarder:
             raise _AttemptFailed(f"upstream: {type(exc).__name__}") from None
         try:
             _judge_status(upstream.status)
-            response_headers = {"x-isocost-replica": replica.name}
+        except _AttemptFailed:
+            upstream.close()
+            raise
+        return upstream
+
+    async def _attempt(self, attempt: _Attempt, body: bytes, grant: Grant) -> web.StreamResponse:
+        upstream = await self._open(attempt.http, body, attempt.request, grant)
+        try:
+            response_headers = {"x-isocost-replica": grant.replica.name}
             if grant.predicted_ttft_s is not None:
                 response_headers["x-isocost-predicted-ttft-ms"] = (
                     f"{grant.predicted_ttft_s * 1000:.1f}"
                 )
-            if upstream.status >= 400 or not request.view.stream:
+            if upstream.status >= 400 or not attempt.request.view.stream:
                 response = await self._relay_whole(
-                    http, upstream, request, grant, response_headers, result
+                    attempt.http, upstream, attempt.request, grant, response_headers, attempt.result
                 )
             else:
-                response = await self._relay_stream(
-                    http, upstream, request, grant, response_headers, result
-                )
+                response = await self._relay_stream(attempt, upstream, grant, response_headers)
         except BaseException:
             upstream.close()  # never pooled half read: the engine sees the abort
             raise
@@ -373,48 +496,91 @@ class Forwarder:
         await self._send(http, response.write_eof())
         return response
 
-    async def _relay_stream(
-        self,
-        http: web.Request,
-        upstream: aiohttp.ClientResponse,
-        request: GatewayRequest,
-        grant: Grant,
-        headers: dict[str, str],
-        result: ForwardResult,
-    ) -> web.StreamResponse:
-        replica = grant.replica
-        reader = _StreamReader(self.settings.max_response_bytes)
+    async def _first_events(
+        self, upstream: aiohttp.ClientResponse, reader: _StreamReader, request: GatewayRequest
+    ) -> bytes:
+        """What the upstream sent up to its first event; a failure here is retried."""
         block = b""
-        try:  # up to the first event: a failure here is retried elsewhere
+        try:
             while not (reader.events or reader.done):
                 chunk = await upstream.content.readany()
                 if not chunk:
                     raise _AttemptFailed(f"stream {reader.end_reason()}")
                 block += reader.feed(chunk)
+                if reader.broken is not None and not reader.events:
+                    raise _AttemptFailed(f"stream: {reader.broken}")
         except TimeoutError:
             raise _AttemptFailed("timeout", status=504) from None
         except aiohttp.ClientError as exc:
             raise _AttemptFailed(f"stream: {type(exc).__name__}") from None
-        except _BadStream as exc:
-            raise _AttemptFailed(f"stream: {exc}") from None
         except _TooLarge:
             raise self._too_large(request) from None
+        return block
+
+    async def _relay_stream(
+        self,
+        attempt: _Attempt,
+        upstream: aiohttp.ClientResponse,
+        grant: Grant,
+        headers: dict[str, str],
+    ) -> web.StreamResponse:
+        http, request, result, ledger = (
+            attempt.http,
+            attempt.request,
+            attempt.result,
+            attempt.ledger,
+        )
+        reader = _StreamReader(self.settings.max_response_bytes, ledger)
+        block = await self._first_events(upstream, reader, request)
         now = time.monotonic()
         result.ttft_s = ttft_s = now - request.arrived_at
-        replica.recent_ttft_s.append(ttft_s)
-        metrics = self.router.metrics
-        metrics.ttft.labels(replica.name).observe(ttft_s)
-        itl = metrics.itl.labels(replica.name)
+        grant.replica.recent_ttft_s.append(ttft_s)
+        self.router.metrics.ttft.labels(grant.replica.name).observe(ttft_s)
 
         response = web.StreamResponse(status=upstream.status, headers=headers)
         response.content_type = upstream.content_type or "text/event-stream"
         response.headers["Cache-Control"] = "no-cache"
-        broken: str | None = None
-        delivered = False  # the whole stream reached the client (False: it left)
-        last_at = now
-        counted = 0
+        segment = _Segment(upstream, grant, reader, block)
+        broken: _Break | None = None
         try:
             await self._send(http, response.prepare(http))
+            while True:
+                broken = await self._pump(http, response, request, segment)
+                if broken is None:
+                    break
+                if ledger is not None and broken.resumable and ledger.complete():
+                    await self._send(http, response.write(ledger.closing_events()))
+                    broken = None  # nothing was missing but the tail
+                    break
+                following = await self._resume(attempt, segment.grant, broken)
+                if following is None:
+                    await self._end_broken_stream(http, response, request, segment, broken.reason)
+                    break
+                segment = following
+                result.replica = segment.grant.replica
+            await self._send(http, response.write_eof())
+        finally:
+            result.output_tokens = segment.reader.tokens if ledger is None else ledger.tokens
+        result.status = upstream.status if broken is None else 502
+        result.error = None if broken is None else broken.reason
+        return response
+
+    async def _pump(
+        self,
+        http: web.Request,
+        response: web.StreamResponse,
+        request: GatewayRequest,
+        segment: _Segment,
+    ) -> _Break | None:
+        """Relay one upstream's events to the end of its stream (None) or until it breaks;
+        its grant is released either way, its connection closed when broken."""
+        upstream, grant, reader, block = segment
+        replica = grant.replica
+        itl = self.router.metrics.itl.labels(replica.name)
+        last_at = time.monotonic()
+        counted = 0
+        broken: _Break | None = None
+        try:
             while True:
                 if reader.events > counted:
                     self.router.on_tokens(grant, reader.events - counted, last_at)
@@ -423,34 +589,110 @@ class Forwarder:
                 if reader.done:
                     break
                 try:
+                    if reader.broken is not None:
+                        raise _BadStream(reader.broken)
                     chunk = await upstream.content.readany()
                     if not chunk:
                         raise _BadStream(reader.end_reason())
                     block = reader.feed(chunk)
                 except (TimeoutError, aiohttp.ClientError, _BadStream) as exc:
-                    broken = _broken_reason(exc)
-                    replica.breaker.record_failure(time.monotonic(), f"mid-stream {broken}")
-                    break
+                    broken = _Break(_broken_reason(exc))
+                    replica.breaker.record_failure(time.monotonic(), f"mid-stream {broken.reason}")
+                    return broken
                 except _TooLarge:
-                    broken = self._too_large(request).message
-                    break
+                    broken = _Break(self._too_large(request).message, resumable=False)
+                    return broken
                 now = time.monotonic()
                 itl.observe(now - last_at)
                 replica.recent_itl_s.append(now - last_at)
                 last_at = now
-            if broken is None:
-                replica.breaker.record_success(time.monotonic())
-            else:
-                await self._end_broken_stream(http, response, request, replica, reader, broken)
-            await self._send(http, response.write_eof())
-            delivered = broken is None
+            replica.breaker.record_success(time.monotonic())
+            return None
         finally:
-            tokens = reader.events if reader.usage_tokens is None else reader.usage_tokens
-            result.output_tokens = tokens
-            self.router.release(grant, time.monotonic(), ok=delivered, output_tokens=tokens)
-        result.status = upstream.status if broken is None else 502
-        result.error = broken
-        return response
+            done = reader.done and broken is None
+            self.router.release(grant, time.monotonic(), ok=done, output_tokens=reader.tokens)
+            if done:
+                upstream.release()
+            else:
+                upstream.close()
+
+    async def _resume(
+        self, attempt: _Attempt, broken_grant: Grant, broken: _Break
+    ) -> _Segment | None:
+        """The next replica's segment of a stream broken mid-way: its continuation, sent
+        within the retry budget and the total timeout; None when it cannot go on."""
+        ledger, request, result = attempt.ledger, attempt.request, attempt.result
+        metrics = self.router.metrics.stream_resumes
+        if ledger is None or not broken.resumable or ledger.blocker is not None:
+            metrics.labels("not_resumable").inc()
+            return None
+        previous = broken_grant.replica.name
+        reason = f"mid-stream {broken.reason}"
+        body = ledger.continuation_body()
+        view = summarize(body, chat=ledger.chat).routing_view(self.router.block_tokens)
+        continued = dataclasses.replace(request, view=view, deadline_at=None)
+        if not await self._next_try(
+            request, result, attempt.deadline, attempt.tried, broken_grant, reason
+        ):
+            metrics.labels("failed").inc()
+            return None
+        while True:
+            try:
+                grant = await self._acquire(continued, frozenset(attempt.tried), attempt.deadline)
+            except ApiError:
+                metrics.labels("failed").inc()
+                return None
+            attempt.tried.add(grant.replica.name)
+            ledger.start_segment(previous, grant.replica.name)
+            try:
+                upstream = await self._open(attempt.http, body, continued, grant)
+                try:
+                    if upstream.status >= 400:  # refused as a request: nowhere else takes it
+                        raise ApiError(upstream.status, f"continuation refused: {upstream.status}")
+                    reader = _StreamReader(self.settings.max_response_bytes, ledger)
+                    block = await self._first_events(upstream, reader, continued)
+                except BaseException:
+                    upstream.close()
+                    raise
+            except ApiError as refused:
+                self.router.release(grant, time.monotonic(), ok=False, output_tokens=0)
+                ledger.abandon_segment()
+                metrics.labels("failed").inc()
+                log.warning(
+                    "continuation refused",
+                    extra={
+                        "event": "resume_refused",
+                        "request_id": request.request_id,
+                        "replica": grant.replica.name,
+                        "error": refused.message,
+                    },
+                )
+                return None
+            except _AttemptFailed as failed:
+                ledger.abandon_segment()
+                if not await self._after_failure(
+                    failed, grant, request, result, attempt.deadline, attempt.tried
+                ):
+                    metrics.labels("failed").inc()
+                    return None
+                continue
+            except BaseException:
+                self.router.release(grant, time.monotonic(), ok=False, output_tokens=0)
+                raise
+            metrics.labels("resumed").inc()
+            result.resumes += 1
+            log.info(
+                "stream resumed",
+                extra={
+                    "event": "stream_resumed",
+                    "request_id": request.request_id,
+                    "replica": grant.replica.name,
+                    "from_replica": previous,
+                    "after_tokens": ledger.offset,
+                    "reason": broken.reason,
+                },
+            )
+            return _Segment(upstream, grant, reader, block)
 
     async def _send(self, http: web.Request, write: Awaitable[object]) -> None:
         """One write to the client, which must drain within ``idle_timeout_s``: a client
@@ -471,10 +713,10 @@ class Forwarder:
         http: web.Request,
         response: web.StreamResponse,
         request: GatewayRequest,
-        replica: Upstream,
-        reader: _StreamReader,
+        segment: _Segment,
         reason: str,
     ) -> None:
+        replica = segment.grant.replica
         log.warning(
             "stream broken",
             extra={
@@ -487,7 +729,7 @@ class Forwarder:
         error = ApiError(
             502, f"replica {replica.name} failed mid-stream: {reason}", code="stream_broken"
         )
-        separator = b"" if reader.at_event_end else b"\n"  # end a half-relayed event first
+        separator = b"" if segment.reader.at_event_end else b"\n"  # end a half-relayed event
         await self._send(http, response.write(separator + sse.error_events(error)))
 
 

@@ -89,3 +89,4 @@ class Pool:
     model: str
     policy: str
     replicas: dict[str, Upstream] = field(default_factory=dict)  # by normalized URL
+    resume: bool = True  # continue broken streams on another replica (``resume: off``)

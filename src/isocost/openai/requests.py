@@ -36,6 +36,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # what OpenAI and vLLM run when /v1/complet
 
 class StreamOptions(msgspec.Struct, frozen=True):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk
 
 
 class _Common(msgspec.Struct, frozen=True, kw_only=True):
@@ -72,6 +73,10 @@ class ChatMessage(msgspec.Struct, frozen=True):
 
 class ChatRequest(_Common, frozen=True, kw_only=True):
     messages: list[ChatMessage]
+    # vLLM's chat template switches: continue the last (assistant) message as it is, or
+    # open a new assistant turn (the default)
+    continue_final_message: bool = False
+    add_generation_prompt: bool = True
 
 
 class RequestError(ApiError):

@@ -138,6 +138,7 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     model: str
     replicas: list[ReplicaConfig] = []
     policy: str | None = None
+    resume: bool = True  # a stream broken mid-way goes on on another replica
 
 
 class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

@@ -6,7 +6,13 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from isocost.engine.tokens import ApproxTokenizer, filler_text, load_tokenizer, render_chat
+from isocost.engine.tokens import (
+    ApproxTokenizer,
+    filler_start,
+    filler_text,
+    load_tokenizer,
+    render_chat,
+)
 
 
 def test_approximation_is_deterministic_and_about_four_characters_a_token() -> None:
@@ -56,3 +62,19 @@ def test_a_tokenizer_json_counts_exactly(tmp_path: Path) -> None:
     exact.save(str(path))
     assert load_tokenizer(str(path), 99).encode("hello world moon") == [1, 2, 0]
     assert isinstance(load_tokenizer(None, 99), ApproxTokenizer)
+
+
+def test_the_filler_goes_on_from_the_cycle_word_the_prompt_ends_with() -> None:
+    answer = filler_text(0, 30)
+    assert filler_start("Tell me a story") == 0 and filler_start("<|assistant|>\n") == 0
+    for cut in (1, 7, 11, 12, 29):  # a continuation: the prompt plus the answer so far
+        start = filler_start("Tell me a story" + answer[: len(filler_text(0, cut))])
+        assert filler_text(0, cut) + filler_text(start, 30 - cut) == answer
+
+
+def test_a_chat_with_its_final_message_continued_renders_it_open() -> None:
+    messages = [("user", "hi"), ("assistant", " the of")]
+    opened = render_chat(messages, continue_final=True, generation_prompt=False)
+    assert opened == "<|user|>\nhi\n<|assistant|>\n the of"
+    assert render_chat(messages[:1]) + " the of" == opened  # the answer's own prefix
+    assert render_chat(messages[:1], generation_prompt=False) == "<|user|>\nhi\n"
