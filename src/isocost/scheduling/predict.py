@@ -172,7 +172,8 @@ def predict_one(
     wait, pre, step, base_step, stall = _times(
         coef.prefill_s, coef.decode_step_s, max, min, _if, *load, n, float(cached_tokens), m
     )
-    return RawTimes(wait, pre, step, base_step, float(stall), m)
+    # float(): the load may hold numpy scalars, and a decision must stay JSON-encodable
+    return RawTimes(float(wait), float(pre), float(step), float(base_step), float(stall), m)
 
 
 def predict(

@@ -299,3 +299,20 @@ def test_batch_scrape_of_an_empty_slot_is_refused(make_replicas: Factory) -> Non
     one = np.array([1])
     with pytest.raises(ValueError, match="every slot"):
         replicas.apply_scrapes(np.array([0, 1]), one, one, one * 0.5, one, one, 1.0)
+
+
+def test_a_decision_priced_alone_holds_plain_floats(make_replicas: Factory) -> None:
+    # round_robin reads no prediction, so the chosen replica is priced alone from its load;
+    # with streams running there the load's numpy scalars once leaked into the decision and
+    # GET /admin/snapshot failed to encode it.
+    replicas = make_replicas(["a100-80g", "a100-80g"])
+    for i in range(4):
+        replicas.on_dispatch(RequestView(f"s{i}", MODEL, 2000, max_tokens=64), "r0", 0.0)
+        replicas.on_dispatch(RequestView(f"t{i}", MODEL, 2000, max_tokens=64), "r1", 0.0)
+        replicas.on_first_token(f"s{i}", 0.1)
+        replicas.on_first_token(f"t{i}", 0.1)
+    decision = build_policy("round_robin").schedule(RequestView("q", MODEL, 500), replicas, 0.2)
+    times = (decision.predicted_ttft_s, decision.predicted_e2e_s)
+    assert all(type(t) is float for t in times), [type(t) for t in times]
+    assert decision.raw_times is not None
+    assert all(type(getattr(decision.raw_times, f)) is float for f in ("wait_s", "prefill_s"))
