@@ -49,6 +49,7 @@ class KubeApi:
         self._changed = asyncio.Event()
         self._cut = asyncio.Event()  # set: every open watch ends
         self._runner: web.AppRunner | None = None
+        self._serving = False  # False: every watch ends, also one opened while going down
         self.port = 0
 
     # -- control, from the test's thread ------------------------------------------------
@@ -127,15 +128,19 @@ class KubeApi:
     async def _serve(self) -> None:
         app = web.Application()
         app.router.add_get(_PATH, self._collection)
-        self._runner = web.AppRunner(app, handler_cancellation=True)
+        self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self.port)
         await site.start()
         server = site._server
         assert server is not None and server.sockets
         self.port = server.sockets[0].getsockname()[1]
+        self._serving = True
 
     async def _down(self) -> None:
+        # A client may reconnect between the cut and the cleanup: with the flag down its
+        # watch ends at once too, so the cleanup never waits on a live stream.
+        self._serving = False
         await self._cut_all()
         if self._runner is not None:
             await self._runner.cleanup()
@@ -225,7 +230,7 @@ class KubeApi:
         ends_at = loop.time() + float(query.get("timeoutSeconds") or 1800)
         bookmarks = query.get("allowWatchBookmarks") in ("true", "True", "1")
         cut = self._cut
-        while not cut.is_set() and loop.time() < ends_at:
+        while self._serving and not cut.is_set() and loop.time() < ends_at:
             for event in [e for e in self.history if e.version > since]:
                 if matches(event.obj):
                     await send(event.kind, event.obj)
