@@ -52,14 +52,6 @@ def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
 
 
 @pytest.fixture
-def procs() -> Iterator[list[Proc]]:
-    started: list[Proc] = []
-    yield started
-    for proc in reversed(started):
-        proc.stop(signal.SIGKILL)
-
-
-@pytest.fixture
 def client_of() -> Iterator[Callable[[Proc], openai.OpenAI]]:
     """An openai client for a gateway, closed at the end of the test."""
     made: list[openai.OpenAI] = []

@@ -6,7 +6,6 @@ machines)."""
 
 from __future__ import annotations
 
-import signal
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,14 +28,6 @@ def kube() -> Iterator[KubeApi]:
     api.start()
     yield api
     api.close()
-
-
-@pytest.fixture
-def procs() -> Iterator[list[Proc]]:
-    started: list[Proc] = []
-    yield started
-    for proc in reversed(started):
-        proc.stop(signal.SIGKILL)
 
 
 def start_gateway(tmp: Path, kube: KubeApi, procs: list[Proc]) -> Proc:

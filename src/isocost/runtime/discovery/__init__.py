@@ -11,12 +11,15 @@ through the very path a config reload takes (drain, then remove, for what left).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 from isocost.runtime.discovery.records import Malformed, Registration
 
-__all__ = ["DiscoveryProvider", "DiscoverySink", "Malformed", "Registration"]
+__all__ = ["DiscoveryProvider", "DiscoverySink", "Malformed", "Reachability", "Registration"]
+
+log = logging.getLogger("isocost.discovery")
 
 
 class DiscoverySink(Protocol):
@@ -34,3 +37,32 @@ class DiscoveryProvider(Protocol):
     name: str
 
     async def run(self) -> None: ...
+
+
+class Reachability:
+    """Whether a provider's source answers, reported to its sink and logged only when it
+    changes (an outage is one warning, not one per retry)."""
+
+    def __init__(self, provider: str, source: str, sink: DiscoverySink) -> None:
+        self.provider, self.source, self.sink = provider, source, sink
+        self.up: bool | None = None  # None: not tried yet
+
+    def set(self, up: bool, error: BaseException | None = None, **extra: Any) -> None:
+        if up == self.up:
+            return
+        self.up = up
+        self.sink.set_up(self.provider, up)
+        if up:
+            log.info(
+                f"{self.source} reachable, registrations listed",
+                extra={"event": "discovery_up", "provider": self.provider, **extra},
+            )
+        else:
+            log.warning(
+                f"{self.source} unreachable, keeping the last known replicas",
+                extra={
+                    "event": "discovery_down",
+                    "provider": self.provider,
+                    "error": f"{type(error).__name__}: {error}",
+                },
+            )

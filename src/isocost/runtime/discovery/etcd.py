@@ -18,7 +18,7 @@ import logging
 import aiohttp
 
 from isocost.runtime.config import EtcdDiscoveryConfig
-from isocost.runtime.discovery import DiscoverySink
+from isocost.runtime.discovery import DiscoverySink, Reachability
 from isocost.runtime.discovery.records import Malformed, Registration, decode_registration
 from isocost.runtime.etcd import Compacted, EtcdClient, EtcdError
 
@@ -42,10 +42,10 @@ class EtcdDiscovery:
     def __init__(self, config: EtcdDiscoveryConfig, sink: DiscoverySink) -> None:
         self.config = config
         self.sink = sink
+        self.reachability = Reachability(self.name, "etcd", sink)
         self.prefix = replicas_prefix(config.prefix)
         self.client = EtcdClient(list(config.endpoints), timeout_s=config.timeout_ms / 1000)
         self.records: dict[str, Registration | Malformed] = {}
-        self.up: bool | None = None  # None: not tried yet
         self._listed = False  # this round's list succeeded
 
     async def run(self) -> None:
@@ -64,7 +64,7 @@ class EtcdDiscovery:
                     )  # fmt: skip
                     continue
                 except (EtcdError, aiohttp.ClientError, TimeoutError, ValueError) as exc:
-                    self._set_up(False, exc)
+                    self.reachability.set(False, exc)
                 if self._listed:  # it was healthy: retry at once, back off from there
                     backoff_s = _INITIAL_BACKOFF_S
                 await asyncio.sleep(backoff_s)
@@ -77,7 +77,7 @@ class EtcdDiscovery:
         self.records = {kv.key: decode_registration(kv.value) for kv in kvs}
         self.sink.replace(self.name, self.records)
         self._listed = True
-        self._set_up(True)
+        self.reachability.set(True, replicas=len(self.records))
         probe = asyncio.create_task(self._probe(), name="etcd discovery probe")
         watch = asyncio.create_task(self._watch(revision + 1), name="etcd discovery watch")
         try:
@@ -102,22 +102,3 @@ class EtcdDiscovery:
         while True:
             await asyncio.sleep(self.config.probe_interval_ms / 1000)
             await self.client.status()
-
-    def _set_up(self, up: bool, error: BaseException | None = None) -> None:
-        """Report reachability; log only when it changes."""
-        if up == self.up:
-            return
-        self.up = up
-        self.sink.set_up(self.name, up)
-        if up:
-            log.info(
-                "etcd reachable, registrations listed",
-                extra={"event": "discovery_up", "provider": self.name,
-                       "replicas": len(self.records)},
-            )  # fmt: skip
-        else:
-            log.warning(
-                "etcd unreachable, keeping the last known replicas",
-                extra={"event": "discovery_down", "provider": self.name,
-                       "error": f"{type(error).__name__}: {error}"},
-            )  # fmt: skip

@@ -28,7 +28,7 @@ from kubernetes_asyncio import client, config, watch
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from isocost.runtime.config import KubernetesDiscoveryConfig
-from isocost.runtime.discovery import DiscoverySink
+from isocost.runtime.discovery import DiscoverySink, Reachability
 from isocost.runtime.discovery.records import Malformed, Registration
 
 __all__ = ["KubernetesDiscovery", "slice_records"]
@@ -125,9 +125,9 @@ class KubernetesDiscovery:
     def __init__(self, settings: KubernetesDiscoveryConfig, sink: DiscoverySink) -> None:
         self.settings = settings
         self.sink = sink
+        self.reachability = Reachability(self.name, "Kubernetes API", sink)
         self.selector = settings.label_selector or f"{_SERVICE_LABEL}={settings.service}"
         self.slices: dict[str, dict[str, Registration | Malformed]] = {}
-        self.up: bool | None = None
         self._listed = False  # this round's list succeeded
 
     async def _client(self) -> client.ApiClient:
@@ -161,9 +161,9 @@ class KubernetesDiscovery:
                             extra={"event": "discovery_relist", "provider": self.name},
                         )
                         continue
-                    self._set_up(False, exc)
+                    self.reachability.set(False, exc)
                 except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
-                    self._set_up(False, exc)
+                    self.reachability.set(False, exc)
                 if self._listed:  # it was healthy: retry at once, back off from there
                     backoff_s = _INITIAL_BACKOFF_S
                 await asyncio.sleep(backoff_s)
@@ -182,7 +182,7 @@ class KubernetesDiscovery:
             self.slices[raw["metadata"]["name"]] = slice_records(raw, self.settings)
         self._report()
         self._listed = True
-        self._set_up(True)
+        self.reachability.set(True)
         while True:
             async with watch.Watch() as stream:
                 events = stream.stream(
@@ -210,24 +210,3 @@ class KubernetesDiscovery:
         for records in self.slices.values():
             merged.update(records)
         self.sink.replace(self.name, merged)
-
-    def _set_up(self, up: bool, error: BaseException | None = None) -> None:
-        """Report reachability; log only when it changes."""
-        if up == self.up:
-            return
-        self.up = up
-        self.sink.set_up(self.name, up)
-        if up:
-            log.info(
-                "Kubernetes API reachable, EndpointSlices listed",
-                extra={"event": "discovery_up", "provider": self.name},
-            )
-        else:
-            log.warning(
-                "Kubernetes API unreachable, keeping the last known replicas",
-                extra={
-                    "event": "discovery_down",
-                    "provider": self.name,
-                    "error": f"{type(error).__name__}: {error}",
-                },
-            )
