@@ -7,13 +7,17 @@ the file. Everything above (engine, sim, gateway, bench, cli) reads files throug
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from isocost.core.catalog import Catalog
 from isocost.core.errors import ConfigError
 from isocost.core.models import ModelSpec, model_from_hf_config
 from isocost.workload import TraceFormat, WorkloadRequest, parse_trace
 
-__all__ = ["load_catalog", "load_trace", "read_text", "resolve_model"]
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+__all__ = ["load_catalog", "load_trace", "read_text", "read_tokenizer", "resolve_model"]
 
 
 def read_text(path: str | Path) -> str:
@@ -29,6 +33,26 @@ def read_text(path: str | Path) -> str:
         raise ConfigError(str(p), f"not UTF-8 text (byte {exc.start})") from None
     except OSError as exc:
         raise ConfigError(str(p), exc.strerror or "cannot be read") from None
+
+
+def read_tokenizer(path: str | Path) -> Tokenizer:
+    """A Hugging Face tokenizer from ``tokenizer.json`` or a model folder holding one; a
+    ConfigError naming the file when it is missing or no tokenizer, or when the optional
+    ``tokenizers`` package is not installed."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        p = p / "tokenizer.json"
+    text = read_text(p)
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ConfigError(
+            str(p), "needs the tokenizers package: pip install 'isocost[tokenizer]'"
+        ) from None
+    try:
+        return Tokenizer.from_str(text)
+    except Exception as exc:  # tokenizers raises bare Exceptions on bad files
+        raise ConfigError(str(p), f"not a tokenizer.json: {exc}") from None
 
 
 def load_catalog(paths: list[str] | None = None) -> Catalog:

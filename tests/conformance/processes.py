@@ -16,6 +16,7 @@ ready once they print their ``ready at URL`` line, stopped with SIGTERM.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -95,6 +96,7 @@ class VllmReplica:
 
     port: int
     log_path: Path
+    events_port: int  # its KV-cache event publisher (ZMQ PUB, bound on every interface)
     popen: subprocess.Popen[bytes] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -110,6 +112,11 @@ class VllmReplica:
             "--host", "127.0.0.1", "--port", str(self.port),
             "--dtype", "bfloat16", "--max-model-len", str(MAX_MODEL_LEN),
             "--max-num-seqs", "32",
+            "--enable-prompt-tokens-details",  # usage says how many prompt tokens hit
+            "--kv-events-config", json.dumps({
+                "enable_kv_cache_events": True, "publisher": "zmq",
+                "endpoint": f"tcp://*:{self.events_port}",
+            }),
         ]  # fmt: skip
         with self.log_path.open("ab") as log:
             self.popen = subprocess.Popen(
@@ -124,6 +131,10 @@ class VllmReplica:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def kv_events(self) -> str:
+        return f"tcp://127.0.0.1:{self.events_port}"
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -167,14 +178,14 @@ class VllmFleet:
         self.replicas: list[VllmReplica] = []
         try:
             for index in range(size):
-                self.replicas.append(self._launch(index, free_port()))
+                self.replicas.append(self._launch(index, free_port(), free_port()))
             self.wait_ready()
         except BaseException:
             self.stop()
             raise
 
-    def _launch(self, index: int, port: int) -> VllmReplica:
-        return VllmReplica(port, self.log_dir / f"vllm-{index}.log")
+    def _launch(self, index: int, port: int, events_port: int) -> VllmReplica:
+        return VllmReplica(port, self.log_dir / f"vllm-{index}.log", events_port)
 
     @property
     def urls(self) -> list[str]:
@@ -198,7 +209,8 @@ class VllmFleet:
         """Restart, on its old port, any replica a test killed."""
         dead = [i for i, replica in enumerate(self.replicas) if not replica.alive()]
         for index in dead:
-            self.replicas[index] = self._launch(index, self.replicas[index].port)
+            old = self.replicas[index]
+            self.replicas[index] = self._launch(index, old.port, old.events_port)
         if dead:
             self.wait_ready()
 

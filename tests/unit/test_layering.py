@@ -75,6 +75,7 @@ FORBIDDEN_IN_PURE = {
     "httpx",
     "urllib",
     "secrets",
+    "zmq",
 }
 WALL_CLOCK = {
     ("time", "time"),

@@ -26,8 +26,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import Protocol
 
-from isocost.core.errors import ConfigError
-from isocost.files import read_text
+from isocost.files import read_tokenizer
 
 __all__ = [
     "ApproxTokenizer",
@@ -68,13 +67,7 @@ class HfTokenizer:
     """An exact tokenizer from a local ``tokenizer.json``, without special tokens."""
 
     def __init__(self, path: str) -> None:
-        from tokenizers import Tokenizer as _Tokenizer  # optional dependency
-
-        text = read_text(path)
-        try:
-            self._tokenizer = _Tokenizer.from_str(text)
-        except Exception as exc:  # tokenizers raises bare Exceptions on bad files
-            raise ConfigError(path, f"not a tokenizer.json: {exc}") from None
+        self._tokenizer = read_tokenizer(path)
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False).ids

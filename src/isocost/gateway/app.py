@@ -74,6 +74,8 @@ def _account(gateway: Gateway, request: GatewayRequest, result: ForwardResult) -
             "output_tokens": result.output_tokens,
             "retries": result.retries,
             "resumes": result.resumes,
+            "cached_tokens": result.cached_tokens,
+            "predicted_cached_tokens": result.predicted_cached_tokens,
             "ttft_ms": None if result.ttft_s is None else round(result.ttft_s * 1000, 1),
             "e2e_ms": round(e2e_s * 1000, 1),
             "key": request.key_name,

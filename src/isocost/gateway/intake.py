@@ -23,7 +23,7 @@ import aiohttp
 from aiohttp import web
 
 from isocost.gateway.auth import ApiKey, Authenticator, bearer_token
-from isocost.gateway.body import summarize
+from isocost.gateway.body import routing_view, summarize
 from isocost.gateway.loops import ListenAddress, hops
 from isocost.gateway.routing import GatewayRequest
 from isocost.gateway.upstreams import Pool
@@ -176,7 +176,7 @@ class Intake:
                     code="rate_limit_exceeded",
                     retry_after_s=wait_s,
                 )
-        view = summary.routing_view(self.block_tokens)
+        view = await routing_view(summary, self.block_tokens, pool.tokenizer)
         request = GatewayRequest.from_http(
             http,
             view,

@@ -27,13 +27,14 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import aiohttp
 import msgspec
 
 from isocost.core.catalog import Catalog
 from isocost.core.errors import ConfigError, IsocostError
-from isocost.files import read_text
+from isocost.files import read_text, read_tokenizer
 from isocost.gateway.auth import Authenticator
 from isocost.gateway.intake import Intake
 from isocost.gateway.metrics import GatewayMetrics
@@ -59,6 +60,9 @@ from isocost.runtime.discovery.etcd import EtcdDiscovery
 from isocost.runtime.discovery.membership import Membership, with_replicas
 from isocost.scheduling.contract import ReplicaSpec
 from isocost.scheduling.framework import Policy
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 __all__ = ["Gateway"]
 
@@ -170,6 +174,8 @@ class Gateway:
         plan = _Plan(config)
         wanted: dict[str, tuple[str, ReplicaConfig]] = {}
         for pool_config in config.pools:
+            if pool_config.tokenizer is not None:
+                plan.tokenizers[pool_config.model] = read_tokenizer(pool_config.tokenizer)
             name = pool_config.policy or config.policy
             pool = self.pools.get(pool_config.model)
             if pool is None or scheduling_changed or pool.policy != name:
@@ -239,6 +245,7 @@ class Gateway:
             self.pools[model].policy = name
         for pool_config in config.pools:
             self.pools[pool_config.model].resume = pool_config.resume
+            self.pools[pool_config.model].tokenizer = plan.tokenizers.get(pool_config.model)
         self.router.queue_size = config.limits.max_queue
         self.router.queue_timeout_s = config.limits.queue_timeout_ms / 1000
         if self._forwarder is not None:
@@ -486,6 +493,7 @@ class _Plan:
 
     config: GatewayConfig
     policies: dict[str, tuple[str, Policy]] = field(default_factory=dict)  # by pool model
+    tokenizers: dict[str, Tokenizer] = field(default_factory=dict)  # by pool model
     kept: list[Upstream] = field(default_factory=list)  # listed again as they are
     edited: list[tuple[Upstream, ReplicaConfig, ReplicaSpec | None]] = field(
         default_factory=list

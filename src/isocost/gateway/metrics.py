@@ -109,6 +109,26 @@ class GatewayMetrics:
             ["provider"],
             registry=r,
         )
+        self.kv_event_batches = Counter(
+            "isocost_kv_event_batches",
+            "KV-cache event batches received from replicas' engines (vLLM --kv-events-config).",
+            ["pool", "replica"],
+            registry=r,
+        )
+        self.kv_event_resyncs = Counter(
+            "isocost_kv_event_resyncs",
+            "Times a replica's prefix entries were dropped for a sequence gap or an unplaceable"
+            " or undecodable event, to be rebuilt from later events.",
+            ["pool", "replica"],
+            registry=r,
+        )
+        self.prefix_predictions = Counter(
+            "isocost_prefix_predictions",
+            "Answers whose engine reported its prefix-cache hit, by how the gateway's"
+            " prediction for the chosen replica compared: exact, over or under.",
+            ["replica", "outcome"],
+            registry=r,
+        )
 
         def per_replica(name: str, documentation: str) -> Gauge:
             return Gauge(name, documentation, ["pool", "replica"], registry=r)

@@ -1,4 +1,5 @@
-"""The replica monitor: per upstream one supervised task that probes, scrapes and publishes.
+"""The replica monitor: per upstream one supervised task that probes, scrapes and publishes
+(and a second that follows its engine's KV-cache events, when it has ``kv_events``).
 
 While an upstream's breaker is closed its task scrapes ``/metrics`` every
 ``scrape_interval_ms`` and probes ``/health`` every ``health.interval_ms``. While it is
@@ -28,6 +29,7 @@ import aiohttp
 import msgspec
 
 from isocost.gateway.health import BreakerState
+from isocost.gateway.kvevents import follow_kv_events
 from isocost.gateway.metrics import GatewayMetrics
 from isocost.gateway.routing import Router
 from isocost.gateway.supervise import describe, supervise
@@ -72,6 +74,7 @@ class Monitor:
         self.router = router
         self.metrics = metrics
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._event_tasks: dict[str, asyncio.Task[None]] = {}
         self.configure(config)
 
     def configure(self, config: GatewayConfig) -> None:
@@ -87,12 +90,21 @@ class Monitor:
             self.metrics.task_failures,
             kind="monitor",
         )
+        endpoint = upstream.config.kv_events
+        if endpoint is not None:
+            self._event_tasks[upstream.url] = supervise(
+                f"kv events {upstream.name}",
+                lambda: follow_kv_events(upstream, endpoint, self.router, self.metrics),
+                self.metrics.task_failures,
+                kind="kv_events",
+            )
 
     def unwatch(self, upstream: Upstream) -> None:
         """Stop watching ``upstream`` and withdraw the gauges published for it."""
-        task = self._tasks.pop(upstream.url, None)
-        if task is not None:
-            task.cancel()
+        for tasks in (self._tasks, self._event_tasks):
+            task = tasks.pop(upstream.url, None)
+            if task is not None:
+                task.cancel()
         for gauge in (
             self.metrics.replica_healthy,
             self.metrics.in_flight,
@@ -102,11 +114,12 @@ class Monitor:
                 gauge.remove(upstream.pool, upstream.name)
 
     async def stop(self) -> None:
-        tasks = list(self._tasks.values())
+        tasks = [*self._tasks.values(), *self._event_tasks.values()]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()
+        self._event_tasks.clear()
 
     async def _run(self, upstream: Upstream, health: HealthConfig) -> None:
         """Rounds of checks, each when due, until the upstream is removed."""

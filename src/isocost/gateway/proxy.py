@@ -47,7 +47,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from isocost.gateway.body import summarize
+from isocost.gateway.body import routing_view, summarize
 from isocost.gateway.loops import HOPS_HEADER, hops
 from isocost.gateway.resume import SegmentError, StreamLedger
 from isocost.gateway.routing import GatewayRequest, Grant, Router
@@ -117,6 +117,8 @@ class ForwardResult:
     retries: int = 0
     resumes: int = 0  # times its stream went on on another replica
     ttft_s: float | None = None
+    cached_tokens: int | None = None  # the prefix-cache hit the engine reported
+    predicted_cached_tokens: int | None = None  # the hit the router predicted, in its terms
     error: str | None = None
 
 
@@ -175,6 +177,7 @@ class _StreamReader:
         self.ledger = ledger
         self.events = 0  # data events, [DONE] not counted
         self.usage_tokens: int | None = None
+        self._cached_tokens: int | None = None
         self.done = False
         self.broken: str | None = None
         self.at_event_end = True  # what was relayed ends with a blank line
@@ -186,6 +189,11 @@ class _StreamReader:
         if self.ledger is not None:
             return self.ledger.segment_tokens
         return self.events if self.usage_tokens is None else self.usage_tokens
+
+    @property
+    def cached_tokens(self) -> int | None:
+        """The prefix-cache hit the (first) upstream reported, when it did."""
+        return self._cached_tokens if self.ledger is None else self.ledger.cached_tokens
 
     def feed(self, chunk: bytes) -> bytes:
         cut = chunk.rfind(b"\n") + 1
@@ -239,6 +247,7 @@ class _StreamReader:
         self.events += 1
         if usage is not None:
             self.usage_tokens = usage.completion_tokens
+            self._cached_tokens = usage.cached_tokens
         return True
 
     def end_reason(self) -> str:
@@ -483,6 +492,8 @@ class Forwarder:
                 kind = upstream.content_type or "no content type"
                 raise _AttemptFailed(f"answer is not a JSON object ({kind})") from None
             result.output_tokens = usage.completion_tokens if usage else 0
+            if usage is not None:
+                self._check_prefix_hit(grant, usage.cached_tokens, result)
         now = time.monotonic()
         if ok:
             grant.replica.breaker.record_success(now)
@@ -540,13 +551,15 @@ class Forwarder:
         response = web.StreamResponse(status=upstream.status, headers=headers)
         response.content_type = upstream.content_type or "text/event-stream"
         response.headers["Cache-Control"] = "no-cache"
-        segment = _Segment(upstream, grant, reader, block)
+        segment = first = _Segment(upstream, grant, reader, block)
         broken: _Break | None = None
         try:
             await self._send(http, response.prepare(http))
             while True:
                 broken = await self._pump(http, response, request, segment)
                 if broken is None:
+                    if segment is first:  # a resumed stream's hit was the first replica's
+                        self._check_prefix_hit(grant, reader.cached_tokens, result)
                     break
                 if ledger is not None and broken.resumable and ledger.complete():
                     await self._send(http, response.write(ledger.closing_events()))
@@ -564,6 +577,14 @@ class Forwarder:
         result.status = upstream.status if broken is None else 502
         result.error = None if broken is None else broken.reason
         return response
+
+    def _check_prefix_hit(
+        self, grant: Grant, cached_tokens: int | None, result: ForwardResult
+    ) -> None:
+        """Compare the engine's reported prefix-cache hit with the router's prediction."""
+        if cached_tokens is not None:
+            result.cached_tokens = cached_tokens
+            result.predicted_cached_tokens = self.router.check_prefix_hit(grant, cached_tokens)
 
     async def _pump(
         self,
@@ -629,7 +650,9 @@ class Forwarder:
         previous = broken_grant.replica.name
         reason = f"mid-stream {broken.reason}"
         body = ledger.continuation_body()
-        view = summarize(body, chat=ledger.chat).routing_view(self.router.block_tokens)
+        view = await routing_view(
+            summarize(body, chat=ledger.chat), self.router.block_tokens, request.pool.tokenizer
+        )
         continued = dataclasses.replace(request, view=view, deadline_at=None)
         if not await self._next_try(
             request, result, attempt.deadline, attempt.tried, broken_grant, reason

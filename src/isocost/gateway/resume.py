@@ -25,6 +25,7 @@ import msgspec
 
 from isocost.openai import sse
 from isocost.openai.continuation import continuation, with_usage_stats
+from isocost.openai.usage import cached_prompt_tokens
 
 __all__ = ["SegmentError", "StreamLedger"]
 
@@ -52,6 +53,7 @@ class StreamLedger:
         self.offset = 0  # completion tokens of the replicas before this one
         self.segment_tokens = 0  # this replica's completion tokens so far
         self.prompt_tokens: int | None = None  # as the first replica counted them
+        self.cached_tokens: int | None = None  # the first replica's prefix-cache hit
         self.finish_reason: str | None = None
         self.blocker: str | None = None  # why it can no longer be resumed exactly
         self.resumes: list[dict[str, Any]] = []
@@ -155,6 +157,8 @@ class StreamLedger:
             self.segment_tokens = max(self.segment_tokens, completion)
         if isinstance(prompt, int) and self.prompt_tokens is None:
             self.prompt_tokens = prompt
+        if not self.resumes and self.cached_tokens is None:
+            self.cached_tokens = cached_prompt_tokens(usage)
 
     def _read(self, choice: Any, counted: bool) -> None:
         if not isinstance(choice, dict):

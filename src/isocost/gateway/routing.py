@@ -51,6 +51,7 @@ from isocost.gateway.metrics import GatewayMetrics
 from isocost.gateway.upstreams import Pool, Upstream
 from isocost.openai.errors import ApiError
 from isocost.prefix.hashing import BLOCK_TOKENS
+from isocost.prefix.kvevents import KvEventTracker, engine_cached_tokens
 from isocost.runtime.config import (
     GENERIC_PRIOR_MODEL,
     GatewayConfig,
@@ -155,6 +156,8 @@ class Grant:
     replica: Upstream
     attempt_id: str  # the brain's request id for this attempt
     decision: Decision
+    matched_tokens: int = 0  # the prompt's tokens the prefix index held on the replica
+    prompt_tokens: int = 0
     streaming: bool = False  # its first token has arrived
     released: bool = False
 
@@ -185,6 +188,7 @@ class Router:
         self.clock = clock  # monotonic seconds, the clock of every ``now`` it is given
         self.replicas = ReplicaSet(block_tokens=BLOCK_TOKENS)
         self.block_tokens = BLOCK_TOKENS
+        self.kv_trackers: dict[str, KvEventTracker] = {}  # by replica name
         self.policies: dict[str, Policy] = {}  # by pool model
         self.replicas.add_listener(_PolicyHooks(self.policies))
         # (time, prompt tokens, decision): described only when someone asks (admin API).
@@ -397,7 +401,9 @@ class Router:
             delay = max(record.predicted_start_s - now, 0.0)
             asyncio.get_running_loop().call_later(delay, self._wake, replica.pool)
         replica.num_in_flight += 1
-        waiter.set_result(Grant(replica, view.request_id, decision))
+        waiter.set_result(
+            Grant(replica, view.request_id, decision, record.cached_tokens, view.prompt_tokens)
+        )
 
     def _refuse(
         self,
@@ -481,6 +487,41 @@ class Router:
         if not grant.streaming:
             grant.streaming = True
             self._wake(grant.replica.pool)  # it left the replica's waiting queue
+
+    def follow_kv_events(self, replica: Upstream) -> KvEventTracker:
+        """A tracker applying ``replica``'s engine KV events to its prefix entries."""
+        slot = self.replicas.get(replica.name).slot
+        tracker = KvEventTracker(self.replicas.prefix, slot, self.block_tokens)
+        self.kv_trackers[replica.name] = tracker
+        return tracker
+
+    def unfollow_kv_events(self, replica: Upstream, tracker: KvEventTracker) -> None:
+        if self.kv_trackers.get(replica.name) is tracker:
+            del self.kv_trackers[replica.name]
+
+    def check_prefix_hit(self, grant: Grant, cached_tokens: int) -> int | None:
+        """The hit predicted for ``grant``'s replica in the engine's terms (whole engine
+        blocks, never the last prompt token), counted against the ``cached_tokens`` the
+        engine reported; None while the engine's block size is unknown (from its KV
+        events, else its ``vllm:cache_config_info``)."""
+        replica = grant.replica
+        tracker = self.kv_trackers.get(replica.name)
+        scraped = replica.last_scrape
+        block_tokens = (tracker and tracker.engine_block_tokens) or (
+            scraped and scraped.kv_block_tokens
+        )
+        if not block_tokens:
+            return None
+        predicted = engine_cached_tokens(grant.matched_tokens, grant.prompt_tokens, block_tokens)
+        outcome = (
+            "exact"
+            if predicted == cached_tokens
+            else "over"
+            if predicted > cached_tokens
+            else "under"
+        )
+        self.metrics.prefix_predictions.labels(grant.replica.name, outcome).inc()
+        return predicted
 
     def release(self, grant: Grant, now: float, *, ok: bool, output_tokens: int) -> None:
         """The attempt ended; frees its place and maybe the replica's last hold (once)."""

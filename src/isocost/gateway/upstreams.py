@@ -12,10 +12,14 @@ from __future__ import annotations
 import os
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from isocost.gateway.health import Breaker, BreakerState
 from isocost.runtime.config import HealthConfig, ReplicaConfig, normalize_replica_url, replica_name
 from isocost.scheduling.contract import EngineMetrics
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 __all__ = ["Pool", "Upstream"]
 
@@ -90,3 +94,4 @@ class Pool:
     policy: str
     replicas: dict[str, Upstream] = field(default_factory=dict)  # by normalized URL
     resume: bool = True  # continue broken streams on another replica (``resume: off``)
+    tokenizer: Tokenizer | None = None  # the pool's ``tokenizer``: exact prompt token ids

@@ -120,6 +120,24 @@ class PrefixIndex:
         self._counts[replica] -= num_blocks
         return num_blocks
 
+    def discard(self, replica: int, block_hashes: Sequence[int]) -> int:
+        """Forget these blocks of ``replica`` (the engine said it evicted them); returns how
+        many it held. Blocks it did not hold are ignored."""
+        lru = self._lru.get(replica)
+        if lru is None:
+            return 0
+        removed = 0
+        for block in block_hashes:
+            if lru.pop(block, 0) is None:  # held (the value is None); 0 when absent
+                owners = self._holders[block]
+                if isinstance(owners, int):
+                    del self._holders[block]
+                else:
+                    self._drop_shared(block, owners, replica)
+                removed += 1
+        self._counts[replica] -= removed
+        return removed
+
     def remove_replica(self, replica: int) -> None:
         """Forget everything about ``replica`` (it left the fleet or restarted)."""
         lru = self._lru.pop(replica, None)

@@ -10,6 +10,7 @@ A full file, every key optional except ``pools[].model`` and ``replicas[].url``:
     pools:
       - model: llama-3.1-8b           # the model name clients send
         policy: equal_cost            # a scheduling policy name
+        tokenizer: /models/llama/     # tokenizer.json (or its folder): exact prompt tokens
         replicas:
           - url: http://10.0.0.5:8000
             name: a100-0              # defaults to host:port
@@ -21,6 +22,8 @@ A full file, every key optional except ``pools[].model`` and ``replicas[].url``:
             api_key_env: ENGINE_KEY   # bearer token the replica expects, read from the env
             groups: [a100]            # route groups it belongs to (see routes)
             max_queue: 128            # engine-waiting requests beyond which it takes no work
+            kv_events: tcp://10.0.0.5:5557  # the engine's KV-cache event publisher (vLLM's
+                                      # --kv-events-config endpoint): evictions known
     scheduling:                       # isocost.scheduling.policies' config: plugin instances,
       policies:                       # policy profiles (added to the built-ins) and routes
         - name: cost_with_affinity
@@ -119,6 +122,7 @@ __all__ = [
 # The shape a served model in no catalog is priced as until calibration corrects it: a
 # mid-size dense model, so that neither its prefill nor its decode starts out negligible.
 GENERIC_PRIOR_MODEL = "llama-3.1-8b"
+_ZMQ_ENDPOINT = re.compile(r"tcp://[^\s:/]+:\d{1,5}|ipc://\S+")
 
 
 class ReplicaConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -132,6 +136,7 @@ class ReplicaConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     api_key_env: str | None = None
     groups: list[str] = []
     max_queue: int = 128
+    kv_events: str | None = None  # ZMQ endpoint of the engine's KV-cache event publisher
 
 
 class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -139,6 +144,7 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     replicas: list[ReplicaConfig] = []
     policy: str | None = None
     resume: bool = True  # a stream broken mid-way goes on on another replica
+    tokenizer: str | None = None  # tokenizer.json, or a folder holding one
 
 
 class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -338,6 +344,9 @@ def _check_replica_fields(replica: ReplicaConfig, source: str, key: str, *, secr
     env = replica.api_key_env
     if secrets and env is not None and env not in os.environ:
         raise bad("api_key_env", f"environment variable {env} unset")
+    events = replica.kv_events
+    if events is not None and not _ZMQ_ENDPOINT.fullmatch(events):
+        raise bad("kv_events", "must be a ZMQ endpoint tcp://HOST:PORT or ipc://PATH")
 
 
 def _check_replica_references(

@@ -6,7 +6,8 @@ in [0, 1] despite the name; ``vllm:num_preemptions_total``) and SGLang's
 (``sglang:num_running_reqs``, ``sglang:num_queue_reqs``, ``sglang:token_usage``,
 ``sglang:cache_hit_rate``), plus the prefix-cache counters (vLLM V1
 ``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits`` with or without ``_total``, V0
-``vllm:gpu_prefix_cache_*``). Samples of one name are summed over their labels (one engine
+``vllm:gpu_prefix_cache_*``), and the KV block size from the ``block_size`` label of
+``vllm:cache_config_info``. Samples of one name are summed over their labels (one engine
 with several model or rank labels is one replica); gauges that are fractions are averaged
 (a KV usage that is not exported reads as 0).
 
@@ -23,6 +24,7 @@ unscrapable instead of idle.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from isocost.scheduling.contract import EngineMetrics
@@ -53,6 +55,8 @@ _PREFIX_QUERIES = (
 _PREFIX_HITS = tuple(name.replace("queries", "hits") for name in _PREFIX_QUERIES)
 _COUNTERS = frozenset(_PREEMPTIONS + _PREFIX_QUERIES + _PREFIX_HITS)
 _WANTED = frozenset(_RUNNING + _WAITING + _KV_USAGE) | _COUNTERS
+_CACHE_CONFIG = "vllm:cache_config_info"
+_BLOCK_SIZE = re.compile(r'[{,]\s*block_size="(\d{1,8})"')
 
 
 class ScrapeError(ValueError):
@@ -83,11 +87,16 @@ def parse_engine_metrics(text: str) -> Scrape:
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
     problems: dict[str, str] = {}  # one per metric name, the first seen
+    block_tokens: int | None = None
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
         end = min((i for i in (line.find("{"), line.find(" ")) if i >= 0), default=len(line))
         name = line[:end]
+        if name == _CACHE_CONFIG:
+            found = _BLOCK_SIZE.search(line, end)
+            block_tokens = int(found[1]) if found and 0 < int(found[1]) <= 1 << 20 else None
+            continue
         if name not in _WANTED:
             continue
         value_text = line[line.rfind("}") + 1 :] if line[end : end + 1] == "{" else line[end:]
@@ -123,6 +132,7 @@ def parse_engine_metrics(text: str) -> Scrape:
         prefix_cache_queries=int(_first(sums, _PREFIX_QUERIES) or 0),
         prefix_cache_hits=int(_first(sums, _PREFIX_HITS) or 0),
         num_preemptions=int(_first(sums, _PREEMPTIONS) or 0),
+        kv_block_tokens=block_tokens,
     )
     return Scrape(metrics, tuple(problems.values()))
 

@@ -132,6 +132,7 @@ class EngineMetrics:
     prefix_cache_queries: int = 0  # cumulative counters, tokens
     prefix_cache_hits: int = 0
     num_preemptions: int = 0  # cumulative
+    kv_block_tokens: int | None = None  # tokens per KV block, when the engine says
 
 
 @dataclass(slots=True)

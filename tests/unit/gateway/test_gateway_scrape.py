@@ -44,6 +44,21 @@ def test_vllm_v1_names() -> None:
     assert (m.prefix_cache_queries, m.prefix_cache_hits, m.num_preemptions) == (1200, 300, 4)
 
 
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        ('vllm:cache_config_info{block_size="128",cache_dtype="auto",engine="0"} 1.0', 128),
+        ('vllm:cache_config_info{engine="0",block_size="16"} 1.0', 16),
+        ('vllm:cache_config_info{block_size="0"} 1.0', None),
+        ('vllm:cache_config_info{block_size="x"} 1.0', None),
+        ('vllm:cache_config_info{engine="0"} 1.0', None),
+    ],
+)
+def test_the_kv_block_size_from_vllms_cache_config(line: str, expected: int | None) -> None:
+    assert parse_engine_metrics(f"{VLLM_V1}{line}\n").metrics.kv_block_tokens == expected
+    assert parse_engine_metrics(VLLM_V1).metrics.kv_block_tokens is None
+
+
 def test_vllm_v0_names() -> None:
     m = parse_engine_metrics(VLLM_V0).metrics
     assert (m.num_running, m.num_waiting, m.kv_usage) == (3, 0, 0.25)
