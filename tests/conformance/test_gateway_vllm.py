@@ -235,6 +235,25 @@ def _documents(tokenizer: Tokenizer, count: int, rng: random.Random) -> list[str
     return documents
 
 
+def _shared_prefix_workload(
+    tokenizer: Tokenizer, count: int, questions: int, seed: int
+) -> tuple[list[str], list[tuple[int, int]], list[str]]:
+    """``count`` documents asked ``questions`` questions each in a seeded random order: the
+    documents, the (document, question) order and the prompts in it."""
+    rng = random.Random(seed)
+    documents = _documents(tokenizer, count, rng)
+    order = [(d, q) for d in range(count) for q in range(questions)]
+    rng.shuffle(order)
+    prompts = [f"{documents[d]}\nQuestion {q}: what is point {q}?" for d, q in order]
+    return documents, order, prompts
+
+
+def _reset_prefix_cache(url: str) -> None:
+    request = urllib.request.Request(f"{url}/reset_prefix_cache", b"", method="POST")
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert response.status == 200
+
+
 @dataclass(frozen=True)
 class _PolicyRun:
     """What one policy did with the shared-prefix workload."""
@@ -282,9 +301,7 @@ def _run_workload(
     folder.mkdir()
     urls = fleet.urls
     for url in urls:
-        request = urllib.request.Request(f"{url}/reset_prefix_cache", b"", method="POST")
-        with urllib.request.urlopen(request, timeout=10) as response:
-            assert response.status == 200
+        _reset_prefix_cache(url)
     hits_before = sum(_vllm_counter(u, "vllm:prefix_cache_hits") for u in urls)
     queries_before = sum(_vllm_counter(u, "vllm:prefix_cache_queries") for u in urls)
     gateway = _start_gateway(folder, fleet, policy, cost_model)
@@ -344,11 +361,7 @@ def test_prefix_aware_routing_raises_vllm_prefix_cache_hits(
     token can only add to them).
     """
     tokenizer = Tokenizer.from_file(str(TINY_MODEL / "tokenizer.json"))
-    rng = random.Random(8)
-    documents = _documents(tokenizer, 16, rng)
-    order = [(d, q) for d in range(len(documents)) for q in range(3)]
-    rng.shuffle(order)
-    prompts = [f"{documents[d]}\nQuestion {q}: what is point {q}?" for d, q in order]
+    documents, order, prompts = _shared_prefix_workload(tokenizer, 16, 3, seed=8)
     block = VLLM_BLOCK_TOKENS
     reuse = [len(tokenizer.encode(doc).ids) // block * block for doc in documents]
     aware_expected = sum(2 * tokens for tokens in reuse)
@@ -388,11 +401,7 @@ def test_prefix_aware_routing_under_concurrency(
     Measured per policy: vLLM's own prefix-cache hits, TTFT p50/p99 at the client, and the
     gateway's TTFT prediction error per replica."""
     tokenizer = Tokenizer.from_file(str(TINY_MODEL / "tokenizer.json"))
-    rng = random.Random(9)
-    documents = _documents(tokenizer, 16, rng)
-    order = [(d, q) for d in range(len(documents)) for q in range(4)]
-    rng.shuffle(order)
-    prompts = [f"{documents[d]}\nQuestion {q}: what is point {q}?" for d, q in order]
+    _, _, prompts = _shared_prefix_workload(tokenizer, 16, 4, seed=9)
     runs = {  # priced as the tiny model only (the 8B pricing is compared one at a time)
         label: _run_workload(tmp_path / label, vllm, policy, cost_model, prompts, concurrency=8)
         for label, policy, cost_model in _COMPARED
@@ -460,15 +469,9 @@ def test_kv_events_make_the_predicted_prefix_hit_the_one_vllm_reports(
     while its document's first request is being prefilled can be predicted a hit vLLM does
     not have yet: that is the remaining error."""
     tokenizer = Tokenizer.from_file(str(TINY_MODEL / "tokenizer.json"))
-    rng = random.Random(10)
-    documents = _documents(tokenizer, 12, rng)
-    order = [(d, q) for d in range(len(documents)) for q in range(4)]
-    rng.shuffle(order)
-    prompts = [f"{documents[d]}\nQuestion {q}: what is point {q}?" for d, q in order]
+    documents, _, prompts = _shared_prefix_workload(tokenizer, 12, 4, seed=10)
     for url in vllm.urls:
-        request = urllib.request.Request(f"{url}/reset_prefix_cache", b"", method="POST")
-        with urllib.request.urlopen(request, timeout=10) as response:
-            assert response.status == 200
+        _reset_prefix_cache(url)
     gateway = _start_gateway(tmp_path, vllm, "prefix", kv_events=True)
 
     def ask(prompt: str) -> None:
@@ -479,10 +482,7 @@ def test_kv_events_make_the_predicted_prefix_hit_the_one_vllm_reports(
         half = len(prompts) // 2
         with ThreadPoolExecutor(4) as pool:
             list(pool.map(ask, prompts[:half]))
-            emptied = vllm.urls[0]
-            request = urllib.request.Request(f"{emptied}/reset_prefix_cache", b"", method="POST")
-            with urllib.request.urlopen(request, timeout=10) as response:
-                assert response.status == 200
+            _reset_prefix_cache(vllm.urls[0])  # behind the gateway's back
             wait_for(
                 lambda: _gateway_counter(gateway, "isocost_kv_event_batches_total") >= 3,
                 10,
