@@ -42,8 +42,6 @@ from dataclasses import dataclass
 from random import Random
 from typing import Any
 
-from aiohttp import web
-
 from isocost.core.catalog import Catalog
 from isocost.core.errors import IsocostError
 from isocost.gateway.body import RoutingView
@@ -103,9 +101,9 @@ class GatewayRequest:
     key_name: str | None
 
     @classmethod
-    def from_http(
+    def from_headers(
         cls,
-        http: web.Request,
+        headers: Mapping[str, str],
         view: RoutingView,
         pool: Pool,
         *,
@@ -114,7 +112,6 @@ class GatewayRequest:
     ) -> GatewayRequest:
         """Read ``x-session-id``, ``x-priority``, ``x-deadline-ms``, ``x-tpot-ms`` and
         ``x-isocost-class``."""
-        headers = http.headers
         try:
             priority = int(headers.get("x-priority", "0"))
         except ValueError:
@@ -482,8 +479,9 @@ class Router:
             grant.streaming = True
             self._wake(grant.replica.pool)  # it left the replica's waiting queue
 
-    def release(self, grant: Grant, now: float, *, ok: bool, output_tokens: int) -> None:
-        """The attempt ended; frees its place and maybe the replica's last hold (once)."""
+    def release(self, grant: Grant, now: float, *, ok: bool, output_tokens: int | None) -> None:
+        """The attempt ended; frees its place and maybe the replica's last hold (once).
+        ``output_tokens``: from the usage; None when the data plane never saw it."""
         if grant.released:
             return
         grant.released = True
