@@ -215,6 +215,33 @@ def test_client_cannot_choose_the_endpoint(stack: Stack) -> None:
     assert headers["x-isocost-replica"] in {_endpoint(e) for e in stack.engines}
 
 
+def test_full_duplex_body_mode(stack: Stack) -> None:
+    """FULL_DUPLEX_STREAMED: Envoy sends headers and body at once; the picker answers the
+    headers once the body is whole and streams the body back, which the engine reads."""
+    duplex = start_envoy(
+        envoy_config(
+            listen_port=_free_port(),
+            admin_port=_free_port(),
+            picker_port=stack.picker_port,
+            engine_ports=[_port(e) for e in stack.engines],
+            full_duplex=True,
+        ),
+        stack.tmp / "envoy-duplex.yaml",
+    )
+    try:
+        client = openai.OpenAI(base_url=duplex.url + "/v1", api_key=API_KEY, max_retries=0)
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=_chat("duplex " * 3000), max_tokens=3
+        )
+        assert raw.headers["x-isocost-replica"] in {_endpoint(e) for e in stack.engines}
+        usage = raw.parse().usage
+        assert usage is not None and usage.prompt_tokens > 3000  # the body arrived whole
+        pieces = list(client.completions.create(model=MODEL, prompt="a", max_tokens=3, stream=True))
+        assert sum(1 for p in pieces if p.choices and p.choices[0].text) == 3
+    finally:
+        duplex.stop()
+
+
 # -- the GAIE protocol, spoken directly ---------------------------------------------------
 
 

