@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -353,40 +355,86 @@ def test_grpc_health(stack: Stack) -> None:
 # -- failure modes (last: the picker is killed) -------------------------------------------
 
 
-def test_picker_killed_fail_open_then_restarted(stack: Stack) -> None:
-    """SIGKILL: with failure_mode_allow Envoy routes round robin (no pick header); with
-    FailClose it answers 503; a restarted picker picks again."""
-    stack.picker.stop(sig=9)
-    client = stack.client
-    for i in range(4):  # FailOpen: every request still served, by Envoy's fallback route
-        raw = client.completions.with_raw_response.create(
-            model=MODEL, prompt=f"no picker {i}", max_tokens=2
-        )
-        assert raw.status_code == 200 and "x-isocost-replica" not in raw.headers
-    fail_close = start_envoy(
-        envoy_config(
-            listen_port=_free_port(),
-            admin_port=_free_port(),
-            picker_port=stack.picker_port,
-            engine_ports=[_port(e) for e in stack.engines],
-            fail_open=False,
-        ),
-        stack.tmp / "envoy-fail-close.yaml",
-    )
+class _Load:
+    """Threads sending completions (streamed every other one) through Envoy until
+    stopped; each answer's time, status (0: no answer) and whether the picker chose."""
+
+    def __init__(self, url: str, workers: int = 3) -> None:
+        self.url = url
+        self.answers: list[tuple[float, int, bool]] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(workers)]
+        for thread in self._threads:
+            thread.start()
+
+    def _run(self, worker: int) -> None:
+        client = openai.OpenAI(base_url=self.url + "/v1", api_key=API_KEY, max_retries=0)
+        sent = 0
+        while not self._stop.is_set():
+            sent += 1
+            stream = sent % 2 == 0
+            try:
+                raw = client.completions.with_raw_response.create(
+                    model=MODEL, prompt=f"load {worker} {sent}", max_tokens=3, stream=stream
+                )
+                parsed = raw.parse()
+                if stream:
+                    list(parsed)  # type: ignore[call-overload]
+                status, picked = raw.status_code, "x-isocost-replica" in raw.headers
+            except openai.APIStatusError as exc:
+                status, picked = exc.status_code, False
+            except openai.APIConnectionError:
+                status, picked = 0, False
+            self.answers.append((time.monotonic(), status, picked))
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=30)
+
+
+def test_picker_killed_under_load_then_restarted(stack: Stack) -> None:
+    """SIGKILL under load: with failure_mode_allow Envoy serves every request (its
+    fallback route, no pick header); with FailClose it answers 503; a restarted picker
+    picks again within 2 s of being ready. No request fails throughout."""
+    load = _Load(stack.envoy.url)
     try:
-        status, _, _ = http(
-            "POST",
-            fail_close.url + "/v1/completions",
-            json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 1}).encode(),
-            {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
+        wait_for(lambda: any(p for _, _, p in load.answers), what="picked answers")
+        stack.picker.stop(sig=9)
+        killed_at = time.monotonic()
+        wait_for(
+            lambda: sum(1 for t, _, p in load.answers if t > killed_at and not p) >= 4,
+            what="answers from the fallback route",
         )
-        assert status == 503
+        fail_close = start_envoy(
+            envoy_config(
+                listen_port=_free_port(),
+                admin_port=_free_port(),
+                picker_port=stack.picker_port,
+                engine_ports=[_port(e) for e in stack.engines],
+                fail_open=False,
+            ),
+            stack.tmp / "envoy-fail-close.yaml",
+        )
+        try:
+            status, _, _ = http(
+                "POST",
+                fail_close.url + "/v1/completions",
+                json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 1}).encode(),
+                {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
+            )
+            assert status == 503
+        finally:
+            fail_close.stop()
+        stack.picker = _start_picker(stack.config, stack.picker_port, stack.log)
+        ready_at = time.monotonic()
+        wait_for(
+            lambda: any(p for t, _, p in load.answers if t > ready_at),
+            timeout_s=2,
+            what="decisions to resume",
+            interval_s=0.02,
+        )
     finally:
-        fail_close.stop()
-    stack.picker = _start_picker(stack.config, stack.picker_port, stack.log)
-
-    def picks_again() -> bool:
-        raw = client.completions.with_raw_response.create(model=MODEL, prompt="y", max_tokens=1)
-        return "x-isocost-replica" in raw.headers
-
-    wait_for(picks_again, timeout_s=10, what="decisions to resume", interval_s=0.1)
+        load.stop()
+    failed = [status for _, status, _ in load.answers if status != 200]
+    assert not failed, f"{len(failed)} of {len(load.answers)} requests failed: {failed[:5]}"
