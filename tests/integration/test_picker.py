@@ -12,6 +12,7 @@ import json
 import socket
 import threading
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -61,14 +62,18 @@ class Stack:
     engines: list[Proc]
     picker: Proc
     picker_port: int
+    metrics_url: str
     envoy: Envoy
     config: Path
     tmp: Path
     log: Path
 
-    @property
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.envoy.url + "/v1", api_key=API_KEY, max_retries=0)
+    client: openai.OpenAI  # through Envoy; closed with the stack
+
+
+def _client(url: str, api_key: str = API_KEY) -> openai.OpenAI:
+    """The official client on ``url``; close it (``with``): its sockets outlive it."""
+    return openai.OpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0)
 
 
 def _write_config(path: Path, engines: list[Proc]) -> None:
@@ -77,9 +82,11 @@ def _write_config(path: Path, engines: list[Proc]) -> None:
     path.write_text(gateway_config(urls, model=MODEL, admin_token=ADMIN_TOKEN, api_key=API_KEY))
 
 
-def _start_picker(config: Path, port: int, log: Path) -> Proc:
+def _start_picker(config: Path, port: int, log: Path, metrics_port: int | None = None) -> Proc:
     with log.open("a") as stderr:
         args = ["picker", "--config", str(config), "--port", str(port)]
+        if metrics_port is not None:
+            args += ["--metrics-port", str(metrics_port)]
         return start_isocost(args, "isocost picker", stderr=stderr)
 
 
@@ -95,7 +102,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         _write_config(config, engines)
         picker_port = _free_port()
         log = tmp / "picker.log"
-        picker = _start_picker(config, picker_port, log)
+        metrics_port = _free_port()
+        picker = _start_picker(config, picker_port, log, metrics_port)
         envoy = start_envoy(
             envoy_config(
                 listen_port=_free_port(),
@@ -105,8 +113,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             ),
             tmp / "envoy.yaml",
         )
-        stack = Stack(engines, picker, picker_port, envoy, config, tmp, log)
-        yield stack
+        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        client = _client(envoy.url)
+        stack = Stack(engines, picker, picker_port, metrics_url, envoy, config, tmp, log, client)
+        with client:
+            yield stack
         picker = stack.picker  # the test that kills it starts another
     finally:
         if envoy is not None:
@@ -131,20 +142,22 @@ def test_decisions_match_isocost_serve(stack: Stack) -> None:
     _write_config(serve_config, twins)
     serve = start_isocost(["serve", "--config", str(serve_config), "--port", "0"], "isocost serve")
     try:
-        prefixes = [uuid.uuid4().hex * 40 for _ in range(3)]
-        order = [0, 1, 0, 2, 1, 0]  # shared prefixes: affinity decides the repeats
+        prefixes = [uuid.uuid4().hex * 40 for _ in range(2)]
+        # The first ties; the second goes to the replica not yet measured (exploration);
+        # the rest follow the cached prefix. A third new prefix would tie again.
+        order = [0, 1, 0, 1, 1, 0]
 
         def replicas(base_url: str, engines: list[Proc]) -> list[int]:
-            client = openai.OpenAI(base_url=base_url + "/v1", api_key=API_KEY, max_retries=0)
             names = [_endpoint(e) for e in engines]
             chosen = []
-            for i, which in enumerate(order):
-                raw = client.chat.completions.with_raw_response.create(
-                    model=MODEL,
-                    messages=_chat(prefixes[which] + f" question {i}"),
-                    max_tokens=4,
-                )
-                chosen.append(names.index(raw.headers["x-isocost-replica"]))
+            with _client(base_url) as client:
+                for i, which in enumerate(order):
+                    raw = client.chat.completions.with_raw_response.create(
+                        model=MODEL,
+                        messages=_chat(prefixes[which] + f" question {i}"),
+                        max_tokens=4,
+                    )
+                    chosen.append(names.index(raw.headers["x-isocost-replica"]))
             return [c ^ chosen[0] for c in chosen]  # the first one's replica is 0
 
         served = replicas(serve.url, twins)
@@ -178,8 +191,23 @@ def test_openai_client_chat_and_completions(stack: Stack) -> None:
     assert text and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
     completion = client.completions.create(model=MODEL, prompt="once upon", max_tokens=3)
     assert completion.usage is not None and completion.usage.completion_tokens == 3
-    pieces = list(client.completions.create(model=MODEL, prompt="a b", max_tokens=4, stream=True))
-    assert sum(1 for p in pieces if p.choices and p.choices[0].text) == 4
+    assert _streamed_tokens(client, max_tokens=4) == 4
+
+
+def _streamed_tokens(client: openai.OpenAI, max_tokens: int) -> int:
+    """A streamed completion's tokens by its usage chunk, once its text has come."""
+    pieces = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="a b",
+            max_tokens=max_tokens,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(p.choices[0].text for p in pieces if p.choices)
+    usage = pieces[-1].usage
+    return 0 if usage is None else usage.completion_tokens
 
 
 def test_errors_are_openai_json(stack: Stack) -> None:
@@ -187,8 +215,10 @@ def test_errors_are_openai_json(stack: Stack) -> None:
     with pytest.raises(openai.NotFoundError) as missing:
         client.chat.completions.create(model="no-such-model", messages=_chat("x"), max_tokens=2)
     assert missing.value.code == "model_not_found"
-    bad_key = openai.OpenAI(base_url=stack.envoy.url + "/v1", api_key="wrong", max_retries=0)
-    with pytest.raises(openai.AuthenticationError) as refused:
+    with (
+        _client(stack.envoy.url, "wrong") as bad_key,
+        pytest.raises(openai.AuthenticationError) as refused,
+    ):
         bad_key.chat.completions.create(model=MODEL, messages=_chat("x"), max_tokens=2)
     assert refused.value.code == "invalid_api_key"
     status, headers, body = http(
@@ -199,6 +229,28 @@ def test_errors_are_openai_json(stack: Stack) -> None:
     )
     assert status == 400 and headers["content-type"] == "application/json"
     assert body["error"]["param"] == "messages"
+
+
+def test_metrics_count_picks(stack: Stack) -> None:
+    """``--metrics-port``: the gateway's Prometheus metrics, counting what was picked."""
+    before = _sample(stack, 'isocost_decisions_total{policy="equal_cost"}')
+    stack.client.completions.create(model=MODEL, prompt="count me", max_tokens=1)
+    wait_for(
+        lambda: _sample(stack, 'isocost_decisions_total{policy="equal_cost"}') == before + 1,
+        what="one more decision counted",
+    )
+    assert _sample(stack, "isocost_replica_healthy", prefix=True) == 1.0
+
+
+def _sample(stack: Stack, series: str, *, prefix: bool = False) -> float:
+    """The value of ``series`` (the first whose line starts with it, when ``prefix``)."""
+    with urllib.request.urlopen(stack.metrics_url, timeout=5) as response:
+        text = response.read().decode()
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name == series or (prefix and name.startswith(series)):
+            return float(value)
+    return 0.0
 
 
 def test_client_cannot_choose_the_endpoint(stack: Stack) -> None:
@@ -231,15 +283,14 @@ def test_full_duplex_body_mode(stack: Stack) -> None:
         stack.tmp / "envoy-duplex.yaml",
     )
     try:
-        client = openai.OpenAI(base_url=duplex.url + "/v1", api_key=API_KEY, max_retries=0)
-        raw = client.chat.completions.with_raw_response.create(
-            model=MODEL, messages=_chat("duplex " * 3000), max_tokens=3
-        )
-        assert raw.headers["x-isocost-replica"] in {_endpoint(e) for e in stack.engines}
-        usage = raw.parse().usage
-        assert usage is not None and usage.prompt_tokens > 3000  # the body arrived whole
-        pieces = list(client.completions.create(model=MODEL, prompt="a", max_tokens=3, stream=True))
-        assert sum(1 for p in pieces if p.choices and p.choices[0].text) == 3
+        with _client(duplex.url) as client:
+            raw = client.chat.completions.with_raw_response.create(
+                model=MODEL, messages=_chat("duplex " * 3000), max_tokens=3
+            )
+            assert raw.headers["x-isocost-replica"] in {_endpoint(e) for e in stack.engines}
+            usage = raw.parse().usage
+            assert usage is not None and usage.prompt_tokens > 3000  # the body arrived whole
+            assert _streamed_tokens(client, max_tokens=3) == 3
     finally:
         duplex.stop()
 
@@ -368,7 +419,10 @@ class _Load:
             thread.start()
 
     def _run(self, worker: int) -> None:
-        client = openai.OpenAI(base_url=self.url + "/v1", api_key=API_KEY, max_retries=0)
+        with _client(self.url) as client:
+            self._send(client, worker)
+
+    def _send(self, client: openai.OpenAI, worker: int) -> None:
         sent = 0
         while not self._stop.is_set():
             sent += 1

@@ -17,6 +17,9 @@ def picker(
     ),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
     port: int = typer.Option(9002, "--port", help="gRPC port (0: OS picks)."),
+    metrics_port: int | None = typer.Option(
+        None, "--metrics-port", help="Serve Prometheus GET /metrics on this port too."
+    ),
     catalog: CatalogOption = None,
     log_level: str = typer.Option("info", "--log-level", help="debug|info|warning|error"),
     shutdown_timeout: float = typer.Option(
@@ -38,12 +41,20 @@ def picker(
 
     if not shutdown_timeout > 0:
         fail("--shutdown-timeout must be a positive number of seconds")
-    if not 0 <= port <= 65535:
-        fail("--port must be between 0 and 65535")
+    for name, value in (("--port", port), ("--metrics-port", metrics_port)):
+        if value is not None and not 0 <= value <= 65535:
+            fail(f"{name} must be between 0 and 65535")
     cat = load_catalog(catalog or [])
     gateway_config = parse_config(read_text(config), config)
     configure_logging(log_level)
     gateway = load_gateway(gateway_config, cat, Path(config))
+    if metrics_port is not None:  # the gateway's own metrics, from a thread of their own
+        from prometheus_client import start_http_server
+
+        try:
+            start_http_server(metrics_port, addr=host, registry=gateway.metrics.registry)
+        except OSError as exc:
+            fail(f"--metrics-port {metrics_port}: {exc.strerror or exc}")
 
     def ready(address: str) -> None:
         console.print(f"isocost picker: ready at {address}", highlight=False, soft_wrap=True)
