@@ -23,6 +23,7 @@ import grpc
 import openai
 import pytest
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from envoy_harness import ENVOY, Envoy, envoy_config, start_envoy
@@ -386,6 +387,36 @@ def test_served_endpoint_gets_the_replica_header(stack: Stack) -> None:
     assert _picked(pick) == endpoint
     (header,) = response.response_headers.response.header_mutation.set_headers
     assert (header.header.key, header.header.raw_value.decode()) == ("x-isocost-replica", endpoint)
+
+
+def test_full_duplex_answers_once_the_body_is_whole(stack: Stack) -> None:
+    """Full duplex, a body in two chunks ended by trailers: nothing is answered until the
+    trailers; then the pick (in the headers' answer), the whole body back, the trailers."""
+    full_duplex = ext_proc.ProtocolConfiguration(
+        request_body_mode=processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+    )
+    body = json.dumps(_body("in two chunks")).encode()
+    request_headers = {":method": "POST", ":path": "/v1/chat/completions"}
+    messages = [
+        ext_proc.ProcessingRequest(
+            request_headers=ext_proc.HttpHeaders(
+                headers=_headers({**request_headers, "authorization": f"Bearer {API_KEY}"})
+            ),
+            protocol_config=full_duplex,
+        ),
+        ext_proc.ProcessingRequest(request_body=ext_proc.HttpBody(body=body[:10])),
+        ext_proc.ProcessingRequest(request_body=ext_proc.HttpBody(body=body[10:])),
+        ext_proc.ProcessingRequest(request_trailers=ext_proc.HttpTrailers()),
+    ]
+    with grpc.insecure_channel(f"127.0.0.1:{stack.picker_port}") as channel:
+        stub = ext_proc_grpc.ExternalProcessorStub(channel)
+        headers, echoed, trailers = stub.Process(iter(messages), timeout=10)
+    (header,) = headers.request_headers.response.header_mutation.set_headers
+    assert header.header.key == "x-gateway-destination-endpoint"
+    assert headers.request_headers.response.clear_route_cache
+    streamed = echoed.request_body.response.body_mutation.streamed_response
+    assert streamed.body == body and not streamed.end_of_stream  # the trailers end it
+    assert trailers.HasField("request_trailers")
 
 
 def test_refusals_are_immediate_responses(stack: Stack) -> None:

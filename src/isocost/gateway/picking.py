@@ -80,7 +80,9 @@ class GatewayPicker:
             if subset is not None and endpoint_of(replica) not in subset
         )
         if subset is not None and len(exclude) == len(request.pool.replicas):
-            raise ApiError(503, "no replica of the subset hint serves this model")
+            raise ApiError(
+                503, "no replica of the subset hint serves this model", code="subset_unavailable"
+            )
         grant = await self.gateway.router.acquire(request, exclude)
         return EndpointGrant(self.gateway, request, grant)
 

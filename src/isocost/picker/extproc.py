@@ -138,27 +138,34 @@ class _Exchange:
             return [ext_proc.ProcessingResponse(request_headers=ext_proc.HeadersResponse())]
         if kind == "request_body":
             self.body += message.request_body.body
-            if not message.request_body.end_of_stream:
-                if self.full_duplex:
-                    return []
-                return [ext_proc.ProcessingResponse(request_body=ext_proc.BodyResponse())]
-            picked = await self._pick(body_follows=True)
-            if picked.HasField("immediate_response") or not self.full_duplex:
-                return [picked]
-            echo = ext_proc.BodyMutation(
-                streamed_response=ext_proc.StreamedBodyResponse(
-                    body=bytes(self.body), end_of_stream=True
-                )
-            )
-            body = ext_proc.BodyResponse(response=ext_proc.CommonResponse(body_mutation=echo))
-            return [picked, ext_proc.ProcessingResponse(request_body=body)]
+            if message.request_body.end_of_stream:
+                return await self._body_complete(trailers_follow=False)
+            if self.full_duplex:
+                return []
+            return [ext_proc.ProcessingResponse(request_body=ext_proc.BodyResponse())]
+        if kind == "request_trailers":
+            trailers = ext_proc.ProcessingResponse(request_trailers=ext_proc.TrailersResponse())
+            if self.full_duplex and self.granted is None:  # the trailers end the body
+                return [*await self._body_complete(trailers_follow=True), trailers]
+            return [trailers]
         if kind == "response_headers":
             return [self._responded(message)]
         if kind == "response_body":
             return [ext_proc.ProcessingResponse(response_body=ext_proc.BodyResponse())]
-        if kind == "request_trailers":
-            return [ext_proc.ProcessingResponse(request_trailers=ext_proc.TrailersResponse())]
         return [ext_proc.ProcessingResponse(response_trailers=ext_proc.TrailersResponse())]
+
+    async def _body_complete(self, *, trailers_follow: bool) -> list[ext_proc.ProcessingResponse]:
+        """The pick once the body is whole; in full duplex, the body streamed back too."""
+        picked = await self._pick(body_follows=True)
+        if picked.HasField("immediate_response") or not self.full_duplex:
+            return [picked]
+        echo = ext_proc.BodyMutation(
+            streamed_response=ext_proc.StreamedBodyResponse(
+                body=bytes(self.body), end_of_stream=not trailers_follow
+            )
+        )
+        body = ext_proc.BodyResponse(response=ext_proc.CommonResponse(body_mutation=echo))
+        return [picked, ext_proc.ProcessingResponse(request_body=body)]
 
     async def _pick(self, *, body_follows: bool) -> ext_proc.ProcessingResponse:
         """The decision, in the answer that may still change the request's headers: the
@@ -187,7 +194,7 @@ class _Exchange:
     def _responded(self, message: ext_proc.ProcessingRequest) -> ext_proc.ProcessingResponse:
         headers = _header_map(message.response_headers.headers.headers)
         granted = self.granted
-        if granted is None:  # Envoy routed it without a pick (the picker restarted)
+        if granted is None:  # no pick on this stream: Envoy sent no body (body mode NONE)
             return ext_proc.ProcessingResponse(response_headers=ext_proc.HeadersResponse())
         served = headers.get(SERVED_KEY) or _served(message.metadata_context)
         try:
