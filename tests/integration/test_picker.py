@@ -502,13 +502,13 @@ def test_picker_killed_under_load_then_restarted(stack: Stack) -> None:
             stack.tmp / "envoy-fail-close.yaml",
         )
         try:
-            status, _, _ = http(
+            status, _, answer = http(
                 "POST",
                 fail_close.url + "/v1/completions",
                 json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 1}).encode(),
                 {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
             )
-            assert status == 503
+            assert status == 503 and answer["error"]["code"] == "gateway_error"  # JSON too
         finally:
             fail_close.stop()
         stack.picker = _start_picker(stack.config, stack.picker_port, stack.log)
