@@ -111,13 +111,14 @@ class GatewayRequest:
         key_name: str | None,
     ) -> GatewayRequest:
         """Read ``x-session-id``, ``x-priority``, ``x-deadline-ms``, ``x-tpot-ms`` and
-        ``x-isocost-class``."""
+        ``x-isocost-class``; llm-d's ``x-llm-d-slo-ttft-ms`` and ``x-llm-d-slo-tpot-ms``
+        mean the same as ours and are read when ours are absent."""
         try:
             priority = int(headers.get("x-priority", "0"))
         except ValueError:
             raise ApiError(400, "x-priority must be an integer", code="bad_header") from None
-        deadline_ms = _positive_ms(headers, "x-deadline-ms")
-        tpot_ms = _positive_ms(headers, "x-tpot-ms")
+        deadline_ms = _positive_ms(headers, "x-deadline-ms", "x-llm-d-slo-ttft-ms")
+        tpot_ms = _positive_ms(headers, "x-tpot-ms", "x-llm-d-slo-tpot-ms")
         return cls(
             request_id=headers.get("x-request-id") or uuid.uuid4().hex,
             view=view,
@@ -132,9 +133,11 @@ class GatewayRequest:
         )
 
 
-def _positive_ms(headers: Mapping[str, str], name: str) -> float | None:
-    """The header ``name`` as a positive finite number of milliseconds, None when absent."""
-    if name not in headers:
+def _positive_ms(headers: Mapping[str, str], *names: str) -> float | None:
+    """The first of the headers ``names`` present, as a positive finite number of
+    milliseconds; None when none is."""
+    name = next((n for n in names if n in headers), None)
+    if name is None:
         return None
     try:
         value = float(headers[name])
