@@ -16,7 +16,7 @@ With ``--peers`` the same figures are taken, in the same run and against the sam
 engine, for ``sglang-router`` and ``vllm-router`` (round_robin, their cheapest policy),
 installed from PyPI into their own venv ``.venv-peers`` on first use. With ``--envoy``,
 for Envoy alone (round robin) and Envoy with ``isocost picker`` choosing
-(deploy/envoy/picker.yaml, request body BUFFERED; and FULL_DUPLEX_STREAMED, "duplex").
+(deploy/envoy/picker.yaml; and its request body BUFFERED or FULL_DUPLEX_STREAMED).
 Envoy comes from ``make envoy``.
 
 Run:
@@ -120,8 +120,9 @@ def _start(args: list[str], marker: str) -> tuple[subprocess.Popen[str], str]:
 def _start_envoy_rows(
     engine_url: str, policy: str, workdir: Path
 ) -> tuple[list[Callable[[], None]], dict[str, str]]:
-    """Envoy alone, and Envoy + ``isocost picker`` with the request body BUFFERED
-    (deploy/envoy/picker.yaml) and FULL_DUPLEX_STREAMED: their stops and URLs."""
+    """Envoy alone, and Envoy + ``isocost picker`` with the request body STREAMED without
+    waiting (deploy/envoy/picker.yaml), BUFFERED and FULL_DUPLEX_STREAMED: their stops
+    and URLs."""
     from envoy_harness import ENVOY, envoy_config, start_envoy
 
     if ENVOY is None:
@@ -140,10 +141,11 @@ def _start_envoy_rows(
     engine_port = int(engine_url.rsplit(":", 1)[1])
     stops: list[Callable[[], None]] = [picker.terminate]
     urls = {}
-    for name, with_picker, full_duplex in (
-        ("envoy", False, False),
-        ("envoy+picker", True, False),
-        ("envoy+picker duplex", True, True),
+    for name, body_mode in (
+        ("envoy", {"picker": False}),
+        ("envoy+picker", {}),
+        ("envoy+picker buffered", {"buffered": True}),
+        ("envoy+picker duplex", {"full_duplex": True}),
     ):
         envoy = start_envoy(
             envoy_config(
@@ -151,8 +153,7 @@ def _start_envoy_rows(
                 admin_port=_free_port(),
                 picker_port=picker_port,
                 engine_ports=[engine_port],
-                full_duplex=full_duplex,
-                picker=with_picker,
+                **body_mode,
             ),
             workdir / f"{name}.yaml",
             concurrency=2,

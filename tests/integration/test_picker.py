@@ -270,30 +270,32 @@ def test_client_cannot_choose_the_endpoint(stack: Stack) -> None:
     assert headers["x-isocost-replica"] in {_endpoint(e) for e in stack.engines}
 
 
-def test_full_duplex_body_mode(stack: Stack) -> None:
-    """FULL_DUPLEX_STREAMED: Envoy sends headers and body at once; the picker answers the
-    headers once the body is whole and streams the body back, which the engine reads."""
-    duplex = start_envoy(
+@pytest.mark.parametrize("mode", ["full_duplex", "buffered"])
+def test_other_body_modes(stack: Stack, mode: str) -> None:
+    """FULL_DUPLEX_STREAMED (headers and body at once; the picker answers the headers
+    once the body is whole and streams the body back) and BUFFERED (the whole body after
+    the headers' answer; the pick in the body's): the engine reads the body whole."""
+    other = start_envoy(
         envoy_config(
             listen_port=_free_port(),
             admin_port=_free_port(),
             picker_port=stack.picker_port,
             engine_ports=[_port(e) for e in stack.engines],
-            full_duplex=True,
+            **{mode: True},
         ),
-        stack.tmp / "envoy-duplex.yaml",
+        stack.tmp / f"envoy-{mode}.yaml",
     )
     try:
-        with _client(duplex.url) as client:
+        with _client(other.url) as client:
             raw = client.chat.completions.with_raw_response.create(
-                model=MODEL, messages=_chat("duplex " * 3000), max_tokens=3
+                model=MODEL, messages=_chat("body " * 3000), max_tokens=3
             )
             assert raw.headers["x-isocost-replica"] in {_endpoint(e) for e in stack.engines}
             usage = raw.parse().usage
             assert usage is not None and usage.prompt_tokens > 3000  # the body arrived whole
             assert _streamed_tokens(client, max_tokens=3) == 3
     finally:
-        duplex.stop()
+        other.stop()
 
 
 # -- the GAIE protocol, spoken directly ---------------------------------------------------
@@ -417,6 +419,40 @@ def test_full_duplex_answers_once_the_body_is_whole(stack: Stack) -> None:
     streamed = echoed.request_body.response.body_mutation.streamed_response
     assert streamed.body == body and not streamed.end_of_stream  # the trailers end it
     assert trailers.HasField("request_trailers")
+
+
+def test_eager_streamed_body_answers_each_chunk_after_the_pick(stack: Stack) -> None:
+    """STREAMED, sent without waiting (the shipped config): the chunks are held until the
+    last; then the pick in the headers' answer and one answer per chunk, unchanged."""
+    eager = ext_proc.ProtocolConfiguration(
+        request_body_mode=processing_mode_pb2.ProcessingMode.STREAMED,
+        send_body_without_waiting_for_header_response=True,
+    )
+    body = json.dumps(_body("three chunks")).encode()
+    headers = {":method": "POST", ":path": "/v1/chat/completions"}
+    messages = [
+        ext_proc.ProcessingRequest(
+            request_headers=ext_proc.HttpHeaders(
+                headers=_headers({**headers, "authorization": f"Bearer {API_KEY}"})
+            ),
+            protocol_config=eager,
+        ),
+        *(
+            ext_proc.ProcessingRequest(
+                request_body=ext_proc.HttpBody(body=part, end_of_stream=last)
+            )
+            for part, last in ((body[:5], False), (body[5:9], False), (body[9:], True))
+        ),
+    ]
+    with grpc.insecure_channel(f"127.0.0.1:{stack.picker_port}") as channel:
+        stub = ext_proc_grpc.ExternalProcessorStub(channel)
+        first, *chunks = stub.Process(iter(messages), timeout=10)
+    (header,) = first.request_headers.response.header_mutation.set_headers
+    assert header.header.key == "x-gateway-destination-endpoint"
+    assert len(chunks) == 3
+    assert all(
+        c.HasField("request_body") and not c.request_body.HasField("response") for c in chunks
+    )
 
 
 def test_refusals_are_immediate_responses(stack: Stack) -> None:

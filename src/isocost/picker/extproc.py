@@ -54,6 +54,7 @@ SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 REPLICA_HEADER = "x-isocost-replica"
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+_STREAMED = processing_mode_pb2.ProcessingMode.STREAMED
 
 
 class Granted(Protocol):
@@ -119,33 +120,42 @@ class _Exchange:
         self.body = bytearray()
         self.subset: frozenset[str] | None = None
         self.granted: Granted | None = None
-        self.full_duplex = False  # Envoy sends the body without waiting for our answer
+        self.full_duplex = False  # the body comes back to Envoy through us, streamed
+        self.eager_body = False  # Envoy sends the body without waiting for our headers' answer
+        self.chunks_held = 0  # eager STREAMED body chunks not answered yet: one answer each
 
     async def answer(
         self, message: ext_proc.ProcessingRequest
     ) -> list[ext_proc.ProcessingResponse]:
-        """The answers ``message`` calls for: none while a full-duplex body is still
-        arriving, two (headers, then the body back) when it completes."""
+        """The answers ``message`` calls for: none while a body sent eagerly is still
+        arriving; when it completes, the pick and whatever else is owed."""
         kind = message.WhichOneof("request")
         if kind == "request_headers":
             self.headers = _header_map(message.request_headers.headers.headers)
             self.subset = _subset_hint(message.metadata_context)
-            self.full_duplex = message.protocol_config.request_body_mode == _FULL_DUPLEX
+            protocol = message.protocol_config
+            self.full_duplex = protocol.request_body_mode == _FULL_DUPLEX
+            self.eager_body = self.full_duplex or (
+                protocol.request_body_mode == _STREAMED
+                and protocol.send_body_without_waiting_for_header_response
+            )
             if message.request_headers.end_of_stream:
                 return [await self._pick(body_follows=False)]
-            if self.full_duplex:
+            if self.eager_body:
                 return []
             return [ext_proc.ProcessingResponse(request_headers=ext_proc.HeadersResponse())]
         if kind == "request_body":
             self.body += message.request_body.body
+            if self.eager_body and not self.full_duplex:
+                self.chunks_held += 1
             if message.request_body.end_of_stream:
                 return await self._body_complete(trailers_follow=False)
-            if self.full_duplex:
+            if self.eager_body:
                 return []
             return [ext_proc.ProcessingResponse(request_body=ext_proc.BodyResponse())]
         if kind == "request_trailers":
             trailers = ext_proc.ProcessingResponse(request_trailers=ext_proc.TrailersResponse())
-            if self.full_duplex and self.granted is None:  # the trailers end the body
+            if self.eager_body and self.granted is None:  # the trailers end the body
                 return [*await self._body_complete(trailers_follow=True), trailers]
             return [trailers]
         if kind == "response_headers":
@@ -155,21 +165,26 @@ class _Exchange:
         return [ext_proc.ProcessingResponse(response_trailers=ext_proc.TrailersResponse())]
 
     async def _body_complete(self, *, trailers_follow: bool) -> list[ext_proc.ProcessingResponse]:
-        """The pick once the body is whole; in full duplex, the body streamed back too."""
-        picked = await self._pick(body_follows=True)
-        if picked.HasField("immediate_response") or not self.full_duplex:
+        """The pick once the body is whole, then what else is owed: the body streamed back
+        (full duplex) or one answer per body chunk held back (streamed, sent eagerly)."""
+        picked = await self._pick(body_follows=not self.eager_body)
+        if picked.HasField("immediate_response"):
             return [picked]
-        echo = ext_proc.BodyMutation(
-            streamed_response=ext_proc.StreamedBodyResponse(
-                body=bytes(self.body), end_of_stream=not trailers_follow
+        if self.full_duplex:
+            echo = ext_proc.BodyMutation(
+                streamed_response=ext_proc.StreamedBodyResponse(
+                    body=bytes(self.body), end_of_stream=not trailers_follow
+                )
             )
-        )
-        body = ext_proc.BodyResponse(response=ext_proc.CommonResponse(body_mutation=echo))
-        return [picked, ext_proc.ProcessingResponse(request_body=body)]
+            body = ext_proc.BodyResponse(response=ext_proc.CommonResponse(body_mutation=echo))
+            return [picked, ext_proc.ProcessingResponse(request_body=body)]
+        chunk = ext_proc.ProcessingResponse(request_body=ext_proc.BodyResponse())
+        return [picked, *([chunk] * self.chunks_held)]  # none when buffered
 
     async def _pick(self, *, body_follows: bool) -> ext_proc.ProcessingResponse:
         """The decision, in the answer that may still change the request's headers: the
-        body's (buffered), else the headers' (full duplex, or a request without body)."""
+        body's when the headers were answered already (``body_follows``), else the
+        headers' (a body sent eagerly, or a request without one)."""
         path = self.headers.get(":path", "")
         try:
             self.granted = await self.brain.pick(path, self.headers, bytes(self.body), self.subset)
@@ -182,7 +197,7 @@ class _Exchange:
         )
         metadata = struct_pb2.Struct()
         metadata.update({LB_NAMESPACE: {DESTINATION_HEADER: endpoints}})
-        if body_follows and not self.full_duplex:
+        if body_follows:
             return ext_proc.ProcessingResponse(
                 request_body=ext_proc.BodyResponse(response=common), dynamic_metadata=metadata
             )
