@@ -3,11 +3,12 @@
 One gRPC stream is one HTTP request. Envoy sends its headers, then its body; the picker
 answers, once the body is whole, with the chosen ``ip:port`` in header
 ``x-gateway-destination-endpoint`` and the same value in ``envoy.lb`` dynamic metadata,
-and clears the route cache so that Envoy routes on it. Two body modes: ``BUFFERED`` (Envoy
-waits for the headers' answer, then sends the whole body: two round trips) and
-``FULL_DUPLEX_STREAMED`` (Envoy sends headers and body at once, announced in the first
-message's ``protocol_config``; the picker answers the headers when the body is complete
-and streams the body back: one round trip). A
+and clears the route cache so that Envoy routes on it. The first message's
+``protocol_config`` tells how the body comes: ``STREAMED`` with
+``send_body_without_waiting_for_header_response`` (the chunks come at once and are held;
+the pick answers the headers once the body is whole, then each chunk gets its answer: one
+round trip), ``FULL_DUPLEX_STREAMED`` (the same, and the body is streamed back), or
+``BUFFERED`` (the whole body after the headers' answer, the pick in the body's: two). A
 request refused or that nothing can take is answered by Envoy as an ImmediateResponse
 (OpenAI-style JSON, ``Retry-After`` on 429 and 503). The response headers carry
 ``x-gateway-destination-endpoint-served`` (a header or ``envoy.lb`` metadata) and get
