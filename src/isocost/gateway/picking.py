@@ -20,6 +20,7 @@ import time
 from collections.abc import Mapping
 from urllib.parse import urlsplit
 
+from isocost.gateway.health import status_fault
 from isocost.gateway.intake import Rejection
 from isocost.gateway.lifecycle import Gateway
 from isocost.gateway.routing import GatewayRequest, Grant
@@ -91,7 +92,8 @@ class GatewayPicker:
     ) -> GatewayRequest:
         chat = _CHAT_BY_PATH.get(path.partition("?")[0])
         if chat is None:
-            raise ApiError(404, f"{path} is not routed here: only {', '.join(_CHAT_BY_PATH)}")
+            routed = ", ".join(_CHAT_BY_PATH)
+            raise ApiError(404, f"{path} is not routed here: only {routed}", code="not_found")
         intake = self.gateway.intake
         arrived_at = time.monotonic()
         key = intake.check_headers(headers, arrived_at)
@@ -127,8 +129,9 @@ class EndpointGrant:
                 "served elsewhere",
                 extra={"event": "served_elsewhere", "replica": replica.name, "served": served},
             )
-        if status >= 500:
-            replica.breaker.record_failure(time.monotonic(), f"status {status}")
+        fault = status_fault(status)
+        if fault is not None and not fault.busy:  # judged as the proxy judges it
+            replica.breaker.record_failure(time.monotonic(), f"status {status}", soft=fault.soft)
 
     def ended(self) -> None:
         """The exchange is over: ``ok`` when a response below 400 arrived; its output
