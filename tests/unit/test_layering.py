@@ -31,6 +31,8 @@ ALLOWED: dict[str, set[str]] = {
     "sim": {"core", "prefix", "workload", "scheduling", "files", "engine", "runtime", "tables"},
     "bench": {"core", "workload", "files", "openai", "tables"},
     "gateway": {"core", "prefix", "workload", "scheduling", "files", "openai", "runtime"},
+    # The ext_proc wire only: its brain (the gateway's runtime) is handed in by the CLI.
+    "picker": {"core", "openai", "runtime"},
     "tables": set(),
     "demo": {
         "core",
@@ -56,6 +58,7 @@ ALLOWED: dict[str, set[str]] = {
         "sim",
         "bench",
         "gateway",
+        "picker",
         "runtime",
         "demo",
         "drill",

@@ -126,7 +126,7 @@ async def _route(request: web.Request) -> web.StreamResponse:
 
 async def _models(request: web.Request) -> web.StreamResponse:
     gateway = request.app[GATEWAY]
-    gateway.intake.authenticate(request)
+    gateway.intake.authenticate(request.headers)
     now = time.monotonic()
     data = [
         {

@@ -25,11 +25,38 @@ The clock is passed in, so the state machine is tested without waiting.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 from enum import StrEnum
 
-__all__ = ["Breaker", "BreakerState"]
+__all__ = ["Breaker", "BreakerState", "StatusFault", "status_fault"]
 
 _MAX_OPEN_S = 30.0
+_NOT_SERVED_HERE = frozenset({401, 403, 404})  # the replica, not the client, is wrong
+_OVERLOADED = 429
+_FULL = 503
+_LOOP_DETECTED = 508  # from a gateway down the line
+
+
+@dataclass(frozen=True, slots=True)
+class StatusFault:
+    """A replica's answer that is its failure, not the client's."""
+
+    busy: bool = False  # 503: full, not broken; the breaker is not told
+    soft: bool = False  # 429: overloaded; counts in the success rate only
+
+
+def status_fault(status: int) -> StatusFault | None:
+    """Whether an upstream status is the replica's fault, and how; None when it is not
+    (a success, the client's error, or a loop a gateway down the line found)."""
+    if status == _LOOP_DETECTED:
+        return None  # relayed as is: retrying would loop again
+    if status >= 500:
+        return StatusFault(busy=status == _FULL)
+    if status == _OVERLOADED:
+        return StatusFault(soft=True)
+    if status in _NOT_SERVED_HERE:
+        return StatusFault()
+    return None
 
 
 class BreakerState(StrEnum):

@@ -80,11 +80,11 @@ class Intake:
         if config.auth != self.auth.config:
             self.auth = Authenticator(config.auth, now)
 
-    def authenticate(self, http: web.Request) -> ApiKey | None:
+    def authenticate(self, headers: Mapping[str, str]) -> ApiKey | None:
         """The caller's API key; None when keys are off; 401 when missing or wrong."""
         if not self.auth.enabled:
             return None
-        token = bearer_token(http.headers.get("Authorization"))
+        token = bearer_token(headers.get("Authorization"))
         key = self.auth.key_for(token)
         if key is None:
             message = "missing API key" if token is None else "invalid API key"
@@ -104,19 +104,7 @@ class Intake:
     async def prepare(self, http: web.Request, *, chat: bool) -> tuple[bytes, GatewayRequest]:
         """Auth, limits and the routing view; ApiError for anything refused here."""
         arrived_at = time.monotonic()
-        hops(http.headers)
-        _check_client_headers(http)
-        key = self.authenticate(http)
-        if key is not None and key.requests is not None:
-            wait_s = key.requests.take(1, arrived_at)
-            if wait_s:
-                raise Rejection(
-                    "key_requests_per_minute",
-                    429,
-                    f"requests per minute exceeded for key {key.name}",
-                    code="rate_limit_exceeded",
-                    retry_after_s=wait_s,
-                )
+        key = self.check_headers(http.headers, arrived_at)
         limits = self.limits
         length = http.content_length
         if length is not None and length > limits.max_body_bytes:
@@ -131,6 +119,42 @@ class Intake:
             ) from None
         except aiohttp.ClientError:
             raise ApiError(400, "request body could not be read", code="bad_body") from None
+        request = await self.routing_request(
+            body, http.headers, chat=chat, key=key, arrived_at=arrived_at
+        )
+        return body, request
+
+    def check_headers(self, headers: Mapping[str, str], arrived_at: float) -> ApiKey | None:
+        """The checks that need no body: hops, client header text, the API key and its
+        requests-per-minute budget; the caller's key (None when keys are off)."""
+        hops(headers)
+        _check_client_headers(headers)
+        key = self.authenticate(headers)
+        if key is not None and key.requests is not None:
+            wait_s = key.requests.take(1, arrived_at)
+            if wait_s:
+                raise Rejection(
+                    "key_requests_per_minute",
+                    429,
+                    f"requests per minute exceeded for key {key.name}",
+                    code="rate_limit_exceeded",
+                    retry_after_s=wait_s,
+                )
+        return key
+
+    async def routing_request(
+        self,
+        body: bytes,
+        headers: Mapping[str, str],
+        *,
+        chat: bool,
+        key: ApiKey | None,
+        arrived_at: float,
+    ) -> GatewayRequest:
+        """The checks on a whole body (length, OpenAI shape, served model, prompt and
+        output caps, the key's token budget), then its routing request; shared by every
+        data plane that hands the body over whole."""
+        limits = self.limits
         if len(body) > limits.max_body_bytes:
             raise _too_large(limits.max_body_bytes)
         try:
@@ -177,21 +201,20 @@ class Intake:
                     retry_after_s=wait_s,
                 )
         view = await routing_view(summary, self.block_tokens, pool.tokenizer)
-        request = GatewayRequest.from_http(
-            http,
+        return GatewayRequest.from_headers(
+            headers,
             view,
             pool,
             arrived_at=arrived_at,
             key_name=key.name if key else None,
         )
-        return body, request
 
 
-def _check_client_headers(http: web.Request) -> None:
+def _check_client_headers(headers: Mapping[str, str]) -> None:
     """400 for a routing header that is no printable UTF-8 (aiohttp hands undecodable
     bytes on as surrogates, which nothing downstream can encode again)."""
     for name in CLIENT_HEADERS:
-        value = http.headers.get(name)
+        value = headers.get(name)
         if value is not None and not value.isprintable():
             raise Rejection(
                 "bad_header", 400, f"{name} must be printable UTF-8 text", code="bad_header"

@@ -48,6 +48,7 @@ import msgspec
 from aiohttp import web
 
 from isocost.gateway.body import routing_view, summarize
+from isocost.gateway.health import status_fault
 from isocost.gateway.loops import HOPS_HEADER, hops
 from isocost.gateway.resume import SegmentError, StreamLedger
 from isocost.gateway.routing import GatewayRequest, Grant, Router
@@ -62,10 +63,6 @@ __all__ = ["ClientGone", "ForwardResult", "ForwardSettings", "Forwarder"]
 log = logging.getLogger("isocost.gateway")
 
 _HOP_HEADERS = ("Accept", "X-Request-Id")
-_NOT_SERVED_HERE = frozenset({401, 403, 404})  # the replica, not the client, is wrong
-_OVERLOADED = 429
-_FULL = 503
-_LOOP_DETECTED = 508  # from a gateway down the line
 CLIENT_GONE_STATUS = 499
 
 
@@ -758,14 +755,9 @@ class Forwarder:
 
 def _judge_status(status: int) -> None:
     """_AttemptFailed for an upstream status that is the replica's failure, not the client's."""
-    if status == _LOOP_DETECTED:
-        return  # a gateway down the line found a loop: relay it, retrying would loop again
-    if status >= 500:
-        raise _AttemptFailed(f"status {status}", busy=status == _FULL)
-    if status == _OVERLOADED:
-        raise _AttemptFailed(f"status {status}", soft=True)
-    if status in _NOT_SERVED_HERE:
-        raise _AttemptFailed(f"status {status}")
+    fault = status_fault(status)
+    if fault is not None:
+        raise _AttemptFailed(f"status {status}", busy=fault.busy, soft=fault.soft)
 
 
 def _broken_reason(exc: BaseException) -> str:

@@ -42,8 +42,6 @@ from dataclasses import dataclass
 from random import Random
 from typing import Any
 
-from aiohttp import web
-
 from isocost.core.catalog import Catalog
 from isocost.core.errors import IsocostError
 from isocost.gateway.body import RoutingView
@@ -104,9 +102,9 @@ class GatewayRequest:
     key_name: str | None
 
     @classmethod
-    def from_http(
+    def from_headers(
         cls,
-        http: web.Request,
+        headers: Mapping[str, str],
         view: RoutingView,
         pool: Pool,
         *,
@@ -114,14 +112,14 @@ class GatewayRequest:
         key_name: str | None,
     ) -> GatewayRequest:
         """Read ``x-session-id``, ``x-priority``, ``x-deadline-ms``, ``x-tpot-ms`` and
-        ``x-isocost-class``."""
-        headers = http.headers
+        ``x-isocost-class``; llm-d's ``x-llm-d-slo-ttft-ms`` and ``x-llm-d-slo-tpot-ms``
+        mean the same as ours and are read when ours are absent."""
         try:
             priority = int(headers.get("x-priority", "0"))
         except ValueError:
             raise ApiError(400, "x-priority must be an integer", code="bad_header") from None
-        deadline_ms = _positive_ms(headers, "x-deadline-ms")
-        tpot_ms = _positive_ms(headers, "x-tpot-ms")
+        deadline_ms = _positive_ms(headers, "x-deadline-ms", "x-llm-d-slo-ttft-ms")
+        tpot_ms = _positive_ms(headers, "x-tpot-ms", "x-llm-d-slo-tpot-ms")
         return cls(
             request_id=headers.get("x-request-id") or uuid.uuid4().hex,
             view=view,
@@ -136,9 +134,11 @@ class GatewayRequest:
         )
 
 
-def _positive_ms(headers: Mapping[str, str], name: str) -> float | None:
-    """The header ``name`` as a positive finite number of milliseconds, None when absent."""
-    if name not in headers:
+def _positive_ms(headers: Mapping[str, str], *names: str) -> float | None:
+    """The first of the headers ``names`` present, as a positive finite number of
+    milliseconds; None when none is."""
+    name = next((n for n in names if n in headers), None)
+    if name is None:
         return None
     try:
         value = float(headers[name])
@@ -523,8 +523,9 @@ class Router:
         self.metrics.prefix_predictions.labels(grant.replica.name, outcome).inc()
         return predicted
 
-    def release(self, grant: Grant, now: float, *, ok: bool, output_tokens: int) -> None:
-        """The attempt ended; frees its place and maybe the replica's last hold (once)."""
+    def release(self, grant: Grant, now: float, *, ok: bool, output_tokens: int | None) -> None:
+        """The attempt ended; frees its place and maybe the replica's last hold (once).
+        ``output_tokens``: from the usage; None when the data plane never saw it."""
         if grant.released:
             return
         grant.released = True

@@ -18,7 +18,7 @@ from aiohttp import web
 
 from isocost.openai.responses import json_response
 
-__all__ = ["STATUS_TYPES", "ApiError", "error_response"]
+__all__ = ["STATUS_TYPES", "ApiError", "error_response", "retry_after"]
 
 STATUS_TYPES = {
     400: "invalid_request_error",
@@ -81,9 +81,17 @@ class ApiError(Exception):
         return msgspec.json.encode(self.body())
 
 
+def retry_after(error: ApiError) -> str | None:
+    """The ``Retry-After`` seconds ``error``'s status calls for (429, 503), else None."""
+    if error.status in (429, 503):
+        return str(max(1, math.ceil(error.retry_after_s or 1)))
+    return None
+
+
 def error_response(error: ApiError, headers: dict[str, str] | None = None) -> web.Response:
     """``error`` as an aiohttp response (with ``Retry-After`` where its status calls for it)."""
     out = dict(headers or {})
-    if error.status in (429, 503):
-        out["Retry-After"] = str(max(1, math.ceil(error.retry_after_s or 1)))
+    seconds = retry_after(error)
+    if seconds is not None:
+        out["Retry-After"] = seconds
     return json_response(error.body(), error.status, out)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from isocost.gateway.health import Breaker, BreakerState
+from isocost.gateway.health import Breaker, BreakerState, StatusFault, status_fault
 
 
 def breaker(**overrides: float) -> Breaker:
@@ -100,3 +101,21 @@ def test_invariants(events: list[tuple[str, float]]) -> None:
                 assert b.state(now) is BreakerState.OPEN
         assert b.allows_traffic(now) == (b.state(now) is BreakerState.CLOSED)
         assert 0.0 <= b.success_rate() <= 1.0
+
+
+@pytest.mark.parametrize(
+    ("status", "fault"),
+    [
+        (200, None),
+        (400, None),  # the client's error
+        (508, None),  # a loop found down the line: relayed
+        (500, StatusFault()),
+        (502, StatusFault()),
+        (503, StatusFault(busy=True)),
+        (429, StatusFault(soft=True)),
+        (401, StatusFault()),
+        (404, StatusFault()),
+    ],
+)
+def test_status_fault_is_the_replicas_or_not(status: int, fault: StatusFault | None) -> None:
+    assert status_fault(status) == fault

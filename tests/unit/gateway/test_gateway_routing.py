@@ -152,3 +152,31 @@ def test_a_leaving_client_leaves_the_queue_at_once_and_a_late_grant_is_released(
         assert replica.num_in_flight == 0 and router.replicas.get(replica.name).num_waiting == 0
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("headers", "deadline_ms", "tpot_ms"),
+    [
+        ({"x-deadline-ms": "500", "x-tpot-ms": "40"}, 500, 40),
+        ({"x-llm-d-slo-ttft-ms": "300", "x-llm-d-slo-tpot-ms": "25"}, 300, 25),
+        ({"x-deadline-ms": "500", "x-llm-d-slo-ttft-ms": "300"}, 500, None),  # ours first
+        ({}, None, None),
+    ],
+)
+def test_slo_headers_ours_or_llm_d(
+    headers: dict[str, str], deadline_ms: float | None, tpot_ms: float | None
+) -> None:
+    _, pool, _, _ = setup()
+    view = RoutingView(MODEL, True, 8, None, 100, False, ())
+    made = GatewayRequest.from_headers(headers, view, pool, arrived_at=10.0, key_name=None)
+    assert made.deadline_at == (None if deadline_ms is None else 10.0 + deadline_ms / 1000)
+    assert made.tpot_target_s == (None if tpot_ms is None else tpot_ms / 1000)
+
+
+def test_llm_d_slo_header_must_be_a_positive_number() -> None:
+    _, pool, _, _ = setup()
+    view = RoutingView(MODEL, True, 8, None, 100, False, ())
+    with pytest.raises(ApiError, match="x-llm-d-slo-ttft-ms must be a positive number"):
+        GatewayRequest.from_headers(
+            {"x-llm-d-slo-ttft-ms": "-1"}, view, pool, arrived_at=0.0, key_name=None
+        )

@@ -1,0 +1,149 @@
+"""The gateway's runtime deciding for an external data plane (``isocost picker``).
+
+Envoy relays the bytes; this side keeps everything else of ``isocost serve``: the config,
+discovery, scrapes, breakers, the router and its shadow state, the intake's checks. A pick
+passes the same intake (headers, then the whole body) and the same ``Router.acquire`` (the
+unchanged ``Policy.schedule``, queue included) as a proxied request; it differs only in
+what the data plane reports back. Envoy tells the picker a response's headers and when its
+stream ends, not its tokens (relaying every chunk through Python is what the picker is
+for avoiding), so every request is shadowed as one the caller does not stream
+(``RequestView.stream=False``: no first token, started at its predicted prefill end) and
+the scrapes correct the rest. One consequence: a route class that matches on ``stream``
+sees every picked request as not streamed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Mapping
+from urllib.parse import urlsplit
+
+from isocost.gateway.health import status_fault
+from isocost.gateway.intake import Rejection
+from isocost.gateway.lifecycle import Gateway
+from isocost.gateway.routing import GatewayRequest, Grant
+from isocost.gateway.upstreams import Upstream
+from isocost.openai.errors import ApiError
+
+__all__ = ["EndpointGrant", "GatewayPicker", "endpoint_of"]
+
+log = logging.getLogger("isocost.picker")
+
+# The paths a pick serves, and whether each body is a chat request.
+_CHAT_BY_PATH = {"/v1/chat/completions": True, "/v1/completions": False}
+
+
+def endpoint_of(replica: Upstream) -> str:
+    """The replica's ``ip:port``, as GAIE's ``x-gateway-destination-endpoint`` names it."""
+    parts = urlsplit(replica.url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return f"{parts.hostname}:{port}"
+
+
+class GatewayPicker:
+    """One gateway runtime as an endpoint picker's brain; see the module docstring."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    async def start(self) -> None:
+        await self.gateway.start()
+
+    async def stop(self) -> None:
+        self.gateway.draining = True
+        await self.gateway.stop()
+
+    def ready(self) -> bool:
+        """Serving, with at least one replica that may take new work."""
+        now = time.monotonic()
+        gateway = self.gateway
+        return not gateway.draining and any(r.routable(now) for r in gateway.replicas.values())
+
+    async def pick(
+        self,
+        path: str,
+        headers: Mapping[str, str],
+        body: bytes,
+        subset: frozenset[str] | None,
+    ) -> EndpointGrant:
+        """The replica for one request (``subset``: GAIE's hint, the only endpoints it may
+        go to); ApiError, OpenAI-shaped, for a request refused or that nothing can take."""
+        try:
+            request = await self._routing_request(path, headers, body)
+        except Rejection as exc:
+            self.gateway.reject(exc.reason)
+            raise
+        exclude = frozenset(
+            replica.name
+            for replica in request.pool.replicas.values()
+            if subset is not None and endpoint_of(replica) not in subset
+        )
+        if subset is not None and len(exclude) == len(request.pool.replicas):
+            raise ApiError(
+                503, "no replica of the subset hint serves this model", code="subset_unavailable"
+            )
+        grant = await self.gateway.router.acquire(request, exclude)
+        return EndpointGrant(self.gateway, request, grant)
+
+    async def _routing_request(
+        self, path: str, headers: Mapping[str, str], body: bytes
+    ) -> GatewayRequest:
+        chat = _CHAT_BY_PATH.get(path.partition("?")[0])
+        if chat is None:
+            routed = ", ".join(_CHAT_BY_PATH)
+            raise ApiError(404, f"{path} is not routed here: only {routed}", code="not_found")
+        intake = self.gateway.intake
+        arrived_at = time.monotonic()
+        key = intake.check_headers(headers, arrived_at)
+        request = await intake.routing_request(
+            body, headers, chat=chat, key=key, arrived_at=arrived_at
+        )
+        return dataclasses.replace(request, view=dataclasses.replace(request.view, stream=False))
+
+
+class EndpointGrant:
+    """A replica granted to one picked request, until the data plane reports its end."""
+
+    def __init__(self, gateway: Gateway, request: GatewayRequest, grant: Grant) -> None:
+        self._gateway = gateway
+        self._request = request
+        self._grant = grant
+        self._status: int | None = None
+
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        """Where to send it, the choice first (GAIE allows fallbacks after it; the shadow
+        state holds the request on the choice alone, so none are offered)."""
+        return (endpoint_of(self._grant.replica),)
+
+    @property
+    def replica(self) -> str:
+        return self._grant.replica.name
+
+    def responded(self, status: int, served: str | None) -> None:
+        """The response headers: ``served`` is the endpoint the data plane used."""
+        self._status = status
+        replica = self._grant.replica
+        if served is not None and served != endpoint_of(replica):
+            log.warning(
+                "served elsewhere",
+                extra={"event": "served_elsewhere", "replica": replica.name, "served": served},
+            )
+        fault = status_fault(status)
+        if fault is not None and not fault.busy:  # judged as the proxy judges it
+            replica.breaker.record_failure(time.monotonic(), f"status {status}", soft=fault.soft)
+
+    def ended(self) -> None:
+        """The exchange is over: ``ok`` when a response below 400 arrived; its output
+        tokens are unknown here (None: the shadow state keeps what it counted)."""
+        now = time.monotonic()
+        status = self._status
+        ok = status is not None and status < 400
+        if ok:
+            self._grant.replica.breaker.record_success(now)
+        self._gateway.router.release(self._grant, now, ok=ok, output_tokens=None)
+        self._gateway.metrics.requests.labels(
+            str(status or 0), self._request.pool.model, self._grant.replica.name
+        ).inc()

@@ -1,0 +1,1 @@
+"""``isocost picker``: the brain as a Gateway API Inference Extension endpoint picker."""

@@ -1,0 +1,292 @@
+"""Envoy's ``ext_proc`` protocol as GAIE's endpoint picker speaks it (proposal 004, v1).
+
+One gRPC stream is one HTTP request. Envoy sends its headers, then its body; the picker
+answers, once the body is whole, with the chosen ``ip:port`` in header
+``x-gateway-destination-endpoint`` and the same value in ``envoy.lb`` dynamic metadata,
+and clears the route cache so that Envoy routes on it. The first message's
+``protocol_config`` tells how the body comes: ``STREAMED`` with
+``send_body_without_waiting_for_header_response`` (the chunks come at once and are held;
+the pick answers the headers once the body is whole, then each chunk gets its answer: one
+round trip), ``FULL_DUPLEX_STREAMED`` (the same, and the body is streamed back), or
+``BUFFERED`` (the whole body after the headers' answer, the pick in the body's: two). A
+request refused or that nothing can take is answered by Envoy as an ImmediateResponse
+(OpenAI-style JSON, ``Retry-After`` on 429 and 503). The response headers carry
+``x-gateway-destination-endpoint-served`` (a header or ``envoy.lb`` metadata) and get
+``x-isocost-replica``; the end of the stream is the end of the request. The subset hint
+(``envoy.lb.subset_hint`` filter metadata) bounds the choice.
+
+The decisions are the brain's (``Brain``): this module knows the wire, nothing of policies.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Iterable, Mapping
+from typing import Protocol
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+from multidict import CIMultiDict
+
+from isocost.openai.errors import ApiError, retry_after
+
+__all__ = [
+    "DESTINATION_HEADER",
+    "REPLICA_HEADER",
+    "SERVED_KEY",
+    "SUBSET_KEY",
+    "Brain",
+    "Granted",
+    "Processor",
+]
+
+log = logging.getLogger("isocost.picker")
+
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+SERVED_KEY = "x-gateway-destination-endpoint-served"
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+LB_NAMESPACE = "envoy.lb"
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+REPLICA_HEADER = "x-isocost-replica"
+_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+_FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+_STREAMED = processing_mode_pb2.ProcessingMode.STREAMED
+
+
+class Granted(Protocol):
+    """A replica granted to one request, told how the request goes on."""
+
+    @property
+    def endpoints(self) -> tuple[str, ...]: ...  # ip:port, the choice first
+
+    @property
+    def replica(self) -> str: ...  # its name, for ``x-isocost-replica``
+
+    def responded(self, status: int, served: str | None) -> None: ...
+
+    def ended(self) -> None: ...
+
+
+class Brain(Protocol):
+    """What decides: the gateway's runtime (``isocost.gateway.picking``)."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def ready(self) -> bool: ...
+
+    async def pick(
+        self,
+        path: str,
+        headers: Mapping[str, str],
+        body: bytes,
+        subset: frozenset[str] | None,
+    ) -> Granted: ...
+
+
+class Processor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    """The ``ExternalProcessor`` service over one brain."""
+
+    def __init__(self, brain: Brain) -> None:
+        self.brain = brain
+
+    async def Process(  # the gRPC method's name
+        self,
+        requests: AsyncIterator[ext_proc.ProcessingRequest],
+        context: grpc.aio.ServicerContext[ext_proc.ProcessingRequest, ext_proc.ProcessingResponse],
+    ) -> AsyncIterator[ext_proc.ProcessingResponse]:
+        exchange = _Exchange(self.brain)
+        try:
+            async for message in requests:
+                for response in await exchange.answer(message):
+                    yield response
+                    if response.HasField("immediate_response"):
+                        return
+        finally:
+            exchange.close()
+
+
+class _Exchange:
+    """One HTTP request's conversation: its headers, its body, its response."""
+
+    def __init__(self, brain: Brain) -> None:
+        self.brain = brain
+        self.headers: CIMultiDict[str] = CIMultiDict()
+        self.body = bytearray()
+        self.subset: frozenset[str] | None = None
+        self.granted: Granted | None = None
+        self.full_duplex = False  # the body comes back to Envoy through us, streamed
+        self.eager_body = False  # Envoy sends the body without waiting for our headers' answer
+        self.chunks_held = 0  # eager STREAMED body chunks not answered yet: one answer each
+
+    async def answer(
+        self, message: ext_proc.ProcessingRequest
+    ) -> list[ext_proc.ProcessingResponse]:
+        """The answers ``message`` calls for: none while a body sent eagerly is still
+        arriving; when it completes, the pick and whatever else is owed."""
+        kind = message.WhichOneof("request")
+        if kind == "request_headers":
+            self.headers = _header_map(message.request_headers.headers.headers)
+            self.subset = _subset_hint(message.metadata_context)
+            protocol = message.protocol_config
+            self.full_duplex = protocol.request_body_mode == _FULL_DUPLEX
+            self.eager_body = self.full_duplex or (
+                protocol.request_body_mode == _STREAMED
+                and protocol.send_body_without_waiting_for_header_response
+            )
+            if message.request_headers.end_of_stream:
+                return [await self._pick(body_follows=False)]
+            if self.eager_body:
+                return []
+            return [ext_proc.ProcessingResponse(request_headers=ext_proc.HeadersResponse())]
+        if kind == "request_body":
+            self.body += message.request_body.body
+            if self.eager_body and not self.full_duplex:
+                self.chunks_held += 1
+            if message.request_body.end_of_stream:
+                return await self._body_complete(trailers_follow=False)
+            if self.eager_body:
+                return []
+            return [ext_proc.ProcessingResponse(request_body=ext_proc.BodyResponse())]
+        if kind == "request_trailers":
+            trailers = ext_proc.ProcessingResponse(request_trailers=ext_proc.TrailersResponse())
+            if self.eager_body and self.granted is None:  # the trailers end the body
+                return [*await self._body_complete(trailers_follow=True), trailers]
+            return [trailers]
+        if kind == "response_headers":
+            return [self._responded(message)]
+        if kind == "response_body":
+            return [ext_proc.ProcessingResponse(response_body=ext_proc.BodyResponse())]
+        return [ext_proc.ProcessingResponse(response_trailers=ext_proc.TrailersResponse())]
+
+    async def _body_complete(self, *, trailers_follow: bool) -> list[ext_proc.ProcessingResponse]:
+        """The pick once the body is whole, then what else is owed: the body streamed back
+        (full duplex) or one answer per body chunk held back (streamed, sent eagerly)."""
+        picked = await self._pick(body_follows=not self.eager_body)
+        if picked.HasField("immediate_response"):
+            return [picked]
+        if self.full_duplex:
+            echo = ext_proc.BodyMutation(
+                streamed_response=ext_proc.StreamedBodyResponse(
+                    body=bytes(self.body), end_of_stream=not trailers_follow
+                )
+            )
+            body = ext_proc.BodyResponse(response=ext_proc.CommonResponse(body_mutation=echo))
+            return [picked, ext_proc.ProcessingResponse(request_body=body)]
+        chunk = ext_proc.ProcessingResponse(request_body=ext_proc.BodyResponse())
+        return [picked, *([chunk] * self.chunks_held)]  # none when buffered
+
+    async def _pick(self, *, body_follows: bool) -> ext_proc.ProcessingResponse:
+        """The decision, in the answer that may still change the request's headers: the
+        body's when the headers were answered already (``body_follows``), else the
+        headers' (a body sent eagerly, or a request without one)."""
+        path = self.headers.get(":path", "")
+        try:
+            self.granted = await self.brain.pick(path, self.headers, bytes(self.body), self.subset)
+        except ApiError as exc:
+            return _immediate(exc)
+        endpoints = ",".join(self.granted.endpoints)
+        common = ext_proc.CommonResponse(
+            header_mutation=_set_headers({DESTINATION_HEADER: self.granted.endpoints[0]}),
+            clear_route_cache=True,
+        )
+        metadata = struct_pb2.Struct()
+        metadata.update({LB_NAMESPACE: {DESTINATION_HEADER: endpoints}})
+        if body_follows:
+            return ext_proc.ProcessingResponse(
+                request_body=ext_proc.BodyResponse(response=common), dynamic_metadata=metadata
+            )
+        return ext_proc.ProcessingResponse(
+            request_headers=ext_proc.HeadersResponse(response=common),
+            dynamic_metadata=metadata,
+        )
+
+    def _responded(self, message: ext_proc.ProcessingRequest) -> ext_proc.ProcessingResponse:
+        headers = _header_map(message.response_headers.headers.headers)
+        granted = self.granted
+        if granted is None:  # no pick on this stream: Envoy sent no body (body mode NONE)
+            return ext_proc.ProcessingResponse(response_headers=ext_proc.HeadersResponse())
+        served = headers.get(SERVED_KEY) or _served(message.metadata_context)
+        try:
+            status = int(headers.get(":status", "0"))
+        except ValueError:
+            status = 0
+        granted.responded(status, served)
+        common = ext_proc.CommonResponse(
+            header_mutation=_set_headers({REPLICA_HEADER: granted.replica})
+        )
+        return ext_proc.ProcessingResponse(
+            response_headers=ext_proc.HeadersResponse(response=common)
+        )
+
+    def close(self) -> None:
+        """The stream ended: Envoy is done with the request, answered or not."""
+        if self.granted is not None:
+            self.granted.ended()
+            self.granted = None
+
+
+def _header_map(headers: Iterable[base_pb2.HeaderValue]) -> CIMultiDict[str]:
+    """Envoy's headers (``raw_value`` bytes, or the older ``value``), as text; bytes
+    that are no UTF-8 stay surrogates, which the intake refuses as unprintable."""
+    out: CIMultiDict[str] = CIMultiDict()
+    for header in headers:
+        value = (
+            header.raw_value.decode("utf-8", "surrogateescape")
+            if header.raw_value
+            else header.value
+        )
+        out.add(header.key, value)
+    return out
+
+
+def _set_headers(values: Mapping[str, str]) -> ext_proc.HeaderMutation:
+    return ext_proc.HeaderMutation(
+        set_headers=[
+            base_pb2.HeaderValueOption(
+                header=base_pb2.HeaderValue(key=name, raw_value=value.encode()),
+                append_action=_OVERWRITE,
+            )
+            for name, value in values.items()
+        ]
+    )
+
+
+def _subset_hint(context: base_pb2.Metadata) -> frozenset[str] | None:
+    """GAIE's subset hint: the only endpoints the request may go to; None: any."""
+    namespace = context.filter_metadata.get(SUBSET_NAMESPACE)
+    if namespace is None or SUBSET_KEY not in namespace.fields:
+        return None
+    value = namespace.fields[SUBSET_KEY]
+    if value.HasField("list_value"):
+        return frozenset(item.string_value for item in value.list_value.values)
+    return frozenset(part.strip() for part in value.string_value.split(",") if part.strip())
+
+
+def _served(context: base_pb2.Metadata) -> str | None:
+    namespace = context.filter_metadata.get(LB_NAMESPACE)
+    if namespace is None or SERVED_KEY not in namespace.fields:
+        return None
+    return namespace.fields[SERVED_KEY].string_value or None
+
+
+def _immediate(error: ApiError) -> ext_proc.ProcessingResponse:
+    """``error`` as Envoy's local reply: OpenAI-style JSON with its status."""
+    headers = {"content-type": "application/json"}
+    seconds = retry_after(error)
+    if seconds is not None:
+        headers["retry-after"] = seconds
+    return ext_proc.ProcessingResponse(
+        immediate_response=ext_proc.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=error.status),
+            headers=_set_headers(headers),
+            body=error.encode(),
+            details=error.code or "isocost_picker",
+        )
+    )
