@@ -11,7 +11,7 @@ VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 TINY_MODEL := ../shared/models/tiny-llama
 
-.PHONY: venv demo browser etcd test test-real lint unit bench clean
+.PHONY: venv demo browser etcd redis test test-real lint unit bench clean
 
 venv: $(STAMP)
 
@@ -45,12 +45,22 @@ etcd:
 	    echo "warning: no etcd and not root: the etcd discovery tests will be skipped"; \
 	  fi; }
 
+# The state-bus tests start a real Redis server (Debian's redis-server); as root on a fresh
+# machine, install it.
+redis:
+	@command -v redis-server >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server; \
+	  else \
+	    echo "warning: no redis-server and not root: the state-bus tests will be skipped"; \
+	  fi; }
+
 lint: venv
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy
 
-test: lint browser etcd
+test: lint browser etcd redis
 	$(BIN)/python -m pytest -q -m "not real_vllm and not soak" tests
 	@if [ -d $(TINY_MODEL) ]; then $(MAKE) --no-print-directory test-real; \
 	else echo "make test: skipping the real-vLLM suite ($(TINY_MODEL) not found)"; fi

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 __all__ = ["GatewayMetrics"]
@@ -144,3 +146,22 @@ class GatewayMetrics:
             "isocost_replica_prefill_duty",
             "Share of the replica's time that prefill recently sent there will take.",
         )
+        self.view_divergence = per_replica(
+            "isocost_view_divergence",
+            "Largest difference, in requests, between this gateway's in-flight count on the"
+            " replica and a state-bus peer's (its latest heartbeat).",
+        )
+
+    def track_state_bus(self, up: Callable[[], float], peers: Callable[[], float]) -> None:
+        """Export the state bus's health (only gateways that have one)."""
+        r = self.registry
+        Gauge(
+            "isocost_state_bus_up",
+            "1 while the state bus is connected; 0 while the gateway serves on scrapes alone.",
+            registry=r,
+        ).set_function(up)
+        Gauge(
+            "isocost_state_bus_peers",
+            "Other gateways heard on the state bus within its peer timeout.",
+            registry=r,
+        ).set_function(peers)
