@@ -379,7 +379,8 @@ class Gateway:
     def _start_state_bus(self, config: StateBusConfig) -> None:
         """Share in-flight with the other gateways on the bus: the router publishes and
         takes the peers' requests; the bus's loops run supervised."""
-        bus = StateBus(config, self.router, on_divergence=self._show_divergence)
+        lag = self.metrics.state_bus_lag()
+        bus = StateBus(config, self.router, on_divergence=self._show_divergence, on_lag=lag.observe)
         self.router.bus = bus
         self.metrics.track_state_bus(lambda: float(bool(bus.up)), lambda: len(bus.views.peers))
         for name, loop in bus.loops():

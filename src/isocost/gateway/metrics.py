@@ -16,6 +16,10 @@ _LATENCY_BUCKETS_S = (
     1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0,
 )  # fmt: skip
 
+_BUS_LAG_BUCKETS_S = (
+    0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 1.0,
+)  # fmt: skip
+
 
 class GatewayMetrics:
     """Every series ``isocost serve`` exports under ``/metrics``."""
@@ -150,6 +154,15 @@ class GatewayMetrics:
             "isocost_view_divergence",
             "Largest difference, in requests, between this gateway's in-flight count on the"
             " replica and a state-bus peer's (its latest heartbeat).",
+        )
+
+    def state_bus_lag(self) -> Histogram:
+        """The histogram of the state bus's message lag (only gateways that have one)."""
+        return Histogram(
+            "isocost_state_bus_lag_seconds",
+            "Time from a state-bus peer's send to its message's arrival here (wall clocks).",
+            buckets=_BUS_LAG_BUCKETS_S,
+            registry=self.registry,
         )
 
     def track_state_bus(self, up: Callable[[], float], peers: Callable[[], float]) -> None:

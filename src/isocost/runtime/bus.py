@@ -19,8 +19,10 @@ gateway serves on its scrapes alone, and it reconnects with a doubling backoff; 
 of state is one log line and ``isocost_state_bus_up``.
 
 Messages are msgpack ``Batch``es: the sender's id (random per process start, so a restarted
-gateway is a new peer), a sequence number per message and the events queued since the last
-one (one message per event loop turn under load, not one per event).
+gateway is a new peer), a sequence number per message, its send time (wall clock: the lag
+``isocost_state_bus_lag_seconds`` shows holds between gateways on one host or with
+synchronized clocks) and the events queued since the last one (one message per event loop
+turn under load, not one per event).
 """
 
 from __future__ import annotations
@@ -107,6 +109,7 @@ Event = Dispatch | FirstToken | Complete | Cancel | Heartbeat
 class Batch(msgspec.Struct, array_like=True, frozen=True):
     gateway: str
     seq: int  # per sender, +1 per message: a jump means messages were lost
+    sent_unix_s: float  # when it was sent: how stale a peer's view is, on one host
     events: list[Event]
 
 
@@ -238,7 +241,8 @@ class PeerViews:
 class StateBus:
     """The Redis side of ``PeerViews``: publishes this gateway's events, subscribes to its
     peers', reconnects with backoff (module docstring). ``on_divergence`` hears every
-    replica's view divergence after each heartbeat and each peer lost."""
+    replica's view divergence after each heartbeat and each peer lost, ``on_lag`` the
+    seconds each peer's message took from its send to its arrival here."""
 
     def __init__(
         self,
@@ -246,6 +250,7 @@ class StateBus:
         sink: ForeignSink,
         *,
         on_divergence: Callable[[dict[str, float]], None],
+        on_lag: Callable[[float], None],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
@@ -254,7 +259,7 @@ class StateBus:
         self.gateway_id = uuid.uuid4().hex[:12]
         self.views = PeerViews(self.gateway_id, sink, self.peer_timeout_s)
         self.up: bool | None = None  # None: not tried yet
-        self._on_divergence = on_divergence
+        self._on_divergence, self._on_lag = on_divergence, on_lag
         self._clock = clock
         self._pending: list[Event] = []
         self._wanted = asyncio.Event()
@@ -324,6 +329,7 @@ class StateBus:
                 backoff_s = _INITIAL_BACKOFF_S
                 await self._read(pubsub)
             except (RedisError, OSError) as exc:
+                _reraise_cancellation()
                 self._went_down(f"{type(exc).__name__}: {exc}")
             finally:
                 with contextlib.suppress(RedisError, OSError):
@@ -348,6 +354,8 @@ class StateBus:
                         "state bus: undecodable message ignored", extra={"event": "bus_junk"}
                     )
                     continue
+                if batch.gateway != self.gateway_id:
+                    self._on_lag(max(time.time() - batch.sent_unix_s, 0.0))
                 self.views.apply(batch, now)
                 if any(isinstance(event, Heartbeat) for event in batch.events):
                     self._on_divergence(self.views.divergence())
@@ -362,10 +370,13 @@ class StateBus:
             events, self._pending = self._pending, []
             if not events:
                 continue
-            self._seq += 1  # a message that fails to go is a gap the peers will see
-            payload = self._encoder.encode(Batch(self.gateway_id, self._seq, events))
-            with contextlib.suppress(RedisError, OSError):
+            self._seq += 1
+            batch = Batch(self.gateway_id, self._seq, time.time(), events)
+            payload = self._encoder.encode(batch)
+            try:
                 await self._client.publish(self.config.channel, payload)
+            except (RedisError, OSError):
+                _reraise_cancellation()  # else the message is lost: a gap the peers see
 
     async def heartbeat(self) -> None:
         """Say this gateway is alive (with its view) and expire silent peers."""
@@ -398,3 +409,12 @@ class StateBus:
             "state bus down: serving on scrapes alone until it returns",
             extra={"event": "bus_down", "url": redacted(self.config.url), "error": error},
         )
+
+
+def _reraise_cancellation() -> None:
+    """Raise ``CancelledError`` if the running task is being cancelled: the Redis client
+    may turn a cancellation inside a command into its own timeout error, which would
+    otherwise be taken for a bus failure and leave the task running past its cancel."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError

@@ -52,7 +52,7 @@ def dispatch(request_id: str, replica: str = REPLICA) -> Dispatch:
 
 
 def batch(gateway: str, seq: int, *events: Event) -> Batch:
-    return Batch(gateway, seq, list(events))
+    return Batch(gateway, seq, 1.8e9, list(events))
 
 
 def in_flight(target: Router) -> list[str]:
