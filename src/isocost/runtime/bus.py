@@ -225,10 +225,11 @@ class PeerViews:
         own = in_flight_view(self.sink.replicas)
         worst = dict.fromkeys(own, 0.0)
         for peer in self.peers.values():
+            if peer.in_flight is None:  # no heartbeat since it joined or resynced
+                continue
             for replica, count in own.items():
-                if peer.in_flight is not None:
-                    gap = abs(count - peer.in_flight.get(replica, 0))
-                    worst[replica] = max(worst[replica], float(gap))
+                gap = abs(count - peer.in_flight.get(replica, 0))
+                worst[replica] = max(worst[replica], float(gap))
         return worst
 
     def _forget(self, peer: _Peer) -> None:
@@ -251,7 +252,6 @@ class StateBus:
         *,
         on_divergence: Callable[[dict[str, float]], None],
         on_lag: Callable[[float], None],
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.heartbeat_s = config.heartbeat_ms / 1000
@@ -260,7 +260,6 @@ class StateBus:
         self.views = PeerViews(self.gateway_id, sink, self.peer_timeout_s)
         self.up: bool | None = None  # None: not tried yet
         self._on_divergence, self._on_lag = on_divergence, on_lag
-        self._clock = clock
         self._pending: list[Event] = []
         self._wanted = asyncio.Event()
         self._seq = 0
@@ -324,7 +323,7 @@ class StateBus:
             pubsub = self._client.pubsub()
             try:
                 await pubsub.subscribe(self.config.channel)
-                self._heard_s = self._clock()
+                self._heard_s = time.monotonic()
                 self._went_up()
                 backoff_s = _INITIAL_BACKOFF_S
                 await self._read(pubsub)
@@ -344,7 +343,7 @@ class StateBus:
             message = await pubsub.get_message(
                 ignore_subscribe_messages=True, timeout=self.heartbeat_s
             )
-            now = self._clock()
+            now = time.monotonic()
             if message is not None and message["type"] == "message":
                 self._heard_s = now
                 try:
@@ -382,7 +381,7 @@ class StateBus:
         """Say this gateway is alive (with its view) and expire silent peers."""
         while True:
             self._publish(Heartbeat(in_flight_view(self.views.sink.replicas)))
-            if self.views.expire(self._clock()):
+            if self.views.expire(time.monotonic()):
                 self._on_divergence(self.views.divergence())
             await asyncio.sleep(self.heartbeat_s)
 
