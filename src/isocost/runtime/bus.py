@@ -343,6 +343,7 @@ class StateBus:
             message = await pubsub.get_message(
                 ignore_subscribe_messages=True, timeout=self.heartbeat_s
             )
+            _reraise_cancellation()
             now = time.monotonic()
             if message is not None and message["type"] == "message":
                 self._heard_s = now
@@ -372,10 +373,9 @@ class StateBus:
             self._seq += 1
             batch = Batch(self.gateway_id, self._seq, time.time(), events)
             payload = self._encoder.encode(batch)
-            try:
+            with contextlib.suppress(RedisError, OSError):  # lost: a gap the peers see
                 await self._client.publish(self.config.channel, payload)
-            except (RedisError, OSError):
-                _reraise_cancellation()  # else the message is lost: a gap the peers see
+            _reraise_cancellation()
 
     async def heartbeat(self) -> None:
         """Say this gateway is alive (with its view) and expire silent peers."""
@@ -412,8 +412,8 @@ class StateBus:
 
 def _reraise_cancellation() -> None:
     """Raise ``CancelledError`` if the running task is being cancelled: the Redis client
-    may turn a cancellation inside a command into its own timeout error, which would
-    otherwise be taken for a bus failure and leave the task running past its cancel."""
+    may swallow a cancellation that hits it mid-command (or turn it into its own error),
+    which would leave the task running past its cancel and its gateway unable to stop."""
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError

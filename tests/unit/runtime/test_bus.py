@@ -1,8 +1,12 @@
-"""The state bus's receiving side without Redis: peers' batches applied to a real router's
-shadow state through its hooks, sequence gaps, silent peers, the view divergence, the
-wire format, and the ``state_bus`` config section."""
+"""The state bus without Redis: peers' batches applied to a real router's shadow state
+through its hooks, sequence gaps, silent peers, the view divergence, the wire format, a
+publisher that stops when cancelled whatever the client does, and the ``state_bus``
+config section."""
 
 from __future__ import annotations
+
+import asyncio
+import contextlib
 
 import msgspec
 import pytest
@@ -21,8 +25,9 @@ from isocost.runtime.bus import (
     FirstToken,
     Heartbeat,
     PeerViews,
+    StateBus,
 )
-from isocost.runtime.config import HealthConfig, ReplicaConfig, parse_config
+from isocost.runtime.config import HealthConfig, ReplicaConfig, StateBusConfig, parse_config
 
 MODEL = "llama-3.1-8b"
 REPLICA = "127.0.0.1:9"
@@ -147,3 +152,36 @@ def test_a_bus_url_with_a_password_is_not_logged() -> None:
     with pytest.raises(ConfigError) as info:
         parse_config("state_bus: {url: 'http://user:s3cret@h:1'}", "g.yaml")
     assert "s3cret" not in str(info.value)
+
+
+def test_a_cancellation_the_redis_client_swallows_still_stops_the_publisher() -> None:
+    class SwallowingClient:
+        """Answers a publish cancelled mid-way as if it had gone (what redis-py may do)."""
+
+        def __init__(self) -> None:
+            self.entered = asyncio.Event()
+
+        async def publish(self, channel: str, payload: bytes) -> int:
+            self.entered.set()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.Event().wait()
+            return 0
+
+    async def run() -> None:
+        bus = StateBus(
+            StateBusConfig(url="redis://127.0.0.1:1"),
+            router(),
+            on_divergence=lambda divergence: None,
+            on_lag=lambda seconds: None,
+        )
+        client = SwallowingClient()
+        bus._client = client  # type: ignore[assignment]
+        bus.up = True
+        task = asyncio.create_task(bus.publish())
+        bus.first_token("r1")
+        await client.entered.wait()
+        task.cancel()
+        await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 2)
+        assert task.cancelled()
+
+    asyncio.run(run())
