@@ -264,5 +264,5 @@ def test_killed_gateway_is_forgotten_within_the_peer_timeout(cluster: Cluster) -
     killed_at = time.monotonic()
     wait_for(lambda: shadow_in_flight(b) == 0, 5, "B to forget C's request", interval_s=0.02)
     forgotten_s = time.monotonic() - killed_at
-    assert forgotten_s <= PEER_TIMEOUT_MS / 1000 + 2 * HEARTBEAT_MS / 1000 + 0.3
+    assert forgotten_s <= PEER_TIMEOUT_MS / 1000 + 1.0  # the timeout, a heartbeat, polls
     assert metric(b, "isocost_state_bus_peers") == 1
