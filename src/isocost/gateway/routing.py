@@ -26,8 +26,9 @@ Retries avoid the replicas already tried by passing their names as ``schedule``'
 ``exclude`` (they count as unavailable for that request only, not for the global shed).
 
 With a state bus (``isocost.runtime.bus``) every dispatch, first token and end is also
-published, and the peers' arrive through ``foreign_dispatch``, ``foreign_first_token`` and
-``foreign_end``: the same hooks and queue wakes as this gateway's own requests.
+published, and the peers' arrive through ``foreign_dispatch``, ``foreign_first_token``,
+``foreign_tokens`` and ``foreign_end``: the same hooks and queue wakes as this gateway's
+own requests.
 
 Circuit-breaker state is mirrored into ``ReplicaSet.set_health`` and drains into
 ``set_draining``, so the brain's eligibility is the data plane's health.
@@ -493,10 +494,10 @@ class Router:
     def on_tokens(self, grant: Grant, num_tokens: int, now: float) -> None:
         """Streamed tokens arrived; the first call also marks the first token."""
         self.replicas.on_tokens(grant.attempt_id, num_tokens, now)
+        if self.bus is not None:
+            self.bus.streamed(grant.attempt_id, num_tokens, first=not grant.streaming)
         if not grant.streaming:
             grant.streaming = True
-            if self.bus is not None:
-                self.bus.first_token(grant.attempt_id)
             self._wake(grant.replica.pool)  # it left the replica's waiting queue
 
     def release(self, grant: Grant, now: float, *, ok: bool, output_tokens: int) -> None:
@@ -528,6 +529,9 @@ class Router:
     def foreign_first_token(self, request_id: str) -> None:
         if self.replicas.on_first_token(request_id, self.clock()):
             self.wake_all()
+
+    def foreign_tokens(self, request_id: str, count: int) -> None:
+        self.replicas.on_tokens(request_id, count, self.clock())
 
     def foreign_end(self, request_id: str, *, ok: bool, output_tokens: int | None) -> None:
         if self.replicas.on_complete(request_id, self.clock(), ok=ok, output_tokens=output_tokens):

@@ -1,10 +1,11 @@
 """The shared-state bus: several gateways, one view of every replica's in-flight work.
 
 Each gateway publishes what it does to the replicas (``Dispatch``, ``FirstToken``,
-``Complete``, ``Cancel``) and, every ``heartbeat_ms``, a ``Heartbeat`` with the in-flight
-count it sees per replica. Peers apply those events to their own ``ReplicaSet`` as foreign
-in-flight through the very hooks local traffic takes (``ForeignSink``: ``on_dispatch``,
-``on_first_token``, ``on_complete``), so a peer's request is priced, queued against and
+``Tokens``: the output streamed since its last message, ``Complete``, ``Cancel``) and,
+every ``heartbeat_ms``, a ``Heartbeat`` with the in-flight count it sees per replica.
+Peers apply those events to their own ``ReplicaSet`` as foreign in-flight through the very
+hooks local traffic takes (``ForeignSink``: ``on_dispatch``, ``on_first_token``,
+``on_tokens``, ``on_complete``), so a peer's request is priced, queued against and
 prefix-matched exactly like one's own, and the scrape merge counts it as known load rather
 than as unexplained foreign load.
 
@@ -57,6 +58,7 @@ __all__ = [
     "Heartbeat",
     "PeerViews",
     "StateBus",
+    "Tokens",
 ]
 
 log = logging.getLogger("isocost.bus")
@@ -85,6 +87,14 @@ class FirstToken(msgspec.Struct, tag="f", array_like=True, frozen=True):
     request_id: str
 
 
+class Tokens(msgspec.Struct, tag="t", array_like=True, frozen=True):
+    """``count`` more output tokens streamed since the last message: without them a peer
+    would take the request's whole decode to be still ahead of it until its end."""
+
+    request_id: str
+    count: int
+
+
 class Complete(msgspec.Struct, tag="c", array_like=True, frozen=True):
     request_id: str
     output_tokens: int
@@ -103,7 +113,7 @@ class Heartbeat(msgspec.Struct, tag="h", array_like=True, frozen=True):
     in_flight: dict[str, int]
 
 
-Event = Dispatch | FirstToken | Complete | Cancel | Heartbeat
+Event = Dispatch | FirstToken | Tokens | Complete | Cancel | Heartbeat
 
 
 class Batch(msgspec.Struct, array_like=True, frozen=True):
@@ -123,6 +133,8 @@ class ForeignSink(Protocol):
         ...
 
     def foreign_first_token(self, request_id: str) -> None: ...
+
+    def foreign_tokens(self, request_id: str, count: int) -> None: ...
 
     def foreign_end(self, request_id: str, *, ok: bool, output_tokens: int | None) -> None: ...
 
@@ -199,6 +211,9 @@ class PeerViews:
             if isinstance(event, FirstToken):
                 sink.foreign_first_token(request_id)
                 return
+            if isinstance(event, Tokens):
+                sink.foreign_tokens(request_id, event.count)
+                return
             peer.requests.discard(request_id)
             if isinstance(event, Complete):
                 sink.foreign_end(request_id, ok=True, output_tokens=event.output_tokens)
@@ -261,6 +276,7 @@ class StateBus:
         self.up: bool | None = None  # None: not tried yet
         self._on_divergence, self._on_lag = on_divergence, on_lag
         self._pending: list[Event] = []
+        self._streamed: dict[str, int] = {}  # tokens per request since the last message
         self._wanted = asyncio.Event()
         self._seq = 0
         self._heard_s = -float("inf")  # when the last message, ours included, came
@@ -295,10 +311,18 @@ class StateBus:
             )
         )
 
-    def first_token(self, request_id: str) -> None:
-        self._publish(FirstToken(request_id))
+    def streamed(self, request_id: str, num_tokens: int, *, first: bool) -> None:
+        """``num_tokens`` output tokens arrived, the first of the request among them when
+        ``first``; the others are summed per request into one ``Tokens`` per message."""
+        if first:
+            self._publish(FirstToken(request_id))
+            num_tokens -= 1
+        if num_tokens > 0 and self.up:
+            self._streamed[request_id] = self._streamed.get(request_id, 0) + num_tokens
+            self._wanted.set()
 
     def ended(self, request_id: str, *, ok: bool, output_tokens: int) -> None:
+        self._streamed.pop(request_id, None)  # its end says how many it made
         self._publish(Complete(request_id, output_tokens) if ok else Cancel(request_id))
 
     def _publish(self, event: Event) -> None:
@@ -368,6 +392,8 @@ class StateBus:
             await self._wanted.wait()
             self._wanted.clear()
             events, self._pending = self._pending, []
+            events += [Tokens(request_id, count) for request_id, count in self._streamed.items()]
+            self._streamed.clear()
             if not events:
                 continue
             self._seq += 1
@@ -400,6 +426,7 @@ class StateBus:
     def _went_down(self, error: str) -> None:
         self.views.drop_all()
         self._pending.clear()
+        self._streamed.clear()
         self._on_divergence(self.views.divergence())
         if self.up is False:
             return

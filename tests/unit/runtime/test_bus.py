@@ -26,6 +26,7 @@ from isocost.runtime.bus import (
     Heartbeat,
     PeerViews,
     StateBus,
+    Tokens,
 )
 from isocost.runtime.config import HealthConfig, ReplicaConfig, StateBusConfig, parse_config
 
@@ -76,7 +77,9 @@ def test_a_peer_dispatch_is_in_flight_and_prefix_indexed_like_a_local_one() -> N
     assert wait_s > 0  # its prefill is queued ahead of the next request
     views.apply(batch("a", 8, FirstToken("r1")), now=0.1)
     assert (state.num_waiting, state.num_running) == (0, 1)
-    views.apply(batch("a", 9, Complete("r1", 40)), now=0.2)
+    views.apply(batch("a", 9, Tokens("r1", 10)), now=0.15)
+    assert state.in_flight["a/r1"].generated_tokens == 11  # its decode ahead shrinks
+    views.apply(batch("a", 10, Complete("r1", 40)), now=0.2)
     assert in_flight(target) == [] and views.peers["a"].requests == set()
 
 
@@ -127,7 +130,8 @@ def test_divergence_is_the_widest_gap_to_a_peer_heartbeat() -> None:
 
 
 def test_batches_survive_the_wire() -> None:
-    sent = batch("a", 3, dispatch("r1"), FirstToken("r1"), Complete("r1", 9), Heartbeat({"x": 2}))
+    events = (dispatch("r1"), FirstToken("r1"), Tokens("r1", 4), Complete("r1", 9))
+    sent = batch("a", 3, *events, Heartbeat({"x": 2}))
     wire = msgspec.msgpack.encode(sent)
     assert msgspec.msgpack.decode(wire, type=Batch) == sent
 
@@ -178,10 +182,47 @@ def test_a_cancellation_the_redis_client_swallows_still_stops_the_publisher() ->
         bus._client = client  # type: ignore[assignment]
         bus.up = True
         task = asyncio.create_task(bus.publish())
-        bus.first_token("r1")
+        bus.streamed("r1", 1, first=True)
         await client.entered.wait()
         task.cancel()
         await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 2)
         assert task.cancelled()
 
     asyncio.run(run())
+
+
+def test_streamed_tokens_go_summed_per_request_after_its_first_token() -> None:
+    class CapturingClient:
+        def __init__(self) -> None:
+            self.sent: list[Batch] = []
+            self.arrived = asyncio.Event()
+
+        async def publish(self, channel: str, payload: bytes) -> int:
+            self.sent.append(msgspec.msgpack.decode(payload, type=Batch))
+            self.arrived.set()
+            return 1
+
+    async def run() -> list[Batch]:
+        bus = StateBus(
+            StateBusConfig(url="redis://127.0.0.1:1"),
+            router(),
+            on_divergence=lambda divergence: None,
+            on_lag=lambda seconds: None,
+        )
+        client = CapturingClient()
+        bus._client = client  # type: ignore[assignment]
+        bus.up = True
+        bus.streamed("r1", 3, first=True)
+        bus.streamed("r1", 4, first=False)
+        bus.streamed("r2", 2, first=False)
+        bus.streamed("r3", 5, first=False)
+        bus.ended("r3", ok=True, output_tokens=9)  # its end carries the count
+        task = asyncio.create_task(bus.publish())
+        await client.arrived.wait()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return client.sent
+
+    (sent,) = asyncio.run(run())
+    assert sent.seq == 1
+    assert sent.events == [FirstToken("r1"), Complete("r3", 9), Tokens("r1", 6), Tokens("r2", 2)]
