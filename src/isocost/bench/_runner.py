@@ -14,7 +14,9 @@ cannot reply before reading; its due time is the later of its arrival and that e
 turn carries its session id in ``x-session-id``.
 
 Only ``url`` is contacted: ``GET /v1/models`` once before the run (reachability, and the
-default model), then ``POST /v1/completions`` or ``/v1/chat/completions``.
+default model), then ``POST /v1/completions`` or ``/v1/chat/completions``. Given several
+URLs (gateways behind no balancer), each is checked the same way and requests go to them
+in turn, round-robin, in the order they are sent.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -184,7 +186,7 @@ class _Run:
     def __init__(
         self,
         session: aiohttp.ClientSession,
-        base: str,
+        bases: Sequence[str],
         model: str,
         options: BenchOptions,
         progress: BenchProgress,
@@ -195,9 +197,8 @@ class _Run:
         self.model = model
         self.options = options
         self.progress = progress
-        self.endpoint = (
-            f"{base}/v1/{'chat/completions' if options.api == 'chat' else 'completions'}"
-        )
+        path = f"/v1/{'chat/completions' if options.api == 'chat' else 'completions'}"
+        self.endpoints = itertools.cycle([base + path for base in bases])
         self.renderer = TextRenderer(salt=options.text_salt)
         self.records: list[BenchRecord] = []
         self.session_ends: dict[str, asyncio.Future[float]] = {}
@@ -241,7 +242,7 @@ class _Run:
         try:
             await send_request(
                 self.session,
-                self.endpoint,
+                next(self.endpoints),
                 prepared.payload,
                 headers,
                 self.clock,
@@ -311,27 +312,31 @@ class _Run:
 
 
 async def run_bench(
-    url: str,
+    url: str | Sequence[str],
     requests: Iterable[WorkloadRequest],
     options: BenchOptions,
     progress: BenchProgress | None = None,
     stop: asyncio.Event | None = None,
 ) -> BenchResult:
-    """Send ``requests`` (in arrival order) to ``url``; every request's record and a summary.
+    """Send ``requests`` (in arrival order) to ``url`` (or round-robin to several URLs);
+    every request's record and a summary.
 
     Setting ``stop`` ends the run early: nothing new is sent, requests in flight are
     cancelled (error kind ``cancelled``) and the summary covers what was sent. Raises
     ``EndpointError`` before sending anything if the endpoint cannot be reached.
     """
-    base = normalize_url(url)
+    bases = [normalize_url(one) for one in ([url] if isinstance(url, str) else url)]
+    if not bases:
+        raise EndpointError("no endpoint URL given")
     connector = aiohttp.TCPConnector(limit=0)  # open loop: never queue in the client
     timeout = aiohttp.ClientTimeout(total=None)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        model = await _resolve_model(
-            session, base, options.model, min(options.timeout_s, 10.0), options.api_key
-        )
+        check_s = min(options.timeout_s, 10.0)
+        model = await _resolve_model(session, bases[0], options.model, check_s, options.api_key)
+        for other in bases[1:]:  # each must answer too
+            await _resolve_model(session, other, model, check_s, options.api_key)
         run = _Run(
-            session, base, model, options, progress or BenchProgress(), stop or asyncio.Event()
+            session, bases, model, options, progress or BenchProgress(), stop or asyncio.Event()
         )
         if options.concurrency is None:
             await run.open_loop(requests)
@@ -341,7 +346,7 @@ async def run_bench(
     summary = summarize_bench(
         records,
         label=options.label,
-        url=base,
+        url=",".join(bases),
         model=model,
         slo_ttft_ms=options.slo_ttft_ms,
         slo_tpot_ms=options.slo_tpot_ms,

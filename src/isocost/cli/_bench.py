@@ -38,7 +38,9 @@ app.add_typer(bench_app, name="bench")
 @bench_app.callback()
 def bench(
     ctx: typer.Context,
-    url: str | None = typer.Option(None, "--url", help="Endpoint base URL, e.g. http://h:8000."),
+    url: list[str] | None = typer.Option(
+        None, "--url", help="Endpoint base URL, e.g. http://h:8000 (repeat: round-robin)."
+    ),
     trace: TraceOption = None,
     trace_format: TraceFormatOption = None,
     workload: WorkloadOption = None,
@@ -82,7 +84,7 @@ def bench(
         return
     from isocost.bench import TRACE_FORMATS, BenchOptions, WorkloadSpec, bench_command
 
-    if url is None:
+    if not url:
         fail("give the endpoint with --url")
     trace_format = one_of("trace format", trace_format, TRACE_FORMATS)
     synthetic = synthetic_workload(workload, max_prompt_tokens, groups, prompts_per_group,

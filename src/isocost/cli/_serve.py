@@ -31,6 +31,9 @@ def serve(
     admin_token_env: str | None = typer.Option(
         None, "--admin-token-env", help="Env variable holding the admin token (--replica mode)."
     ),
+    state_bus: str | None = typer.Option(
+        None, "--state-bus", help="redis://host:port shared with the other gateways."
+    ),
     catalog: CatalogOption = None,
     discover_timeout: float = typer.Option(30.0, "--discover-timeout", help="Seconds."),
     log_level: str = typer.Option("info", "--log-level", help="debug|info|warning|error"),
@@ -51,12 +54,14 @@ def serve(
         load_gateway,
         run_gateway,
     )
-    from isocost.runtime.config import parse_config
+    from isocost.runtime.config import StateBusConfig, check_state_bus, parse_config
 
     if (config is None) == (not replica):
         fail("give either --config FILE or one or more --replica URL")
     if not shutdown_timeout > 0:
         fail("--shutdown-timeout must be a positive number of seconds")
+    if state_bus is not None:
+        check_state_bus(StateBusConfig(url=state_bus), "--state-bus")
     cat = load_catalog(catalog or [])
     if config is not None:
         gateway_config = parse_config(read_text(config), config)
@@ -75,6 +80,10 @@ def serve(
                 timeout_s=discover_timeout,
             )
         )
+    if state_bus is not None:  # overrides the file's url, keeps its other bus settings
+        bus = gateway_config.state_bus or StateBusConfig(url=state_bus)
+        bus = msgspec.structs.replace(bus, url=state_bus)
+        gateway_config = msgspec.structs.replace(gateway_config, state_bus=bus)
     configure_logging(log_level)
     gateway = load_gateway(gateway_config, cat, Path(config) if config else None)
 

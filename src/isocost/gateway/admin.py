@@ -84,6 +84,7 @@ def replica_row(
         "weight": config.weight,
         "usd_per_hour": state.spec.price_usd_per_hour if state else config.usd_per_hour,
         "in_flight": replica.num_in_flight,
+        "shadow_in_flight": len(state.in_flight) if state else 0,  # with state-bus peers'
         "shadow_waiting": state.num_waiting if state else 0,
         "shadow_running": state.num_running if state else 0,
         "engine_running": scraped.num_running if scraped else None,

@@ -14,7 +14,8 @@ decision) -> forwarder (attempts, retries, relay); the HTTP routes are in
 Discovery (``isocost.runtime.discovery``) reports here: each provider's membership is merged
 into the file's config (with the replicas the admin API added) and applied through the same
 plan as a reload, so a registration that goes drains, then leaves, like a replica the file
-no longer lists.
+no longer lists. With ``state_bus`` the router shares its in-flight with the other
+gateways on the bus (``isocost.runtime.bus``).
 """
 
 from __future__ import annotations
@@ -43,12 +44,14 @@ from isocost.gateway.proxy import Forwarder, ForwardSettings
 from isocost.gateway.routing import Router
 from isocost.gateway.supervise import supervise
 from isocost.gateway.upstreams import Pool, Upstream
+from isocost.runtime.bus import StateBus
 from isocost.runtime.config import (
     AuthConfig,
     DiscoveryConfig,
     GatewayConfig,
     LimitsConfig,
     ReplicaConfig,
+    StateBusConfig,
     check_references,
     check_replica,
     normalize_replica_url,
@@ -109,7 +112,9 @@ class Gateway:
         self._discovery: list[asyncio.Task[None]] = []
         self._providers: list[str] = []
         self._running_discovery = config.discovery  # read at start only
+        self._running_state_bus = config.state_bus  # read at start only
         self._discovery_pending: asyncio.TimerHandle | None = None
+        self._bus_tasks: list[asyncio.Task[None]] = []
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -124,6 +129,8 @@ class Gateway:
         self._monitor = Monitor(self._session, self.router, self.metrics, self.config)
         self.apply_config(self.config)
         self._start_discovery(self.config.discovery)
+        if self.config.state_bus is not None:
+            self._start_state_bus(self.config.state_bus)
         if self.config_path is not None:
             self._watcher = supervise(
                 "config_watcher", self._watch_config, self.metrics.task_failures
@@ -132,10 +139,12 @@ class Gateway:
     async def stop(self) -> None:
         if self._discovery_pending is not None:
             self._discovery_pending.cancel()
-        tasks = [*self._discovery, *([self._watcher] if self._watcher else [])]
+        tasks = [*self._discovery, *self._bus_tasks, *([self._watcher] if self._watcher else [])]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self.router.bus is not None:
+            await self.router.bus.close()
         if self._monitor is not None:
             await self._monitor.stop()
         if self._session is not None:
@@ -372,6 +381,23 @@ class Gateway:
                 )
             )
 
+    # -- the state bus (isocost.runtime.bus) -------------------------------------------
+
+    def _start_state_bus(self, config: StateBusConfig) -> None:
+        """Share in-flight with the other gateways on the bus: the router publishes and
+        takes the peers' requests; the bus's loops run supervised."""
+        lag = self.metrics.state_bus_lag()
+        bus = StateBus(config, self.router, on_divergence=self._show_divergence, on_lag=lag.observe)
+        self.router.bus = bus
+        self.metrics.track_state_bus(lambda: float(bool(bus.up)), lambda: len(bus.views.peers))
+        for name, loop in bus.loops():
+            self._bus_tasks.append(supervise(name, loop, self.metrics.task_failures))
+
+    def _show_divergence(self, divergence: Mapping[str, float]) -> None:
+        gauge, replicas = self.metrics.view_divergence, self.router.replicas
+        for name, requests in divergence.items():
+            gauge.labels(replicas.get(name).spec.model, name).set(requests)
+
     def replace(self, provider: str, records: Mapping[str, Registration | Malformed]) -> None:
         """A provider's whole membership now; applied after a short settling delay, so a
         burst of registrations is one config change, not hundreds."""
@@ -466,6 +492,11 @@ class Gateway:
             log.warning(
                 "discovery settings changed: they take effect at the next start",
                 extra={"event": "discovery_unchanged", "file": source},
+            )
+        if file_config.state_bus != self._running_state_bus:
+            log.warning(
+                "state_bus settings changed: they take effect at the next start",
+                extra={"event": "state_bus_unchanged", "file": source},
             )
 
     async def _watch_config(self) -> None:

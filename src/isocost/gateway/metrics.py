@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 __all__ = ["GatewayMetrics"]
@@ -12,6 +14,10 @@ disable_created_metrics()  # type: ignore[no-untyped-call]
 _LATENCY_BUCKETS_S = (
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64,
     1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0,
+)  # fmt: skip
+
+_BUS_LAG_BUCKETS_S = (
+    0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 1.0,
 )  # fmt: skip
 
 
@@ -164,3 +170,31 @@ class GatewayMetrics:
             "isocost_replica_prefill_duty",
             "Share of the replica's time that prefill recently sent there will take.",
         )
+        self.view_divergence = per_replica(
+            "isocost_view_divergence",
+            "Largest difference, in requests, between this gateway's in-flight count on the"
+            " replica and a state-bus peer's (its latest heartbeat).",
+        )
+
+    def state_bus_lag(self) -> Histogram:
+        """The histogram of the state bus's message lag (only gateways that have one)."""
+        return Histogram(
+            "isocost_state_bus_lag_seconds",
+            "Time from a state-bus peer's send to its message's arrival here (wall clocks).",
+            buckets=_BUS_LAG_BUCKETS_S,
+            registry=self.registry,
+        )
+
+    def track_state_bus(self, up: Callable[[], float], peers: Callable[[], float]) -> None:
+        """Export the state bus's health (only gateways that have one)."""
+        r = self.registry
+        Gauge(
+            "isocost_state_bus_up",
+            "1 while the state bus is connected; 0 while the gateway serves on scrapes alone.",
+            registry=r,
+        ).set_function(up)
+        Gauge(
+            "isocost_state_bus_peers",
+            "Other gateways heard on the state bus within its peer timeout.",
+            registry=r,
+        ).set_function(peers)

@@ -109,6 +109,7 @@ class Monitor:
             self.metrics.replica_healthy,
             self.metrics.in_flight,
             self.metrics.scrape_age,
+            self.metrics.view_divergence,
         ):
             with contextlib.suppress(KeyError):  # never published
                 gauge.remove(upstream.pool, upstream.name)

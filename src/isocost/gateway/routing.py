@@ -25,6 +25,11 @@ and one ``Policy`` per pool; it never scores replicas itself. For each attempt i
 Retries avoid the replicas already tried by passing their names as ``schedule``'s
 ``exclude`` (they count as unavailable for that request only, not for the global shed).
 
+With a state bus (``isocost.runtime.bus``) every dispatch, first token and end is also
+published, and the peers' arrive through ``foreign_dispatch``, ``foreign_first_token``,
+``foreign_tokens`` and ``foreign_end``: the same hooks and queue wakes as this gateway's
+own requests.
+
 Circuit-breaker state is mirrored into ``ReplicaSet.set_health`` and drains into
 ``set_draining``, so the brain's eligibility is the data plane's health.
 """
@@ -50,6 +55,7 @@ from isocost.gateway.upstreams import Pool, Upstream
 from isocost.openai.errors import ApiError
 from isocost.prefix.hashing import BLOCK_TOKENS
 from isocost.prefix.kvevents import KvEventTracker, engine_cached_tokens
+from isocost.runtime.bus import StateBus
 from isocost.runtime.config import (
     GENERIC_PRIOR_MODEL,
     GatewayConfig,
@@ -200,6 +206,7 @@ class Router:
         self._queue_size = queue_size
         self._queue_timeout_s = queue_timeout_s
         self._dispatchers: dict[str, Dispatcher[_Waiter]] = {}  # by pool model
+        self.bus: StateBus | None = None  # tells the peers what this gateway dispatches
 
     # -- configuration ------------------------------------------------------------------
 
@@ -394,16 +401,25 @@ class Router:
         """The dispatcher admitted the attempt: dispatch it to the decision's replica."""
         assert decision.replica_id is not None
         replica = self._by_id[decision.replica_id]
+        record = self._dispatch(view, replica, now, decision)
+        if self.bus is not None:
+            self.bus.dispatched(view, record)
+        replica.num_in_flight += 1
+        waiter.set_result(
+            Grant(replica, view.request_id, decision, record.cached_tokens, view.prompt_tokens)
+        )
+
+    def _dispatch(
+        self, view: RequestView, replica: Upstream, now: float, decision: Decision | None
+    ) -> InFlight:
+        """``on_dispatch``, and a wake of the queue when one not streamed should start."""
         record = self.replicas.on_dispatch(view, replica.name, now, decision=decision)
         if record.predicted_start_s is not None:
             # Not streamed: no first token frees its place in the replica's waiting queue;
             # the shadow state starts it at its predicted prefill end, and this wakes the queue.
             delay = max(record.predicted_start_s - now, 0.0)
             asyncio.get_running_loop().call_later(delay, self._wake, replica.pool)
-        replica.num_in_flight += 1
-        waiter.set_result(
-            Grant(replica, view.request_id, decision, record.cached_tokens, view.prompt_tokens)
-        )
+        return record
 
     def _refuse(
         self,
@@ -484,6 +500,8 @@ class Router:
     def on_tokens(self, grant: Grant, num_tokens: int, now: float) -> None:
         """Streamed tokens arrived; the first call also marks the first token."""
         self.replicas.on_tokens(grant.attempt_id, num_tokens, now)
+        if self.bus is not None:
+            self.bus.streamed(grant.attempt_id, num_tokens, first=not grant.streaming)
         if not grant.streaming:
             grant.streaming = True
             self._wake(grant.replica.pool)  # it left the replica's waiting queue
@@ -532,12 +550,34 @@ class Router:
         self.replicas.on_complete(
             grant.attempt_id, now, ok=ok, output_tokens=output_tokens if ok else None
         )
+        if self.bus is not None:
+            self.bus.ended(grant.attempt_id, ok=ok, output_tokens=output_tokens)
         replica = grant.replica
         replica.num_in_flight -= 1
         self.sync_health(replica, now)
         if replica.removing and replica.num_in_flight == 0:
             self.on_idle(replica)
         self._wake(replica.pool)
+
+    # -- peers' requests (the state bus, ``isocost.runtime.bus.ForeignSink``) -----------
+
+    def foreign_dispatch(self, view: RequestView, replica_id: str) -> bool:
+        replica = self._by_id.get(replica_id)
+        if replica is None:
+            return False
+        self._dispatch(view, replica, self.clock(), None)
+        return True
+
+    def foreign_first_token(self, request_id: str) -> None:
+        if self.replicas.on_first_token(request_id, self.clock()):
+            self.wake_all()
+
+    def foreign_tokens(self, request_id: str, count: int) -> None:
+        self.replicas.on_tokens(request_id, count, self.clock())
+
+    def foreign_end(self, request_id: str, *, ok: bool, output_tokens: int | None) -> None:
+        if self.replicas.on_complete(request_id, self.clock(), ok=ok, output_tokens=output_tokens):
+            self.wake_all()
 
 
 class _PolicyHooks:

@@ -73,6 +73,12 @@ A full file, every key optional except ``pools[].model`` and ``replicas[].url``:
         port_name: http               # or port: 8000 (default: the slice's first port)
         model: llama-3.1-8b           # default: the isocost.io/model annotation
         kubeconfig: ~/.kube/config    # default: in-cluster, else the default kubeconfig
+    state_bus:                        # gateways sharing their in-flight view (runtime.bus)
+      url: redis://10.0.0.3:6379      # or --state-bus URL; read at start
+      channel: isocost:state          # gateways of one cluster share a channel
+      heartbeat_ms: 500               # liveness and view publication period
+      peer_timeout_ms: 2000           # a peer silent this long is forgotten; the bus too
+      max_backoff_ms: 2000            # longest wait between reconnection attempts
 
 Secrets are read from environment variables (``*_env``) or given inline (``admin_token``,
 ``key``) for tests; they never appear in logs.
@@ -110,11 +116,14 @@ __all__ = [
     "LimitsConfig",
     "PoolConfig",
     "ReplicaConfig",
+    "StateBusConfig",
     "check_references",
     "check_replica",
+    "check_state_bus",
     "normalize_replica_url",
     "parse_config",
     "priced_as_generic",
+    "redacted",
     "replica_cost_model",
     "replica_name",
 ]
@@ -210,6 +219,14 @@ class DiscoveryConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     kubernetes: KubernetesDiscoveryConfig | None = None
 
 
+class StateBusConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    url: str
+    channel: str = "isocost:state"
+    heartbeat_ms: float = 500
+    peer_timeout_ms: float = 2000
+    max_backoff_ms: float = 2000
+
+
 class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     pools: list[PoolConfig] = []
     policy: str = "equal_cost"
@@ -219,6 +236,7 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     health: HealthConfig = HealthConfig()
     auth: AuthConfig = AuthConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
+    state_bus: StateBusConfig | None = None
 
 
 _PATH_RE = re.compile(r"\$((?:\.[A-Za-z_]\w*|\[\d+\])+)")
@@ -398,6 +416,8 @@ def _check(config: GatewayConfig, source: str, secrets: bool) -> None:
     if config.scrape_interval_ms <= 0:
         raise bad("scrape_interval_ms", "must be positive")
     _check_discovery(config.discovery, source)
+    if config.state_bus is not None:
+        check_state_bus(config.state_bus, source)
     auth = config.auth
     env = auth.admin_token_env
     if secrets and env is not None and env not in os.environ:
@@ -438,3 +458,27 @@ def _check_discovery(discovery: DiscoveryConfig, source: str) -> None:
             raise ConfigError(source, "must be within 1..65535", key="discovery.kubernetes.port")
         if not kube.max_backoff_ms > 0:
             raise ConfigError(source, "must be positive", key="discovery.kubernetes.max_backoff_ms")
+
+
+def check_state_bus(bus: StateBusConfig, source: str) -> None:
+    """ConfigError naming the first bad ``state_bus`` field."""
+    parts = urlsplit(bus.url)
+    if parts.scheme not in ("redis", "rediss") or not parts.hostname:
+        raise ConfigError(
+            source, f"{redacted(bus.url)!r} must be redis://host:port", key="state_bus.url"
+        )
+    if not bus.channel:
+        raise ConfigError(source, "must not be empty", key="state_bus.channel")
+    for field in ("heartbeat_ms", "peer_timeout_ms", "max_backoff_ms"):
+        if not getattr(bus, field) > 0:
+            raise ConfigError(source, "must be positive", key=f"state_bus.{field}")
+    if not bus.peer_timeout_ms > bus.heartbeat_ms:
+        raise ConfigError(source, "must exceed heartbeat_ms", key="state_bus.peer_timeout_ms")
+
+
+def redacted(url: str) -> str:
+    """``url`` without its credentials, fit for logs."""
+    parts = urlsplit(url)
+    if parts.password is None and parts.username is None:
+        return url
+    return parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()

@@ -1,0 +1,446 @@
+"""The shared-state bus: several gateways, one view of every replica's in-flight work.
+
+Each gateway publishes what it does to the replicas (``Dispatch``, ``FirstToken``,
+``Tokens``: the output streamed since its last message, ``Complete``, ``Cancel``) and,
+every ``heartbeat_ms``, a ``Heartbeat`` with the in-flight count it sees per replica.
+Peers apply those events to their own ``ReplicaSet`` as foreign in-flight through the very
+hooks local traffic takes (``ForeignSink``: ``on_dispatch``, ``on_first_token``,
+``on_tokens``, ``on_complete``), so a peer's request is priced, queued against and
+prefix-matched exactly like one's own, and the scrape merge counts it as known load rather
+than as unexplained foreign load.
+
+The transport is Redis pub/sub on one channel: fire and forget, one hop on loopback, no
+storage to trim. The state is soft, so nothing needs replaying: a message lost (a peer's
+publish that failed, a reconnect) shows as a gap in that peer's sequence numbers, and the
+receiver then drops every contribution of that peer (the scrape truth covers them) and
+tracks its new dispatches exactly from there on. A peer silent for ``peer_timeout_ms`` is
+dropped the same way. While the bus is down (no message, not even this gateway's own
+heartbeat, for ``peer_timeout_ms``, or the connection lost) every peer is dropped, the
+gateway serves on its scrapes alone, and it reconnects with a doubling backoff; each change
+of state is one log line and ``isocost_state_bus_up``.
+
+Messages are msgpack ``Batch``es: the sender's id (random per process start, so a restarted
+gateway is a new peer), a sequence number per message, its send time (wall clock: the lag
+``isocost_state_bus_lag_seconds`` shows holds between gateways on one host or with
+synchronized clocks) and the events queued since the last one (one message per event loop
+turn under load, not one per event).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import msgspec
+from redis import asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from isocost.runtime.config import StateBusConfig, redacted
+from isocost.scheduling.contract import InFlight, RequestView
+from isocost.scheduling.state import ReplicaSet
+
+__all__ = [
+    "Batch",
+    "Cancel",
+    "Complete",
+    "Dispatch",
+    "Event",
+    "FirstToken",
+    "ForeignSink",
+    "Heartbeat",
+    "PeerViews",
+    "StateBus",
+    "Tokens",
+]
+
+log = logging.getLogger("isocost.bus")
+
+_INITIAL_BACKOFF_S = 0.05
+
+
+class Dispatch(msgspec.Struct, tag="d", array_like=True, frozen=True):
+    """A request sent to ``replica``: its prefill work (prompt tokens and block hashes)
+    and what predicts its decode work (``max_tokens`` and the route class the sender's
+    policy gave it: the receiver's output-length estimator, fed by everyone's completions,
+    predicts it)."""
+
+    request_id: str
+    replica: str
+    model: str
+    prompt_tokens: int
+    max_tokens: int | None
+    route_class: str
+    stream: bool
+    session: str | None
+    block_hashes: tuple[int, ...]
+
+
+class FirstToken(msgspec.Struct, tag="f", array_like=True, frozen=True):
+    request_id: str
+
+
+class Tokens(msgspec.Struct, tag="t", array_like=True, frozen=True):
+    """``count`` more output tokens streamed since the last message: without them a peer
+    would take the request's whole decode to be still ahead of it until its end."""
+
+    request_id: str
+    count: int
+
+
+class Complete(msgspec.Struct, tag="c", array_like=True, frozen=True):
+    request_id: str
+    output_tokens: int | None  # None when the data plane never saw them (the picker)
+
+
+class Cancel(msgspec.Struct, tag="x", array_like=True, frozen=True):
+    """The request failed or its client left."""
+
+    request_id: str
+
+
+class Heartbeat(msgspec.Struct, tag="h", array_like=True, frozen=True):
+    """The sender is alive; ``in_flight``: the requests it sees per replica (its own and
+    its peers'), against which a receiver measures its view divergence."""
+
+    in_flight: dict[str, int]
+
+
+Event = Dispatch | FirstToken | Tokens | Complete | Cancel | Heartbeat
+
+
+class Batch(msgspec.Struct, array_like=True, frozen=True):
+    gateway: str
+    seq: int  # per sender, +1 per message: a jump means messages were lost
+    sent_unix_s: float  # when it was sent: how stale a peer's view is, on one host
+    events: list[Event]
+
+
+class ForeignSink(Protocol):
+    """Where peers' events land: the shadow state and its hooks (the gateway's router)."""
+
+    replicas: ReplicaSet
+
+    def foreign_dispatch(self, view: RequestView, replica_id: str) -> bool:
+        """``on_dispatch`` for a peer's request; False when the replica is unknown here."""
+        ...
+
+    def foreign_first_token(self, request_id: str) -> None: ...
+
+    def foreign_tokens(self, request_id: str, count: int) -> None: ...
+
+    def foreign_end(self, request_id: str, *, ok: bool, output_tokens: int | None) -> None: ...
+
+
+def in_flight_view(replicas: ReplicaSet) -> dict[str, int]:
+    """Requests in flight per replica as ``replicas`` sees them (local and foreign)."""
+    return {state.replica_id: len(state.in_flight) for state in replicas}
+
+
+@dataclass(slots=True)
+class _Peer:
+    seq: int
+    seen_s: float
+    requests: set[str] = field(default_factory=set)  # its in-flight ids applied here
+    in_flight: dict[str, int] | None = None  # its latest heartbeat's view
+
+
+class PeerViews:
+    """Applies peers' batches to a ``ForeignSink``; expires silent peers and drops those
+    whose sequence jumps (no I/O: the clock comes in as ``now``)."""
+
+    def __init__(self, gateway_id: str, sink: ForeignSink, peer_timeout_s: float) -> None:
+        self.gateway_id = gateway_id
+        self.sink = sink
+        self.peer_timeout_s = peer_timeout_s
+        self.peers: dict[str, _Peer] = {}
+        self.gaps = 0  # sequence jumps seen, over all peers
+
+    def apply(self, batch: Batch, now: float) -> None:
+        """One message off the bus (this gateway's own are ignored)."""
+        if batch.gateway == self.gateway_id:
+            return
+        peer = self.peers.get(batch.gateway)
+        if peer is None:
+            peer = self.peers[batch.gateway] = _Peer(batch.seq - 1, now)
+            log.info("state bus peer joined", extra={"event": "peer_joined", "peer": batch.gateway})
+        elif batch.seq <= peer.seq:  # a duplicate: pub/sub keeps one sender's order
+            return
+        elif batch.seq != peer.seq + 1:
+            self.gaps += 1
+            log.warning(
+                "state bus messages lost: the peer's in-flight is left to the scrapes",
+                extra={
+                    "event": "peer_gap",
+                    "peer": batch.gateway,
+                    "lost": batch.seq - peer.seq - 1,
+                },
+            )
+            self._forget(peer)
+        peer.seq, peer.seen_s = batch.seq, now
+        for event in batch.events:
+            self._apply_event(batch.gateway, peer, event)
+
+    def _apply_event(self, gateway: str, peer: _Peer, event: Event) -> None:
+        sink = self.sink
+        if isinstance(event, Heartbeat):
+            peer.in_flight = event.in_flight
+            return
+        request_id = f"{gateway}/{event.request_id}"  # unique across gateways
+        if isinstance(event, Dispatch):
+            view = RequestView(
+                request_id=request_id,
+                model=event.model,
+                prompt_tokens=event.prompt_tokens,
+                block_hashes=event.block_hashes,
+                max_tokens=event.max_tokens,
+                session_key=event.session,
+                route_class=event.route_class,
+                stream=event.stream,
+            )
+            if sink.foreign_dispatch(view, event.replica):
+                peer.requests.add(request_id)
+        elif request_id in peer.requests:
+            if isinstance(event, FirstToken):
+                sink.foreign_first_token(request_id)
+                return
+            if isinstance(event, Tokens):
+                sink.foreign_tokens(request_id, event.count)
+                return
+            peer.requests.discard(request_id)
+            if isinstance(event, Complete):
+                sink.foreign_end(request_id, ok=True, output_tokens=event.output_tokens)
+            else:
+                sink.foreign_end(request_id, ok=False, output_tokens=None)
+
+    def expire(self, now: float) -> list[str]:
+        """Drop the peers silent for longer than ``peer_timeout_s``; their ids."""
+        silent = [g for g, p in self.peers.items() if now - p.seen_s > self.peer_timeout_s]
+        for gateway in silent:
+            self._forget(self.peers.pop(gateway))
+            log.info("state bus peer expired", extra={"event": "peer_expired", "peer": gateway})
+        return silent
+
+    def drop_all(self) -> None:
+        """The bus is down: nothing more will be heard of any peer's requests."""
+        for peer in self.peers.values():
+            self._forget(peer)
+        self.peers.clear()
+
+    def divergence(self) -> dict[str, float]:
+        """Per replica, the largest gap between this gateway's in-flight count and a
+        peer's latest heartbeat (0 with no peer)."""
+        own = in_flight_view(self.sink.replicas)
+        worst = dict.fromkeys(own, 0.0)
+        for peer in self.peers.values():
+            if peer.in_flight is None:  # no heartbeat since it joined or resynced
+                continue
+            for replica, count in own.items():
+                gap = abs(count - peer.in_flight.get(replica, 0))
+                worst[replica] = max(worst[replica], float(gap))
+        return worst
+
+    def _forget(self, peer: _Peer) -> None:
+        for request_id in peer.requests:
+            self.sink.foreign_end(request_id, ok=False, output_tokens=None)
+        peer.requests.clear()
+        peer.in_flight = None
+
+
+class StateBus:
+    """The Redis side of ``PeerViews``: publishes this gateway's events, subscribes to its
+    peers', reconnects with backoff (module docstring). ``on_divergence`` hears every
+    replica's view divergence after each heartbeat and each peer lost, ``on_lag`` the
+    seconds each peer's message took from its send to its arrival here."""
+
+    def __init__(
+        self,
+        config: StateBusConfig,
+        sink: ForeignSink,
+        *,
+        on_divergence: Callable[[dict[str, float]], None],
+        on_lag: Callable[[float], None],
+    ) -> None:
+        self.config = config
+        self.heartbeat_s = config.heartbeat_ms / 1000
+        self.peer_timeout_s = config.peer_timeout_ms / 1000
+        self.gateway_id = uuid.uuid4().hex[:12]
+        self.views = PeerViews(self.gateway_id, sink, self.peer_timeout_s)
+        self.up: bool | None = None  # None: not tried yet
+        self._on_divergence, self._on_lag = on_divergence, on_lag
+        self._pending: list[Event] = []
+        self._streamed: dict[str, int] = {}  # tokens per request since the last message
+        self._wanted = asyncio.Event()
+        self._seq = 0
+        self._heard_s = -float("inf")  # when the last message, ours included, came
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(Batch)
+        self._client = self._connect()
+
+    def _connect(self) -> aioredis.Redis:
+        """A client that fails at once rather than retrying: the loops own the retries."""
+        timeout = self.peer_timeout_s
+        return aioredis.Redis.from_url(
+            self.config.url,
+            retry=Retry(NoBackoff(), 0),
+            socket_connect_timeout=timeout,
+            socket_timeout=timeout,
+        )
+
+    # -- what this gateway did (the router calls these) -------------------------------
+
+    def dispatched(self, view: RequestView, record: InFlight) -> None:
+        self._publish(
+            Dispatch(
+                request_id=record.request_id,
+                replica=record.replica_id,
+                model=record.model,
+                prompt_tokens=record.prompt_tokens,
+                max_tokens=record.max_tokens,
+                route_class=record.route_class,
+                stream=record.stream,
+                session=view.session_key,
+                block_hashes=view.block_hashes,
+            )
+        )
+
+    def streamed(self, request_id: str, num_tokens: int, *, first: bool) -> None:
+        """``num_tokens`` output tokens arrived, the first of the request among them when
+        ``first``; the others are summed per request into one ``Tokens`` per message."""
+        if first:
+            self._publish(FirstToken(request_id))
+            num_tokens -= 1
+        if num_tokens > 0 and self.up:
+            self._streamed[request_id] = self._streamed.get(request_id, 0) + num_tokens
+            self._wanted.set()
+
+    def ended(self, request_id: str, *, ok: bool, output_tokens: int | None) -> None:
+        self._streamed.pop(request_id, None)  # its end says how many it made
+        self._publish(Complete(request_id, output_tokens) if ok else Cancel(request_id))
+
+    def _publish(self, event: Event) -> None:
+        if self.up:  # while down peers drop all of ours anyway
+            self._pending.append(event)
+            self._wanted.set()
+
+    # -- the loops (each run under the gateway's supervise) ---------------------------
+
+    def loops(self) -> list[tuple[str, Callable[[], Coroutine[Any, Any, None]]]]:
+        """(name, coroutine function) of every task the bus needs running."""
+        return [
+            ("state_bus_subscriber", self.subscribe),
+            ("state_bus_publisher", self.publish),
+            ("state_bus_heartbeat", self.heartbeat),
+        ]
+
+    async def subscribe(self) -> None:
+        """Follow the channel; on any failure go down, wait, and subscribe afresh."""
+        backoff_s = _INITIAL_BACKOFF_S
+        while True:
+            pubsub = self._client.pubsub()
+            try:
+                await pubsub.subscribe(self.config.channel)
+                self._heard_s = time.monotonic()
+                self._went_up()
+                backoff_s = _INITIAL_BACKOFF_S
+                await self._read(pubsub)
+            except (RedisError, OSError) as exc:
+                _reraise_cancellation()
+                self._went_down(f"{type(exc).__name__}: {exc}")
+            finally:
+                with contextlib.suppress(RedisError, OSError):
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+            await asyncio.sleep(backoff_s)
+            backoff_s = min(backoff_s * 2, self.config.max_backoff_ms / 1000)
+
+    async def _read(self, pubsub: aioredis.client.PubSub) -> None:
+        """Apply messages until none (not even our own heartbeat) came for the timeout."""
+        channel = self.config.channel
+        while True:
+            message = await pubsub.get_message(
+                ignore_subscribe_messages=True, timeout=self.heartbeat_s
+            )
+            _reraise_cancellation()
+            now = time.monotonic()
+            if message is not None and message["type"] == "message":
+                self._heard_s = now
+                try:
+                    batch = self._decoder.decode(message["data"])
+                except msgspec.DecodeError:
+                    log.warning(
+                        "state bus: undecodable message ignored", extra={"event": "bus_junk"}
+                    )
+                    continue
+                if batch.gateway != self.gateway_id:
+                    self._on_lag(max(time.time() - batch.sent_unix_s, 0.0))
+                self.views.apply(batch, now)
+                if any(isinstance(event, Heartbeat) for event in batch.events):
+                    self._on_divergence(self.views.divergence())
+            elif now - self._heard_s > self.peer_timeout_s:
+                raise RedisError(f"nothing heard on {channel} for {self.peer_timeout_s} s")
+
+    async def publish(self) -> None:
+        """Send what queued up since the last message, one message per wake."""
+        while True:
+            await self._wanted.wait()
+            self._wanted.clear()
+            events, self._pending = self._pending, []
+            events += [Tokens(request_id, count) for request_id, count in self._streamed.items()]
+            self._streamed.clear()
+            if not events:
+                continue
+            self._seq += 1
+            batch = Batch(self.gateway_id, self._seq, time.time(), events)
+            payload = self._encoder.encode(batch)
+            with contextlib.suppress(RedisError, OSError):  # lost: a gap the peers see
+                await self._client.publish(self.config.channel, payload)
+            _reraise_cancellation()
+
+    async def heartbeat(self) -> None:
+        """Say this gateway is alive (with its view) and expire silent peers."""
+        while True:
+            self._publish(Heartbeat(in_flight_view(self.views.sink.replicas)))
+            if self.views.expire(time.monotonic()):
+                self._on_divergence(self.views.divergence())
+            await asyncio.sleep(self.heartbeat_s)
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    def _went_up(self) -> None:
+        if self.up:
+            return
+        self.up = True
+        log.info(
+            "state bus up: sharing in-flight with the peers",
+            extra={"event": "bus_up", "url": redacted(self.config.url)},
+        )
+
+    def _went_down(self, error: str) -> None:
+        self.views.drop_all()
+        self._pending.clear()
+        self._streamed.clear()
+        self._on_divergence(self.views.divergence())
+        if self.up is False:
+            return
+        self.up = False
+        log.warning(
+            "state bus down: serving on scrapes alone until it returns",
+            extra={"event": "bus_down", "url": redacted(self.config.url), "error": error},
+        )
+
+
+def _reraise_cancellation() -> None:
+    """Raise ``CancelledError`` if the running task is being cancelled: the Redis client
+    may swallow a cancellation that hits it mid-command (or turn it into its own error),
+    which would leave the task running past its cancel and its gateway unable to stop."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
