@@ -10,7 +10,7 @@ actuators only apply it (DESIGN §7).
 2. **Need** = forecast x (1 + headroom), in requests/s; a pool's replicas supply their
    capacity each (``CapacityEstimate``). Pending replicas count: they are ready by then.
 3. **Reactive guard**: a queue above ``queue_per_replica`` per ready replica that grew over
-   ``guard_window_s``, or recent SLO attainment below target, raises the need to what the
+   ``guard_window_s``, or SLO attainment over that window below target, raises the need to what the
    ready replicas supply plus headroom, plus enough to clear the queue within one lead.
 4. **Up**: replicas are added cheapest $ per unit of goodput first (``usd_per_hour /
    capacity``), within each pool's max and the GPU and $ budgets, at most once per
@@ -53,7 +53,7 @@ __all__ = [
 ]
 
 ReplicaState = Literal["pending", "ready", "draining"]
-_MIN_SETTLED = 20
+_MIN_SETTLED = 50
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +139,7 @@ class Autoscaler:
         self.lead = WarmupLead({p.gpu: p.cold_start_s for p in config.pools})
         self.capacity = CapacityEstimate({o.gpu: o.capacity_rps for o in self.offers})
         self._queue: deque[tuple[float, int]] = deque()
+        self._settled: deque[tuple[float, int, int]] = deque()  # (now, settled, met)
         self._need: deque[tuple[float, float]] = deque()
         self._last_up = -math.inf
         self._last_down = -math.inf
@@ -156,8 +157,9 @@ class Autoscaler:
         self.forecast.observe(now, observation.arrivals / observation.interval_s)
         total_ready = sum(ready.values())
         saturated = observation.queued > cfg.queue_per_replica * max(total_ready, 1)
-        if observation.attainment is not None and observation.settled >= _MIN_SETTLED:
-            met = observation.attainment >= cfg.attainment_target
+        attainment = self._recent_attainment(observation)
+        if attainment is not None:
+            met = attainment >= cfg.attainment_target
             for o in self.offers:
                 if ready[o.gpu]:
                     done = observation.completions.get(o.gpu, 0)
@@ -166,7 +168,7 @@ class Autoscaler:
         forecast = self.forecast.peak(now, horizon)
         need = forecast * (1 + cfg.headroom)
         reason = "forecast"
-        if self._guard(observation, saturated):
+        if self._guard(observation, saturated, attainment):
             backlog = observation.queued / horizon
             guarded = (
                 self._supply(ready) * (1 + cfg.headroom)
@@ -202,7 +204,18 @@ class Autoscaler:
             reason=reason if decision.changes else "hold",
         )
 
-    def _guard(self, observation: Observation, saturated: bool) -> bool:
+    def _recent_attainment(self, observation: Observation) -> float | None:
+        """SLO attainment over the guard window (None: too few requests settled in it to
+        tell noise from a miss)."""
+        now = observation.now
+        met = round((observation.attainment or 0.0) * observation.settled)
+        self._settled.append((now, observation.settled, met))
+        while self._settled[0][0] <= now - self.config.guard_window_s:
+            self._settled.popleft()
+        settled = sum(s for _, s, _ in self._settled)
+        return sum(m for _, _, m in self._settled) / settled if settled >= _MIN_SETTLED else None
+
+    def _guard(self, observation: Observation, saturated: bool, attainment: float | None) -> bool:
         """Sustained queue growth, or attainment below target: scale up now."""
         cfg, now = self.config, observation.now
         self._queue.append((now, observation.queued))
@@ -214,9 +227,7 @@ class Autoscaler:
             and now - first_t >= cfg.guard_window_s - 1e-9
             and observation.queued > first_q
         )
-        missing = (
-            observation.attainment is not None and observation.attainment < cfg.attainment_target
-        )
+        missing = attainment is not None and attainment < cfg.attainment_target
         return growing or missing
 
     def _supply(self, counts: Mapping[str, int]) -> float:

@@ -27,8 +27,8 @@ push new events; the loop only pops and dispatches. Phases at one instant, in or
 6. ``SAMPLE``: per-replica load is recorded for plots.
 7. ``CONTROL``: an autoscaling ``controller`` (``sim._autoscale``) looks at the fleet and
    starts (``start_replica``: routable after a cold start), drains (``set_draining``) or
-   stops (``stop_replica``, only once nothing is in flight there) replicas. Its
-   ``dormant`` replicas wait for a start.
+   stops (``stop_replica``; a drain waits until nothing is in flight there) replicas.
+   Its ``dormant`` replicas wait for a start.
 
 Engines are advanced lazily: only when a request is delivered, or at
 ``EngineModel.quiet_until()``, the earliest time they could emit an event.

@@ -53,7 +53,7 @@ def _observe(
         arrivals=round(rate * INTERVAL),
         queued=queued,
         attainment=attainment,
-        settled=0,
+        settled=0 if attainment is None else 100,
         completions={},
         replicas=replicas,
     )
