@@ -65,8 +65,15 @@ from isocost.core.catalog import Catalog
 from isocost.core.slo import SloTargets
 from isocost.files import load_trace
 from isocost.scheduling.policies import build_policy
-from isocost.sim import ClusterConfig, ReplicaGroup, SimReplica, Simulator, resolve_cluster
-from isocost.sim._autoscale import SimAutoscaler, met_slo
+from isocost.sim import (
+    ClusterConfig,
+    ReplicaGroup,
+    SimAutoscaler,
+    SimReplica,
+    Simulator,
+    met_slo,
+    resolve_cluster,
+)
 from isocost.workload import WorkloadRequest, segments_for_blocks
 
 WAYS = ("static_peak", "static_mean", "hpa", "isocost")

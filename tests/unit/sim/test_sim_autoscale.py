@@ -3,6 +3,7 @@ nothing, GPU-hours count every replica's time on, and the same inputs give the s
 
 from __future__ import annotations
 
+from pathlib import Path
 from random import Random
 
 import pytest
@@ -17,10 +18,20 @@ from isocost.control import (
     plan_changes,
 )
 from isocost.core.catalog import Catalog
+from isocost.core.errors import ConfigError
 from isocost.core.slo import SloTargets
 from isocost.scheduling.policies import build_policy
-from isocost.sim import ClusterConfig, ReplicaGroup, Simulator, resolve_cluster
-from isocost.sim._autoscale import SimAutoscaler, met_slo
+from isocost.sim import (
+    ClusterConfig,
+    ReplicaGroup,
+    SimAutoscaler,
+    Simulator,
+    autoscaled_cluster,
+    met_slo,
+    parse_autoscale_yaml,
+    resolve_cluster,
+    uniform_cluster,
+)
 from isocost.workload import WorkloadRequest, segments_for_blocks
 
 GPU, MODEL = "a100-80g", "llama-3.1-8b"
@@ -151,3 +162,25 @@ def test_the_autoscaler_follows_a_load_step_and_back_deterministically() -> None
         return usage, peak, met
 
     assert once() == once()
+
+
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "autoscale.yaml"
+
+
+def test_the_example_grows_its_pool_to_max_slots_with_count_running() -> None:
+    config = parse_autoscale_yaml(EXAMPLE.read_text(), str(EXAMPLE))
+    cluster = uniform_cluster(2, GPU, MODEL, 1)
+    work = _requests(1.0, 60.0)
+    grown, replicas, scaling = autoscaled_cluster(
+        config, cluster, Catalog.builtin(), work, SLO, str(EXAMPLE)
+    )
+    assert grown.replicas[0].count == len(replicas) == config.pools[0].max
+    assert scaling.initial == {GPU: 2}
+    assert scaling.controller(SLO).dormant == [r.replica_id for r in replicas[2:]]
+    (offer,) = scaling.offers
+    assert offer.capacity_rps > 0 and offer.usd_per_hour == Catalog.builtin().gpu(GPU).usd_per_hour
+    elsewhere = uniform_cluster(2, "h100-80g", MODEL, 1)
+    with pytest.raises(ConfigError, match=r"pools\[0\]\.gpu: no replica group on a100-80g"):
+        autoscaled_cluster(config, elsewhere, Catalog.builtin(), work, SLO, "autoscale.yaml")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        parse_autoscale_yaml("pools: [", "autoscale.yaml")
