@@ -9,9 +9,10 @@ actuators only apply it (DESIGN §7).
    pool plus one interval (``DemandForecast.peak``): what is started now serves then.
 2. **Need** = forecast x (1 + headroom), in requests/s; a pool's replicas supply their
    capacity each (``CapacityEstimate``). Pending replicas count: they are ready by then.
-3. **Reactive guard**: a queue above ``queue_per_replica`` per ready replica that grew over
-   ``guard_window_s``, or SLO attainment over that window below target, raises the need to what the
-   ready replicas supply plus headroom, plus enough to clear the queue within one lead.
+3. **Reactive guard**: a queue above ``queue_per_replica`` per ready replica that grew
+   over ``guard_window_s``, or SLO attainment over that window below target, raises the
+   need to what the ready replicas supply plus headroom, plus enough to clear the queue
+   within one lead.
 4. **Up**: replicas are added cheapest $ per unit of goodput first (``usd_per_hour /
    capacity``), within each pool's max and the GPU and $ budgets, at most once per
    ``scale_up_cooldown_s`` (pool minimums apply at once).
