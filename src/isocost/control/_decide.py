@@ -47,6 +47,7 @@ __all__ = [
     "HpaScaler",
     "Observation",
     "PoolOffer",
+    "ReplicaState",
     "ReplicaStatus",
     "ScaleDecision",
     "Scaler",

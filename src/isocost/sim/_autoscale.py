@@ -27,6 +27,7 @@ from isocost.control import (
     Autoscaler,
     Observation,
     PoolOffer,
+    ReplicaState,
     ReplicaStatus,
     ScaleDecision,
     Scaler,
@@ -88,7 +89,7 @@ class FleetUsage:
 class _Slot:
     replica: SimReplica
     gpu: str
-    state: str = "off"  # off | pending | ready | draining
+    state: ReplicaState | None = None  # None: off (dormant or stopped)
     started_s: float = 0.0
     on_since_s: float = 0.0
     draining_since_s: float = 0.0
@@ -136,7 +137,7 @@ class SimAutoscaler:
 
     @property
     def dormant(self) -> list[str]:
-        return [rid for rid, slot in self._slots.items() if slot.state == "off"]
+        return [rid for rid, slot in self._slots.items() if slot.state is None]
 
     # -- Controller hooks ----------------------------------------------------------
 
@@ -178,12 +179,12 @@ class SimAutoscaler:
                 ReplicaStatus(
                     rid,
                     slot.gpu,
-                    slot.state,  # type: ignore[arg-type]
+                    slot.state,
                     slot.started_s,
                     in_flight.get(rid, 0),
                 )
                 for rid, slot in self._slots.items()
-                if slot.state != "off"
+                if slot.state is not None
             ],
         )
         self._window = _Window()
@@ -208,7 +209,7 @@ class SimAutoscaler:
         if decision.changes:
             self.decisions.append(decision)
         for gpu, count in decision.start.items():
-            off = [s for s in self._slots.values() if s.gpu == gpu and s.state == "off"]
+            off = [s for s in self._slots.values() if s.gpu == gpu and s.state is None]
             for slot in off[:count]:
                 slot.state, slot.started_s, slot.on_since_s = "pending", now, now
                 simulator.start_replica(slot.replica.replica_id, self._cold_start(slot.replica))
@@ -226,13 +227,13 @@ class SimAutoscaler:
     def _stop(self, simulator: Simulator, slot: _Slot, now: float) -> None:
         simulator.stop_replica(slot.replica.replica_id)
         self._usage_s.append((slot.on_since_s, now, slot.replica))
-        slot.state = "off"
+        slot.state = None
 
     def usage(self, until_s: float) -> FleetUsage:
         """GPU-hours and $ of every replica's time on, up to ``until_s``."""
         spans = [*self._usage_s]
         spans += [
-            (s.on_since_s, until_s, s.replica) for s in self._slots.values() if s.state != "off"
+            (s.on_since_s, until_s, s.replica) for s in self._slots.values() if s.state is not None
         ]
         gpu_s = usd_s = 0.0
         for start, stop, replica in spans:
