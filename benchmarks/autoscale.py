@@ -72,6 +72,7 @@ from isocost.sim import (
     SimReplica,
     Simulator,
     met_slo,
+    replica_usd_per_hour,
     resolve_cluster,
 )
 from isocost.workload import WorkloadRequest, segments_for_blocks
@@ -277,7 +278,7 @@ def run_way(way: str, day: Day) -> WayResult:
     ramp = [m for r, m in zip(records, met, strict=True) if shape.ramp_up(r.request.arrival_s)]
     if controller is None:
         gpu_hours = fleet * TP * shape.day_s / 3600
-        usd = gpu_hours * used[0].cost_model.gpu.usd_per_hour
+        usd = fleet * replica_usd_per_hour(used[0]) * shape.day_s / 3600
         events, killed, low, high = 0, 0, fleet, fleet
     else:
         usage = controller.usage(shape.day_s)
@@ -314,7 +315,7 @@ def _isocost(day: Day) -> Autoscaler:
         scale_down_cooldown_s=SCALE_DOWN_COOLDOWN_S,
         scale_in_after_s=SCALE_IN_AFTER_S,
     )
-    price = TP * Catalog.builtin().gpu(GPU).usd_per_hour
+    price = replica_usd_per_hour(day.replicas[0])
     return Autoscaler(config, [PoolOffer(GPU, TP, price, day.planned_rps)], day.history)
 
 

@@ -17,6 +17,7 @@ from isocost.sim._autoscale import (
     autoscaled_cluster,
     met_slo,
     parse_autoscale_yaml,
+    replica_usd_per_hour,
 )
 from isocost.sim._capacity import CapacityResult, CapacitySpec, CapacityStatus
 from isocost.sim._cluster import (
@@ -105,6 +106,7 @@ __all__ = [
     "parse_cluster_yaml",
     "print_capacity",
     "print_results",
+    "replica_usd_per_hour",
     "resolve_cluster",
     "reusable_prefix_blocks",
     "run_capacity",

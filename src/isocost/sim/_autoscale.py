@@ -49,7 +49,15 @@ __all__ = [
     "autoscaled_cluster",
     "met_slo",
     "parse_autoscale_yaml",
+    "replica_usd_per_hour",
 ]
+
+
+def replica_usd_per_hour(replica: SimReplica) -> float:
+    """Its own price, else its GPUs' catalog price."""
+    if replica.usd_per_hour is not None:
+        return replica.usd_per_hour
+    return replica.cost_model.tensor_parallel * replica.cost_model.gpu.usd_per_hour
 
 
 def met_slo(record: SimRecord, slo: SloTargets) -> bool:
@@ -238,12 +246,8 @@ class SimAutoscaler:
         gpu_s = usd_s = 0.0
         for start, stop, replica in spans:
             held = max(0.0, min(stop, until_s) - start)
-            gpus = replica.cost_model.tensor_parallel
-            gpu_s += held * gpus
-            price = replica.usd_per_hour
-            usd_s += held * (
-                price if price is not None else gpus * replica.cost_model.gpu.usd_per_hour
-            )
+            gpu_s += held * replica.cost_model.tensor_parallel
+            usd_s += held * replica_usd_per_hour(replica)
         return FleetUsage(gpu_s / 3600, usd_s / 3600, len(self.decisions), self.killed)
 
 
@@ -311,8 +315,7 @@ def autoscaled_cluster(
             capacity = planned_capacity_rps(cost, prompt, output, slo)
         except ValueError as exc:
             raise ConfigError(source, str(exc), f"pools[{i}]") from None
-        price = members[0].usd_per_hour
-        usd = price if price is not None else cost.tensor_parallel * cost.gpu.usd_per_hour
         pools[pool.gpu] = members
+        usd = replica_usd_per_hour(members[0])
         offers.append(PoolOffer(pool.gpu, cost.tensor_parallel, usd, capacity))
     return grown, replicas, SimAutoscale(config, pools, counts, tuple(offers))
