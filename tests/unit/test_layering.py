@@ -1,7 +1,7 @@
 """The import-layer rule of DESIGN §2, enforced by reading every module's imports.
 
 Imports point down only: cli -> gateway | agent | sim | bench | engine -> runtime ->
-files -> scheduling -> prefix | workload | openai -> core; ``tables`` (Rich layouts that
+files -> scheduling | control -> prefix | workload | openai -> core; ``tables`` (Rich layouts that
 fit the terminal) sits under sim, bench, demo and cli and imports nothing of isocost.
 gateway, sim and bench never import each other: what two of them share moves down (the
 gateway config into runtime). The pure layers import nothing that does I/O, read no wall
@@ -24,11 +24,22 @@ ALLOWED: dict[str, set[str]] = {
     "prefix": {"core"},
     "workload": {"core"},
     "scheduling": {"core", "prefix", "workload"},
+    "control": {"core"},
     "files": {"core", "prefix", "workload", "scheduling"},
     "openai": {"core"},
     "engine": {"core", "prefix", "workload", "scheduling", "files", "openai"},
     "runtime": {"core", "prefix", "workload", "scheduling", "files", "openai"},
-    "sim": {"core", "prefix", "workload", "scheduling", "files", "engine", "runtime", "tables"},
+    "sim": {
+        "core",
+        "prefix",
+        "workload",
+        "scheduling",
+        "control",
+        "files",
+        "engine",
+        "runtime",
+        "tables",
+    },
     "bench": {"core", "workload", "files", "openai", "tables"},
     "gateway": {"core", "prefix", "workload", "scheduling", "files", "openai", "runtime"},
     # The ext_proc wire only: its brain (the gateway's runtime) is handed in by the CLI.
@@ -53,6 +64,7 @@ ALLOWED: dict[str, set[str]] = {
         "prefix",
         "workload",
         "scheduling",
+        "control",
         "files",
         "engine",
         "sim",
@@ -65,7 +77,7 @@ ALLOWED: dict[str, set[str]] = {
         "agent",
     },
 }
-PURE = {"core", "prefix", "workload", "scheduling"}
+PURE = {"core", "prefix", "workload", "scheduling", "control"}
 FORBIDDEN_IN_PURE = {
     "asyncio",
     "aiohttp",

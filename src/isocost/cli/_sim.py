@@ -108,6 +108,9 @@ def sim(
     question_tokens: QuestionTokensOption = 128,
     output_tokens: int = typer.Option(128, "--output-tokens", help="Synthetic output length."),
     max_prompt_tokens: MaxPromptTokensOption = None,
+    autoscale: str | None = typer.Option(
+        None, "--autoscale", help="Autoscale YAML: control/ starts and drains replicas."
+    ),
 ) -> None:
     """Replay a trace through policies on a simulated cluster.
 
@@ -148,6 +151,8 @@ def sim(
         fail("give --capacity or --sweep-rate, not both: --capacity chooses its own rates")
     if search is not None and plot is not None:
         fail("--plot draws runs and sweeps; --capacity has no plot (its --json has each probe)")
+    if autoscale is not None and (rates or search is not None):
+        fail("--autoscale replays the requests at their own rate: not with a sweep or --capacity")
     if audit_admission and not deadlines:
         fail("--audit-admission audits SLO admission, which --no-deadlines turns off")
     overrides = {
@@ -186,6 +191,12 @@ def sim(
             mean_rate_rps(requests)
         except ValueError as exc:
             fail(f"--sweep-rate and --capacity replay the requests at other rates, but {exc}")
+    scaling = None
+    if autoscale is not None:
+        scaling_config = simulator.parse_autoscale_yaml(read_text(autoscale), autoscale)
+        fleet, members, scaling = simulator.autoscaled_cluster(
+            scaling_config, fleet, cat, requests, slo, autoscale
+        )
     plan = simulator.SimPlan(
         cluster=fleet,
         replicas=tuple(members),
@@ -200,6 +211,7 @@ def sim(
         sample_points=200 if plot else 0,
         jobs=jobs,
         audit_admission=audit_admission,
+        autoscale=scaling,
     )
     simulator.sim_command(console, plan, json_out, plot)
 

@@ -5,11 +5,20 @@ Replays a trace or a synthetic workload through the real scheduling brain
 in simulated time. Start with ``_core`` (the event loop), then ``_run`` (policies side by
 side, sweeps, capacity searches), ``_metrics`` (SLOs, the oracle, capacity at SLO over a
 sweep), ``_capacity`` (capacity at SLO by bisection), ``_cluster`` (the cluster file, or
-one pool of a gateway config) and ``_audit`` (SLO-admission rejections replayed as
-admitted).
+one pool of a gateway config), ``_autoscale`` (replicas started and drained by
+``control``) and ``_audit`` (SLO-admission rejections replayed as admitted).
 """
 
 from isocost.sim._audit import AdmissionAudit, AdmissionAuditor, ForcedAdmission
+from isocost.sim._autoscale import (
+    FleetUsage,
+    SimAutoscale,
+    SimAutoscaler,
+    autoscaled_cluster,
+    met_slo,
+    parse_autoscale_yaml,
+    replica_usd_per_hour,
+)
 from isocost.sim._capacity import CapacityResult, CapacitySpec, CapacityStatus
 from isocost.sim._cluster import (
     ClusterConfig,
@@ -64,11 +73,14 @@ __all__ = [
     "CapacityStatus",
     "ClusterConfig",
     "ClusterEvent",
+    "FleetUsage",
     "ForcedAdmission",
     "Isolated",
     "PolicySummary",
     "ReplicaGroup",
     "RunOutput",
+    "SimAutoscale",
+    "SimAutoscaler",
     "SimPlan",
     "SimRecord",
     "SimReplica",
@@ -77,6 +89,7 @@ __all__ = [
     "SweepOutput",
     "WorkloadChoice",
     "at_rate",
+    "autoscaled_cluster",
     "block_hashes",
     "capacity_at_slo",
     "capacity_json",
@@ -87,10 +100,13 @@ __all__ = [
     "json_rows",
     "load_requests",
     "lowest_slowdowns",
+    "met_slo",
     "oracle_summary",
+    "parse_autoscale_yaml",
     "parse_cluster_yaml",
     "print_capacity",
     "print_results",
+    "replica_usd_per_hour",
     "resolve_cluster",
     "reusable_prefix_blocks",
     "run_capacity",

@@ -25,6 +25,10 @@ push new events; the loop only pops and dispatches. Phases at one instant, in or
    ends rejected.
 5. ``DELIVER``: the request enters the replica's engine (advanced to now first).
 6. ``SAMPLE``: per-replica load is recorded for plots.
+7. ``CONTROL``: an autoscaling ``controller`` (``sim._autoscale``) looks at the fleet and
+   starts (``start_replica``: routable after a cold start), drains (``set_draining``) or
+   stops (``stop_replica``; a drain waits until nothing is in flight there) replicas.
+   Its ``dormant`` replicas wait for a start.
 
 Engines are advanced lazily: only when a request is delivered, or at
 ``EngineModel.quiet_until()``, the earliest time they could emit an event.
@@ -65,9 +69,9 @@ from isocost.scheduling.state import ReplicaSet
 from isocost.sim._cluster import ClusterConfig, SimReplica
 from isocost.workload import WorkloadRequest, prefix_block_hashes
 
-__all__ = ["AdmissionHook", "SimRecord", "SimResult", "Simulator", "block_hashes"]
+__all__ = ["AdmissionHook", "Controller", "SimRecord", "SimResult", "Simulator", "block_hashes"]
 
-FAULT, ENGINE, HOOK, SCRAPE, ARRIVAL, DELIVER, SAMPLE = range(7)
+FAULT, ENGINE, HOOK, SCRAPE, ARRIVAL, DELIVER, SAMPLE, CONTROL = range(8)
 _FIRST, _DONE, _FAILED, _TIMEOUT = range(4)  # hook kinds
 
 
@@ -128,6 +132,7 @@ class _SimulatedReplica:
     in_flight: dict[str, tuple[SimRecord, EngineRequest]] = field(default_factory=dict)
     wake_s: float = math.inf  # the pending ENGINE event's time; others are stale
     epoch: int = 0  # bumped on failure, so deliveries to the old engine fail
+    starts: int = 0  # controller starts; a stop bumps it, so a cancelled start never readies
     busy_s: float = 0.0  # totals of retired engines (failed ones, and all at the end)
     prefix_queries: int = 0
     prefix_hits: int = 0
@@ -155,7 +160,25 @@ class AdmissionHook(Protocol):
 _Event = tuple[float, int, int, object]  # (time, phase, sequence, payload)
 _Hook = tuple[int, str, int | str]  # (kind, attempt id, output tokens | failure reason)
 _Delivery = tuple[_SimulatedReplica, RequestView, SimRecord, int]  # (..., replica epoch)
-_Fault = tuple[str, _SimulatedReplica, float]  # (action, replica, factor)
+_Fault = tuple[str, _SimulatedReplica, float]  # (action, replica, factor | start number)
+
+
+class Controller(Protocol):
+    """An autoscaler driving the simulator (``sim._autoscale``)."""
+
+    interval_s: float
+
+    def tick(self, simulator: Simulator) -> None:
+        """One control interval ends now."""
+        ...
+
+    def arrived(self, record: SimRecord) -> None: ...
+
+    def settled(self, record: SimRecord) -> None: ...
+
+    def ready(self, replica_id: str, now: float) -> None:
+        """A replica it started is routable."""
+        ...
 
 
 class Simulator:
@@ -173,8 +196,11 @@ class Simulator:
         sample_interval_s: float | None = None,
         on_progress: Callable[[float], None] | None = None,
         audit: AdmissionHook | None = None,
+        controller: Controller | None = None,
+        dormant: Collection[str] = (),
     ) -> None:
         self.policy = policy
+        self.controller = controller
         self.model = model
         self.slo = slo  # when set, each request carries its TTFT target as a deadline
         self.delay_s = cluster.network_delay_ms / 1000.0
@@ -213,6 +239,8 @@ class Simulator:
         self._samples_s: list[float] = []
         self._samples: list[list[int]] = []
         for replica in self.replicas.values():  # those starting at 0 run already
+            if replica.config.replica_id in dormant:
+                continue
             start = replica.config.start_s
             ready_s = start + replica.config.cold_start_s if start > 0 else 0.0
             self._push(ready_s, FAULT, ("ready", replica, 0.0))
@@ -226,6 +254,8 @@ class Simulator:
             self._push(self.scrape_s, SCRAPE, None)
         if sample_interval_s:
             self._push(0.0, SAMPLE, None)
+        if controller is not None:
+            self._push(controller.interval_s, CONTROL, None)
 
     # -- the loop ----------------------------------------------------------------------
 
@@ -240,6 +270,7 @@ class Simulator:
             self._on_arrival,
             self._on_deliver,
             self._on_sample,
+            self._on_control,
         )
         try:
             while heap and self._unsettled:
@@ -265,6 +296,44 @@ class Simulator:
         """The requests dispatched to ``replica_id`` and not yet back, in dispatch order."""
         return [r for r in self._attempts.values() if r.replica_id == replica_id]
 
+    def queued(self) -> int:
+        """Requests waiting: in the gateway's queue, and in the engines as last scraped."""
+        waiting = self._readings[1][self._up]
+        return len(self.dispatcher) + int(waiting.sum())
+
+    def start_replica(self, replica_id: str, cold_start_s: float) -> None:
+        """Start a stopped (or dormant) replica: routable ``cold_start_s`` from now."""
+        replica = self.replicas[replica_id]
+        assert replica.engine is None, f"{replica_id} is running"
+        replica.starts += 1
+        if replica_id in self.shadow:
+            self.shadow.set_draining(replica_id, False)
+        self._push(self._now + cold_start_s, FAULT, ("started", replica, float(replica.starts)))
+
+    def set_draining(self, replica_id: str, draining: bool) -> None:
+        """Draining: the brain sends no new work there; what is in flight finishes."""
+        self.shadow.set_draining(replica_id, draining)
+
+    def stop_replica(self, replica_id: str) -> None:
+        """Stop a replica, or cancel its pending start; what is still in flight there
+        fails over to others (a drain waits until nothing is)."""
+        replica = self.replicas[replica_id]
+        replica.starts += 1
+        self._on_fault(("fail", replica, 0.0))
+
+    def in_flight_counts(self) -> dict[str, int]:
+        """Per replica, the requests dispatched there and not yet back."""
+        counts: dict[str, int] = {}
+        for record in self._attempts.values():
+            if record.replica_id is not None:
+                counts[record.replica_id] = counts.get(record.replica_id, 0) + 1
+        return counts
+
+    def _on_control(self, _: object) -> None:
+        assert self.controller is not None
+        self.controller.tick(self)
+        self._push(self._now + self.controller.interval_s, CONTROL, None)
+
     def _push(self, at_s: float, phase: int, payload: object) -> None:
         heapq.heappush(self._heap, (at_s, phase, self._seq, payload))
         self._seq += 1
@@ -280,6 +349,8 @@ class Simulator:
             return
         if session is not None:
             self._session_busy.add(session)
+        if self.controller is not None:
+            self.controller.arrived(record)
         self._try_schedule(record)
 
     def _view(self, record: SimRecord) -> RequestView:
@@ -376,6 +447,8 @@ class Simulator:
         if self.replaying:
             assert self.audit is not None
             self.audit.settled(record)
+        if self.controller is not None:
+            self.controller.settled(record)
         self._unsettled -= 1
         session = record.request.session_id
         if session is None:
@@ -491,6 +564,12 @@ class Simulator:
         action, replica, factor = cast(_Fault, payload)
         config: SimReplica = replica.config
         now = self._now
+        if action == "started":
+            if int(factor) != replica.starts:
+                return  # stopped while it was starting
+            action = "ready"
+            if self.controller is not None:
+                self.controller.ready(config.replica_id, now)
         if action == "ready":
             replica.engine = EngineModel(config.cost_model)
             replica.engine.slowdown = config.slowdown
@@ -517,17 +596,11 @@ class Simulator:
             engine = self._advance(replica)
             if engine is None:
                 return
-            self._retire(replica, engine)
-            replica.engine = None
-            replica.epoch += 1
-            replica.wake_s = math.inf
             back = now + self.delay_s
             for attempt_id in sorted(replica.in_flight, key=_attempt_order):
                 self._push(back, HOOK, (_FAILED, attempt_id, "failed"))
             replica.in_flight.clear()
-            self.shadow.set_health(config.replica_id, False)
-            self._up[replica.index] = False
-            self._live.pop(replica.index, None)
+            self._take_down(replica, engine)
         elif action == "recover":
             if replica.engine is None:
                 self._push(now + config.cold_start_s, FAULT, ("ready", replica, 0.0))
@@ -537,6 +610,16 @@ class Simulator:
                 engine.slowdown = factor
                 replica.wake_s = math.inf
                 self._schedule_wake(replica, engine)
+
+    def _take_down(self, replica: _SimulatedReplica, engine: EngineModel) -> None:
+        """The engine is gone: deliveries to it fail, the brain stops routing there."""
+        self._retire(replica, engine)
+        replica.engine = None
+        replica.epoch += 1
+        replica.wake_s = math.inf
+        self.shadow.set_health(replica.config.replica_id, False)
+        self._up[replica.index] = False
+        self._live.pop(replica.index, None)
 
     @staticmethod
     def _retire(replica: _SimulatedReplica, engine: EngineModel) -> None:

@@ -54,6 +54,8 @@ def json_rows(output: SweepOutput) -> list[dict[str, Any]]:
         row["rate_rps"] = run.rate_rps
         if run.rate_rps is not None:
             row["capacity_at_slo_rps"] = output.capacity_rps.get(run.summary.policy)
+        if run.fleet is not None:
+            row["autoscale"] = dataclasses.asdict(run.fleet)
         if run.audit is not None:
             row["admission_audit"] = {k: _rounded(v) for k, v in run.audit.json_fields().items()}
         rows.append(row)
@@ -354,6 +356,14 @@ def sim_command(
     with progress_bar(console, bars) as update:
         output = run_plan(plan, update)
     print_results(console, output, plan.slo.share)
+    for run in output.runs:
+        if run.fleet is not None:
+            console.print(
+                f"autoscaled {run.summary.policy}: {run.fleet.gpu_hours:,.2f} GPU-h, "
+                f"${run.fleet.usd:,.2f}, {run.fleet.scale_events} scale events, "
+                f"{run.fleet.killed} killed",
+                highlight=False,
+            )
     if json_path is not None:
         write_json(output, json_path)
         console.print(f"wrote {json_path}", highlight=False)

@@ -26,6 +26,7 @@ import numpy.typing as npt
 from isocost.core.slo import SloTargets
 from isocost.scheduling.policies import SchedulingConfig, build_policy
 from isocost.sim._audit import AdmissionAudit, AdmissionAuditor
+from isocost.sim._autoscale import FleetUsage, SimAutoscale
 from isocost.sim._capacity import CapacityResult, CapacitySpec, search_capacity
 from isocost.sim._cluster import ClusterConfig, SimReplica, lowest_slowdowns, served_model
 from isocost.sim._core import SimResult, Simulator
@@ -72,6 +73,7 @@ class SimPlan:
     sample_points: int = 0  # load samples per run, for plots (0: none)
     jobs: int = 2
     audit_admission: bool = False  # replay each SLO-admission rejection as admitted
+    autoscale: SimAutoscale | None = None  # replicas started and drained by control/
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +90,7 @@ class RunOutput:
     num_events: int
     end_s: float
     audit: AdmissionAudit | None = None  # with ``audit_admission``
+    fleet: FleetUsage | None = None  # with ``autoscale``
 
     @property
     def sim_s_per_wall_s(self) -> float:
@@ -225,6 +228,7 @@ def _run_task(
         policy_name, config=plan.scheduling, rng=Random(plan.seed), source="--policies"
     )
     auditor = AdmissionAuditor(plan.slo) if plan.audit_admission else None
+    controller = plan.autoscale.controller(plan.slo) if plan.autoscale else None
     simulator = Simulator(
         plan.cluster,
         plan.replicas,
@@ -235,9 +239,13 @@ def _run_task(
         sample_interval_s=span / plan.sample_points if plan.sample_points and span > 0 else None,
         on_progress=None if progress is None else (lambda now: progress(task, now)),
         audit=auditor,
+        controller=controller,
+        dormant=controller.dormant if controller else (),
     )
     result = simulator.run()
     output = _output(result, requests, plan.slo, isolated, rate)
+    if controller is not None:
+        output = dataclasses.replace(output, fleet=controller.usage(result.end_s))
     if auditor is None:
         return output
     return dataclasses.replace(output, audit=auditor.summary(result.records))

@@ -1,0 +1,101 @@
+"""The autoscaler's settings (msgspec, unknown keys rejected), checked into one-line errors.
+
+::
+
+    actuator: simulator          # simulator | local | command | kubernetes
+    interval_s: 15               # one decision per interval
+    headroom: 0.2                # capacity kept above the forecast, for bursts
+    max_gpus: 256                # budget: GPUs, $ per hour, or both (at least one)
+    max_usd_per_hour: 500
+    season_s: 86400              # the traffic's period (its daily pattern)
+    scale_up_cooldown_s: 60      # least time between two scale-ups
+    scale_down_cooldown_s: 300   # least time between two scale-ins (and after a scale-up)
+    scale_in_after_s: 600        # demand must stay low this long before a scale-in
+    queue_per_replica: 4         # reactive guard: queued requests per ready replica
+    guard_window_s: 45           # ... growing for this long scales up at once
+    attainment_target: 0.9       # reactive guard: recent SLO attainment below this
+    drain_deadline_s: 600        # a draining replica is stopped by then, idle or not
+    pools:
+      - {gpu: a100-80g, min: 16, max: 64, cold_start_s: 180}
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from isocost.core.errors import ConfigError
+
+__all__ = ["ACTUATORS", "AutoscaleConfig", "PoolConfig", "parse_autoscale_config"]
+
+ACTUATORS = ("simulator", "local", "command", "kubernetes")
+
+
+class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """One GPU type's replicas: bounds, and the warm-up lead assumed until one is measured."""
+
+    gpu: str
+    max: int
+    min: int = 0
+    cold_start_s: float = 180.0
+
+
+class AutoscaleConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    pools: list[PoolConfig]
+    actuator: str = "simulator"
+    interval_s: float = 15.0
+    headroom: float = 0.2
+    max_gpus: int | None = None
+    max_usd_per_hour: float | None = None
+    season_s: float = 86_400.0
+    scale_up_cooldown_s: float = 60.0
+    scale_down_cooldown_s: float = 300.0
+    scale_in_after_s: float = 600.0
+    queue_per_replica: float = 4.0
+    guard_window_s: float = 45.0
+    attainment_target: float = 0.9
+    drain_deadline_s: float = 600.0
+
+
+def parse_autoscale_config(raw: object, source: str) -> AutoscaleConfig:
+    """Decode and check a decoded YAML/JSON document; errors name ``source`` and the key."""
+    try:
+        config = msgspec.convert(raw, AutoscaleConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(source, str(exc)) from None
+    problems: list[tuple[str, bool, str]] = [
+        ("pools", bool(config.pools), "must list at least one GPU pool"),
+        ("actuator", config.actuator in ACTUATORS, f"unknown; valid: {', '.join(ACTUATORS)}"),
+        (
+            "max_gpus",
+            config.max_gpus is not None or config.max_usd_per_hour is not None,
+            "no budget: set max_gpus, max_usd_per_hour or both",
+        ),
+        ("max_gpus", config.max_gpus is None or config.max_gpus > 0, "must be > 0"),
+        (
+            "max_usd_per_hour",
+            config.max_usd_per_hour is None or config.max_usd_per_hour > 0,
+            "must be > 0",
+        ),
+        ("interval_s", config.interval_s > 0, "must be > 0"),
+        ("headroom", 0 <= config.headroom < 10, "must be in [0, 10)"),
+        ("season_s", config.season_s > 0, "must be > 0"),
+        ("queue_per_replica", config.queue_per_replica > 0, "must be > 0"),
+        ("attainment_target", 0 < config.attainment_target <= 1, "must be in (0, 1]"),
+        ("drain_deadline_s", config.drain_deadline_s > 0, "must be > 0"),
+    ]
+    for key in ("scale_up_cooldown_s", "scale_down_cooldown_s", "scale_in_after_s"):
+        problems.append((key, getattr(config, key) >= 0, "must be >= 0"))
+    gpus = [p.gpu for p in config.pools]
+    problems.append(("pools", len(set(gpus)) == len(gpus), "one pool per GPU type"))
+    for i, pool in enumerate(config.pools):
+        key = f"pools[{i}]"
+        problems += [
+            (f"{key}.min", pool.min >= 0, "must be >= 0"),
+            (f"{key}.max", pool.max >= 1, "must be >= 1"),
+            (f"{key}", pool.min <= pool.max, f"min ({pool.min}) > max ({pool.max})"),
+            (f"{key}.cold_start_s", pool.cold_start_s >= 0, "must be >= 0"),
+        ]
+    for key, ok, message in problems:
+        if not ok:
+            raise ConfigError(source, message, key)
+    return config

@@ -1,0 +1,370 @@
+"""Desired replicas per GPU type, and which replicas to start, undrain or drain.
+
+Both scalers see the same ``Observation`` each interval and return a ``ScaleDecision``;
+actuators only apply it (DESIGN §7).
+
+``Autoscaler`` (isocost):
+
+1. **Forecast**: the peak arrival rate over the horizon, the longest warm-up lead of any
+   pool plus one interval (``DemandForecast.peak``): what is started now serves then.
+2. **Need** = forecast x (1 + headroom), in requests/s; a pool's replicas supply their
+   capacity each (``CapacityEstimate``). Pending replicas count: they are ready by then.
+3. **Reactive guard**: a queue above ``queue_per_replica`` per ready replica that grew
+   over ``guard_window_s``, or SLO attainment over that window below target, raises the
+   need to what the ready replicas supply plus headroom, plus enough to clear the queue
+   within one lead.
+4. **Up**: replicas are added cheapest $ per unit of goodput first (``usd_per_hour /
+   capacity``), within each pool's max and the GPU and $ budgets, at most once per
+   ``scale_up_cooldown_s`` (pool minimums apply at once).
+5. **In**: only when the need over the last ``scale_in_after_s`` (its maximum) stayed below
+   what the fleet minus some replicas supplies, and neither cool-down is running; the
+   dearest are removed first, and never below a pool's min.
+
+``HpaScaler`` is the reactive baseline: Kubernetes' ``desired = ceil(current x metric /
+target)`` on queue length per replica, a 10% tolerance, the default scale-up limit (double
+or +4 per 15 s) and a scale-down stabilization window (the highest desire in it wins).
+
+``plan_changes`` turns targets into actions: draining replicas of a pool that must grow are
+undrained first (they are warm), then new ones started; a pool that must shrink loses its
+pending replicas first (they serve nothing yet), then its ready ones with the least work
+in flight, newest first.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from isocost.control._config import AutoscaleConfig
+from isocost.control._estimates import CapacityEstimate, WarmupLead
+from isocost.control._forecast import DemandForecast
+
+__all__ = [
+    "Autoscaler",
+    "HpaScaler",
+    "Observation",
+    "PoolOffer",
+    "ReplicaState",
+    "ReplicaStatus",
+    "ScaleDecision",
+    "Scaler",
+    "plan_changes",
+]
+
+ReplicaState = Literal["pending", "ready", "draining"]
+_MIN_SETTLED = 50
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaStatus:
+    replica_id: str
+    gpu: str
+    state: ReplicaState
+    started_s: float
+    in_flight: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """The fleet and its traffic over the interval that ends at ``now``."""
+
+    now: float
+    interval_s: float
+    arrivals: int
+    queued: int  # waiting at the gateway and in the engines
+    attainment: float | None  # share of requests settled in the interval that met the SLO
+    settled: int  # how many settled (attainment of a handful says little)
+    completions: Mapping[str, int]  # per GPU type
+    replicas: Sequence[ReplicaStatus]
+
+
+@dataclass(frozen=True, slots=True)
+class PoolOffer:
+    """What one replica of a GPU type costs and gives."""
+
+    gpu: str
+    gpus_per_replica: int
+    usd_per_hour: float  # per replica
+    capacity_rps: float  # the planner's figure at the SLOs
+
+
+@dataclass(frozen=True, slots=True)
+class ScaleDecision:
+    now: float
+    targets: dict[str, int]  # replicas per GPU type, ready + pending
+    start: dict[str, int] = field(default_factory=dict)
+    undrain: tuple[str, ...] = ()
+    drain: tuple[str, ...] = ()
+    forecast_rps: float = 0.0
+    need_rps: float = 0.0
+    horizon_s: float = 0.0
+    reason: str = "hold"
+
+    @property
+    def changes(self) -> bool:
+        return bool(self.start or self.undrain or self.drain)
+
+
+class Scaler(Protocol):
+    def decide(self, observation: Observation) -> ScaleDecision: ...
+
+    def replica_ready(self, gpu: str, lead_s: float) -> None:
+        """A replica of ``gpu`` became routable ``lead_s`` after its start."""
+        ...
+
+
+def _active(replicas: Sequence[ReplicaStatus], gpu: str) -> int:
+    return sum(1 for r in replicas if r.gpu == gpu and r.state != "draining")
+
+
+class Autoscaler:
+    """isocost's predictive scaler (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: AutoscaleConfig,
+        offers: Sequence[PoolOffer],
+        history: Sequence[tuple[float, float]] = (),
+    ) -> None:
+        by_gpu = {o.gpu: o for o in offers}
+        missing = [p.gpu for p in config.pools if p.gpu not in by_gpu]
+        if missing:
+            raise ValueError(f"no replica offer for pool {', '.join(missing)}")
+        self.config = config
+        self.offers = [by_gpu[p.gpu] for p in config.pools]
+        self.forecast = DemandForecast(config.season_s)
+        for at_s, rate in history:
+            self.forecast.observe(at_s, rate)
+        self.lead = WarmupLead({p.gpu: p.cold_start_s for p in config.pools})
+        self.capacity = CapacityEstimate({o.gpu: o.capacity_rps for o in self.offers})
+        self._queue: deque[tuple[float, int]] = deque()
+        self._settled: deque[tuple[float, int, int]] = deque()  # (now, settled, met)
+        self._need: deque[tuple[float, float]] = deque()
+        self._last_up = -math.inf
+        self._last_down = -math.inf
+
+    def replica_ready(self, gpu: str, lead_s: float) -> None:
+        self.lead.observe(gpu, lead_s)
+
+    def decide(self, observation: Observation) -> ScaleDecision:
+        cfg, now = self.config, observation.now
+        active = {o.gpu: _active(observation.replicas, o.gpu) for o in self.offers}
+        ready = {
+            o.gpu: sum(1 for r in observation.replicas if r.gpu == o.gpu and r.state == "ready")
+            for o in self.offers
+        }
+        self.forecast.observe(now, observation.arrivals / observation.interval_s)
+        total_ready = sum(ready.values())
+        saturated = observation.queued > cfg.queue_per_replica * max(total_ready, 1)
+        attainment = self._recent_attainment(observation)
+        if attainment is not None:
+            met = attainment >= cfg.attainment_target
+            for o in self.offers:
+                if ready[o.gpu]:
+                    done = observation.completions.get(o.gpu, 0)
+                    self.capacity.observe(o.gpu, done / observation.interval_s / ready[o.gpu], met)
+        horizon = max(self.lead.lead_s(o.gpu) for o in self.offers) + cfg.interval_s
+        forecast = self.forecast.peak(now, horizon)
+        need = forecast * (1 + cfg.headroom)
+        reason = "forecast"
+        if self._guard(observation, saturated, attainment):
+            backlog = observation.queued / horizon
+            guarded = (
+                self._supply(ready) * (1 + cfg.headroom)
+                + backlog
+                + max(self.forecast.slope(), 0.0) * horizon
+            )
+            if guarded > need:
+                need, reason = guarded, "guard"
+        targets = self._bounded(dict(active))
+        if targets != active:
+            reason = "bounds"
+        if need > self._supply(targets):
+            if now - self._last_up >= cfg.scale_up_cooldown_s:
+                targets = self._grow(targets, need)
+        elif targets == active:
+            targets = self._shrink(targets, now, need)
+            reason = "scale-in"
+        self._remember_need(now, need)
+        decision = plan_changes(now, targets, observation.replicas)
+        if decision.start or decision.undrain:
+            self._last_up = now
+        if decision.drain:
+            self._last_down = now
+        return ScaleDecision(
+            now,
+            targets,
+            decision.start,
+            decision.undrain,
+            decision.drain,
+            forecast_rps=forecast,
+            need_rps=need,
+            horizon_s=horizon,
+            reason=reason if decision.changes else "hold",
+        )
+
+    def _recent_attainment(self, observation: Observation) -> float | None:
+        """SLO attainment over the guard window (None: too few requests settled in it to
+        tell noise from a miss)."""
+        now = observation.now
+        met = round((observation.attainment or 0.0) * observation.settled)
+        self._settled.append((now, observation.settled, met))
+        while self._settled[0][0] <= now - self.config.guard_window_s:
+            self._settled.popleft()
+        settled = sum(s for _, s, _ in self._settled)
+        return sum(m for _, _, m in self._settled) / settled if settled >= _MIN_SETTLED else None
+
+    def _guard(self, observation: Observation, saturated: bool, attainment: float | None) -> bool:
+        """Sustained queue growth, or attainment below target: scale up now."""
+        cfg, now = self.config, observation.now
+        self._queue.append((now, observation.queued))
+        while self._queue and self._queue[0][0] < now - cfg.guard_window_s:
+            self._queue.popleft()
+        first_t, first_q = self._queue[0]
+        growing = (
+            saturated
+            and now - first_t >= cfg.guard_window_s - 1e-9
+            and observation.queued > first_q
+        )
+        missing = attainment is not None and attainment < cfg.attainment_target
+        return growing or missing
+
+    def _supply(self, counts: Mapping[str, int]) -> float:
+        return sum(counts[o.gpu] * self.capacity.rps(o.gpu) for o in self.offers)
+
+    def _bounded(self, targets: dict[str, int]) -> dict[str, int]:
+        for pool in self.config.pools:
+            targets[pool.gpu] = min(max(targets[pool.gpu], pool.min), pool.max)
+        return targets
+
+    def _within_budget(self, targets: Mapping[str, int]) -> bool:
+        cfg = self.config
+        gpus = sum(targets[o.gpu] * o.gpus_per_replica for o in self.offers)
+        usd = sum(targets[o.gpu] * o.usd_per_hour for o in self.offers)
+        return (cfg.max_gpus is None or gpus <= cfg.max_gpus) and (
+            cfg.max_usd_per_hour is None or usd <= cfg.max_usd_per_hour + 1e-9
+        )
+
+    def _by_value(self) -> list[PoolOffer]:
+        """Cheapest $ per unit of goodput first."""
+        return sorted(self.offers, key=lambda o: (o.usd_per_hour / self.capacity.rps(o.gpu), o.gpu))
+
+    def _grow(self, targets: dict[str, int], need: float) -> dict[str, int]:
+        limits = {p.gpu: p.max for p in self.config.pools}
+        for offer in self._by_value():
+            while self._supply(targets) < need and targets[offer.gpu] < limits[offer.gpu]:
+                targets[offer.gpu] += 1
+                if not self._within_budget(targets):
+                    targets[offer.gpu] -= 1
+                    break
+        return targets
+
+    def _shrink(self, targets: dict[str, int], now: float, need: float) -> dict[str, int]:
+        """Remove the dearest replicas the need of the whole scale-in window leaves idle."""
+        cfg = self.config
+        window = [n for t, n in self._need if t >= now - cfg.scale_in_after_s]
+        sustained = bool(self._need) and self._need[0][0] <= now - cfg.scale_in_after_s
+        if (
+            not sustained
+            or min(now - self._last_down, now - self._last_up) < cfg.scale_down_cooldown_s
+        ):
+            return targets
+        peak = max([need, *window])
+        floors = {p.gpu: p.min for p in cfg.pools}
+        for offer in reversed(self._by_value()):
+            while targets[offer.gpu] > floors[offer.gpu]:
+                targets[offer.gpu] -= 1
+                if self._supply(targets) < peak:
+                    targets[offer.gpu] += 1
+                    break
+        return targets
+
+    def _remember_need(self, now: float, need: float) -> None:
+        self._need.append((now, need))
+        while len(self._need) > 1 and self._need[1][0] <= now - self.config.scale_in_after_s:
+            self._need.popleft()
+
+
+class HpaScaler:
+    """Kubernetes' HorizontalPodAutoscaler on queue length (see the module docstring)."""
+
+    TOLERANCE = 0.1
+    UP_PERIOD_S = 15.0
+
+    def __init__(
+        self,
+        gpu: str,
+        min_replicas: int,
+        max_replicas: int,
+        queue_target_per_replica: float,
+        stabilization_s: float = 300.0,
+    ) -> None:
+        self.gpu = gpu
+        self.min_replicas = min_replicas
+        self.max_replicas = max_replicas
+        self.target = queue_target_per_replica
+        self.stabilization_s = stabilization_s
+        self._desires: deque[tuple[float, int]] = deque()
+        self._last_up = -math.inf
+
+    def replica_ready(self, gpu: str, lead_s: float) -> None:
+        """HPA does not learn from warm-up times."""
+
+    def decide(self, observation: Observation) -> ScaleDecision:
+        now = observation.now
+        current = _active(observation.replicas, self.gpu)
+        ratio = observation.queued / max(current, 1) / self.target
+        desired = current
+        if abs(ratio - 1) > self.TOLERANCE:
+            desired = math.ceil(current * ratio - 1e-9)
+        desired = min(max(desired, self.min_replicas), self.max_replicas)
+        self._desires.append((now, desired))
+        while self._desires[0][0] < now - self.stabilization_s:
+            self._desires.popleft()
+        if desired > current:
+            if now - self._last_up < self.UP_PERIOD_S:
+                desired = current
+            else:
+                desired = min(desired, max(2 * current, current + 4))
+        else:
+            desired = min(current, max(d for _, d in self._desires))  # stabilized
+        decision = plan_changes(now, {self.gpu: desired}, observation.replicas)
+        if decision.start or decision.undrain:
+            self._last_up = now
+        return ScaleDecision(
+            now,
+            decision.targets,
+            decision.start,
+            decision.undrain,
+            decision.drain,
+            reason="hpa" if decision.changes else "hold",
+        )
+
+
+def plan_changes(
+    now: float, targets: Mapping[str, int], replicas: Sequence[ReplicaStatus]
+) -> ScaleDecision:
+    """The actions that take the fleet to ``targets`` (see the module docstring)."""
+    start: dict[str, int] = {}
+    undrain: list[str] = []
+    drain: list[str] = []
+    for gpu, target in targets.items():
+        mine = [r for r in replicas if r.gpu == gpu]
+        active = [r for r in mine if r.state != "draining"]
+        gap = target - len(active)
+        if gap > 0:
+            warm = sorted((r for r in mine if r.state == "draining"), key=lambda r: r.in_flight)
+            back = [r.replica_id for r in warm[::-1][:gap]]
+            undrain += back
+            if gap > len(back):
+                start[gpu] = gap - len(back)
+        elif gap < 0:
+            order = sorted(
+                active,
+                key=lambda r: (r.state != "pending", r.in_flight, -r.started_s, r.replica_id),
+            )
+            drain += [r.replica_id for r in order[:-gap]]
+    return ScaleDecision(now, dict(targets), start, tuple(undrain), tuple(drain))

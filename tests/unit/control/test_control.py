@@ -1,0 +1,314 @@
+"""control/: forecast, learned lead and capacity, desired replicas, guard, scale-in,
+budgets, cheapest-first, drain plans, and config errors."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+
+from isocost.control import (
+    AutoscaleConfig,
+    Autoscaler,
+    CapacityEstimate,
+    DemandForecast,
+    HpaScaler,
+    Observation,
+    PoolConfig,
+    PoolOffer,
+    ReplicaStatus,
+    WarmupLead,
+    parse_autoscale_config,
+    plan_changes,
+    planned_capacity_rps,
+)
+from isocost.core.catalog import Catalog
+from isocost.core.costmodel import CostModel
+from isocost.core.errors import ConfigError
+from isocost.core.planner import PlanRequest, plan
+from isocost.core.slo import SloTargets
+
+INTERVAL = 15.0
+
+
+def _fleet(gpu: str, ready: int, pending: int = 0, draining: int = 0) -> list[ReplicaStatus]:
+    states = ["ready"] * ready + ["pending"] * pending + ["draining"] * draining
+    return [
+        ReplicaStatus(f"{gpu}-{i}", gpu, state, started_s=float(i), in_flight=i % 3)  # type: ignore[arg-type]
+        for i, state in enumerate(states)
+    ]
+
+
+def _observe(
+    now: float,
+    rate: float,
+    replicas: list[ReplicaStatus],
+    queued: int = 0,
+    attainment: float | None = None,
+) -> Observation:
+    return Observation(
+        now=now,
+        interval_s=INTERVAL,
+        arrivals=round(rate * INTERVAL),
+        queued=queued,
+        attainment=attainment,
+        settled=0 if attainment is None else 100,
+        completions={},
+        replicas=replicas,
+    )
+
+
+def _config(**overrides: object) -> AutoscaleConfig:
+    settings: dict[str, object] = {
+        "pools": [PoolConfig(gpu="a", min=2, max=40, cold_start_s=120.0)],
+        "max_gpus": 1000,
+        "interval_s": INTERVAL,
+        "headroom": 0.2,
+    }
+    settings.update(overrides)
+    return AutoscaleConfig(**settings)  # type: ignore[arg-type]
+
+
+def _scaler(config: AutoscaleConfig | None = None, capacity: float = 1.0) -> Autoscaler:
+    return Autoscaler(config or _config(), [PoolOffer("a", 1, 2.0, capacity)])
+
+
+# -- forecast -----------------------------------------------------------------------
+
+
+def test_the_season_predicts_tomorrows_ramp_before_it_starts() -> None:
+    season = 3600.0
+    forecast = DemandForecast(season, bucket_s=60)
+    curve = [10.0] * 30 + [50.0] * 30  # a step at minute 30, yesterday
+    for minute, rate in enumerate(curve):
+        forecast.observe(minute * 60.0 - season, rate)
+    forecast.observe(25 * 60.0, 10.0)  # today, 5 minutes before the step: still flat
+    assert forecast.peak(25 * 60.0, 60.0) == pytest.approx(10.0)
+    assert forecast.peak(25 * 60.0, 600.0) == pytest.approx(50.0)
+
+
+def test_the_season_is_scaled_to_todays_level() -> None:
+    forecast = DemandForecast(3600.0, bucket_s=60)
+    for minute in range(60):
+        forecast.observe(minute * 60.0 - 3600.0, 10.0 if minute < 30 else 20.0)
+    forecast.observe(20 * 60.0, 15.0)  # today runs 1.5x yesterday
+    assert forecast.peak(20 * 60.0, 900.0) == pytest.approx(30.0)
+
+
+def test_a_random_burst_yesterday_is_not_predicted_today() -> None:
+    forecast = DemandForecast(3600.0, bucket_s=60, smooth_s=600)
+    for minute in range(60):
+        forecast.observe(minute * 60.0 - 3600.0, 40.0 if minute in (40, 41) else 10.0)
+    forecast.observe(30 * 60.0, 10.0)
+    assert forecast.peak(30 * 60.0, 900.0) == pytest.approx(10.0)
+
+
+def test_without_a_season_the_trend_extrapolates() -> None:
+    forecast = DemandForecast(86_400.0)
+    for i in range(10):
+        forecast.observe(i * 15.0, 10.0 + i)  # +1 req/s every 15 s
+    assert forecast.slope() == pytest.approx(1 / 15)
+    assert forecast.peak(135.0, 150.0) > forecast.level + 9  # level + slope x horizon
+
+
+# -- learned lead and capacity ------------------------------------------------------------
+
+
+def test_the_lead_is_the_prior_until_measured_then_covers_slow_starts() -> None:
+    lead = WarmupLead({"a": 300.0})
+    assert lead.lead_s("a") == 300.0 and not lead.measured("a")
+    for seconds in (100.0, 140.0, 100.0, 140.0):
+        lead.observe("a", seconds)
+    assert lead.measured("a")
+    assert 120.0 < lead.lead_s("a") < 200.0  # mean + 2 deviations, well under the prior
+
+
+def test_capacity_moves_only_on_evidence() -> None:
+    estimate = CapacityEstimate({"a": 1.0})
+    estimate.observe("a", 0.5, met_target=True)  # met below the estimate: says nothing
+    estimate.observe("a", 1.5, met_target=False)  # missed above it: says nothing
+    assert estimate.rps("a") == 1.0
+    estimate.observe("a", 0.6, met_target=False)  # missed below: too optimistic
+    assert estimate.rps("a") < 1.0
+    low = estimate.rps("a")
+    estimate.observe("a", 1.2, met_target=True)  # met above: too pessimistic
+    assert estimate.rps("a") > low
+
+
+def test_the_planned_capacity_is_the_planners_figure() -> None:
+    catalog = Catalog.builtin()
+    cost = CostModel(catalog.model("llama-3.1-8b"), catalog.gpu("a100-80g"), 1)
+    slo = SloTargets(ttft_s=1.0, tpot_s=0.05)
+    figure = planned_capacity_rps(cost, 1500, 300, slo)
+    option = plan(
+        PlanRequest(
+            cost.model,
+            cost.gpu,
+            context_tokens=1800,
+            output_tokens=300,
+            ttft_slo_s=1.0,
+            tpot_slo_s=0.05,
+        )
+    ).options[0]
+    assert figure == option.requests_per_s
+    with pytest.raises(ValueError, match="meets the SLOs at no batch"):
+        planned_capacity_rps(cost, 1500, 300, SloTargets(ttft_s=0.001, tpot_s=0.001))
+
+
+# -- desired replicas -----------------------------------------------------------------
+
+
+def test_desired_is_forecast_over_capacity_times_headroom() -> None:
+    scaler = _scaler(capacity=2.0)
+    decision = scaler.decide(_observe(15.0, 30.0, _fleet("a", 2)))
+    assert decision.targets == {"a": math.ceil(30.0 * 1.2 / 2.0)}
+    assert decision.start == {"a": 16} and decision.reason == "forecast"
+
+
+def test_pending_replicas_count_so_a_ramp_is_not_ordered_twice() -> None:
+    scaler = _scaler(capacity=2.0)
+    decision = scaler.decide(_observe(15.0, 30.0, _fleet("a", 2, pending=16)))
+    assert not decision.changes
+
+
+def test_the_pool_bounds_and_the_gpu_budget_cap_the_fleet() -> None:
+    scaler = _scaler(_config(max_gpus=10), capacity=1.0)
+    decision = scaler.decide(_observe(15.0, 100.0, _fleet("a", 2)))
+    assert decision.targets == {"a": 10}
+    bounded = _scaler(capacity=1.0).decide(_observe(15.0, 1000.0, _fleet("a", 2)))
+    assert bounded.targets == {"a": 40}
+    floor = _scaler(capacity=1.0).decide(_observe(15.0, 0.0, _fleet("a", 0)))
+    assert floor.targets == {"a": 2} and floor.reason == "bounds"
+
+
+def test_the_cheapest_goodput_is_added_first_and_the_dearest_removed_first() -> None:
+    pools = [PoolConfig(gpu="cheap", max=4), PoolConfig(gpu="dear", max=20)]
+    config = _config(pools=pools, scale_in_after_s=30.0, scale_down_cooldown_s=0.0)
+    offers = [PoolOffer("dear", 1, 4.0, 1.0), PoolOffer("cheap", 1, 1.0, 1.0)]
+    scaler = Autoscaler(config, offers)
+    up = scaler.decide(_observe(15.0, 5.0, []))
+    assert up.targets == {"cheap": 4, "dear": 2}  # 6 needed: the 4 cheap ones, then dear
+    fleet = _fleet("cheap", 4) + _fleet("dear", 2)
+    for i in range(2, 20):  # the level settles at 2 req/s, the fleet follows
+        down = scaler.decide(_observe(15.0 * i, 2.0, fleet))
+    assert down.targets == {"cheap": 3, "dear": 0}
+    assert sorted(down.drain) == ["cheap-3", "dear-0", "dear-1"]  # idle, newest first
+
+
+def test_the_usd_budget_stops_dear_replicas() -> None:
+    pools = [PoolConfig(gpu="cheap", max=2), PoolConfig(gpu="dear", max=20)]
+    config = _config(pools=pools, max_gpus=None, max_usd_per_hour=10.0)
+    offers = [PoolOffer("cheap", 1, 1.0, 1.0), PoolOffer("dear", 1, 4.0, 1.0)]
+    decision = Autoscaler(config, offers).decide(_observe(15.0, 20.0, []))
+    assert decision.targets == {"cheap": 2, "dear": 2}  # 2 x $1 + 2 x $4 = $10
+
+
+# -- reactive guard -------------------------------------------------------------------
+
+
+def test_a_queue_that_keeps_growing_scales_up_beyond_the_forecast() -> None:
+    scaler = _scaler(_config(guard_window_s=30.0, queue_per_replica=2.0), capacity=1.0)
+    fleet = _fleet("a", 10)
+    decisions = [
+        scaler.decide(_observe(15.0 * i, 8.0, fleet, queued=30 + 20 * i)) for i in range(1, 5)
+    ]
+    assert decisions[0].reason == "hold"  # growth not sustained yet
+    guarded = [d for d in decisions if d.reason == "guard"]
+    assert guarded and guarded[0].targets["a"] > 10
+
+
+def test_attainment_below_target_scales_up_now() -> None:
+    scaler = _scaler(capacity=1.0)
+    decision = scaler.decide(_observe(15.0, 8.0, _fleet("a", 10), attainment=0.5))
+    assert decision.reason == "guard" and decision.targets["a"] == 12
+
+
+# -- scale-in, cool-downs -------------------------------------------------------------
+
+
+def test_scale_in_waits_for_sustained_low_demand_and_the_cooldowns() -> None:
+    config = _config(scale_in_after_s=60.0, scale_down_cooldown_s=45.0, scale_up_cooldown_s=0.0)
+    scaler = _scaler(config, capacity=1.0)
+    fleet = _fleet("a", 20)
+    reasons = [scaler.decide(_observe(15.0 * i, 5.0, fleet)).reason for i in range(1, 7)]
+    assert reasons[:4] == ["hold"] * 4  # low demand not yet sustained for 60 s
+    assert "scale-in" in reasons[4:]
+    # a short spike in the window keeps the fleet that served it
+    spiky = _scaler(config, capacity=1.0)
+    rates = [5.0, 15.0, 5.0, 5.0, 5.0, 5.0]
+    last = None
+    for i, rate in enumerate(rates, start=1):
+        last = spiky.decide(_observe(15.0 * i, rate, fleet))
+    assert last is not None and last.targets["a"] >= 15
+
+
+def test_a_scale_up_starts_the_scale_in_cooldown() -> None:
+    config = _config(scale_in_after_s=0.0, scale_down_cooldown_s=100.0)
+    scaler = _scaler(config, capacity=1.0)
+    scaler.decide(_observe(15.0, 20.0, _fleet("a", 2)))  # up to 24
+    decision = scaler.decide(_observe(30.0, 1.0, _fleet("a", 24)))
+    assert not decision.drain
+
+
+# -- HPA baseline ---------------------------------------------------------------------
+
+
+def test_hpa_follows_the_kubernetes_formula_and_stabilizes_scale_down() -> None:
+    hpa = HpaScaler("a", 1, 50, queue_target_per_replica=2.0, stabilization_s=300.0)
+    up = hpa.decide(_observe(15.0, 0.0, _fleet("a", 10), queued=50))
+    assert up.targets == {"a": 20}  # ceil(10 x (50 / 10) / 2) = 25, limited to double
+    again = hpa.decide(_observe(30.0, 0.0, _fleet("a", 20), queued=50))
+    assert again.targets == {"a": 25}
+    tolerated = hpa.decide(_observe(30.0, 0.0, _fleet("a", 25), queued=52))
+    assert not tolerated.changes  # ratio 1.04 is within the 10% tolerance
+    held = hpa.decide(_observe(45.0, 0.0, _fleet("a", 25), queued=0))
+    assert held.targets == {"a": 25}  # the window still remembers 25
+    later = hpa.decide(_observe(400.0, 0.0, _fleet("a", 25), queued=0))
+    assert later.targets == {"a": 1}
+
+
+def test_hpa_scale_up_is_limited_to_double_or_plus_four() -> None:
+    hpa = HpaScaler("a", 1, 100, queue_target_per_replica=1.0)
+    assert hpa.decide(_observe(15.0, 0.0, _fleet("a", 2), queued=90)).targets == {"a": 6}
+
+
+# -- drain plans ----------------------------------------------------------------------
+
+
+def test_scale_in_cancels_pending_first_then_drains_the_least_busy() -> None:
+    fleet = [
+        ReplicaStatus("busy", "a", "ready", 0.0, in_flight=9),
+        ReplicaStatus("idle", "a", "ready", 1.0, in_flight=0),
+        ReplicaStatus("new", "a", "pending", 2.0),
+    ]
+    assert plan_changes(0.0, {"a": 1}, fleet).drain == ("new", "idle")
+
+
+def test_a_pool_that_grows_takes_back_its_draining_replicas_first() -> None:
+    fleet = _fleet("a", 2, draining=2)
+    decision = plan_changes(0.0, {"a": 5}, fleet)
+    assert len(decision.undrain) == 2 and decision.start == {"a": 1}
+
+
+# -- config ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"pools": [{"gpu": "a", "min": 5, "max": 2}], "max_gpus": 8}, "min (5) > max (2)"),
+        ({"pools": [{"gpu": "a", "max": 2}]}, "no budget"),
+        (
+            {"pools": [{"gpu": "a", "max": 2}], "max_gpus": 8, "actuator": "ssh"},
+            "actuator: unknown; valid: simulator, local, command, kubernetes",
+        ),
+        ({"pools": [{"gpu": "a", "max": 2}], "max_gpus": 8, "colour": 1}, "unknown field"),
+        ({"pools": [], "max_gpus": 8}, "at least one GPU pool"),
+    ],
+)
+def test_bad_config_is_one_line_naming_the_key(raw: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)) as error:
+        parse_autoscale_config(raw, "autoscale.yaml")
+    text = str(error.value)
+    assert text.startswith("autoscale.yaml") and "\n" not in text
