@@ -27,7 +27,7 @@ ALLOWED: dict[str, set[str]] = {
     "control": {"core"},
     "files": {"core", "prefix", "workload", "scheduling"},
     "openai": {"core"},
-    "engine": {"core", "prefix", "workload", "scheduling", "files", "openai"},
+    "engine": {"core", "prefix", "workload", "scheduling", "files", "openai", "serving"},
     "runtime": {"core", "prefix", "workload", "scheduling", "files", "openai"},
     "sim": {
         "core",
@@ -41,10 +41,20 @@ ALLOWED: dict[str, set[str]] = {
         "tables",
     },
     "bench": {"core", "workload", "files", "openai", "tables"},
-    "gateway": {"core", "prefix", "workload", "scheduling", "files", "openai", "runtime"},
+    "gateway": {
+        "core",
+        "prefix",
+        "workload",
+        "scheduling",
+        "files",
+        "openai",
+        "runtime",
+        "serving",
+    },
     # The ext_proc wire only: its brain (the gateway's runtime) is handed in by the CLI.
-    "picker": {"core", "openai", "runtime"},
+    "picker": {"core", "openai", "runtime", "serving"},
     "tables": set(),
+    "serving": set(),
     "demo": {
         "core",
         "prefix",
@@ -75,6 +85,7 @@ ALLOWED: dict[str, set[str]] = {
         "demo",
         "drill",
         "agent",
+        "serving",
     },
 }
 PURE = {"core", "prefix", "workload", "scheduling", "control"}

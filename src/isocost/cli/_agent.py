@@ -7,6 +7,7 @@ import sys
 import typer
 
 from isocost.cli._app import app, console, fail
+from isocost.serving import stop_requested
 
 
 def _names(text: str | None) -> list[str]:
@@ -48,7 +49,6 @@ def agent(
     SIGTERM marks it draining, waits for the engine to go idle, then deregisters.
     """
     import asyncio
-    import signal
     from urllib.parse import urlsplit
 
     from isocost.agent.registrar import Agent, AgentSettings
@@ -109,10 +109,6 @@ def agent(
         sys.stdout.flush()
 
     async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await Agent(settings, registered).run(stop)
+        await Agent(settings, registered).run(stop_requested())
 
     asyncio.run(main())

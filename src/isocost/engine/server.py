@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
@@ -33,6 +32,7 @@ from isocost.files import resolve_model
 from isocost.openai.errors import ApiError, error_response
 from isocost.openai.requests import ChatRequest, CompletionRequest, decode_body
 from isocost.openai.responses import json_response
+from isocost.serving import run_serving, stop_requested
 
 __all__ = ["build_models", "build_tokenizers", "run_engine"]
 
@@ -205,10 +205,7 @@ async def serve(
     ]
     runners: list[web.AppRunner] = []
     tasks = [asyncio.create_task(r.run(), name=f"replica-{r.index}") for r in replicas]
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_requested()
     try:
         urls = []
         for replica, port in zip(replicas, ports, strict=True):
@@ -249,11 +246,4 @@ def run_engine(
     and serve."""
     models = build_models(specs, catalog, limits)
     tokenizers = build_tokenizers(models, options.tokenizer_path)
-    try:
-        import uvloop
-
-        loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
-    except ImportError:  # uvloop is not available on Windows
-        loop_factory = None
-    with asyncio.Runner(loop_factory=loop_factory) as runner:
-        runner.run(serve(specs, models, tokenizers, options, ports, on_ready))
+    run_serving(serve(specs, models, tokenizers, options, ports, on_ready))

@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import logging
 import resource
-import signal
 import time
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
@@ -44,6 +43,7 @@ from isocost.runtime.config import (
     normalize_replica_url,
 )
 from isocost.runtime.logs import configure_logging
+from isocost.serving import run_serving, stop_requested
 
 __all__ = ["configure_logging", "discover_config", "load_gateway", "run_gateway"]
 
@@ -115,14 +115,7 @@ def run_gateway(
 ) -> None:
     """Serve until SIGINT/SIGTERM, then drain: in-flight requests get
     ``shutdown_timeout_s`` to finish."""
-    try:
-        import uvloop
-
-        loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
-    except ImportError:  # pragma: no cover - uvloop is not available on Windows
-        loop_factory = None
-    with asyncio.Runner(loop_factory=loop_factory) as runner:
-        runner.run(_serve(gateway, host, port, on_ready, shutdown_timeout_s))
+    run_serving(_serve(gateway, host, port, on_ready, shutdown_timeout_s))
 
 
 async def _serve(
@@ -132,10 +125,8 @@ async def _serve(
     on_ready: Callable[[str], None],
     shutdown_timeout_s: float,
 ) -> None:
-    stop = asyncio.Event()
+    stop = stop_requested()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     raise_fd_limit()
     source = str(gateway.config_path or "--replica")
     if port:  # known before binding: refuse a config that lists this gateway itself

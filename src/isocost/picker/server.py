@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 from collections.abc import Callable
 
 import grpc
@@ -21,6 +20,7 @@ from grpc_health.v1._async import HealthServicer
 
 from isocost.core.errors import IsocostError
 from isocost.picker.extproc import Brain, Processor
+from isocost.serving import run_serving, stop_requested
 
 __all__ = ["DEFAULT_PORT", "run_picker"]
 
@@ -45,14 +45,7 @@ def run_picker(
     shutdown_timeout_s: float = 10.0,
 ) -> None:
     """Serve until SIGINT/SIGTERM."""
-    try:
-        import uvloop
-
-        loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
-    except ImportError:  # pragma: no cover - uvloop is not available on Windows
-        loop_factory = None
-    with asyncio.Runner(loop_factory=loop_factory) as runner:
-        runner.run(_serve(brain, host, port, on_ready, shutdown_timeout_s))
+    run_serving(_serve(brain, host, port, on_ready, shutdown_timeout_s))
 
 
 async def _serve(
@@ -62,10 +55,7 @@ async def _serve(
     on_ready: Callable[[str], None],
     shutdown_timeout_s: float,
 ) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_requested()
     server = grpc.aio.server(options=_SERVER_OPTIONS)
     ext_proc_grpc.add_ExternalProcessorServicer_to_server(Processor(brain), server)
     health = HealthServicer()
