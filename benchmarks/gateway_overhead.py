@@ -52,11 +52,11 @@ from rich.progress import Progress
 from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
-ISOCOST = str(ROOT / ".venv" / "bin" / "isocost")
 MODEL = "llama-3.1-8b"
 PEERS_VENV = ROOT / ".venv-peers"
 PEER_PACKAGES = ("sglang-router==0.3.2", "vllm-router==0.1.17")
-sys.path.insert(0, str(ROOT / "tests" / "support"))  # the suites' Envoy, rewired
+sys.path.insert(0, str(ROOT / "tests" / "support"))  # the suites' processes and Envoy
+from isocost_procs import NotReady, spawn_ready  # noqa: E402
 
 
 def _free_port() -> int:
@@ -107,14 +107,11 @@ def _start_peer(name: str, engine_url: str) -> tuple[subprocess.Popen[str], str]
 
 
 def _start(args: list[str], marker: str) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen(
-        [ISOCOST, *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-    )
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if marker in line and " ready at " in line:
-            return proc, line.rsplit(" ready at ", 1)[1].strip()
-    raise SystemExit(f"isocost {args[0]} exited before it was ready")
+    try:
+        proc, (url,) = spawn_ready(args, marker, stderr=subprocess.DEVNULL)
+    except NotReady as exc:
+        raise SystemExit(f"isocost {args[0]} did not become ready ({exc})") from None
+    return proc, url
 
 
 def _start_envoy_rows(

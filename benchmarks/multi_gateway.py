@@ -37,6 +37,7 @@ import shutil
 import socket
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -48,7 +49,9 @@ from rich.console import Console
 from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
-ISOCOST = str(ROOT / ".venv" / "bin" / "isocost")
+sys.path.insert(0, str(ROOT / "tests" / "support"))  # the suites' processes
+from isocost_procs import ISOCOST, NotReady, spawn_ready  # noqa: E402
+
 MODEL = "llama-3.1-8b"
 SCENARIOS = (("one", 1, False), ("unshared", 3, False), ("shared", 3, True))
 GROUPS = 8  # shared-prefix groups: system prompts that requests of a group share
@@ -83,17 +86,10 @@ def _start_redis(work_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
 
 
 def _start(args: list[str], marker: str, count: int = 1) -> tuple[subprocess.Popen[str], list[str]]:
-    proc = subprocess.Popen(
-        [ISOCOST, *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-    )
-    assert proc.stdout is not None
-    urls: list[str] = []
-    for line in proc.stdout:
-        if marker in line and " ready at " in line:
-            urls.append(line.rsplit(" ready at ", 1)[1].strip())
-            if len(urls) == count:
-                return proc, urls
-    raise SystemExit(f"isocost {args[0]} exited before it was ready")
+    try:
+        return spawn_ready(args, marker, count, stderr=subprocess.DEVNULL)
+    except NotReady as exc:
+        raise SystemExit(f"isocost {args[0]} did not become ready ({exc})") from None
 
 
 def _gateway_yaml(engines: list[str], bus_url: str | None) -> str:

@@ -39,7 +39,9 @@ from isocost.runtime.discovery.records import Registration
 from isocost.runtime.etcd import EtcdClient
 
 ROOT = Path(__file__).resolve().parents[2]
-ISOCOST = str(ROOT / ".venv" / "bin" / "isocost")
+sys.path.insert(0, str(ROOT / "tests" / "support"))  # the suites' processes
+from isocost_procs import NotReady, spawn_ready  # noqa: E402
+
 MODEL = "llama-3.1-8b"
 CHURN_MODEL = "churn"
 PREFIX = "/isocost-bench"
@@ -66,17 +68,10 @@ def _start_etcd(data_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
 
 
 def _start(args: list[str], marker: str, count: int = 1) -> tuple[subprocess.Popen[str], list[str]]:
-    proc = subprocess.Popen(
-        [ISOCOST, *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-    )
-    assert proc.stdout is not None
-    urls: list[str] = []
-    for line in proc.stdout:
-        if marker in line and " ready at " in line:
-            urls.append(line.rsplit(" ready at ", 1)[1].strip())
-            if len(urls) == count:
-                return proc, urls
-    raise SystemExit(f"isocost {args[0]} exited before it was ready")
+    try:
+        return spawn_ready(args, marker, count, stderr=subprocess.DEVNULL)
+    except NotReady as exc:
+        raise SystemExit(f"isocost {args[0]} did not become ready ({exc})") from None
 
 
 def _body(max_tokens: int) -> bytes:

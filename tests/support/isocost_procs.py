@@ -42,21 +42,30 @@ class Proc:
             self.popen.stdout.close()
 
 
-def start_isocost(
-    args: list[str], marker: str = "", stderr: Any = None, timeout_s: float = 60
-) -> Proc:
-    """Start ``isocost *args`` and wait for its ``<marker> ... ready at URL`` line."""
+def spawn_ready(
+    args: list[str], marker: str = "", count: int = 1, stderr: Any = None, timeout_s: float = 60
+) -> tuple[subprocess.Popen[str], list[str]]:
+    """Start ``isocost *args``; the process and the URLs of its first ``count`` ready lines.
+    NotReady, the process killed, when it exits or ``timeout_s`` passes first."""
     popen = subprocess.Popen(
         [ISOCOST, *args], stdout=subprocess.PIPE, stderr=stderr, text=True, bufsize=1
     )
     try:
-        (url,) = ready_urls(popen, marker, timeout_s=timeout_s)
+        return popen, ready_urls(popen, marker, count, timeout_s)
     except NotReady:
         popen.kill()
         popen.wait()
-        raise AssertionError(
-            f"isocost {args[0]} did not become ready (exit {popen.returncode})"
-        ) from None
+        raise
+
+
+def start_isocost(
+    args: list[str], marker: str = "", stderr: Any = None, timeout_s: float = 60
+) -> Proc:
+    """Start ``isocost *args`` and wait for its ``<marker> ... ready at URL`` line."""
+    try:
+        popen, (url,) = spawn_ready(args, marker, 1, stderr, timeout_s)
+    except NotReady as exc:
+        raise AssertionError(f"isocost {args[0]} did not become ready ({exc})") from None
     return Proc(popen, url)
 
 
