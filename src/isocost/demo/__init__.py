@@ -8,7 +8,7 @@ and drives them with the load generator (``isocost.bench``), so it sits above bo
 from isocost.demo._cluster import DEFAULT_LAYOUT, DemoReplica
 from isocost.demo._discovery import DiscoveryDemoOptions, run_discovery_demo
 from isocost.demo._main import DEFAULT_POLICIES, DemoInterrupted, DemoOptions, run_demo
-from isocost.demo._processes import DemoError
+from isocost.demo._processes import DemoError, Service, Services, free_port
 
 __all__ = [
     "DEFAULT_LAYOUT",
@@ -18,6 +18,9 @@ __all__ = [
     "DemoOptions",
     "DemoReplica",
     "DiscoveryDemoOptions",
+    "Service",
+    "Services",
+    "free_port",
     "run_demo",
     "run_discovery_demo",
 ]
