@@ -122,9 +122,11 @@ class CommandActuator:
             raise ActuatorError(f"cannot run {self.argv[0]}: {exc.strerror}") from None
         try:
             output, _ = await asyncio.wait_for(process.communicate(), self.timeout_s)
-        except TimeoutError:
+        except (TimeoutError, asyncio.CancelledError) as exc:
             process.kill()
             await process.wait()
+            if isinstance(exc, asyncio.CancelledError):
+                raise
             raise ActuatorError(
                 f"{self.argv[0]} {desired}: no exit in {self.timeout_s:g} s"
             ) from None

@@ -51,7 +51,7 @@ def autoscale(
     ),
     log_level: str = typer.Option("info", "--log-level", help="debug|info|warning|error"),
 ) -> None:
-    """Scale a gateway's replicas ahead of demand; scale-in drains first."""
+    """Scale replicas ahead of demand; drain on scale-in."""
     import asyncio
     import signal
     import time

@@ -215,6 +215,29 @@ def test_the_command_gets_the_desired_count_and_a_failure_says_how(tmp_path: Pat
     assert record.read_text() == f"2 2 {GPU}\n3 3 {GPU}\n"
 
 
+def test_a_failing_scale_command_is_retried_reported_and_forgotten(tmp_path: Path) -> None:
+    script = tmp_path / "scale.sh"
+    script.write_text("#!/bin/sh\necho 'API refused'; exit 1\n")
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+
+    async def scenario() -> None:
+        clock, gateway = Clock(), FakeGateway(["r0"])
+        loop = make_loop(gateway, FakeActuator(gateway), clock)
+        loop.actuator = CommandActuator(str(script))
+        await _ticks(loop, gateway, clock, rps=0, n=1)
+        await _ticks(loop, gateway, clock, rps=10, n=1)
+        await loop.settle()
+        failures = loop.metrics.registry.get_sample_value(
+            "isocost_autoscale_failures_total", {"action": "start"}
+        )
+        assert failures == 2 * 3  # two starts, three attempts each
+        tick = await loop.tick()
+        assert tick.count("pending") == 0 and tick.decision.start == {GPU: 2}  # asks again
+        await loop.settle()
+
+    asyncio.run(scenario())
+
+
 @pytest.fixture
 def kube(tmp_path: Path) -> Iterator[tuple[KubeApi, Path]]:
     api = KubeApi()
