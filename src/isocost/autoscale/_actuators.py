@@ -72,10 +72,8 @@ class LocalActuator:
         self.ready_timeout_s = ready_timeout_s
         self.services = Services(log_dir, grace_s=10.0)
         self.running: dict[str, Service] = {}
-        self._serial = 0
 
     async def start(self, gpu: str, desired: int) -> None:
-        self._serial += 1
         port = free_port(_HOST)
         name = f"autoscale-{gpu}-{port}"
         args = ["engine", "--host", _HOST, "--port", str(port), "--model", self.model]

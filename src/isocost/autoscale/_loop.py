@@ -5,7 +5,8 @@ Every ``interval_s`` one ``tick``:
 1. reads ``/admin/snapshot`` (replicas, their GPU type, state and in-flight requests, the
    gateway's queue) and ``/metrics`` (``isocost_requests_total``: its growth is the
    interval's arrivals, its status-200 growth per replica the completions per GPU type);
-   replicas on a GPU type no pool names are not the autoscaler's and are left alone;
+   replicas on a GPU type no pool names are not the autoscaler's and are left alone, and
+   one being stopped is already gone (it must not be undrained half-way through);
 2. turns them into a ``control.Observation`` (a drained or removing replica, or one this
    loop is draining, is ``draining``; a start not yet seen in the gateway is ``pending``,
    and the first new replica of its GPU type that appears resolves it: that wait is the
@@ -153,6 +154,7 @@ class AutoscaleLoop:
         self._pending: deque[_Pending] = deque()
         self._first_seen: dict[str, float] = {}
         self._draining: dict[str, asyncio.Task[None]] = {}
+        self._stopping: set[str] = set()  # drained and idle: leaving, not to be undrained
         self._answered: dict[str, tuple[int, int]] | None = None
         self._last_s: float | None = None
         self._gpu_hours = 0.0
@@ -165,7 +167,11 @@ class AutoscaleLoop:
         now = self.clock()
         snapshot = await self.gateway.snapshot()
         answered = answered_by_replica(await self.gateway.metrics())
-        rows = [row for row in snapshot["replicas"] if row.get("gpu") in self.offers]
+        rows = [
+            row
+            for row in snapshot["replicas"]
+            if row.get("gpu") in self.offers and row["name"] not in self._stopping
+        ]
         for row in rows:
             if row["name"] not in self._first_seen:
                 self._first_seen[row["name"]] = now
@@ -189,7 +195,7 @@ class AutoscaleLoop:
         completions: dict[str, int] = {}
         for name, (_, ok) in answered.items():
             if name in gpu_of:
-                gained = ok - previous.get(name, (0, 0))[1]
+                gained = max(0, ok - previous.get(name, (0, 0))[1])  # 0 after a restart
                 completions[gpu_of[name]] = completions.get(gpu_of[name], 0) + gained
         arrivals = sum(t for t, _ in answered.values()) - sum(t for t, _ in previous.values())
         queued = sum(int(pool["queue_depth"]) for pool in snapshot["pools"]) + sum(
@@ -320,6 +326,7 @@ class AutoscaleLoop:
             deadline = self.clock() + self.config.drain_deadline_s
             while self.clock() < deadline and await self._in_flight(name) > 0:
                 await self.sleep(self.poll_s)
+            self._stopping.add(name)
             try:
                 await self._attempt("stop", lambda: self.actuator.stop(name, gpu, desired))
             except _FAILURES:
@@ -331,6 +338,7 @@ class AutoscaleLoop:
             pass  # reported by each attempt; the next decision sees the fleet as it is
         finally:
             self._draining.pop(name, None)
+            self._stopping.discard(name)
 
     async def _in_flight(self, name: str) -> int:
         rows: list[Mapping[str, Any]] = (await self.gateway.snapshot())["replicas"]
