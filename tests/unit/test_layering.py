@@ -59,7 +59,7 @@ ALLOWED: dict[str, set[str]] = {
     },
     "drill": {"core", "workload", "files", "bench"},
     # control's decisions on a live fleet; the local actuator runs engines as the demo does.
-    "autoscale": {"core", "control", "runtime", "demo"},
+    "autoscale": {"core", "control", "runtime"},
     "agent": {"core", "files", "openai", "runtime"},
     "cli": {
         "core",

@@ -2,7 +2,7 @@
 
 * ``LocalActuator``: one ``isocost engine`` process per replica on a free 127.0.0.1 port,
   added to the gateway once it answers, stopped (process group) after the gateway
-  drained it. The demo's ``Services`` owns the processes.
+  drained it. ``runtime.processes.Services`` owns the processes.
 * ``CommandActuator``: ``--scale-command`` run with the desired count of the GPU type as
   its last argument and in ``ISOCOST_DESIRED_REPLICAS`` (``ISOCOST_GPU`` names the type);
   the platform starts and stops replicas and they join the gateway through discovery.
@@ -26,7 +26,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from isocost.autoscale._admin import AdminClient
 from isocost.core.errors import IsocostError
-from isocost.demo import DemoError, Service, Services, free_port
+from isocost.runtime.processes import Service, ServiceError, Services, free_port
 
 __all__ = [
     "Actuator",
@@ -81,7 +81,7 @@ class LocalActuator:
         try:
             (url,) = await asyncio.to_thread(service.wait_ready, 1, self.ready_timeout_s)
             await self.admin.add(self.model, {"url": url, "name": name, "gpu": gpu})
-        except (DemoError, IsocostError) as exc:
+        except (ServiceError, IsocostError) as exc:
             self.services.stop(service)
             raise ActuatorError(f"engine {name} did not start: {exc}") from None
         except asyncio.CancelledError:
