@@ -73,7 +73,7 @@ lint: venv
 	$(BIN)/mypy
 
 test: lint browser etcd envoy redis
-	$(BIN)/python -m pytest -q -m "not real_vllm and not soak" tests
+	$(BIN)/python -m pytest -q --durations=25 -m "not real_vllm and not soak" tests
 	@if [ -d $(TINY_MODEL) ]; then $(MAKE) --no-print-directory test-real; \
 	else echo "make test: skipping the real-vLLM suite ($(TINY_MODEL) not found)"; fi
 

@@ -21,7 +21,7 @@ import pytest
 from playwright.sync_api import BrowserContext, Page, sync_playwright
 
 from isocost.demo._cluster import ClusterSettings, DemoReplica, start_cluster
-from isocost.demo._processes import Services
+from isocost.runtime.processes import Services
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "test-artifacts"

@@ -1,4 +1,4 @@
-"""A small Kubernetes API server for EndpointSlices: list and watch, as the real one speaks.
+"""A small Kubernetes API server: EndpointSlices (list, watch) and Deployments' scale.
 
 No kube-apiserver can run here, so the Kubernetes provider is tested against this: the
 ``discovery.k8s.io/v1`` EndpointSlice collection of a namespace, with ``labelSelector``
@@ -6,8 +6,10 @@ No kube-apiserver can run here, so the Kubernetes provider is tested against thi
 history after the requested version, then stream changes, ``BOOKMARK`` events carrying the
 current version (``allowWatchBookmarks``), an end after ``timeoutSeconds``, and the
 ``410 Gone`` ``Status`` event (reason ``Expired``) for a version older than the kept
-history. It runs in a thread with its own event loop; the test changes its state through
-the thread-safe methods and reads what clients asked (``lists``, ``watches``).
+history. The ``autoscaling/v1`` ``scale`` subresource of Deployments (GET and merge or
+strategic-merge PATCH, ``Status`` failures) serves the autoscaler's actuator. It runs in a
+thread with its own event loop; the test changes its state through the thread-safe methods
+and reads what clients asked (``lists``, ``watches``, ``scale_patches``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from typing import Any
 from aiohttp import web
 
 _PATH = "/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices"
+_SCALE_PATH = "/apis/apps/v1/namespaces/{namespace}/deployments/{name}/scale"
+_MERGE_PATCHES = {"application/merge-patch+json", "application/strategic-merge-patch+json"}
 
 
 @dataclass
@@ -42,6 +46,11 @@ class KubeApi:
     watches: list[dict[str, str]] = field(default_factory=list)  # query of each watch
     bookmarks_sent: list[int] = field(default_factory=list)
     authorization: set[str] = field(default_factory=set)
+    # Deployments' scale subresource: (namespace, name) -> spec.replicas; the patches asked
+    # (name, content type, body); ``refuse_scale`` patches answered 409 Conflict first.
+    deployments: dict[tuple[str, str], int] = field(default_factory=dict)
+    scale_patches: list[tuple[str, str, Any]] = field(default_factory=list)
+    refuse_scale: int = 0
 
     def __post_init__(self) -> None:
         self._loop = asyncio.new_event_loop()
@@ -128,6 +137,8 @@ class KubeApi:
     async def _serve(self) -> None:
         app = web.Application()
         app.router.add_get(_PATH, self._collection)
+        app.router.add_get(_SCALE_PATH, self._scale)
+        app.router.add_patch(_SCALE_PATH, self._scale)
         self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self.port)
@@ -179,6 +190,38 @@ class KubeApi:
     def _notify(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
+
+    async def _scale(self, request: web.Request) -> web.StreamResponse:
+        """``autoscaling/v1`` ``Scale`` of a Deployment, read or merge-patched."""
+        self.authorization.add(request.headers.get("Authorization", ""))
+        namespace, name = request.match_info["namespace"], request.match_info["name"]
+        key = (namespace, name)
+        if key not in self.deployments:
+            return _status(404, "NotFound", f'deployments.apps "{name}" not found')
+        if request.method == "PATCH":
+            body = await request.json()
+            self.scale_patches.append((name, request.content_type, body))
+            if request.content_type not in _MERGE_PATCHES:
+                return _status(415, "UnsupportedMediaType", request.content_type)
+            if self.refuse_scale > 0:
+                self.refuse_scale -= 1
+                return _status(409, "Conflict", "the object has been modified")
+            self.deployments[key] = int(body["spec"]["replicas"])
+            self.version += 1
+        replicas = self.deployments[key]
+        return web.json_response(
+            {
+                "kind": "Scale",
+                "apiVersion": "autoscaling/v1",
+                "metadata": {
+                    "name": name,
+                    "namespace": namespace,
+                    "resourceVersion": str(self.version),
+                },
+                "spec": {"replicas": replicas},
+                "status": {"replicas": replicas, "selector": f"app={name}"},
+            }
+        )
 
     async def _collection(self, request: web.Request) -> web.StreamResponse:
         self.authorization.add(request.headers.get("Authorization", ""))
@@ -251,6 +294,20 @@ class KubeApi:
                     )
                     since = max(since, self.version)
         return response
+
+
+def _status(code: int, reason: str, message: str) -> web.Response:
+    """A ``Status`` failure, as the API server answers one."""
+    body = {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "code": code,
+    }
+    return web.json_response(body, status=code)
 
 
 def _selector(text: str) -> dict[str, str]:

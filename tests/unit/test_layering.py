@@ -1,6 +1,6 @@
 """The import-layer rule of DESIGN §2, enforced by reading every module's imports.
 
-Imports point down only: cli -> gateway | agent | sim | bench | engine -> runtime ->
+Imports point down only: cli -> gateway | agent | autoscale | sim | bench | engine -> runtime ->
 files -> scheduling | control -> prefix | workload | openai -> core; ``tables`` (Rich layouts that
 fit the terminal) sits under sim, bench, demo and cli and imports nothing of isocost.
 gateway, sim and bench never import each other: what two of them share moves down (the
@@ -68,6 +68,8 @@ ALLOWED: dict[str, set[str]] = {
         "tables",
     },
     "drill": {"core", "workload", "files", "bench"},
+    # control's decisions on a live fleet; the local actuator runs engines as the demo does.
+    "autoscale": {"core", "control", "runtime"},
     "agent": {"core", "files", "openai", "runtime"},
     "cli": {
         "core",
@@ -86,6 +88,7 @@ ALLOWED: dict[str, set[str]] = {
         "drill",
         "agent",
         "serving",
+        "autoscale",
     },
 }
 PURE = {"core", "prefix", "workload", "scheduling", "control"}

@@ -168,7 +168,7 @@ def test_isocost_policies_fits(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize(
     "command", [[], ["engine"], ["serve"], ["picker"], ["agent"], ["plan"], ["policies"], ["demo"],
-                ["drill"], ["sim"], ["bench"], ["bench", "compare"]],
+                ["drill"], ["sim"], ["autoscale"], ["bench"], ["bench", "compare"]],
     ids=" ".join,
 )  # fmt: skip
 def test_help_fits_80_columns(command: list[str]) -> None:

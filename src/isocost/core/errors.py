@@ -9,7 +9,9 @@
     ├── DoesNotFitError        a model that cannot be placed on the requested hardware
     ├── EndpointError          bench: the endpoint under test cannot be reached or misbehaves
     ├── DrillError             drill: a fault drill that cannot run as asked
-    └── DemoError              demo: a local cluster process that does not come up
+    ├── GatewayError           autoscale: the gateway's admin API refused or is unreachable
+    ├── ActuatorError          autoscale: a replica could not be started or stopped
+    └── ServiceError           runtime: a local child process that does not come up
 
 The subclasses outside ``core`` live with the layer that raises them; this tree is kept in
 step with them by a test (tests/unit/test_errors.py).

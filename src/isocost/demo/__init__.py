@@ -8,12 +8,10 @@ and drives them with the load generator (``isocost.bench``), so it sits above bo
 from isocost.demo._cluster import DEFAULT_LAYOUT, DemoReplica
 from isocost.demo._discovery import DiscoveryDemoOptions, run_discovery_demo
 from isocost.demo._main import DEFAULT_POLICIES, DemoInterrupted, DemoOptions, run_demo
-from isocost.demo._processes import DemoError
 
 __all__ = [
     "DEFAULT_LAYOUT",
     "DEFAULT_POLICIES",
-    "DemoError",
     "DemoInterrupted",
     "DemoOptions",
     "DemoReplica",

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import msgspec
 
-from isocost.demo._processes import DemoError, Service, Services
 from isocost.runtime.config import (
     AuthConfig,
     GatewayConfig,
@@ -25,6 +24,7 @@ from isocost.runtime.config import (
     PoolConfig,
     ReplicaConfig,
 )
+from isocost.runtime.processes import Service, ServiceError, Services
 
 __all__ = [
     "ADMIN_TOKEN_ENV",
@@ -155,7 +155,7 @@ def _wait_routable(url: str, num_replicas: int, gateway: Service) -> None:
     routable = 0
     while time.monotonic() < deadline:
         if gateway.popen.poll() is not None:
-            raise DemoError(f"the gateway exited; its log ends with:\n{gateway.log_tail()}")
+            raise ServiceError(f"the gateway exited; its log ends with:\n{gateway.log_tail()}")
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as response:
                 routable = int(json.loads(response.read())["routable_replicas"])
@@ -164,4 +164,4 @@ def _wait_routable(url: str, num_replicas: int, gateway: Service) -> None:
         if routable >= num_replicas:
             return
         time.sleep(0.1)
-    raise DemoError(f"the gateway routes to {routable} of {num_replicas} replicas after waiting")
+    raise ServiceError(f"the gateway routes to {routable} of {num_replicas} replicas after waiting")

@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from isocost.bench import BenchOptions, BenchResult, WorkloadSpec, build_workload, run_bench
-from isocost.demo._processes import DemoError, Service, Services, free_port
+from isocost.runtime.processes import Service, ServiceError, Services, free_port
 from isocost.workload import SyntheticSpec
 
 __all__ = ["DiscoveryDemoOptions", "run_discovery_demo"]
@@ -50,7 +50,7 @@ class DiscoveryDemoOptions:
 def _start_etcd(services: Services, data_dir: Path) -> tuple[Service, str]:
     binary = shutil.which("etcd")
     if binary is None:
-        raise DemoError("the discovery demo needs etcd: apt-get install etcd-server")
+        raise ServiceError("the discovery demo needs etcd: apt-get install etcd-server")
     client = f"http://{_HOST}:{free_port(_HOST)}"
     peer = f"http://{_HOST}:{free_port(_HOST)}"
     args = ["--data-dir", str(data_dir), "--listen-client-urls", client]
@@ -60,7 +60,7 @@ def _start_etcd(services: Services, data_dir: Path) -> tuple[Service, str]:
     deadline = time.monotonic() + _START_TIMEOUT_S
     while time.monotonic() < deadline:
         if service.popen.poll() is not None:
-            raise DemoError(f"etcd exited; its log ends with:\n{service.log_tail()}")
+            raise ServiceError(f"etcd exited; its log ends with:\n{service.log_tail()}")
         try:
             with urllib.request.urlopen(client + "/health", timeout=2) as response:
                 if json.loads(response.read()).get("health") == "true":
@@ -68,7 +68,7 @@ def _start_etcd(services: Services, data_dir: Path) -> tuple[Service, str]:
         except (urllib.error.URLError, OSError, ValueError):
             pass
         time.sleep(0.1)
-    raise DemoError("etcd did not answer /health in time")
+    raise ServiceError("etcd did not answer /health in time")
 
 
 def _routable(url: str) -> int:
@@ -83,7 +83,7 @@ def _wait(check: Callable[[], bool], what: str) -> None:
     deadline = time.monotonic() + _START_TIMEOUT_S
     while not check():
         if time.monotonic() > deadline:
-            raise DemoError(f"timed out waiting for {what}")
+            raise ServiceError(f"timed out waiting for {what}")
         time.sleep(0.05)
 
 

@@ -50,8 +50,8 @@ from isocost.demo._cluster import (
     start_cluster,
 )
 from isocost.demo._live import LiveState, poll_snapshot, render
-from isocost.demo._processes import Services, free_port
 from isocost.demo._report import headline, replica_table, write_report
+from isocost.runtime.processes import Services, free_port
 from isocost.scheduling.policies import BUILTIN_POLICIES
 from isocost.workload import SyntheticSpec, TraceFormat
 

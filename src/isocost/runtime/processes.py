@@ -1,9 +1,10 @@
-"""Child processes of the demo: started in their own process group, stopped as a group.
+"""Local child processes (the demo's cluster, the autoscaler's engines): each started in its
+own process group and stopped as a group.
 
 Each service is an ``isocost`` subcommand whose stdout and stderr go to a log file (a pipe
 nobody reads would fill up and block it); readiness is its ``... ready at URL`` lines in
 that file. A service runs in a new session, so a Ctrl-C in the terminal reaches only the
-demo, which then stops its children in order: SIGTERM to the whole group, SIGKILL to the
+parent, which then stops its children in order: SIGTERM to the whole group, SIGKILL to the
 group if it has not exited within the grace period. ``Services`` remembers everything
 started and stops it all, newest first, from a ``finally``.
 """
@@ -23,14 +24,14 @@ from pathlib import Path
 
 from isocost.core.errors import IsocostError
 
-__all__ = ["DemoError", "Service", "Services", "free_port", "isocost_command"]
+__all__ = ["Service", "ServiceError", "Services", "free_port", "isocost_command"]
 
 _READY = " ready at "
 _POLL_S = 0.05
 
 
-class DemoError(IsocostError):
-    """The demo cannot go on: a service failed to start or the cluster never became ready."""
+class ServiceError(IsocostError):
+    """A local service failed to start, exited, or never became ready."""
 
 
 def free_port(host: str) -> int:
@@ -46,7 +47,7 @@ def isocost_command() -> list[str]:
         return [str(beside)]
     found = shutil.which("isocost")
     if found is None:
-        raise DemoError("cannot find the isocost command next to Python or on PATH")
+        raise ServiceError("cannot find the isocost command next to Python or on PATH")
     return [found]
 
 
@@ -67,7 +68,7 @@ class Service:
         return "\n".join(lines[-num_lines:])
 
     def wait_ready(self, num_urls: int, timeout_s: float) -> list[str]:
-        """Block until the log shows ``num_urls`` ready lines; DemoError if it exits first."""
+        """Block until the log shows ``num_urls`` ready lines; ServiceError if it exits first."""
         deadline = time.monotonic() + timeout_s
         while True:
             text = self.log_path.read_text(errors="replace")
@@ -77,12 +78,12 @@ class Service:
             if len(self.urls) >= num_urls:
                 return self.urls[:num_urls]
             if self.popen.poll() is not None:
-                raise DemoError(
+                raise ServiceError(
                     f"{self.name} exited with code {self.popen.returncode} before it was ready; "
                     f"its log ({self.log_path}) ends with:\n{self.log_tail()}"
                 )
             if time.monotonic() >= deadline:
-                raise DemoError(f"{self.name} was not ready after {timeout_s:.0f} s")
+                raise ServiceError(f"{self.name} was not ready after {timeout_s:.0f} s")
             time.sleep(_POLL_S)
 
     def stop(self, grace_s: float) -> None:

@@ -1,0 +1,29 @@
+"""``isocost autoscale``: ``control``'s decisions applied to a live gateway's fleet.
+
+``_admin`` reads the gateway (admin API and ``/metrics``) and drains through it;
+``_actuators`` start and stop replicas (local engine processes, a command hook, a
+Kubernetes Deployment's scale); ``_loop`` ties them to the unchanged ``control.Autoscaler``.
+"""
+
+from isocost.autoscale._actuators import (
+    Actuator,
+    ActuatorError,
+    CommandActuator,
+    KubernetesActuator,
+    LocalActuator,
+)
+from isocost.autoscale._admin import AdminClient, GatewayError
+from isocost.autoscale._loop import AutoscaleLoop, LoopMetrics, Tick
+
+__all__ = [
+    "Actuator",
+    "ActuatorError",
+    "AdminClient",
+    "AutoscaleLoop",
+    "CommandActuator",
+    "GatewayError",
+    "KubernetesActuator",
+    "LocalActuator",
+    "LoopMetrics",
+    "Tick",
+]

@@ -1,0 +1,167 @@
+"""``isocost autoscale``: control/'s decisions applied to a live gateway's fleet."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import typer
+
+from isocost.cli._app import app, console, fail
+
+_LIVE_ACTUATORS = ("local", "command", "kubernetes")
+
+
+@app.command()
+def autoscale(
+    gateway: str = typer.Option(..., "--gateway", help="The gateway's URL."),
+    config_path: Path = typer.Option(..., "--config", help="Autoscale YAML (as sim --autoscale)."),
+    actuator_name: str | None = typer.Option(
+        None, "--actuator", help="local|command|kubernetes (default: the config's)."
+    ),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print decisions, change nothing."),
+    admin_token_env: str = typer.Option(
+        "ISOCOST_ADMIN_TOKEN", "--admin-token-env", help="Env var holding the admin token."
+    ),
+    capacity_rps: float = typer.Option(
+        2.0, "--capacity-rps", help="Requests/s one replica sustains (isocost plan's figure)."
+    ),
+    model: str | None = typer.Option(
+        None, "--model", help="local: the pool to grow (default: the gateway's only one)."
+    ),
+    engine_arg: list[str] = typer.Option(
+        [], "--engine-arg", help="local: one more `isocost engine` argument (repeatable)."
+    ),
+    log_dir: Path = typer.Option(
+        Path("autoscale-logs"), "--log-dir", help="local: the engines' log files."
+    ),
+    scale_command: str | None = typer.Option(
+        None, "--scale-command", help="command: run with the desired count appended."
+    ),
+    deployment: str | None = typer.Option(
+        None, "--deployment", help="kubernetes: the Deployment (-<gpu> with several pools)."
+    ),
+    namespace: str = typer.Option("default", "--namespace", help="kubernetes: its namespace."),
+    kubeconfig: str | None = typer.Option(
+        None, "--kubeconfig", help="kubernetes: kubeconfig file (default: in-cluster)."
+    ),
+    metrics_port: int | None = typer.Option(
+        None, "--metrics-port", help="Serve the autoscaler's Prometheus metrics here."
+    ),
+    log_level: str = typer.Option("info", "--log-level", help="debug|info|warning|error"),
+) -> None:
+    """Scale replicas ahead of demand; drain on scale-in."""
+    import time
+
+    import aiohttp
+    from prometheus_client import start_http_server
+
+    from isocost.autoscale import (
+        Actuator,
+        AdminClient,
+        AutoscaleLoop,
+        CommandActuator,
+        KubernetesActuator,
+        LocalActuator,
+        LoopMetrics,
+        Tick,
+    )
+    from isocost.control import Autoscaler, PoolOffer
+    from isocost.core.catalog import Catalog
+    from isocost.runtime.logs import configure_logging
+    from isocost.serving import run_serving, stop_requested
+    from isocost.sim import parse_autoscale_yaml
+
+    try:
+        text = config_path.read_text()
+    except OSError as exc:
+        fail(f"--config {config_path}: {exc.strerror}")
+    config = parse_autoscale_yaml(text, str(config_path))
+    name = actuator_name or config.actuator
+    token = os.environ.get(admin_token_env)
+    checks = [
+        (name in _LIVE_ACTUATORS, f"--actuator {name}: valid: {', '.join(_LIVE_ACTUATORS)}"),
+        (name != "command" or bool(scale_command), "--actuator command needs --scale-command"),
+        (name != "kubernetes" or bool(deployment), "--actuator kubernetes needs --deployment"),
+        (capacity_rps > 0, "--capacity-rps must be > 0"),
+        (bool(token), f"--admin-token-env: environment variable {admin_token_env} unset"),
+        (metrics_port is None or 0 < metrics_port < 65536, "--metrics-port: 1..65535"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            fail(message)
+    catalog = Catalog.builtin()
+    offers = [
+        PoolOffer(p.gpu, 1, catalog.gpu(p.gpu).usd_per_hour, capacity_rps) for p in config.pools
+    ]
+    configure_logging(log_level)
+    metrics = LoopMetrics()
+    if metrics_port is not None:
+        start_http_server(metrics_port, "127.0.0.1", registry=metrics.registry)
+
+    async def pool_model(admin: AdminClient) -> str:
+        if model is not None:
+            return model
+        pools = [pool["model"] for pool in (await admin.snapshot())["pools"]]
+        if len(pools) != 1:
+            fail(f"--model: the gateway serves {len(pools)} pools; name one")
+        return str(pools[0])
+
+    async def make_actuator(admin: AdminClient) -> Actuator:
+        if name == "local":
+            return LocalActuator(admin, await pool_model(admin), log_dir, engine_arg)
+        if name == "command":
+            assert scale_command is not None
+            return CommandActuator(scale_command)
+        assert deployment is not None
+        gpus = [p.gpu for p in config.pools]
+        names = {g: deployment if len(gpus) == 1 else f"{deployment}-{g}" for g in gpus}
+        return KubernetesActuator(names, namespace, kubeconfig)
+
+    async def main() -> None:
+        stop = stop_requested()
+        assert token is not None
+        timeout = aiohttp.ClientTimeout(total=10)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            admin = AdminClient(session, gateway, token)
+            actuator = await make_actuator(admin)
+            runner = AutoscaleLoop(
+                Autoscaler(config, offers),
+                config,
+                offers,
+                admin,
+                actuator,
+                clock=time.time,
+                metrics=metrics,
+                dry_run=dry_run,
+            )
+            shown = 0
+
+            def show(tick: Tick) -> None:
+                nonlocal shown
+                for gpu, lead in runner.leads[shown:]:
+                    console.print(
+                        f"lead: a {gpu} replica was routable {lead:.2f} s after its start"
+                    )
+                shown = len(runner.leads)
+                d = tick.decision
+                actions = [f"start {n} {g}" for g, n in d.start.items()]
+                actions += [f"undrain {r}" for r in d.undrain] + [f"drain {r}" for r in d.drain]
+                console.print(
+                    f"{'dry-run ' if dry_run else ''}{d.reason}: desired"
+                    f" {sum(d.targets.values())} ready {tick.count('ready')}"
+                    f" pending {tick.count('pending')} draining {tick.count('draining')}"
+                    f" forecast {d.forecast_rps:.2f} rps ${tick.usd:.4f}"
+                    + (f" -> {', '.join(actions)}" if actions else ""),
+                    highlight=False,
+                    soft_wrap=True,
+                )
+                sys.stdout.flush()
+
+            try:
+                await runner.run(stop, show)
+            finally:
+                await actuator.close()
+
+    run_serving(main())
