@@ -82,7 +82,7 @@ from isocost.demo._cluster import (
     engine_args,
     gateway_config,
 )
-from isocost.demo._processes import Service, isocost_command
+from isocost.runtime.processes import Service, isocost_command
 from isocost.scheduling.policies import SLO_BASELINES
 from isocost.workload import WorkloadRequest
 
