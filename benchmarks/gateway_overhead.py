@@ -35,7 +35,6 @@ import asyncio
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -56,13 +55,7 @@ MODEL = "llama-3.1-8b"
 PEERS_VENV = ROOT / ".venv-peers"
 PEER_PACKAGES = ("sglang-router==0.3.2", "vllm-router==0.1.17")
 sys.path.insert(0, str(ROOT / "tests" / "support"))  # the suites' processes and Envoy
-from isocost_procs import NotReady, spawn_ready  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from isocost_procs import NotReady, free_port, spawn_ready  # noqa: E402
 
 
 def _peers_venv() -> Path:
@@ -76,11 +69,11 @@ def _peers_venv() -> Path:
 
 def _start_peer(name: str, engine_url: str) -> tuple[subprocess.Popen[str], str]:
     """Start a peer router in front of ``engine_url``; wait until it forwards a request."""
-    port = _free_port()
+    port = free_port()
     common = [
         "--host", "127.0.0.1", "--port", str(port), "--worker-urls", engine_url,
         "--policy", "round_robin", "--prometheus-host", "127.0.0.1",
-        "--prometheus-port", str(_free_port()),
+        "--prometheus-port", str(free_port()),
     ]  # fmt: skip
     binary = _peers_venv() / name
     args = [str(binary), "launch", *common] if name == "sglang-router" else [str(binary), *common]
@@ -129,7 +122,7 @@ def _start_envoy_rows(
         f"policy: {policy}\npools:\n  - model: {MODEL}\n    replicas:\n"
         f"      - {{url: '{engine_url}'}}\n"
     )
-    picker_port = _free_port()
+    picker_port = free_port()
     picker, _ = _start(
         ["picker", "--config", str(config), "--port", str(picker_port), "--log-level",
          "warning"],
@@ -146,8 +139,8 @@ def _start_envoy_rows(
     ):
         envoy = start_envoy(
             envoy_config(
-                listen_port=_free_port(),
-                admin_port=_free_port(),
+                listen_port=free_port(),
+                admin_port=free_port(),
                 picker_port=picker_port,
                 engine_ports=[engine_port],
                 **body_mode,

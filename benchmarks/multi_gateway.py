@@ -50,24 +50,18 @@ from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "support"))  # the suites' processes
-from isocost_procs import ISOCOST, NotReady, spawn_ready  # noqa: E402
+from isocost_procs import ISOCOST, NotReady, free_port, spawn_ready  # noqa: E402
 
 MODEL = "llama-3.1-8b"
 SCENARIOS = (("one", 1, False), ("unshared", 3, False), ("shared", 3, True))
 GROUPS = 8  # shared-prefix groups: system prompts that requests of a group share
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _start_redis(work_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
     binary = shutil.which("redis-server")
     if binary is None:
         raise SystemExit("no redis-server binary: apt-get install redis-server (make redis)")
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(work_dir),
          "--save", "", "--appendonly", "no"],

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import sys
 import tempfile
 import time
@@ -29,15 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "support"))  # the suites' processes and Envoy
 
 from envoy_harness import ENVOY, envoy_config, start_envoy  # noqa: E402
-from isocost_procs import start_isocost  # noqa: E402
+from isocost_procs import free_port, start_isocost  # noqa: E402
 
 MODEL = "llama-3.1-8b"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 async def _stream(session: aiohttp.ClientSession, url: str, max_tokens: int) -> str:
@@ -80,15 +73,15 @@ def main() -> None:
     config.write_text(
         f"pools:\n  - model: {MODEL}\n    replicas:\n      - {{url: '{engine.url}'}}\n"
     )
-    picker_port = _free_port()
+    picker_port = free_port()
     picker = start_isocost(
         ["picker", "--config", str(config), "--port", str(picker_port), "--log-level", "warning"],
         "isocost picker",
     )
     envoy = start_envoy(
         envoy_config(
-            listen_port=_free_port(),
-            admin_port=_free_port(),
+            listen_port=free_port(),
+            admin_port=free_port(),
             picker_port=picker_port,
             engine_ports=[int(engine.url.rsplit(":", 1)[1])],
         ),

@@ -23,7 +23,6 @@ import asyncio
 import json
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,24 +39,18 @@ from isocost.runtime.etcd import EtcdClient
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "support"))  # the suites' processes
-from isocost_procs import NotReady, spawn_ready  # noqa: E402
+from isocost_procs import NotReady, free_port, spawn_ready  # noqa: E402
 
 MODEL = "llama-3.1-8b"
 CHURN_MODEL = "churn"
 PREFIX = "/isocost-bench"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _start_etcd(data_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
     etcd = shutil.which("etcd")
     if etcd is None:
         raise SystemExit("no etcd binary: apt-get install etcd-server (make etcd)")
-    client, peer = f"http://127.0.0.1:{_free_port()}", f"http://127.0.0.1:{_free_port()}"
+    client, peer = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
     proc = subprocess.Popen(
         [etcd, "--data-dir", str(data_dir), "--listen-client-urls", client,
          "--advertise-client-urls", client, "--listen-peer-urls", peer,

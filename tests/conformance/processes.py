@@ -19,7 +19,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import urllib.error
 import urllib.request
@@ -27,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gateway_harness import wait_for
-from isocost_procs import NotReady, ready_urls
+from isocost_procs import NotReady, free_port, ready_urls
 
 __all__ = [
     "ISOCOST",
@@ -72,12 +71,6 @@ def unavailable_reason() -> str | None:
     if not VLLM_PYTHON.exists():
         return f"{VLLM_PYTHON} not found (`make test-real` builds it)"
     return None
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _status(url: str) -> int | None:

@@ -10,7 +10,6 @@ The screenshot lands in ``test-artifacts/dashboard.png``.
 from __future__ import annotations
 
 import re
-import socket
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from isocost_procs import free_port
 from playwright.sync_api import BrowserContext, Page, sync_playwright
 
 from isocost.demo._cluster import ClusterSettings, DemoReplica, start_cluster
@@ -48,12 +48,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @dataclass(frozen=True)
 class Live:
     url: str
@@ -70,7 +64,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
         time_scale=1.0,
         stream_interval=1,
         gateway_host="127.0.0.1",
-        gateway_port=_free_port(),
+        gateway_port=free_port(),
         admin_token=TOKEN,
         seed=0,
     )

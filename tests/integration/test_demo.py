@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from isocost_procs import free_port
 
 from isocost.bench import load_summary
 from isocost.demo._cluster import ClusterSettings, DemoReplica, engine_args, gateway_config
@@ -29,12 +29,6 @@ from isocost.runtime.config import parse_config
 ROOT = Path(__file__).resolve().parents[2]
 ISOCOST = str(ROOT / ".venv" / "bin" / "isocost")
 Proc = tuple[int, int]  # pid, start time in clock ticks since boot
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _stat(pid: int) -> list[str] | None:
@@ -149,7 +143,7 @@ def test_short_demo_runs_end_to_end_and_leaves_nothing_behind(tmp_path: Path) ->
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_mid_run_stops_everything(tmp_path: Path, sig: signal.Signals) -> None:
-    port = _free_port()
+    port = free_port()
     out = tmp_path / "demo"
     popen = _demo(out, "--duration", "120", "--port", str(port))
     metrics = f"http://127.0.0.1:{port}/metrics"
@@ -169,7 +163,7 @@ def test_a_signal_mid_run_stops_everything(tmp_path: Path, sig: signal.Signals) 
 
 @pytest.mark.slow
 def test_keep_running_serves_the_dashboard_until_ctrl_c(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     out = tmp_path / "demo"
     args = ["--duration", "3", "--rate", "2", "--time-scale", "0.5", "--policies", "equal_cost"]
     popen = _demo(out, *args, "--port", str(port), "--keep-running")

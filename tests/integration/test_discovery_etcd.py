@@ -27,9 +27,9 @@ from typing import Any
 
 import openai
 import pytest
-from etcd_server import ETCD, EtcdServer, free_port
+from etcd_server import ETCD, EtcdServer
 from gateway_harness import http, wait_for
-from isocost_procs import ISOCOST, Proc, ready_urls, start_isocost
+from isocost_procs import ISOCOST, Proc, free_port, ready_urls, start_isocost
 
 from isocost.runtime.discovery.records import Registration
 from isocost.runtime.etcd import Compacted, EtcdClient

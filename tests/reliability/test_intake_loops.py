@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 from fake_upstream import received, start_fake_upstream
 from gateway_harness import gateway_config, http, wait_for
-from isocost_procs import ISOCOST, Proc, start_isocost
+from isocost_procs import ISOCOST, Proc, free_port, start_isocost
 
 from isocost.gateway.loops import MAX_HOPS
 
@@ -28,12 +27,6 @@ ADMIN_TOKEN = "admin-loops-5d2e"
 AUTH = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}", "Content-Type": "application/json"}
 KEY_ENV = "ISOCOST_TEST_LOOP_KEY"  # the key one gateway sends the other
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def config(urls: list[str], fields: str = "") -> str:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -19,13 +18,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from isocost_procs import free_port
+
 ETCD = shutil.which("etcd")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class EtcdServer:

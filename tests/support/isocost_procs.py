@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -67,6 +68,13 @@ def start_isocost(
     except NotReady as exc:
         raise AssertionError(f"isocost {args[0]} did not become ready ({exc})") from None
     return Proc(popen, url)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the kernel's pick)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 class NotReady(AssertionError):

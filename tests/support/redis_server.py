@@ -15,7 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from etcd_server import free_port
+from isocost_procs import free_port
 
 REDIS_SERVER = shutil.which("redis-server")
 
