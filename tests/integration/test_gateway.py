@@ -25,6 +25,7 @@ import openai
 import pytest
 from gateway_harness import gateway_config, http, wait_for
 from isocost_procs import ISOCOST, Proc, start_isocost
+from prometheus_client.parser import text_string_to_metric_families
 
 MODEL = "llama-3.1-8b"
 API_KEY = "sk-test-team-a-5f2c9e"
@@ -50,6 +51,7 @@ def write_config(
     limits: str = "",
     keys: str = "",
     health: str = "",
+    pool_fields: str = "",
 ) -> None:
     """The suites' gateway config for ``engine_urls`` with this module's key, written."""
     path.write_text(
@@ -64,6 +66,7 @@ def write_config(
             health=health,
             keys=keys,
             max_body_bytes=MAX_BODY_BYTES,
+            pool_fields=pool_fields,
         )
     )
 
@@ -609,6 +612,48 @@ def test_deadline_that_cannot_be_met_is_refused_with_retry_after(cluster: Cluste
         )
         _assert_error(status, answer, 400, "bad_header")
         assert next(iter(bad)) in answer["error"]["message"]
+
+
+def test_every_answer_gets_an_slo_verdict(tmp_path: Path) -> None:
+    """The pool's SLO (a generous TTFT, a TPOT no engine step meets) judges each answer;
+    a request's own x-tpot-ms replaces it; a refusal fails it; a bad request is no
+    verdict. Whole answers are judged by their end against both budgets together."""
+    engine = start_engine()
+    config, log = tmp_path / "slo.yaml", tmp_path / "slo.log"
+    slo = "    slo: {ttft_ms: 60000, tpot_ms: 0.5}"
+    write_config(config, [engine.url], pool_fields=slo)
+    gateway = start_gateway(config, log)
+    try:
+        client = openai.OpenAI(base_url=gateway.url + "/v1", api_key=API_KEY, max_retries=0)
+        messages: Any = [{"role": "user", "content": "hello there"}]
+
+        def ask(stream: bool, **headers: str) -> None:
+            answer = client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=8, stream=stream, extra_headers=headers
+            )
+            if stream:
+                assert sum(1 for _ in answer) > 1
+
+        ask(stream=True)  # 8 tokens, each far slower than 0.5 ms: missed
+        ask(stream=False)  # whole: ended well within 60 s + 7 * 0.5 ms: met
+        ask(stream=True, **{"x-tpot-ms": "60000"})  # its own target: met
+        with pytest.raises(openai.RateLimitError):  # refused, cannot be met: failed
+            ask(stream=False, **{"x-tpot-ms": "0.001"})
+        status, _, _ = http("POST", gateway.url + "/v1/chat/completions", b"{", AUTH)
+        assert status == 400  # not a request: no verdict
+        with urllib.request.urlopen(gateway.url + "/metrics", timeout=10) as response:
+            text = response.read().decode()
+        verdicts = {
+            family.name: {
+                s.labels["verdict"]: s.value for s in family.samples if s.name.endswith("_total")
+            }
+            for family in text_string_to_metric_families(text)
+            if family.name == "isocost_slo_requests"
+        }["isocost_slo_requests"]
+        assert verdicts == {"met": 2, "missed": 1, "failed": 1}
+    finally:
+        gateway.stop()
+        engine.stop()
 
 
 def test_prompt_over_the_token_limit(cluster: Cluster) -> None:

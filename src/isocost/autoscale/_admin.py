@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from isocost.core.errors import IsocostError
 
-__all__ = ["AdminClient", "GatewayError", "answered_by_replica"]
+__all__ = ["AdminClient", "GatewayError", "answered_by_replica", "slo_verdicts"]
 
 
 class GatewayError(IsocostError):
@@ -28,6 +28,18 @@ def answered_by_replica(metrics_text: str) -> dict[str, tuple[int, int]]:
             value = int(sample.value)
             counts[replica] = (total + value, ok + value * (sample.labels.get("status") == "200"))
     return counts
+
+
+def slo_verdicts(metrics_text: str) -> tuple[int, int]:
+    """``isocost_slo_requests_total`` over every pool: (met, judged)."""
+    met = judged = 0
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name == "isocost_slo_requests_total":
+                value = int(sample.value)
+                judged += value
+                met += value * (sample.labels.get("verdict") == "met")
+    return met, judged
 
 
 class AdminClient:

@@ -40,7 +40,7 @@ from typing import Any, Protocol
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from isocost.autoscale._actuators import Actuator, ActuatorError
-from isocost.autoscale._admin import GatewayError, answered_by_replica
+from isocost.autoscale._admin import GatewayError, answered_by_replica, slo_verdicts
 from isocost.control import (
     AutoscaleConfig,
     Observation,
@@ -156,6 +156,7 @@ class AutoscaleLoop:
         self._draining: dict[str, asyncio.Task[None]] = {}
         self._stopping: set[str] = set()  # drained and idle: leaving, not to be undrained
         self._answered: dict[str, tuple[int, int]] | None = None
+        self._verdicts: tuple[int, int] | None = None  # (met, judged) at the last tick
         self._last_s: float | None = None
         self._gpu_hours = 0.0
         self._usd = 0.0
@@ -166,7 +167,12 @@ class AutoscaleLoop:
     async def _observe(self) -> Observation:
         now = self.clock()
         snapshot = await self.gateway.snapshot()
-        answered = answered_by_replica(await self.gateway.metrics())
+        metrics_text = await self.gateway.metrics()
+        answered = answered_by_replica(metrics_text)
+        verdicts = slo_verdicts(metrics_text)
+        last_met, last_judged = self._verdicts or verdicts
+        met, judged = verdicts[0] - last_met, verdicts[1] - last_judged  # < 0: it restarted
+        self._verdicts = verdicts
         rows = [
             row
             for row in snapshot["replicas"]
@@ -207,8 +213,8 @@ class AutoscaleLoop:
             interval_s=self.config.interval_s,
             arrivals=max(arrivals, 0),
             queued=queued,
-            attainment=None,  # the gateway exports latencies, not a verdict per request
-            settled=0,
+            attainment=met / judged if judged > 0 else None,
+            settled=max(judged, 0),
             completions=completions,
             replicas=replicas,
         )

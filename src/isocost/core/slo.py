@@ -9,6 +9,9 @@ by the same targets, so their figures mean the same thing:
   has TPOT 0 and always meets it).
 * A request meets the SLO when it completed within both targets. An infinite target is no
   target (``from_ms(None, ...)``: the load generator's "no SLO given").
+* An answer seen only whole (not streamed: no first-token time) meets it when it ended
+  within both budgets together, ``TTFT target + TPOT target * (output tokens - 1)``: the
+  most a client could tell from it.
 * Capacity at SLO: the highest offered rate at which at least ``share`` of the requests
   (e.g. 0.9) meet the SLO.
 
@@ -100,3 +103,15 @@ class SloTargets:
         meets them)."""
         ttft_ok = ttft_s <= self.ttft_target_s(prompt_tokens)
         return ttft_ok & (tpot_s <= self.tpot_s)
+
+    def met_answer(
+        self, prompt_tokens: int, output_tokens: int, ttft_s: float | None, e2e_s: float
+    ) -> bool:
+        """Whether one completed answer met both targets: from its first-token and end
+        times when streamed, from its end time alone when not (module docstring)."""
+        decode_tokens = max(output_tokens - 1, 0)
+        if ttft_s is None:
+            budget_s = self.ttft_target_s(prompt_tokens) + self.tpot_s * decode_tokens
+            return e2e_s <= budget_s
+        tpot_s = (e2e_s - ttft_s) / decode_tokens if decode_tokens else 0.0
+        return bool(self.met(prompt_tokens, ttft_s, tpot_s))

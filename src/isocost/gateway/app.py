@@ -61,6 +61,9 @@ def _account(gateway: Gateway, request: GatewayRequest, result: ForwardResult) -
     e2e_s = time.monotonic() - request.arrived_at
     if replica is not None and result.status < 400:
         gateway.metrics.e2e.labels(name).observe(e2e_s)
+    verdict = _slo_verdict(request, result, e2e_s)
+    if verdict is not None:
+        gateway.metrics.slo_requests.labels(request.pool.model, verdict).inc()
     log.info(
         "request",
         extra={
@@ -82,6 +85,19 @@ def _account(gateway: Gateway, request: GatewayRequest, result: ForwardResult) -
             "error": result.error,
         },
     )
+
+
+def _slo_verdict(request: GatewayRequest, result: ForwardResult, e2e_s: float) -> str | None:
+    """met / missed / failed for a request with an SLO; None without one, or when the client
+    left or sent what no replica could serve (neither says anything about capacity)."""
+    slo = request.slo()
+    status = result.status
+    if slo is None or status == CLIENT_GONE_STATUS or (400 <= status < 500 and status != 429):
+        return None
+    if status >= 400:
+        return "failed"
+    met = slo.met_answer(request.view.prompt_tokens, result.output_tokens, result.ttft_s, e2e_s)
+    return "met" if met else "missed"
 
 
 async def _completion(http: web.Request, *, chat: bool) -> web.StreamResponse:

@@ -253,8 +253,10 @@ class Gateway:
         for model, (name, _) in plan.policies.items():
             self.pools[model].policy = name
         for pool_config in config.pools:
+            slo = pool_config.slo
             self.pools[pool_config.model].resume = pool_config.resume
             self.pools[pool_config.model].tokenizer = plan.tokenizers.get(pool_config.model)
+            self.pools[pool_config.model].slo = None if slo is None else slo.targets()
         self.router.queue_size = config.limits.max_queue
         self.router.queue_timeout_s = config.limits.queue_timeout_ms / 1000
         if self._forwarder is not None:

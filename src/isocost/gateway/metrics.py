@@ -54,6 +54,14 @@ class GatewayMetrics:
             buckets=_LATENCY_BUCKETS_S,
             registry=r,
         )
+        self.slo_requests = Counter(
+            "isocost_slo_requests",
+            "Requests judged by their SLO (the pool's slo or their own deadline / TPOT"
+            " headers), by verdict: met, missed (answered late) or failed (refused by the"
+            " queue, or an error).",
+            ["pool", "verdict"],
+            registry=r,
+        )
         self.decisions = Counter(
             "isocost_decisions", "Scheduling decisions, by policy.", ["policy"], registry=r
         )

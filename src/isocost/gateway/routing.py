@@ -49,6 +49,7 @@ from typing import Any
 
 from isocost.core.catalog import Catalog
 from isocost.core.errors import IsocostError
+from isocost.core.slo import SloTargets
 from isocost.gateway.body import RoutingView
 from isocost.gateway.metrics import GatewayMetrics
 from isocost.gateway.upstreams import Pool, Upstream
@@ -138,6 +139,21 @@ class GatewayRequest:
             route_class=headers.get("x-isocost-class"),
             key_name=key_name,
         )
+
+    def slo(self) -> SloTargets | None:
+        """What its answer is judged by: the pool's ``slo`` with this request's own deadline
+        and TPOT target in place of its TTFT and TPOT targets; None when neither sets one."""
+        pool = self.pool.slo
+        if pool is None and self.deadline_at is None and self.tpot_target_s is None:
+            return None
+        if self.deadline_at is not None:
+            ttft_s, per_1k_s = self.deadline_at - self.arrived_at, 0.0
+        else:
+            ttft_s, per_1k_s = (
+                (math.inf, 0.0) if pool is None else (pool.ttft_s, pool.ttft_per_1k_s)
+            )
+        tpot_s = self.tpot_target_s or (math.inf if pool is None else pool.tpot_s)
+        return SloTargets(ttft_s, tpot_s, per_1k_s)
 
 
 def _positive_ms(headers: Mapping[str, str], *names: str) -> float | None:

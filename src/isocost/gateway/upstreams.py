@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from isocost.core.slo import SloTargets
 from isocost.gateway.health import Breaker, BreakerState
 from isocost.runtime.config import HealthConfig, ReplicaConfig, normalize_replica_url, replica_name
 from isocost.scheduling.contract import EngineMetrics
@@ -95,3 +96,4 @@ class Pool:
     replicas: dict[str, Upstream] = field(default_factory=dict)  # by normalized URL
     resume: bool = True  # continue broken streams on another replica (``resume: off``)
     tokenizer: Tokenizer | None = None  # the pool's ``tokenizer``: exact prompt token ids
+    slo: SloTargets | None = None  # the pool's ``slo``: what each answer is judged by

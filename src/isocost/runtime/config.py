@@ -101,6 +101,7 @@ import msgspec
 from isocost.core.catalog import Catalog
 from isocost.core.costmodel import CostModel
 from isocost.core.errors import ConfigError, IsocostError
+from isocost.core.slo import SloTargets
 from isocost.files import is_model_path, resolve_model
 from isocost.scheduling.policies import SchedulingConfig, build_policy
 
@@ -116,6 +117,7 @@ __all__ = [
     "LimitsConfig",
     "PoolConfig",
     "ReplicaConfig",
+    "SloConfig",
     "StateBusConfig",
     "check_references",
     "check_replica",
@@ -148,12 +150,25 @@ class ReplicaConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     kv_events: str | None = None  # ZMQ endpoint of the engine's KV-cache event publisher
 
 
+class SloConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """A pool's service-level objective, judged per answer (``core.slo``): a request's
+    ``x-deadline-ms`` / ``x-tpot-ms`` (or llm-d's SLO headers) replace these for it."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    ttft_per_1k_ms: float = 0.0
+
+    def targets(self) -> SloTargets:
+        return SloTargets.from_ms(self.ttft_ms, self.tpot_ms, self.ttft_per_1k_ms)
+
+
 class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     model: str
     replicas: list[ReplicaConfig] = []
     policy: str | None = None
     resume: bool = True  # a stream broken mid-way goes on on another replica
     tokenizer: str | None = None  # tokenizer.json, or a folder holding one
+    slo: SloConfig | None = None  # per-answer verdicts in isocost_slo_requests_total
 
 
 class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -391,6 +406,16 @@ def _check(config: GatewayConfig, source: str, secrets: bool) -> None:
         if pool.model in seen_models:
             raise bad(f"pools[{i}].model", f"duplicate pool for model {pool.model!r}")
         seen_models.add(pool.model)
+        if pool.slo is not None:
+            slo = pool.slo
+            if slo.ttft_ms is None and slo.tpot_ms is None:
+                raise bad(f"pools[{i}].slo", "give ttft_ms, tpot_ms or both")
+            for field in ("ttft_ms", "tpot_ms"):
+                value = getattr(slo, field)
+                if value is not None and value <= 0:
+                    raise bad(f"pools[{i}].slo.{field}", "must be positive")
+            if slo.ttft_per_1k_ms < 0:
+                raise bad(f"pools[{i}].slo.ttft_per_1k_ms", "must be >= 0")
         for j, replica in enumerate(pool.replicas):
             key = f"pools[{i}].replicas[{j}]"
             _check_replica_fields(replica, source, key, secrets=secrets)

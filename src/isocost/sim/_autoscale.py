@@ -66,10 +66,9 @@ def met_slo(record: SimRecord, slo: SloTargets) -> bool:
     if record.finished_s is None or record.first_token_s is None:
         return False
     request = record.request
-    ttft = record.first_token_s - request.arrival_s
-    decode_s = record.finished_s - record.first_token_s
-    tpot = decode_s / (record.output_tokens - 1) if record.output_tokens > 1 else 0.0
-    return bool(slo.met(request.prompt_tokens, ttft, tpot))
+    ttft_s = record.first_token_s - request.arrival_s
+    e2e_s = record.finished_s - request.arrival_s
+    return slo.met_answer(request.prompt_tokens, record.output_tokens, ttft_s, e2e_s)
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,11 +49,13 @@ class Clock:
 
 
 class FakeGateway:
-    """Replica rows and an ``isocost_requests_total`` counter; records admin calls."""
+    """Replica rows, ``isocost_requests_total`` and ``isocost_slo_requests_total``
+    counters; records admin calls."""
 
     def __init__(self, names: list[str]) -> None:
         self.rows = {n: {"name": n, "gpu": GPU, "state": "healthy", "in_flight": 0} for n in names}
         self.answered = 0
+        self.verdicts = {"met": 0, "missed": 0}  # isocost_slo_requests_total
         self.calls: list[tuple[str, str]] = []
         self.finish_per_read = 1  # in-flight requests that end per snapshot read
 
@@ -67,6 +69,11 @@ class FakeGateway:
         return (
             "# TYPE isocost_requests_total counter\n"
             f'isocost_requests_total{{status="200",pool="m",replica="r0"}} {self.answered}\n'
+            "# TYPE isocost_slo_requests_total counter\n"
+            + "".join(
+                f'isocost_slo_requests_total{{pool="m",verdict="{verdict}"}} {count}\n'
+                for verdict, count in self.verdicts.items()
+            )
         )
 
     async def drain(self, name: str) -> None:
@@ -285,3 +292,21 @@ def test_kubernetes_patches_the_deployment_scale_and_reports_refusals(
         "application/strategic-merge-patch+json",
     }
     assert api.authorization == {"Bearer kube-token-a9"}
+
+
+@pytest.mark.parametrize("verdict", ["met", "missed"])
+def test_the_gateways_slo_verdicts_drive_the_reactive_guard(verdict: str) -> None:
+    """At a rate one replica's capacity covers, answers that miss their SLO still scale up
+    (the gateway's verdicts are the attainment); answers that meet it change nothing."""
+
+    async def scenario() -> None:
+        clock, gateway = Clock(), FakeGateway(["r0"])
+        actuator = FakeActuator(gateway)
+        loop = make_loop(gateway, actuator, clock)
+        await _ticks(loop, gateway, clock, rps=0, n=1)
+        gateway.verdicts[verdict] += 60  # more than the guard needs to trust it
+        await _ticks(loop, gateway, clock, rps=0, n=1)
+        await loop.settle()
+        assert actuator.started == ([] if verdict == "met" else [2])
+
+    asyncio.run(scenario())

@@ -69,3 +69,15 @@ def test_targets_must_be_positive(args: tuple[float, float, float]) -> None:
 def test_the_share_is_a_fraction() -> None:
     with pytest.raises(ValueError, match="share"):
         SloTargets.from_ms(500, 100, share=1.5)
+
+
+def test_an_answer_is_judged_by_its_stream_or_else_by_its_end() -> None:
+    slo = SloTargets.from_ms(500, 100)
+    # streamed: TTFT 0.4 s, then 10 more tokens in 0.9 s (90 ms each)
+    assert slo.met_answer(10, 11, 0.4, 1.3)
+    assert not slo.met_answer(10, 11, 0.4, 1.5)  # 110 ms per token
+    assert not slo.met_answer(10, 11, 0.6, 1.0)  # late first token
+    # whole: only the end is known, judged against both budgets together (0.5 + 10 * 0.1)
+    assert slo.met_answer(10, 11, None, 1.5)
+    assert not slo.met_answer(10, 11, None, 1.6)
+    assert slo.met_answer(10, 1, 0.4, 0.4)  # one token: TPOT 0
