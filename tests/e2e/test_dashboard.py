@@ -21,6 +21,7 @@ from isocost_procs import free_port
 from playwright.sync_api import BrowserContext, Page, sync_playwright
 
 from isocost.demo._cluster import ClusterSettings, DemoReplica, start_cluster
+from isocost.runtime.config import SloConfig
 from isocost.runtime.processes import Services
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,6 +68,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
         gateway_port=free_port(),
         admin_token=TOKEN,
         seed=0,
+        slo=SloConfig(ttft_ms=2000, tpot_ms=100),
     )
     try:
         cluster = start_cluster(services, settings, "equal_cost", out)
@@ -135,6 +137,17 @@ def test_dashboard_shows_replicas_and_live_numbers(live: Live, browser: BrowserC
     assert "equal_cost" in first_decision
     assert "equal-cost-scorer" in first_decision
     assert page.inner_text("#pools").count("llama-3.1-8b") == 1
+    # The gateway judges every answer by the pool's SLO: a share of the last minute's.
+    page.wait_for_function(
+        "() => /^\\d+(\\.\\d)? %$/.test(document.querySelector('#pools .pool-slo').textContent)",
+        timeout=30_000,
+    )
+    # No state bus: no divergence, and the status says nothing of one.
+    divergences = page.eval_on_selector_all(
+        "#replicas td.divergence", "cells => cells.map(c => c.textContent)"
+    )
+    assert divergences == ["–"] * len(LAYOUT)
+    assert "state bus" not in page.inner_text("#status")
     polls = int(page.get_attribute("#status", "data-polls") or 0)
     page.wait_for_function(
         "n => Number(document.querySelector('#status').dataset.polls) > n", arg=polls

@@ -177,6 +177,9 @@ def test_request_in_flight_through_a_is_visible_at_b(cluster: Cluster) -> None:
     lines = metrics_text(b).splitlines()
     divergence = [line for line in lines if line.startswith("isocost_view_divergence{")]
     assert len(divergence) == len(cluster.engines)
+    _, _, snapshot = http("GET", b.url + "/admin/snapshot", headers=ADMIN)  # the dashboard's
+    assert snapshot["state_bus"] == {"up": True, "peers": len(cluster.procs) - 1}
+    assert all(row["view_divergence"] is not None for row in snapshot["replicas"])
     thread.join(timeout=30)
     assert done.is_set()
     wait_for(lambda: shadow_in_flight(b) == 0, 5, "A's completion to reach B")

@@ -23,6 +23,7 @@ from isocost.runtime.config import (
     HealthConfig,
     PoolConfig,
     ReplicaConfig,
+    SloConfig,
 )
 from isocost.runtime.processes import Service, ServiceError, Services
 
@@ -72,6 +73,7 @@ class ClusterSettings:
     gateway_port: int
     admin_token: str
     seed: int
+    slo: SloConfig | None = None  # the gateway judges every answer by it (the dashboard)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +114,7 @@ def gateway_config(settings: ClusterSettings, policy: str, urls: list[str]) -> G
         for replica, url in zip(settings.layout, urls, strict=True)
     ]
     return GatewayConfig(
-        pools=[PoolConfig(model=settings.model, replicas=replicas)],
+        pools=[PoolConfig(model=settings.model, replicas=replicas, slo=settings.slo)],
         policy=policy,
         scrape_interval_ms=200,
         health=HealthConfig(interval_ms=250),

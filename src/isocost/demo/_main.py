@@ -51,6 +51,7 @@ from isocost.demo._cluster import (
 )
 from isocost.demo._live import LiveState, poll_snapshot, render
 from isocost.demo._report import headline, replica_table, write_report
+from isocost.runtime.config import SloConfig
 from isocost.runtime.processes import Services, free_port
 from isocost.scheduling.policies import BUILTIN_POLICIES
 from isocost.workload import SyntheticSpec, TraceFormat
@@ -234,6 +235,7 @@ def run_demo(options: DemoOptions, console: Console) -> Path:
         gateway_port=options.port or free_port(options.host),
         admin_token=token,
         seed=options.seed,
+        slo=SloConfig(options.slo_ttft_ms, options.slo_tpot_ms, options.slo_ttft_per_1k_ms),
     )
     dashboard = f"http://{options.host}:{settings.gateway_port}/dashboard#token={token}"
     console.print(

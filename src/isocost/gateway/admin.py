@@ -16,6 +16,7 @@ Without a configured admin token the API answers 403; a missing or wrong token, 
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Awaitable, Callable
@@ -25,6 +26,7 @@ import msgspec
 from aiohttp import web
 
 from isocost.core.errors import ConfigError, IsocostError
+from isocost.core.slo import SloTargets
 from isocost.gateway.auth import bearer_token
 from isocost.gateway.intake import Rejection, defer_continue, send_continue
 from isocost.gateway.lifecycle import Gateway
@@ -103,6 +105,7 @@ def replica_row(
         if replica.recent_ttft_s
         else None,
         "last_score": _last_score(decisions, replica.name),
+        "view_divergence": gateway.view_divergence.get(replica.name),
     }
 
 
@@ -118,6 +121,7 @@ def snapshot(gateway: Gateway) -> dict[str, Any]:
     """Everything the dashboard shows, in one JSON-able dict."""
     now = time.monotonic()
     decisions = gateway.router.recent_decisions()
+    bus = gateway.router.bus
     rows = [replica_row(gateway, r, now, decisions) for r in gateway.replicas.values()]
     pools = []
     for pool in gateway.pools.values():
@@ -130,6 +134,8 @@ def snapshot(gateway: Gateway) -> dict[str, Any]:
                 "healthy": sum(row["state"] == "healthy" for row in members),
                 "in_flight": sum(row["in_flight"] for row in members),
                 "queue_depth": gateway.router.queue_depth(pool.model),
+                "slo": None if pool.slo is None else _targets_ms(pool.slo),
+                "slo_verdicts": {v: pool.verdicts[v] for v in ("met", "missed", "failed")},
             }
         )
     return {
@@ -139,6 +145,20 @@ def snapshot(gateway: Gateway) -> dict[str, Any]:
         "replicas": rows,
         "decisions": decisions,
         "rejections": dict(gateway.rejections),
+        "state_bus": None if bus is None else {"up": bus.up, "peers": len(bus.views.peers)},
+    }
+
+
+def _targets_ms(slo: SloTargets) -> dict[str, float | None]:
+    """A pool's SLO in the config's terms (None: no such target)."""
+
+    def ms(seconds: float) -> float | None:
+        return None if math.isinf(seconds) else round(seconds * 1000, 3)
+
+    return {
+        "ttft_ms": ms(slo.ttft_s),
+        "tpot_ms": ms(slo.tpot_s),
+        "ttft_per_1k_ms": round(slo.ttft_per_1k_s * 1000, 3),
     }
 
 

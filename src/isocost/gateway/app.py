@@ -63,6 +63,7 @@ def _account(gateway: Gateway, request: GatewayRequest, result: ForwardResult) -
         gateway.metrics.e2e.labels(name).observe(e2e_s)
     verdict = _slo_verdict(request, result, e2e_s)
     if verdict is not None:
+        request.pool.verdicts[verdict] += 1
         gateway.metrics.slo_requests.labels(request.pool.model, verdict).inc()
     log.info(
         "request",

@@ -91,6 +91,7 @@ class Gateway:
         self.pools: dict[str, Pool] = {}
         self.replicas: dict[str, Upstream] = {}
         self.rejections: Counter[str] = Counter()
+        self.view_divergence: dict[str, float] = {}  # by replica, from the state bus
         self.router = Router(
             catalog,
             self.metrics,
@@ -396,6 +397,7 @@ class Gateway:
             self._bus_tasks.append(supervise(name, loop, self.metrics.task_failures))
 
     def _show_divergence(self, divergence: Mapping[str, float]) -> None:
+        self.view_divergence = dict(divergence)
         gauge, replicas = self.metrics.view_divergence, self.router.replicas
         for name, requests in divergence.items():
             gauge.labels(replicas.get(name).spec.model, name).set(requests)

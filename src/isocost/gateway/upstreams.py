@@ -10,7 +10,7 @@ runs there) belongs to the brain; this object holds what only the data plane kno
 from __future__ import annotations
 
 import os
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -97,3 +97,4 @@ class Pool:
     resume: bool = True  # continue broken streams on another replica (``resume: off``)
     tokenizer: Tokenizer | None = None  # the pool's ``tokenizer``: exact prompt token ids
     slo: SloTargets | None = None  # the pool's ``slo``: what each answer is judged by
+    verdicts: Counter[str] = field(default_factory=Counter)  # met / missed / failed so far

@@ -13,7 +13,9 @@
     "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac",
   ];
 
+  const SLO_WINDOW_S = 60; // attainment over the last minute of verdicts
   const samples = new Map(); // replica name -> {inFlight: [], ttft: []}
+  const verdictHistory = new Map(); // pool -> [{t, met, judged}], the last SLO_WINDOW_S
   const colors = new Map(); // replica name -> colour
   let polls = 0;
   let token = null;
@@ -109,7 +111,11 @@
       polls += 1;
       render(snapshot);
       const updated = new Date(snapshot.time_unix_s * 1000).toLocaleTimeString();
-      setStatus("live", `live · updated ${updated} · gateway up ${fmt(snapshot.uptime_s)} s`);
+      const bus = snapshot.state_bus;
+      const shared = bus
+        ? ` · state bus ${bus.up ? "up" : "DOWN (scrapes only)"}, ${bus.peers} peer${bus.peers === 1 ? "" : "s"}`
+        : "";
+      setStatus("live", `live · updated ${updated} · gateway up ${fmt(snapshot.uptime_s)} s${shared}`);
     } catch (error) {
       setStatus("down", `gateway unreachable (${error.message}); retrying`);
     }
@@ -119,7 +125,7 @@
   // -- rendering ----------------------------------------------------------------------
 
   function render(snapshot) {
-    renderPools(snapshot.pools);
+    renderPools(snapshot.pools, snapshot.time_unix_s);
     renderReplicas(snapshot.replicas);
     renderDecisions(snapshot.decisions);
     renderRejections(snapshot.rejections);
@@ -127,7 +133,39 @@
     drawCharts(snapshot.replicas.map((r) => r.name));
   }
 
-  function renderPools(pools) {
+  // The share of answers judged in the last SLO_WINDOW_S that met the pool's SLO, from the
+  // cumulative verdict counts of successive snapshots; null before any was judged.
+  function recentAttainment(pool, now) {
+    const v = pool.slo_verdicts;
+    const judged = v.met + v.missed + v.failed;
+    if (!verdictHistory.has(pool.model)) verdictHistory.set(pool.model, []);
+    const history = verdictHistory.get(pool.model);
+    history.push({ t: now, met: v.met, judged });
+    while (history.length > 1 && history[1].t <= now - SLO_WINDOW_S) history.shift();
+    const first = history[0];
+    const window = history.length > 1 ? judged - first.judged : judged;
+    const met = history.length > 1 ? v.met - first.met : v.met;
+    return { share: window > 0 ? met / window : null, window, judged };
+  }
+
+  function sloLine(pool, now) {
+    if (!pool.slo && pool.slo_verdicts.met + pool.slo_verdicts.missed + pool.slo_verdicts.failed === 0) {
+      return [];
+    }
+    const { share, window, judged } = recentAttainment(pool, now);
+    const text = share === null ? "–" : `${fmt(share * 100, 1)} %`;
+    return [
+      el(
+        "div",
+        { className: "card-line", title: "answers within the pool's SLO (or their own x-deadline-ms / x-tpot-ms)" },
+        "SLO met ",
+        el("b", { className: "pool-slo" }, text),
+        ` (last min, ${fmt(window)} of ${fmt(judged)} judged)`,
+      ),
+    ];
+  }
+
+  function renderPools(pools, now) {
     const cards = pools.map((pool) =>
       el(
         "div",
@@ -137,6 +175,7 @@
         el("div", { className: "card-line" }, `healthy ${pool.healthy} / ${pool.replicas}`),
         el("div", { className: "card-line" }, "in flight ", el("b", { className: "pool-in-flight" }, fmt(pool.in_flight))),
         el("div", { className: "card-line" }, `gateway queue ${fmt(pool.queue_depth)}`),
+        ...sloLine(pool, now),
       ),
     );
     $("#pools").replaceChildren(...cards);
@@ -159,6 +198,7 @@
     ["itl", (r) => fmt(r.recent_itl_p50_ms, 1)],
     ["last-ttft", (r) => fmt(r.last_ttft_ms)],
     ["success", (r) => `${fmt(r.success_rate * 100)} %`],
+    ["divergence", (r) => fmt(r.view_divergence, 1)],
   ];
 
   function renderReplicas(replicas) {
