@@ -265,6 +265,9 @@ def main() -> None:
     parser.add_argument(
         "--envoy", action="store_true", help="also measure Envoy alone and Envoy + picker"
     )
+    parser.add_argument(
+        "--workers", type=int, default=1, help="also measure `isocost serve --workers N`"
+    )
     args = parser.parse_args()
     console = Console()
 
@@ -280,6 +283,14 @@ def main() -> None:
     )  # fmt: skip
     procs = [gateway, engine]
     targets = {"direct": engine_url, "isocost": gateway_url}
+    if args.workers > 1:  # the same gateway on --workers processes sharing the port
+        workers, workers_url = _start(
+            ["serve", "--port", "0", "--replica", engine_url, "--policy", args.policy,
+             "--log-level", "warning", "--workers", str(args.workers)],
+            "isocost serve",
+        )  # fmt: skip
+        procs.insert(0, workers)
+        targets[f"isocost x{args.workers}"] = workers_url
     stops: list[Callable[[], None]] = []
     workdir = Path(tempfile.mkdtemp(prefix="isocost-overhead-"))
     try:

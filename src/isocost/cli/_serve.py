@@ -40,9 +40,15 @@ def serve(
     shutdown_timeout: float = typer.Option(
         10.0, "--shutdown-timeout", help="SIGTERM: seconds in-flight requests get to finish."
     ),
+    workers: int = typer.Option(
+        1, "--workers", help="Processes sharing the port (SO_REUSEPORT) and, with a bus, state."
+    ),
+    worker_id: int | None = typer.Option(None, "--worker-id", hidden=True),
+    worker_dir: str | None = typer.Option(None, "--worker-dir", hidden=True),
 ) -> None:
     """Run the OpenAI-compatible gateway that routes by equal cost."""
     import asyncio
+    import logging
     from pathlib import Path
 
     import msgspec
@@ -54,14 +60,20 @@ def serve(
         load_gateway,
         run_gateway,
     )
+    from isocost.gateway.workers import WorkerGroup, run_workers, worker_args
     from isocost.runtime.config import StateBusConfig, check_state_bus, parse_config
 
     if (config is None) == (not replica):
         fail("give either --config FILE or one or more --replica URL")
     if not shutdown_timeout > 0:
         fail("--shutdown-timeout must be a positive number of seconds")
+    if workers < 1:
+        fail("--workers must be at least 1")
+    if (worker_id is None) != (worker_dir is None):
+        fail("--worker-id and --worker-dir go together (the supervisor of --workers sets them)")
     if state_bus is not None:
         check_state_bus(StateBusConfig(url=state_bus), "--state-bus")
+    log = logging.getLogger("isocost.gateway")
     cat = load_catalog(catalog or [])
     if config is not None:
         gateway_config = parse_config(read_text(config), config)
@@ -85,10 +97,20 @@ def serve(
         bus = msgspec.structs.replace(bus, url=state_bus)
         gateway_config = msgspec.structs.replace(gateway_config, state_bus=bus)
     configure_logging(log_level)
-    gateway = load_gateway(gateway_config, cat, Path(config) if config else None)
 
     def ready(url: str) -> None:
         console.print(f"isocost serve: ready at {url}", highlight=False, soft_wrap=True)
         sys.stdout.flush()
 
-    run_gateway(gateway, host, port, ready, shutdown_timeout_s=shutdown_timeout)
+    if workers > 1 and worker_id is None:  # the supervisor: the config is checked above
+        if gateway_config.state_bus is None:
+            log.warning(
+                "--workers without a state bus: each worker prices only its own dispatches"
+                " and the scrapes (give --state-bus to share in-flight)",
+                extra={"event": "workers_unshared", "workers": workers},
+            )
+        serve_args = sys.argv[sys.argv.index("serve") + 1 :]
+        sys.exit(run_workers(worker_args(serve_args), workers, host, port, ready, shutdown_timeout))
+    gateway = load_gateway(gateway_config, cat, Path(config) if config else None)
+    group = None if worker_dir is None else WorkerGroup(worker_id or 0, Path(worker_dir))
+    run_gateway(gateway, host, port, ready, shutdown_timeout_s=shutdown_timeout, workers=group)

@@ -17,6 +17,7 @@ Without a configured admin token the API answers 403; a missing or wrong token, 
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 from collections.abc import Awaitable, Callable
@@ -31,6 +32,7 @@ from isocost.gateway.auth import bearer_token
 from isocost.gateway.intake import Rejection, defer_continue, send_continue
 from isocost.gateway.lifecycle import Gateway
 from isocost.gateway.upstreams import Upstream
+from isocost.gateway.workers import SIBLING_HEADER
 from isocost.openai.errors import ApiError
 from isocost.openai.responses import json_response
 from isocost.runtime.config import ReplicaConfig
@@ -38,6 +40,7 @@ from isocost.runtime.config import ReplicaConfig
 __all__ = ["add_admin_routes", "snapshot"]
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_RELAYED = frozenset({"authorization", "x-admin-token", "content-type"})  # to sibling workers
 _T = TypeVar("_T")
 
 
@@ -146,6 +149,8 @@ def snapshot(gateway: Gateway) -> dict[str, Any]:
         "decisions": decisions,
         "rejections": dict(gateway.rejections),
         "state_bus": None if bus is None else {"up": bus.up, "peers": len(bus.views.peers)},
+        "worker": None if gateway.workers is None else gateway.workers.worker_id,
+        "pid": os.getpid(),
     }
 
 
@@ -186,7 +191,20 @@ def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
         async def check(request: web.Request) -> web.StreamResponse:
             check_token(request)
             await send_continue(request)  # Expect: 100-continue only once the token passed
-            return await handler(request)
+            response = await handler(request)
+            workers = gateway.workers
+            if (
+                workers is not None
+                and request.method != "GET"
+                and response.status < 300
+                and SIBLING_HEADER not in request.headers
+            ):  # the same change on every other worker of ``serve --workers``
+                headers = {k: v for k, v in request.headers.items() if k.lower() in _RELAYED}
+                body = await request.read()
+                failed = await workers.fan_out(request.method, request.path_qs, body, headers)
+                if failed:
+                    response.headers["x-isocost-workers-failed"] = ",".join(map(str, failed))
+            return response
 
         return check
 

@@ -23,6 +23,7 @@ from isocost.gateway.intake import Rejection, defer_continue
 from isocost.gateway.lifecycle import Gateway
 from isocost.gateway.proxy import CLIENT_GONE_STATUS, ClientGone, ForwardResult
 from isocost.gateway.routing import GatewayRequest
+from isocost.gateway.workers import SIBLING_HEADER
 from isocost.openai.errors import ApiError, error_response
 from isocost.openai.responses import json_response
 
@@ -169,10 +170,12 @@ async def _health(request: web.Request) -> web.StreamResponse:
 
 
 async def _metrics(request: web.Request) -> web.StreamResponse:
-    registry = request.app[GATEWAY].metrics.registry
-    return web.Response(
-        body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
-    )
+    """This gateway's series; with ``serve --workers``, every worker's, labelled."""
+    gateway = request.app[GATEWAY]
+    body = generate_latest(gateway.metrics.registry)
+    if gateway.workers is not None and SIBLING_HEADER not in request.headers:
+        body = await gateway.workers.gather_metrics(body)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 def build_app(gateway: Gateway) -> web.Application:

@@ -44,6 +44,7 @@ from isocost.gateway.proxy import Forwarder, ForwardSettings
 from isocost.gateway.routing import Router
 from isocost.gateway.supervise import supervise
 from isocost.gateway.upstreams import Pool, Upstream
+from isocost.gateway.workers import WorkerGroup
 from isocost.runtime.bus import StateBus
 from isocost.runtime.config import (
     AuthConfig,
@@ -92,6 +93,7 @@ class Gateway:
         self.replicas: dict[str, Upstream] = {}
         self.rejections: Counter[str] = Counter()
         self.view_divergence: dict[str, float] = {}  # by replica, from the state bus
+        self.workers: WorkerGroup | None = None  # one of ``serve --workers``: its siblings
         self.router = Router(
             catalog,
             self.metrics,

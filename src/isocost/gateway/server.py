@@ -34,6 +34,7 @@ from isocost.core.catalog import Catalog
 from isocost.core.errors import ConfigError, IsocostError
 from isocost.gateway.app import build_app
 from isocost.gateway.lifecycle import Gateway
+from isocost.gateway.workers import WorkerGroup, watch_supervisor
 from isocost.openai.errors import ApiError, error_response
 from isocost.runtime.config import (
     AuthConfig,
@@ -112,10 +113,12 @@ def run_gateway(
     port: int,
     on_ready: Callable[[str], None],
     shutdown_timeout_s: float = 10.0,
+    workers: WorkerGroup | None = None,
 ) -> None:
     """Serve until SIGINT/SIGTERM, then drain: in-flight requests get
-    ``shutdown_timeout_s`` to finish."""
-    run_serving(_serve(gateway, host, port, on_ready, shutdown_timeout_s))
+    ``shutdown_timeout_s`` to finish. As one of ``--workers`` (``workers``) it shares the
+    port and listens on a private one for its siblings (``gateway.workers``)."""
+    run_serving(_serve(gateway, host, port, on_ready, shutdown_timeout_s, workers))
 
 
 async def _serve(
@@ -124,6 +127,7 @@ async def _serve(
     port: int,
     on_ready: Callable[[str], None],
     shutdown_timeout_s: float,
+    workers: WorkerGroup | None,
 ) -> None:
     stop = stop_requested()
     loop = asyncio.get_running_loop()
@@ -153,11 +157,19 @@ async def _serve(
         )
         return _HeaderDeadline(handler, deadline_s, connections)
 
-    listener = await loop.create_server(protocol, host, port, backlog=1024)
+    shared = workers is not None
+    listener = await loop.create_server(protocol, host, port, backlog=1024, reuse_port=shared)
+    private: asyncio.Server | None = None
+    watch: asyncio.Task[None] | None = None
     try:
         bound = listener.sockets[0].getsockname()[1]
         gateway.intake.listen.set(host, bound)
         gateway.intake.listen.check_config(gateway.config, source)
+        if workers is not None:
+            private = await loop.create_server(protocol, "127.0.0.1", 0)
+            workers.announce(f"http://127.0.0.1:{private.sockets[0].getsockname()[1]}")
+            gateway.workers = workers
+            watch = asyncio.create_task(watch_supervisor(workers, stop))
         on_ready(f"http://{host}:{bound}")
         await stop.wait()
         gateway.draining = True  # readiness fails before anything else changes
@@ -171,6 +183,12 @@ async def _serve(
         )
     finally:
         listener.close()
+        if workers is not None:
+            workers.withdraw()
+        if watch is not None:
+            watch.cancel()
+        if private is not None:
+            private.close()
         with contextlib.suppress(IsocostError):
             await runner.cleanup()
         log.info("stopped", extra={"event": "stopped"})

@@ -1,0 +1,343 @@
+"""``isocost serve --workers N``: one host's gateway on N processes sharing one port.
+
+One Python process forwards on one core. N workers listen on the same address with
+SO_REUSEPORT, so the kernel spreads new connections over them, and share their in-flight
+state through the state bus, each a peer of the others. Without a bus each worker prices
+only its own dispatches plus the scrapes, as gateways without sharing do; a warning says so.
+
+The supervisor (the process the user started) reserves the port (bound, never listening,
+so it takes no connection), starts the workers (``isocost serve`` again with
+``--worker-id`` and ``--worker-dir``), prints its ready line once every worker is ready,
+restarts a worker that dies (more than ``_MAX_RESTARTS`` deaths within
+``_RESTART_WINDOW_S`` stop them all, exit 1), and passes SIGTERM/SIGINT on, then waits for
+every worker to drain. A worker whose supervisor is gone (SIGKILLed) stops by itself.
+
+Each worker also listens on a private 127.0.0.1 port, written to
+``<worker-dir>/worker-<id>.json``; through it the workers look like one gateway:
+
+* an admin change (any method but GET under ``/admin/``) made on one worker is made on
+  every other (the same request, marked ``x-isocost-sibling``); a sibling that fails it
+  is logged and named in the answer's ``x-isocost-workers-failed`` header;
+* ``/metrics`` on the shared port holds every worker's series, each with a ``worker``
+  label (a worker that does not answer in time is missing, and logged);
+* ``/admin/snapshot`` is the answering worker's view (its ``worker`` field says which).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+import sys
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+
+import aiohttp
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from isocost.core.errors import IsocostError
+from isocost.runtime.processes import isocost_command
+from isocost.serving import run_serving, stop_requested
+
+__all__ = [
+    "SIBLING_HEADER",
+    "WorkerGroup",
+    "merge_metrics",
+    "run_workers",
+    "watch_supervisor",
+    "worker_args",
+]
+
+log = logging.getLogger("isocost.gateway")
+
+SIBLING_HEADER = "x-isocost-sibling"  # a call from another worker: answer for yourself only
+_SIBLING_TIMEOUT_S = 5.0
+_READY_TIMEOUT_S = 120.0
+_MAX_RESTARTS = 5
+_RESTART_WINDOW_S = 60.0
+_PARENT_POLL_S = 1.0
+
+
+class WorkerGroup:
+    """One worker's view of its siblings: its id and the directory where each worker
+    announces its private URL."""
+
+    def __init__(self, worker_id: int, directory: Path) -> None:
+        self.worker_id = worker_id
+        self.directory = directory
+        self._parent = os.getppid()
+
+    def announce(self, private_url: str) -> None:
+        """Tell the siblings where to reach this worker (written whole, then renamed)."""
+        path = self.directory / f"worker-{self.worker_id}.json"
+        partial = path.with_suffix(".partial")
+        partial.write_text(json.dumps({"url": private_url, "pid": os.getpid()}))
+        partial.replace(path)
+
+    def withdraw(self) -> None:
+        with contextlib.suppress(OSError):
+            (self.directory / f"worker-{self.worker_id}.json").unlink()
+
+    def siblings(self) -> dict[int, str]:
+        """The other workers' private URLs, by worker id (unreadable entries skipped: a
+        worker restarting rewrites its own)."""
+        found: dict[int, str] = {}
+        for path in self.directory.glob("worker-*.json"):
+            try:
+                worker_id = int(path.stem.removeprefix("worker-"))
+                url = json.loads(path.read_text())["url"]
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            if worker_id != self.worker_id and isinstance(url, str):
+                found[worker_id] = url
+        return found
+
+    def orphaned(self) -> bool:
+        """The supervisor that started this worker is gone."""
+        return os.getppid() != self._parent
+
+    async def fan_out(
+        self, method: str, path: str, body: bytes, headers: Mapping[str, str]
+    ) -> list[int]:
+        """Make the same admin request on every sibling; the ids of those that failed."""
+        sent = {**headers, SIBLING_HEADER: str(self.worker_id)}
+        siblings = self.siblings()
+
+        async def one(session: aiohttp.ClientSession, worker_id: int, url: str) -> int | None:
+            try:
+                async with session.request(method, url + path, data=body, headers=sent) as reply:
+                    if reply.status < 300:
+                        return None
+                    reason = f"HTTP {reply.status} {(await reply.text())[:200]}"
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                reason = type(exc).__name__
+            log.warning(
+                "admin change not made on a sibling worker",
+                extra={"event": "worker_fanout_failed", "worker": worker_id, "path": path,
+                       "error": reason},
+            )  # fmt: skip
+            return worker_id
+
+        async with _session() as session:
+            failed = await asyncio.gather(*(one(session, w, u) for w, u in siblings.items()))
+        return sorted(w for w in failed if w is not None)
+
+    async def gather_metrics(self, own: bytes) -> bytes:
+        """Every worker's ``/metrics``, each series labelled with its worker."""
+        texts = {self.worker_id: own.decode()}
+
+        async def one(session: aiohttp.ClientSession, worker_id: int, url: str) -> None:
+            try:
+                headers = {SIBLING_HEADER: str(self.worker_id)}
+                async with session.get(url + "/metrics", headers=headers) as reply:
+                    if reply.status == 200:
+                        texts[worker_id] = await reply.text()
+                        return
+                    reason = f"HTTP {reply.status}"
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                reason = type(exc).__name__
+            log.warning(
+                "a worker's metrics are missing",
+                extra={"event": "worker_metrics_missing", "worker": worker_id, "error": reason},
+            )
+
+        async with _session() as session:
+            await asyncio.gather(*(one(session, w, u) for w, u in self.siblings().items()))
+        return merge_metrics(texts)
+
+
+def _session() -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=_SIBLING_TIMEOUT_S))
+
+
+class _Families:
+    """A collector of already-parsed metric families (``merge_metrics``)."""
+
+    def __init__(self, families: Iterable[Metric]) -> None:
+        self._families = list(families)
+
+    def collect(self) -> list[Metric]:
+        return self._families
+
+
+def merge_metrics(texts: Mapping[int, str]) -> bytes:
+    """One exposition of several workers' texts, each sample labelled ``worker``."""
+    families: dict[str, Metric] = {}
+    for worker_id, text in sorted(texts.items()):
+        for family in text_string_to_metric_families(text):
+            merged = families.setdefault(
+                family.name, Metric(family.name, family.documentation, family.type, family.unit)
+            )
+            label = {"worker": str(worker_id)}
+            merged.samples += [s._replace(labels={**s.labels, **label}) for s in family.samples]
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(families.values()))
+    return generate_latest(registry)
+
+
+# -- the supervisor ------------------------------------------------------------------------
+
+
+def worker_args(serve_args: Sequence[str]) -> list[str]:
+    """``isocost serve``'s own arguments without ``--workers`` and ``--port`` (the
+    supervisor gives each worker its own)."""
+    kept: list[str] = []
+    skip = False
+    for arg in serve_args:
+        if skip:
+            skip = False
+        elif arg in ("--workers", "--port"):
+            skip = True
+        elif not arg.startswith(("--workers=", "--port=")):
+            kept.append(arg)
+    return kept
+
+
+def run_workers(
+    args: Sequence[str],
+    workers: int,
+    host: str,
+    port: int,
+    on_ready: Callable[[str], None],
+    shutdown_timeout_s: float,
+) -> int:
+    """Supervise ``workers`` gateway processes on ``host:port`` until SIGTERM/SIGINT; the
+    exit status (0 after a clean stop, 1 when workers kept dying or never got ready)."""
+    if not hasattr(socket, "SO_REUSEPORT"):
+        raise IsocostError("--workers needs SO_REUSEPORT (Linux or BSD)")
+    reservation = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    reservation.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        reservation.bind((host, port))
+    except OSError as exc:
+        reservation.close()
+        raise IsocostError(f"--port {port}: {exc.strerror}") from None
+    bound = int(reservation.getsockname()[1])
+    status = [0]
+    with reservation, tempfile.TemporaryDirectory(prefix="isocost-workers-") as directory:
+        supervisor = _Supervisor(list(args), workers, bound, Path(directory), shutdown_timeout_s)
+        run_serving(supervisor.run(f"http://{host}:{bound}", on_ready, status))
+    return status[0]
+
+
+class _Supervisor:
+    def __init__(
+        self, args: list[str], workers: int, port: int, directory: Path, shutdown_timeout_s: float
+    ) -> None:
+        self.args, self.workers, self.port = args, workers, port
+        self.directory, self.shutdown_timeout_s = directory, shutdown_timeout_s
+        self.procs: dict[int, asyncio.subprocess.Process] = {}
+        self.deaths: deque[float] = deque()
+
+    async def _start(self, worker_id: int) -> None:
+        """Start worker ``worker_id`` and wait for its ready line (IsocostError if none)."""
+        command = [
+            *isocost_command(), "serve", *self.args, "--port", str(self.port),
+            "--worker-id", str(worker_id), "--worker-dir", str(self.directory),
+        ]  # fmt: skip
+        proc = await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.PIPE)
+        self.procs[worker_id] = proc
+        assert proc.stdout is not None
+        try:
+            async with asyncio.timeout(_READY_TIMEOUT_S):
+                while b" ready at " not in (line := await proc.stdout.readline()):
+                    if not line:
+                        raise IsocostError(f"worker {worker_id} exited before it was ready")
+        except TimeoutError:
+            proc.kill()
+            raise IsocostError(f"worker {worker_id} not ready in {_READY_TIMEOUT_S:g} s") from None
+
+    async def run(self, url: str, on_ready: Callable[[str], None], status: list[int]) -> None:
+        stop = stop_requested()
+        try:
+            await asyncio.gather(*(self._start(i) for i in range(self.workers)))
+        except IsocostError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            status[0] = 1
+            await self._stop_all()
+            return
+        on_ready(url)
+        watchers = {i: asyncio.create_task(self._drain(i)) for i in self.procs}
+        stopping = asyncio.create_task(stop.wait())
+        try:
+            while True:
+                done, _ = await asyncio.wait(
+                    [stopping, *watchers.values()], return_when=asyncio.FIRST_COMPLETED
+                )
+                if stopping in done:
+                    break
+                for worker_id, task in list(watchers.items()):
+                    if task in done:
+                        if not await self._restart(worker_id, task.result()):
+                            status[0] = 1
+                            return
+                        watchers[worker_id] = asyncio.create_task(self._drain(worker_id))
+        finally:
+            for task in watchers.values():
+                task.cancel()
+            stopping.cancel()
+            await self._stop_all()
+
+    async def _drain(self, worker_id: int) -> int:
+        """Read worker ``worker_id``'s stdout to its end; its exit status."""
+        proc = self.procs[worker_id]
+        assert proc.stdout is not None
+        while await proc.stdout.readline():
+            pass
+        return await proc.wait()
+
+    async def _restart(self, worker_id: int, returncode: int) -> bool:
+        now = time.monotonic()
+        self.deaths.append(now)
+        while self.deaths[0] < now - _RESTART_WINDOW_S:
+            self.deaths.popleft()
+        log.error(
+            "worker died",
+            extra={"event": "worker_died", "worker": worker_id, "returncode": returncode},
+        )
+        if len(self.deaths) > _MAX_RESTARTS:
+            print(
+                f"error: {len(self.deaths)} worker deaths within {_RESTART_WINDOW_S:g} s; stopping",
+                file=sys.stderr,
+            )
+            return False
+        try:
+            await self._start(worker_id)
+        except IsocostError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return False
+        log.info("worker restarted", extra={"event": "worker_restarted", "worker": worker_id})
+        return True
+
+    async def _stop_all(self) -> None:
+        """SIGTERM to every worker; SIGKILL to those still up after their drain time."""
+        alive = [p for p in self.procs.values() if p.returncode is None]
+        for proc in alive:
+            with contextlib.suppress(ProcessLookupError):
+                proc.terminate()
+        try:
+            async with asyncio.timeout(self.shutdown_timeout_s + 5):
+                await asyncio.gather(*(p.wait() for p in alive))
+        except TimeoutError:
+            for proc in alive:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+            await asyncio.gather(*(p.wait() for p in alive))
+
+
+async def watch_supervisor(group: WorkerGroup, stop: asyncio.Event) -> None:
+    """Stop this worker once its supervisor is gone (nobody would stop it otherwise)."""
+    while not stop.is_set():
+        if group.orphaned():
+            log.warning("supervisor gone; stopping", extra={"event": "supervisor_gone"})
+            stop.set()
+            return
+        await asyncio.sleep(_PARENT_POLL_S)
