@@ -12,7 +12,7 @@
    tokens the decode replica's own prefix cache lacks, over the replica's ``link``. The
    request is then admitted with those tokens computed (``RequestSpec.num_external_tokens``)
    and decodes without their prefill. The answer says the transfer's modelled time in
-   ``x-isocost-kv-transfer-ms``.
+   ``x-isocost-kv-transfer-ms`` (``KV_TRANSFER_MS_HEADER``).
 
 A pull that fails (the prefill replica is gone, answers an error, or no longer holds the
 KV: pulled already, expired, restarted) fails the decode request with 502
@@ -39,7 +39,6 @@ from isocost.openai.requests import KvTransferParams, decode_body
 from isocost.openai.responses import json_response
 
 __all__ = [
-    "KV_TRANSFER_HEADER",
     "PULL_PATH",
     "PulledKv",
     "add_pull_route",
@@ -48,7 +47,6 @@ __all__ = [
 ]
 
 PULL_PATH = "/kv/pull"
-KV_TRANSFER_HEADER = "x-isocost-kv-transfer-ms"
 _PULL_TIMEOUT_S = 10.0
 
 

@@ -23,7 +23,7 @@ from isocost.core.catalog import Catalog
 from isocost.core.costmodel import CostModel, EngineLimits
 from isocost.core.errors import DoesNotFitError
 from isocost.engine.config import EngineReplicaConfig
-from isocost.engine.disagg import KV_TRANSFER_HEADER, add_pull_route, check_role, pull_kv
+from isocost.engine.disagg import add_pull_route, check_role, pull_kv
 from isocost.engine.faults import add_fault_routes, answer_and_exit
 from isocost.engine.handoff import handoff_params
 from isocost.engine.model import EngineModel
@@ -34,7 +34,12 @@ from isocost.engine.tokens import Tokenizer, filler_start, load_tokenizer
 from isocost.engine.validation import chat_text, prompt_ids, prompt_text, validate
 from isocost.files import resolve_model
 from isocost.openai.errors import ApiError, error_response
-from isocost.openai.requests import ChatRequest, CompletionRequest, decode_body
+from isocost.openai.requests import (
+    KV_TRANSFER_MS_HEADER,
+    ChatRequest,
+    CompletionRequest,
+    decode_body,
+)
 from isocost.openai.responses import json_response
 from isocost.serving import run_serving, stop_requested
 
@@ -115,7 +120,7 @@ async def _generate(
     if params is not None and params.do_remote_prefill:
         pulled = await pull_kv(request.app[PULLS], replica, params, spec)
         spec = pulled.spec
-        headers[KV_TRANSFER_HEADER] = f"{pulled.transfer_s * 1000:.3f}"
+        headers[KV_TRANSFER_MS_HEADER] = f"{pulled.transfer_s * 1000:.3f}"
     finish_reason = "length" if spec.max_output_tokens == generation.max_tokens else "stop"
     wake_every = replica.options.stream_interval if generation.stream else spec.max_output_tokens
     waiter = replica.submit(spec, wake_every, finish_reason)

@@ -66,12 +66,13 @@ from isocost.runtime.config import (
 )
 from isocost.scheduling.contract import EngineMetrics, InFlight, ReplicaSpec, RequestView
 from isocost.scheduling.decision import Decision, RejectReason
+from isocost.scheduling.disagg import DisaggMode, choose_pair
 from isocost.scheduling.dispatch import Dispatcher
 from isocost.scheduling.framework import Policy
 from isocost.scheduling.policies import SchedulingConfig, build_policy
 from isocost.scheduling.state import ReplicaSet
 
-__all__ = ["GatewayRequest", "Grant", "Router"]
+__all__ = ["GatewayRequest", "Grant", "Handoff", "Router"]
 
 log = logging.getLogger("isocost.gateway")
 
@@ -170,6 +171,15 @@ class Grant:
     @property
     def predicted_ttft_s(self) -> float | None:
         return self.decision.predicted_ttft_s
+
+
+@dataclass(frozen=True, slots=True)
+class Handoff:
+    """One request split in two (``Router.plan_handoff``): both legs dispatched."""
+
+    prefill: Grant  # its prompt, computed on P (one output token)
+    decode: Grant  # the request itself on D, its prompt's KV pulled from P
+    predicted_transfer_s: float
 
 
 class Router:
@@ -283,6 +293,7 @@ class Router:
             usd_per_hour=config.usd_per_hour,
             max_queue=config.max_queue,
             groups=frozenset(config.groups),
+            role=config.role,
         )
 
     def add_replica(self, pool: Pool, replica: Upstream, spec: ReplicaSpec | None = None) -> None:
@@ -345,9 +356,47 @@ class Router:
 
     def has_candidate(self, request: GatewayRequest, exclude: frozenset[str]) -> bool:
         now = self.clock()
+        exclude |= request.pool.prefill_only()
         return any(
             r.routable(now) and r.name not in exclude for r in request.pool.replicas.values()
         )
+
+    def plan_handoff(self, request: GatewayRequest, exclude: frozenset[str]) -> Handoff | None:
+        """Both legs of ``request`` split into a prefill on P and its decode on D, when its
+        pool has replicas of a split role and the brain's pair choice
+        (``scheduling.disagg.choose_pair``, the pool's ``disaggregation`` mode) splits it
+        now: both dispatched into the shadow state. None: serve it whole (``acquire``)."""
+        pool = request.pool
+        now = self.clock()
+        if pool.disaggregation is DisaggMode.COLOCATED or not any(
+            r.config.role != "both" and r.routable(now) and r.name not in exclude
+            for r in pool.replicas.values()
+        ):
+            return None
+        view = self._view(request, uuid.uuid4().hex, now)
+        pair = choose_pair(
+            self.policies[pool.model],
+            view,
+            self.replicas,
+            now,
+            mode=pool.disaggregation,
+            link=pool.kv_link,
+            exclude=exclude,
+        )
+        if pair.prefill is None or pair.prefill_request is None:
+            return None
+        self._record(pair.decision, pair.decode_request, now)
+        assert pair.prefill.replica_id is not None and pair.decision.replica_id is not None
+        prefill = self._grant(
+            pair.prefill_request, self._by_id[pair.prefill.replica_id], pair.prefill, now
+        )
+        decode = self._grant(
+            pair.decode_request, self._by_id[pair.decision.replica_id], pair.decision, now
+        )
+        depth = self.metrics.pd_queue_depth
+        depth.labels(pool.model, "prefill").set(pair.prefill_queue)
+        depth.labels(pool.model, "decode").set(pair.decode_queue)
+        return Handoff(prefill, decode, pair.transfer_s)
 
     def decide_only(self, request: GatewayRequest) -> dict[str, Any]:
         """The decision for ``request`` without dispatching it (``POST /v1/route``)."""
@@ -367,7 +416,7 @@ class Router:
         dispatcher = self._dispatcher(request.pool.model)
         waiter = _Waiter(dispatcher, attempt_id, loop)
         view = self._view(request, attempt_id, now)
-        limit = dispatcher.submit(waiter, view, now, exclude)
+        limit = dispatcher.submit(waiter, view, now, exclude | request.pool.prefill_only())
         if limit is None:  # bound or refused at once
             return waiter.result()
         gauge = self.metrics.queue_depth.labels(request.pool.model)
@@ -400,14 +449,15 @@ class Router:
     def _bind(self, waiter: _Waiter, view: RequestView, decision: Decision, now: float) -> None:
         """The dispatcher admitted the attempt: dispatch it to the decision's replica."""
         assert decision.replica_id is not None
-        replica = self._by_id[decision.replica_id]
+        waiter.set_result(self._grant(view, self._by_id[decision.replica_id], decision, now))
+
+    def _grant(self, view: RequestView, replica: Upstream, decision: Decision, now: float) -> Grant:
+        """Dispatch ``view`` to ``replica`` (shadow state, state bus): the attempt's grant."""
         record = self._dispatch(view, replica, now, decision)
         if self.bus is not None:
             self.bus.dispatched(view, record)
         replica.num_in_flight += 1
-        waiter.set_result(
-            Grant(replica, view.request_id, decision, record.cached_tokens, view.prompt_tokens)
-        )
+        return Grant(replica, view.request_id, decision, record.cached_tokens, view.prompt_tokens)
 
     def _dispatch(
         self, view: RequestView, replica: Upstream, now: float, decision: Decision | None

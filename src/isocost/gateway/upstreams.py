@@ -14,9 +14,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from isocost.core.links import Link, link
 from isocost.gateway.health import Breaker, BreakerState
 from isocost.runtime.config import HealthConfig, ReplicaConfig, normalize_replica_url, replica_name
 from isocost.scheduling.contract import EngineMetrics
+from isocost.scheduling.disagg import DisaggMode
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -95,3 +97,9 @@ class Pool:
     replicas: dict[str, Upstream] = field(default_factory=dict)  # by normalized URL
     resume: bool = True  # continue broken streams on another replica (``resume: off``)
     tokenizer: Tokenizer | None = None  # the pool's ``tokenizer``: exact prompt token ids
+    disaggregation: DisaggMode = DisaggMode.CONDITIONAL  # P/D split with prefill replicas
+    kv_link: Link = field(default_factory=lambda: link("tcp"))  # what hand-offs travel
+
+    def prefill_only(self) -> frozenset[str]:
+        """Names of the replicas that only prefill: never given a whole request."""
+        return frozenset(r.name for r in self.replicas.values() if r.config.role == "prefill")

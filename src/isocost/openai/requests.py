@@ -21,6 +21,7 @@ import msgspec
 from isocost.openai.errors import ApiError
 
 __all__ = [
+    "KV_TRANSFER_MS_HEADER",
     "ChatMessage",
     "ChatRequest",
     "CompletionRequest",
@@ -38,6 +39,10 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # what OpenAI and vLLM run when /v1/complet
 class StreamOptions(msgspec.Struct, frozen=True):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk
+
+
+# isocost's engine says a decode's modelled KV-transfer time in this response header
+KV_TRANSFER_MS_HEADER = "x-isocost-kv-transfer-ms"
 
 
 class KvTransferParams(msgspec.Struct, frozen=True, kw_only=True):

@@ -11,6 +11,10 @@ A full file, every key optional except ``pools[].model`` and ``replicas[].url``:
       - model: llama-3.1-8b           # the model name clients send
         policy: equal_cost            # a scheduling policy name
         tokenizer: /models/llama/     # tokenizer.json (or its folder): exact prompt tokens
+        disaggregation: conditional   # colocated | pd | conditional: with prefill-role
+                                      # replicas, split a request into a prefill on P and
+                                      # its decode on D (always, or where cheaper)
+        kv_link: infiniband           # nvlink | infiniband | roce | tcp: P -> D KV pulls
         replicas:
           - url: http://10.0.0.5:8000
             name: a100-0              # defaults to host:port
@@ -102,8 +106,10 @@ import msgspec
 from isocost.core.catalog import Catalog
 from isocost.core.costmodel import CostModel
 from isocost.core.errors import ConfigError, IsocostError
+from isocost.core.links import LINK_KINDS
 from isocost.files import is_model_path, resolve_model
 from isocost.scheduling.contract import Role
+from isocost.scheduling.disagg import DisaggMode
 from isocost.scheduling.policies import SchedulingConfig, build_policy
 
 __all__ = [
@@ -157,6 +163,8 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     policy: str | None = None
     resume: bool = True  # a stream broken mid-way goes on on another replica
     tokenizer: str | None = None  # tokenizer.json, or a folder holding one
+    disaggregation: DisaggMode = DisaggMode.CONDITIONAL  # with prefill-role replicas
+    kv_link: str = "tcp"  # the link kind KV hand-offs travel (``core.links``)
 
 
 class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -394,6 +402,8 @@ def _check(config: GatewayConfig, source: str, secrets: bool) -> None:
         if pool.model in seen_models:
             raise bad(f"pools[{i}].model", f"duplicate pool for model {pool.model!r}")
         seen_models.add(pool.model)
+        if pool.kv_link not in LINK_KINDS:
+            raise bad(f"pools[{i}].kv_link", f"must be one of {', '.join(LINK_KINDS)}")
         for j, replica in enumerate(pool.replicas):
             key = f"pools[{i}].replicas[{j}]"
             _check_replica_fields(replica, source, key, secrets=secrets)
