@@ -63,6 +63,7 @@ from isocost.runtime.discovery import DiscoveryProvider, Malformed, Registration
 from isocost.runtime.discovery.etcd import EtcdDiscovery
 from isocost.runtime.discovery.membership import Membership, with_replicas
 from isocost.scheduling.contract import ReplicaSpec
+from isocost.scheduling.disagg import DisaggMode
 from isocost.scheduling.framework import Policy
 
 if TYPE_CHECKING:
@@ -256,7 +257,7 @@ class Gateway:
         for pool_config in config.pools:
             pool = self.pools[pool_config.model]
             pool.resume = pool_config.resume
-            pool.disaggregation = pool_config.disaggregation
+            pool.disaggregation = DisaggMode(pool_config.disaggregation)
             pool.kv_link = link(pool_config.kv_link)
             pool.tokenizer = plan.tokenizers.get(pool_config.model)
         self.router.queue_size = config.limits.max_queue

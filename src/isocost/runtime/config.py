@@ -163,7 +163,7 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     policy: str | None = None
     resume: bool = True  # a stream broken mid-way goes on on another replica
     tokenizer: str | None = None  # tokenizer.json, or a folder holding one
-    disaggregation: DisaggMode = DisaggMode.CONDITIONAL  # with prefill-role replicas
+    disaggregation: str = DisaggMode.CONDITIONAL.value  # ``DisaggMode``: with P/D roles
     kv_link: str = "tcp"  # the link kind KV hand-offs travel (``core.links``)
 
 
@@ -402,6 +402,9 @@ def _check(config: GatewayConfig, source: str, secrets: bool) -> None:
         if pool.model in seen_models:
             raise bad(f"pools[{i}].model", f"duplicate pool for model {pool.model!r}")
         seen_models.add(pool.model)
+        modes = [mode.value for mode in DisaggMode]
+        if pool.disaggregation not in modes:
+            raise bad(f"pools[{i}].disaggregation", f"must be one of {', '.join(modes)}")
         if pool.kv_link not in LINK_KINDS:
             raise bad(f"pools[{i}].kv_link", f"must be one of {', '.join(LINK_KINDS)}")
         for j, replica in enumerate(pool.replicas):
