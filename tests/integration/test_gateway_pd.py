@@ -34,7 +34,8 @@ def start_engine(role: str, *extra: str) -> Proc:
 
 
 def start_gateway(tmp: Path, roles: dict[str, str], mode: str = "pd") -> Proc:
-    """The gateway over ``roles`` (engine URL -> role), disaggregating in ``mode``."""
+    """The gateway over ``roles`` (engine URL -> its role, and any more replica fields),
+    disaggregating in ``mode``."""
     text = gateway_config(
         list(roles),
         model=MODEL,
@@ -201,6 +202,16 @@ def test_gateway_serves_chat_and_completions_through_prefill_and_decode(fleet: F
     }
 
 
+def test_decision_endpoint_names_both_replicas(fleet: Fleet) -> None:
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": PROMPT}]})
+    status, _, decision = http("POST", fleet.gateway.url + "/v1/route", body.encode(), AUTH)
+    assert status == 200, decision
+    assert decision["disaggregated"] is True
+    assert decision["replica_url"] == fleet.decode.url
+    assert decision["prefill_replica_url"] == fleet.prefill.url
+    assert decision["predicted_transfer_ms"] > 0
+
+
 # -- a hand-off lost ------------------------------------------------------------------------
 
 
@@ -208,8 +219,8 @@ def test_prefill_replica_killed_mid_handoff_is_prefilled_again(
     tmp_path: Path, procs: list[Proc]
 ) -> None:
     """P answers the prefill step, then its process exits before D pulls: D's pull fails,
-    and the gateway prefills the request again (here colocated on D, the only other
-    replica): answered, not lost, and counted."""
+    and the gateway prefills the request again (here whole on D, the only other replica):
+    answered, not lost, and counted."""
     prefill = start_engine("prefill", "--crash-after-handoff")
     decode = start_engine("decode")
     procs += [prefill, decode]
@@ -234,6 +245,36 @@ def test_prefill_replica_killed_mid_handoff_is_prefilled_again(
     assert [(r["status"], r["disaggregated"], r["handoff_failures"]) for r in requests] == [
         (200, False, 1)
     ]
+
+
+def test_lost_handoff_is_prefilled_again_on_another_prefill_replica(
+    tmp_path: Path, procs: list[Proc]
+) -> None:
+    """Two prefill replicas; the brain prefers the one on the faster GPU, which dies after
+    its hand-off: the request is split again with the other prefill replica."""
+    doomed = start_engine("prefill", "--crash-after-handoff")
+    spare = start_engine("prefill")
+    decode = start_engine("decode")
+    procs += [doomed, spare, decode]
+    roles = {
+        doomed.url: "prefill, gpu: h200-141g",
+        spare.url: "prefill, gpu: l40s-48g",
+        decode.url: "decode",
+    }
+    gateway = start_gateway(tmp_path, roles)
+    procs.append(gateway)
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key=API_KEY, max_retries=0)
+
+    with client.completions.with_streaming_response.create(
+        model=MODEL, prompt=PROMPT, max_tokens=5, stream=True
+    ) as streamed:
+        assert streamed.headers["x-isocost-prefill-replica"] == replica_name(spare)
+        assert streamed.headers["x-isocost-replica"] == replica_name(decode)
+        pieces = list(streamed.parse())
+    assert sum(bool(p.choices and p.choices[0].text) for p in pieces) == 5
+    assert doomed.popen.wait(timeout=10) == 70
+    failures = metric_samples(gateway, "isocost_pd_handoff_failures_total")
+    assert failures == {(("pool", MODEL), ("stage", "transfer")): 1.0}
 
 
 def test_prefill_step_failing_is_prefilled_again(tmp_path: Path, procs: list[Proc]) -> None:

@@ -66,7 +66,7 @@ from isocost.runtime.config import (
 )
 from isocost.scheduling.contract import EngineMetrics, InFlight, ReplicaSpec, RequestView
 from isocost.scheduling.decision import Decision, RejectReason
-from isocost.scheduling.disagg import DisaggMode, choose_pair
+from isocost.scheduling.disagg import DisaggMode, PairDecision, choose_pair
 from isocost.scheduling.dispatch import Dispatcher
 from isocost.scheduling.framework import Policy
 from isocost.scheduling.policies import SchedulingConfig, build_policy
@@ -361,11 +361,10 @@ class Router:
             r.routable(now) and r.name not in exclude for r in request.pool.replicas.values()
         )
 
-    def plan_handoff(self, request: GatewayRequest, exclude: frozenset[str]) -> Handoff | None:
-        """Both legs of ``request`` split into a prefill on P and its decode on D, when its
-        pool has replicas of a split role and the brain's pair choice
-        (``scheduling.disagg.choose_pair``, the pool's ``disaggregation`` mode) splits it
-        now: both dispatched into the shadow state. None: serve it whole (``acquire``)."""
+    def _pair(self, request: GatewayRequest, exclude: frozenset[str]) -> PairDecision | None:
+        """The brain's pair choice (``scheduling.disagg.choose_pair``, the pool's
+        ``disaggregation`` mode) when it splits ``request`` now; None when its pool has no
+        replica of a split role, or the choice is to serve it whole."""
         pool = request.pool
         now = self.clock()
         if pool.disaggregation is DisaggMode.COLOCATED or not any(
@@ -373,19 +372,28 @@ class Router:
             for r in pool.replicas.values()
         ):
             return None
-        view = self._view(request, uuid.uuid4().hex, now)
         pair = choose_pair(
             self.policies[pool.model],
-            view,
+            self._view(request, uuid.uuid4().hex, now),
             self.replicas,
             now,
             mode=pool.disaggregation,
             link=pool.kv_link,
             exclude=exclude,
         )
-        if pair.prefill is None or pair.prefill_request is None:
+        if pair.prefill is None:
             return None
         self._record(pair.decision, pair.decode_request, now)
+        return pair
+
+    def plan_handoff(self, request: GatewayRequest, exclude: frozenset[str]) -> Handoff | None:
+        """Both legs of ``request``, split into a prefill on P and its decode on D, when
+        the brain splits it (``_pair``), dispatched into the shadow state. None: serve it
+        whole (``acquire``)."""
+        pair = self._pair(request, exclude)
+        if pair is None or pair.prefill is None or pair.prefill_request is None:
+            return None
+        now = self.clock()
         assert pair.prefill.replica_id is not None and pair.decision.replica_id is not None
         prefill = self._grant(
             pair.prefill_request, self._by_id[pair.prefill.replica_id], pair.prefill, now
@@ -394,18 +402,28 @@ class Router:
             pair.decode_request, self._by_id[pair.decision.replica_id], pair.decision, now
         )
         depth = self.metrics.pd_queue_depth
-        depth.labels(pool.model, "prefill").set(pair.prefill_queue)
-        depth.labels(pool.model, "decode").set(pair.decode_queue)
+        depth.labels(request.pool.model, "prefill").set(pair.prefill_queue)
+        depth.labels(request.pool.model, "decode").set(pair.decode_queue)
         return Handoff(prefill, decode, pair.transfer_s)
 
     def decide_only(self, request: GatewayRequest) -> dict[str, Any]:
-        """The decision for ``request`` without dispatching it (``POST /v1/route``)."""
-        now = self.clock()
-        view = self._view(request, uuid.uuid4().hex, now)
-        decision = self._schedule(view, frozenset(), now)
+        """The decision for ``request`` without dispatching it (``POST /v1/route``); a
+        split names its prefill replica too."""
+        pair = self._pair(request, frozenset())
+        if pair is None:
+            now = self.clock()
+            view = self._view(request, uuid.uuid4().hex, now)
+            decision = self._schedule(view, request.pool.prefill_only(), now)
+        else:
+            decision = pair.decision
         body = self._describe(decision)
         if decision.replica_id is not None:
             body["replica_url"] = self._by_id[decision.replica_id].url
+        body["disaggregated"] = pair is not None
+        if pair is not None and pair.prefill is not None and pair.prefill.replica_id:
+            body["prefill_replica"] = pair.prefill.replica_id
+            body["prefill_replica_url"] = self._by_id[pair.prefill.replica_id].url
+            body["predicted_transfer_ms"] = _ms(pair.transfer_s)
         return body
 
     async def acquire(self, request: GatewayRequest, exclude: frozenset[str]) -> Grant:
