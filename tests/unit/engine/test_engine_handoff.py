@@ -116,3 +116,17 @@ def test_replica_spec_takes_role_and_link() -> None:
 def test_replica_spec_refuses_unknown_role_or_link(text: str, key: str) -> None:
     with pytest.raises(ConfigError, match=key):
         parse_replica_spec(text)
+
+
+def test_a_preempted_pull_recomputes_its_prompt() -> None:
+    """Preemption frees the pulled KV with the blocks: re-admitted, the prompt is
+    computed here (vLLM recomputes a preempted remote-prefilled request too)."""
+    model = _model(num_blocks=20)  # 320 tokens: two 100 + 200 requests cannot both finish
+    local = RequestSpec("local", 100, 200, tuple(token_block_hashes(PROMPT[:100], 16)))
+    pulled = RequestSpec("pulled", 100, 200, (), num_external_tokens=100)
+    model.submit(local, 0.0)
+    state = model.submit(pulled, 0.0)
+    assert state.num_external_tokens == 100
+    _drain(model)
+    assert state.num_preemptions >= 1 and state.num_external_tokens == 0
+    assert state.num_output_tokens == 200
