@@ -10,7 +10,7 @@
    which releases the held blocks and says how many prompt tokens they cover; then the
    transfer itself is waited out in modelled time: ``core.links.kv_transfer_s`` of the
    tokens the decode replica's own prefix cache lacks, over the replica's ``link``. The
-   request is then admitted with those tokens computed (``RequestSpec.num_external_tokens``)
+   request is then admitted with those tokens computed (``RequestSpec.kv_ready_tokens``)
    and decodes without their prefill. The answer says the transfer's modelled time in
    ``x-isocost-kv-transfer-ms`` (``KV_TRANSFER_MS_HEADER``).
 
@@ -59,7 +59,7 @@ class _PullRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class PulledKv:
     """A decode replica's pulled KV: the request to queue and the transfer's cost."""
 
-    spec: RequestSpec  # with the pulled tokens as external (computed) ones
+    spec: RequestSpec  # with the pulled tokens as computed ones (``kv_ready_tokens``)
     moved_tokens: int  # tokens whose KV crossed the link (the rest was cached here)
     transfer_s: float  # modelled seconds of the transfer
 
@@ -118,11 +118,11 @@ async def pull_kv(
         ) from None
     except msgspec.DecodeError:
         raise _transfer_failed("the prefill replica's answer is not a pull result") from None
-    external = min(num_tokens, spec.prompt_tokens)
-    moved = max(0, external - local_tokens)
+    ready = min(num_tokens, spec.prompt_tokens)
+    moved = max(0, ready - local_tokens)
     transfer_s = kv_transfer_s(moved, replica.model.cost.kv_bytes_per_token, replica.link)
     await asyncio.sleep(transfer_s * replica.options.time_scale)
-    pulled = dataclasses.replace(spec, num_external_tokens=external)
+    pulled = dataclasses.replace(spec, kv_ready_tokens=ready)
     return PulledKv(pulled, moved, transfer_s)
 
 

@@ -1,5 +1,5 @@
-"""Disaggregated serving in the pure engine: pulled (external) prompt tokens, held KV
-blocks and their expiry, and the replica roles and links of the engine config."""
+"""Disaggregated serving in the pure engine: pulled prompt tokens after a preemption, held
+KV blocks and their expiry, and the replica roles and links of the engine config."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from isocost.core.catalog import Catalog
 from isocost.core.costmodel import CostModel
 from isocost.core.errors import ConfigError
-from isocost.engine import EngineEvent, EngineModel, FirstToken, RequestSpec
+from isocost.engine import EngineEvent, EngineModel, RequestSpec
 from isocost.engine.config import EngineReplicaConfig, Faults, parse_replica_spec
 from isocost.engine.handoff import KvHandoffs, handoff_params
 from isocost.prefix.hashing import token_block_hashes
@@ -24,36 +24,11 @@ def _model(num_blocks: int | None = None) -> EngineModel:
     return EngineModel(cost, num_blocks=num_blocks)
 
 
-def _spec(request_id: str, external: int = 0) -> RequestSpec:
-    hashes = tuple(token_block_hashes(PROMPT, 16))
-    return RequestSpec(request_id, len(PROMPT), 4, hashes, num_external_tokens=external)
-
-
 def _drain(model: EngineModel) -> list[EngineEvent]:
     events: list[EngineEvent] = []
     while (t := model.next_event_time()) is not None:
         events += model.advance_to(t)
     return events
-
-
-def _ttft_s(spec: RequestSpec) -> float:
-    model = _model()
-    model.submit(spec, 0.0)
-    (first,) = [e for e in _drain(model) if isinstance(e, FirstToken)]
-    return first.ttft_s
-
-
-def test_pulled_tokens_skip_prefill_but_are_no_cache_hits() -> None:
-    model = _model()
-    state = model.submit(_spec("pulled", external=len(PROMPT)), 0.0)
-    _drain(model)
-    assert state.num_output_tokens == 4
-    assert state.num_prefix_hit_tokens == 0
-    assert model.counters.prefix_cache_hits == 0
-    # one prompt token is computed after the 1999 pulled (it yields the first output token)
-    one_token_s = model.cost.step_time_s(1, len(PROMPT) - 1)
-    assert _ttft_s(_spec("pulled", external=len(PROMPT))) == pytest.approx(one_token_s)
-    assert _ttft_s(_spec("local")) > 5 * one_token_s
 
 
 def test_held_blocks_count_as_used_until_pulled() -> None:
@@ -123,10 +98,10 @@ def test_a_preempted_pull_recomputes_its_prompt() -> None:
     computed here (vLLM recomputes a preempted remote-prefilled request too)."""
     model = _model(num_blocks=20)  # 320 tokens: two 100 + 200 requests cannot both finish
     local = RequestSpec("local", 100, 200, tuple(token_block_hashes(PROMPT[:100], 16)))
-    pulled = RequestSpec("pulled", 100, 200, (), num_external_tokens=100)
+    pulled = RequestSpec("pulled", 100, 200, (), kv_ready_tokens=100)
     model.submit(local, 0.0)
     state = model.submit(pulled, 0.0)
-    assert state.num_external_tokens == 100
+    assert state.num_kv_ready_tokens == 100
     _drain(model)
-    assert state.num_preemptions >= 1 and state.num_external_tokens == 0
+    assert state.num_preemptions >= 1 and state.num_kv_ready_tokens == 0
     assert state.num_output_tokens == 200
