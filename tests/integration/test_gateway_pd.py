@@ -74,6 +74,7 @@ class Fleet:
     prefill: Proc
     decode: Proc
     gateway: Proc
+    log: Path
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.gateway.url + "/v1", api_key=API_KEY, max_retries=0)
@@ -83,11 +84,10 @@ class Fleet:
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     prefill, decode = start_engine("prefill"), start_engine("decode")
     gateway = None
+    tmp = tmp_path_factory.mktemp("pd")
     try:
-        gateway = start_gateway(
-            tmp_path_factory.mktemp("pd"), {prefill.url: "prefill", decode.url: "decode"}
-        )
-        yield Fleet(prefill, decode, gateway)
+        gateway = start_gateway(tmp, {prefill.url: "prefill", decode.url: "decode"})
+        yield Fleet(prefill, decode, gateway, tmp / "gateway.log")
     finally:
         for proc in (gateway, decode, prefill):
             if proc is not None:
@@ -195,6 +195,16 @@ def test_gateway_serves_chat_and_completions_through_prefill_and_decode(fleet: F
     assert transfers[(("replica", d_name),)] >= 4
     prefills = metric_samples(fleet.gateway, "isocost_pd_prefill_seconds_count")
     assert prefills[(("replica", p_name),)] >= 4
+    log = [json.loads(line) for line in fleet.log.read_text().splitlines() if line[:1] == "{"]
+    split = [e for e in log if e.get("event") == "request" and e["disaggregated"]][-4:]
+    assert [e["prefill_replica"] for e in split] == [p_name] * 4
+    assert all(e["prefill_ms"] > 0 for e in split)
+    chat_log, completion_log, chat_stream_log, completion_stream_log = split
+    assert chat_log["kv_transfer_ms"] > 0  # a prompt D never saw: all of its KV moves
+    # D caches the KV it pulled: the same prompt again moves only what D lacks
+    assert chat_stream_log["kv_transfer_ms"] < chat_log["kv_transfer_ms"]
+    assert completion_stream_log["kv_transfer_ms"] <= completion_log["kv_transfer_ms"]
+    assert all(e["prefill_queue"] >= 0 and e["decode_queue"] >= 0 for e in split)
     depths = metric_samples(fleet.gateway, "isocost_pd_queue_depth")
     assert {labels for labels in depths} == {
         (("pool", MODEL), ("role", "prefill")),

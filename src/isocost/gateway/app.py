@@ -87,6 +87,8 @@ def _account(gateway: Gateway, request: GatewayRequest, result: ForwardResult) -
             "prefill_ms": _ms(result.prefill_s),
             "kv_transfer_ms": _ms(result.kv_transfer_s),
             "handoff_failures": result.handoff_failures,
+            "prefill_queue": result.queues[0] if result.queues else None,
+            "decode_queue": result.queues[1] if result.queues else None,
         },
     )
 

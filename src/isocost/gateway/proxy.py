@@ -137,6 +137,7 @@ class ForwardResult:
     prefill_s: float | None = None  # its prefill step's time
     kv_transfer_s: float | None = None  # the KV transfer D reported
     handoff_failures: int = 0  # splits whose prefill or pull failed (prefilled again)
+    queues: tuple[int, int] | None = None  # waiting at (P, D) when the answering pair was chosen
 
     @property
     def disaggregated(self) -> bool:
@@ -356,11 +357,12 @@ class Forwarder:
                 raise
             tried.add(decode.replica.name)
             result.replica, result.prefill_replica = decode.replica, prefill.replica
+            result.queues = (handoff.prefill_queue, handoff.decode_queue)
             decode_body = _with_kv_params(upstream_body, params)
             try:
                 return await self._attempt(attempt, decode_body, decode)
             except _AttemptFailed as failed:
-                result.prefill_replica = None
+                result.prefill_replica = result.queues = None
                 if failed.handoff_lost:
                     tried.discard(decode.replica.name)  # D is fine: P lost the KV
                     lost_prefills.add(prefill.replica.name)

@@ -180,6 +180,8 @@ class Handoff:
     prefill: Grant  # its prompt, computed on P (one output token)
     decode: Grant  # the request itself on D, its prompt's KV pulled from P
     predicted_transfer_s: float
+    prefill_queue: int  # requests waiting at P when the pair was chosen
+    decode_queue: int  # ... at D
 
 
 class Router:
@@ -404,7 +406,7 @@ class Router:
         depth = self.metrics.pd_queue_depth
         depth.labels(request.pool.model, "prefill").set(pair.prefill_queue)
         depth.labels(request.pool.model, "decode").set(pair.decode_queue)
-        return Handoff(prefill, decode, pair.transfer_s)
+        return Handoff(prefill, decode, pair.transfer_s, pair.prefill_queue, pair.decode_queue)
 
     def decide_only(self, request: GatewayRequest) -> dict[str, Any]:
         """The decision for ``request`` without dispatching it (``POST /v1/route``); a
