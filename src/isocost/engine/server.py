@@ -7,7 +7,9 @@ structs of ``isocost.openai``), validates it (``validation``), passes the replic
 (``replies``); every error leaves as OpenAI error JSON from the one middleware, aiohttp's
 own (unknown path, wrong method, body over the size limit) included. A client that leaves
 cancels its handler (``handler_cancellation``), which aborts its request, streamed or not:
-its KV blocks are freed and it counts as ``finished_reason="abort"``.
+its KV blocks are freed and it counts as ``finished_reason="abort"``. A request carrying
+``kv_transfer_params`` is one half of vLLM's prefill/decode protocol (``disagg``): a
+prefill that hands its KV off, or a decode that pulls it first.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -145,7 +148,7 @@ async def _generate(
         replica.release(waiter)
 
 
-def _hand_off(replica: ServedReplica, spec: RequestSpec) -> object:
+def _hand_off(replica: ServedReplica, spec: RequestSpec) -> dict[str, Any] | None:
     """Hold a finished prefill's KV for a decode replica: the answer's
     ``kv_transfer_params``, or None (as vLLM answers) when there is no room to hold it."""
     held = replica.hold_kv(spec.request_id, spec.prompt_tokens)

@@ -58,8 +58,8 @@ def _account(gateway: Gateway, request: GatewayRequest, result: ForwardResult) -
     replica = result.replica
     name = replica.name if replica else _NO_ROUTE
     gateway.metrics.requests.labels(str(result.status), request.pool.model, name).inc()
-    split = result.prefill_replica
-    gateway.metrics.disaggregated.labels(request.pool.model, "yes" if split else "no").inc()
+    split = "yes" if result.disaggregated else "no"
+    gateway.metrics.disaggregated.labels(request.pool.model, split).inc()
     e2e_s = time.monotonic() - request.arrived_at
     if replica is not None and result.status < 400:
         gateway.metrics.e2e.labels(name).observe(e2e_s)
@@ -82,8 +82,8 @@ def _account(gateway: Gateway, request: GatewayRequest, result: ForwardResult) -
             "e2e_ms": round(e2e_s * 1000, 1),
             "key": request.key_name,
             "error": result.error,
-            "disaggregated": split is not None,
-            "prefill_replica": split.name if split else None,
+            "disaggregated": result.disaggregated,
+            "prefill_replica": result.prefill_replica.name if result.prefill_replica else None,
             "prefill_ms": _ms(result.prefill_s),
             "kv_transfer_ms": _ms(result.kv_transfer_s),
             "handoff_failures": result.handoff_failures,

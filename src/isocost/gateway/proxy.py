@@ -366,7 +366,7 @@ class Forwarder:
                 if failed.handoff_lost:
                     tried.discard(decode.replica.name)  # D is fine: P lost the KV
                     lost_prefills.add(prefill.replica.name)
-                    self._count_lost_handoff(request, result, decode, "transfer", failed.reason)
+                    self._count_lost_handoff(request, result, prefill, "transfer", failed.reason)
                 if not await self._after_failure(
                     failed, decode, request, result, attempt.deadline, tried
                 ):
@@ -386,9 +386,11 @@ class Forwarder:
             upstream.close()
             raise
         upstream.release()
-        params = _handoff_params(data) if upstream.status < 400 else None
-        if params is None:
-            raise _AttemptFailed(f"prefill step gave no KV hand-off (status {upstream.status})")
+        if upstream.status >= 400:
+            raise _AttemptFailed(f"prefill step refused (status {upstream.status})")
+        params = _handoff_params(data)
+        if params is None:  # answered, but holds no KV for us (vLLM: no room): a full one
+            raise _AttemptFailed("prefill step gave no KV hand-off", busy=True)
         now = time.monotonic()
         grant.replica.breaker.record_success(now)
         self.router.release(grant, now, ok=True, output_tokens=1)
@@ -397,8 +399,14 @@ class Forwarder:
         return params
 
     def _count_lost_handoff(
-        self, request: GatewayRequest, result: ForwardResult, grant: Grant, stage: str, reason: str
+        self,
+        request: GatewayRequest,
+        result: ForwardResult,
+        prefill: Grant,
+        stage: str,
+        reason: str,
     ) -> None:
+        """Count and log a split whose hand-off from ``prefill``'s replica was lost."""
         result.handoff_failures += 1
         self.router.metrics.pd_handoff_failures.labels(request.pool.model, stage).inc()
         log.info(
@@ -406,7 +414,7 @@ class Forwarder:
             extra={
                 "event": "handoff_lost",
                 "request_id": request.request_id,
-                "replica": grant.replica.name,
+                "replica": prefill.replica.name,
                 "stage": stage,
                 "reason": reason,
             },
