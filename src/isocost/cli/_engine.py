@@ -51,6 +51,14 @@ def engine(
     write_timeout: float = typer.Option(
         30.0, "--write-timeout", min=0.001, help="Seconds a stream may wait on its client."
     ),
+    role: str = typer.Option("both", "--role", help="Disaggregation: prefill|decode|both."),
+    link: str = typer.Option("tcp", "--link", help="KV pull link: nvlink|infiniband|roce|tcp."),
+    kv_hold_timeout: float = typer.Option(
+        480.0, "--kv-hold-timeout", help="Seconds a prefill's KV waits to be pulled."
+    ),
+    crash_after_handoff: bool = typer.Option(
+        False, "--crash-after-handoff", help="Fault: exit after a prefill hand-off answer."
+    ),
 ) -> None:
     """Serve simulated vLLM-like replicas timed by the cost model.
 
@@ -64,9 +72,15 @@ def engine(
 
     configure_logging("warning")  # one JSON object per line, secrets redacted, as serve
 
-    faults = Faults(slowdown=slowdown, error_rate=error_rate, hang=hang, max_waiting=max_waiting)
+    faults = Faults(
+        slowdown=slowdown,
+        error_rate=error_rate,
+        hang=hang,
+        max_waiting=max_waiting,
+        crash_after_handoff=crash_after_handoff,
+    )
     default = EngineReplicaConfig(
-        gpu, model, tp, served_model_name or model, num_gpu_blocks, faults
+        gpu, model, tp, served_model_name or model, num_gpu_blocks, faults, role, link
     )
     limits = EngineLimits(gpu_memory_utilization, max_num_batched_tokens, max_num_seqs)
     options = ServeOptions(
@@ -78,6 +92,7 @@ def engine(
         seed,
         tokenizer,
         write_timeout,
+        kv_hold_timeout,
     )
 
     def ready(urls: list[tuple[ServedReplica, str]]) -> None:

@@ -9,6 +9,8 @@ strings, or by a YAML file; each spec overrides the flags' defaults field by fie
     replicas:
       - {gpu: h100-80g, model: llama-3.1-8b}
       - {gpu: l40s-48g, model: llama-3.1-8b, tp: 2, slowdown: 1.5, max_waiting: 32}
+      - {role: prefill}                  # disaggregated: prefill only, hands its KV off
+      - {role: decode, link: infiniband} # pulls KV over this link kind, then decodes
 
 Unknown keys are errors that name the source and the key.
 """
@@ -20,8 +22,10 @@ from dataclasses import dataclass
 import msgspec
 
 from isocost.core.errors import ConfigError
+from isocost.core.links import LINK_KINDS
 
 __all__ = [
+    "ROLES",
     "EngineReplicaConfig",
     "Faults",
     "ReplicaOverrides",
@@ -31,6 +35,9 @@ __all__ = [
 ]
 
 
+ROLES = ("both", "prefill", "decode")  # vLLM's kv_both, kv_producer, kv_consumer
+
+
 class Faults(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """Injected misbehaviour of one replica (flags, spec fields or ``POST /admin/fault``).
 
@@ -38,7 +45,9 @@ class Faults(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     * ``error_rate``: share of completion requests answered with HTTP 500 (0..1);
     * ``hang``: accept requests but answer none until the fault is cleared;
     * ``crash``: exit the whole process at once (admin endpoint only);
-    * ``max_waiting``: answer 503 + Retry-After while this many requests already wait.
+    * ``max_waiting``: answer 503 + Retry-After while this many requests already wait;
+    * ``crash_after_handoff``: exit the whole process right after answering a prefill
+      that hands its KV off (before anyone pulls it: the hand-off is lost with it).
     """
 
     slowdown: float = 1.0
@@ -46,6 +55,7 @@ class Faults(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     hang: bool = False
     crash: bool = False
     max_waiting: int | None = None
+    crash_after_handoff: bool = False
 
     def problem(self) -> tuple[str, str] | None:
         """``(field, message)`` for the first invalid field, or None."""
@@ -69,6 +79,8 @@ class ReplicaOverrides(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     slowdown: float | None = None
     error_rate: float | None = None
     max_waiting: int | None = None
+    role: str | None = None
+    link: str | None = None
 
 
 class _ReplicasFile(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -77,7 +89,8 @@ class _ReplicasFile(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 @dataclass(frozen=True, slots=True)
 class EngineReplicaConfig:
-    """A fully resolved engine replica: hardware, model, name and starting faults."""
+    """A fully resolved engine replica: hardware, model, name, starting faults, and its
+    part in disaggregated serving (``role``; ``link``: the kind its KV pulls travel)."""
 
     gpu: str
     model: str
@@ -85,6 +98,8 @@ class EngineReplicaConfig:
     served_model_name: str
     num_gpu_blocks: int | None
     faults: Faults
+    role: str = "both"
+    link: str = "tcp"
 
     def with_overrides(self, o: ReplicaOverrides) -> EngineReplicaConfig:
         model = o.model or self.model
@@ -102,6 +117,8 @@ class EngineReplicaConfig:
             served_model_name=name,
             num_gpu_blocks=self.num_gpu_blocks if o.num_gpu_blocks is None else o.num_gpu_blocks,
             faults=faults,
+            role=o.role or self.role,
+            link=o.link or self.link,
         )
 
 
@@ -110,6 +127,10 @@ def _checked(overrides: ReplicaOverrides, source: str) -> ReplicaOverrides:
         raise ConfigError(source, "must be >= 1", key="tp")
     if overrides.num_gpu_blocks is not None and overrides.num_gpu_blocks < 1:
         raise ConfigError(source, "must be >= 1", key="num_gpu_blocks")
+    if overrides.role is not None and overrides.role not in ROLES:
+        raise ConfigError(source, f"must be one of {', '.join(ROLES)}", key="role")
+    if overrides.link is not None and overrides.link not in LINK_KINDS:
+        raise ConfigError(source, f"must be one of {', '.join(LINK_KINDS)}", key="link")
     problem = Faults(
         slowdown=1.0 if overrides.slowdown is None else overrides.slowdown,
         error_rate=overrides.error_rate or 0.0,

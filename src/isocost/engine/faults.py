@@ -4,7 +4,8 @@ The fault set (``Faults``) comes from flags, spec fields or ``POST /admin/fault`
 body replaces the whole fault set; ``{}`` clears it): ``slowdown`` stretches every step,
 ``error_rate`` answers that share of completion requests with 500, ``hang`` holds every
 request except ``/admin/*`` until cleared, ``max_waiting`` answers 503 + Retry-After while
-the queue is that long, ``crash`` exits the process (code 70) right after answering.
+the queue is that long, ``crash`` exits the process (code 70) right after answering,
+``crash_after_handoff`` does so right after answering a prefill that hands its KV off.
 ``GET /admin/fault`` shows the current set.
 """
 
@@ -22,7 +23,7 @@ from isocost.openai.errors import ApiError
 from isocost.openai.requests import decode_body
 from isocost.openai.responses import json_response
 
-__all__ = ["FaultInjector", "add_fault_routes"]
+__all__ = ["FaultInjector", "add_fault_routes", "answer_and_exit"]
 
 _CRASH_EXIT_CODE = 70
 
@@ -61,6 +62,14 @@ class FaultInjector:
             raise ApiError(500, "injected engine failure", type_="server_error", code="internal")
 
 
+async def answer_and_exit(request: web.Request, response: web.StreamResponse) -> None:
+    """Send ``response`` whole, then end the process at once (an injected crash: every
+    replica of the process dies, held requests and KV with it)."""
+    await response.prepare(request)
+    await response.write_eof()
+    os._exit(_CRASH_EXIT_CODE)
+
+
 def add_fault_routes(app: web.Application, injector: FaultInjector) -> None:
     """``GET`` and ``POST /admin/fault`` for ``injector``'s replica."""
 
@@ -75,9 +84,7 @@ def add_fault_routes(app: web.Application, injector: FaultInjector) -> None:
         injector.set(faults)
         response = json_response(faults)
         if faults.crash:
-            await response.prepare(request)
-            await response.write_eof()
-            os._exit(_CRASH_EXIT_CODE)
+            await answer_and_exit(request, response)
         return response
 
     app.router.add_get("/admin/fault", get_fault)

@@ -6,7 +6,8 @@ from collections.abc import Callable
 
 from isocost.core.costmodel import EngineLimits
 from isocost.core.errors import ConfigError
-from isocost.engine.config import EngineReplicaConfig, resolve_replicas
+from isocost.core.links import LINK_KINDS
+from isocost.engine.config import ROLES, EngineReplicaConfig, resolve_replicas
 from isocost.engine.replica import OUTPUT_DISTRIBUTIONS, ServedReplica, ServeOptions
 from isocost.engine.server import run_engine
 from isocost.files import load_catalog, read_text
@@ -36,6 +37,9 @@ def launch(
         ("--port", 0 <= port <= 65535, "must be a TCP port"),
         ("--output-dist", options.output_dist in OUTPUT_DISTRIBUTIONS, "unknown distribution"),
         ("--output-mean-tokens", options.output_mean_tokens >= 1, "must be >= 1"),
+        ("--role", default.role in ROLES, f"must be one of {', '.join(ROLES)}"),
+        ("--link", default.link in LINK_KINDS, f"must be one of {', '.join(LINK_KINDS)}"),
+        ("--kv-hold-timeout", options.kv_hold_timeout_s > 0, "must be > 0"),
     )
     for flag, ok, message in checks:
         if not ok:

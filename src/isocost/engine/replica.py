@@ -14,10 +14,13 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+import uuid
 from dataclasses import dataclass
 
+from isocost.core.links import Link, link
 from isocost.engine.config import EngineReplicaConfig
 from isocost.engine.faults import FaultInjector
+from isocost.engine.handoff import DEFAULT_HOLD_TIMEOUT_S, HeldKv, KvHandoffs
 from isocost.engine.metrics import ReplicaMetrics
 from isocost.engine.model import EngineModel
 from isocost.engine.records import Finished, FirstToken, RequestSpec, RequestState
@@ -41,6 +44,7 @@ class ServeOptions:
     seed: int = 0
     tokenizer_path: str | None = None
     write_timeout_s: float = 30.0  # a stream write blocked this long: the client is gone
+    kv_hold_timeout_s: float = DEFAULT_HOLD_TIMEOUT_S  # a prefill's KV waits this long
 
 
 class OutputLengths:
@@ -108,6 +112,11 @@ class ServedReplica:
         rng = random.Random(f"{options.seed}/{index}")
         self.faults = FaultInjector(model, rng, spec.faults)
         self.output_lengths = OutputLengths(options.output_dist, options.output_mean_tokens, rng)
+        self.handoffs = KvHandoffs(model, options.kv_hold_timeout_s)
+        self.link: Link = link(spec.link)  # what this replica's KV pulls travel over
+        self.engine_id = f"isocost-{uuid.uuid4().hex[:12]}-{index}"
+        self.port = 0  # the HTTP port, once bound (where decode replicas pull from)
+        self._expiry: asyncio.TimerHandle | None = None
         self._waiters: dict[str, Waiter] = {}
         self._wakeup: asyncio.Future[None] | None = None
         self._origin = asyncio.get_running_loop().time()
@@ -173,13 +182,58 @@ class ServedReplica:
         state = self.model.submit(spec, now)
         waiter = Waiter(state, wake_every, finish_reason)
         self._waiters[spec.request_id] = waiter
+        self._wake_loop()
+        return waiter
+
+    # -- KV hand-offs (disaggregated serving) ---------------------------------------
+
+    def hold_kv(self, request_id: str, num_tokens: int) -> HeldKv | None:
+        """Keep a finished prefill's KV for a decode replica to pull (None: no room)."""
+        self._advance(self.model_now())  # the model changes now, not at its last step
+        held = self.handoffs.hold(request_id, num_tokens, self._wall_s())
+        self._arm_expiry()
+        self._wake_loop()
+        return held
+
+    def pull_kv(self, request_id: str) -> HeldKv | None:
+        """Give a held prefill's KV to the decode replica that pulls it (None: unknown,
+        pulled already or expired); its blocks are free again."""
+        self._advance(self.model_now())
+        held = self.handoffs.pull(request_id, self._wall_s())
+        self._wake_loop()  # freed blocks may admit a waiting request
+        return held
+
+    def _wall_s(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def _arm_expiry(self) -> None:
+        """One timer at the earliest hold's expiry, so held KV is freed on time even when
+        nobody pulls or holds anything."""
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+        due = self.handoffs.next_expiry_s()
+        if due is not None:
+            self._expiry = asyncio.get_running_loop().call_at(due, self._expire)
+
+    def _expire(self) -> None:
+        self._expiry = None
+        self._advance(self.model_now())
+        self.handoffs.expire(self._wall_s())
+        self._wake_loop()
+        self._arm_expiry()
+
+    def _wake_loop(self) -> None:
+        """The model changed outside a step (a submit, held or freed blocks): the loop
+        must look again at when its next step is due."""
         if self._wakeup is not None and not self._wakeup.done():
             self._wakeup.set_result(None)
-        return waiter
 
     def close(self) -> None:
         """Shutdown: wake every held request and handler so each ends at once."""
         self.closing = True
+        if self._expiry is not None:
+            self._expiry.cancel()
         self.faults.unhung.set()
         for waiter in self._waiters.values():
             waiter.event.set()

@@ -108,11 +108,12 @@ async def stream_reply(
     waiter: Waiter,
     reply: Reply,
     generation: Generation,
+    headers: dict[str, str] | None = None,
 ) -> web.StreamResponse:
     """Stream ``reply`` as ``waiter``'s tokens come; a client that leaves, or stops
     reading, ends it quietly (the caller aborts the request)."""
     response = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"} | (headers or {})
     )
     await response.prepare(request)
     try:

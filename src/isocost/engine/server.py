@@ -7,7 +7,9 @@ structs of ``isocost.openai``), validates it (``validation``), passes the replic
 (``replies``); every error leaves as OpenAI error JSON from the one middleware, aiohttp's
 own (unknown path, wrong method, body over the size limit) included. A client that leaves
 cancels its handler (``handler_cancellation``), which aborts its request, streamed or not:
-its KV blocks are freed and it counts as ``finished_reason="abort"``.
+its KV blocks are freed and it counts as ``finished_reason="abort"``. A request carrying
+``kv_transfer_params`` is one half of vLLM's prefill/decode protocol (``disagg``): a
+prefill that hands its KV off, or a decode that pulls it first.
 """
 
 from __future__ import annotations
@@ -15,22 +17,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
+from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 from isocost.core.catalog import Catalog
 from isocost.core.costmodel import CostModel, EngineLimits
 from isocost.core.errors import DoesNotFitError
 from isocost.engine.config import EngineReplicaConfig
-from isocost.engine.faults import add_fault_routes
+from isocost.engine.disagg import add_pull_route, check_role, pull_kv
+from isocost.engine.faults import add_fault_routes, answer_and_exit
+from isocost.engine.handoff import handoff_params
 from isocost.engine.model import EngineModel
+from isocost.engine.records import RequestSpec
 from isocost.engine.replica import ServedReplica, ServeOptions
 from isocost.engine.replies import Reply, stream_reply
 from isocost.engine.tokens import Tokenizer, filler_start, load_tokenizer
 from isocost.engine.validation import chat_text, prompt_ids, prompt_text, validate
 from isocost.files import resolve_model
 from isocost.openai.errors import ApiError, error_response
-from isocost.openai.requests import ChatRequest, CompletionRequest, decode_body
+from isocost.openai.requests import (
+    KV_TRANSFER_MS_HEADER,
+    ChatRequest,
+    CompletionRequest,
+    decode_body,
+)
 from isocost.openai.responses import json_response
 from isocost.serving import run_serving, stop_requested
 
@@ -40,6 +52,7 @@ __all__ = ["build_models", "build_tokenizers", "run_engine"]
 # -- HTTP ------------------------------------------------------------------------------
 
 REPLICA = web.AppKey("replica", ServedReplica)
+PULLS = web.AppKey("pulls", aiohttp.ClientSession)  # a decode replica's KV pulls
 
 
 def _shutting_down() -> ApiError:
@@ -102,22 +115,52 @@ async def _generate(
     chat: bool,
 ) -> web.StreamResponse:
     generation = validate(replica, body, ids)
+    params = body.kv_transfer_params
+    check_role(replica, params)
     replica.faults.check_admission()
     spec = generation.spec
+    headers: dict[str, str] = {}
+    if params is not None and params.do_remote_prefill:
+        pulled = await pull_kv(request.app[PULLS], replica, params, spec)
+        spec = pulled.spec
+        headers[KV_TRANSFER_MS_HEADER] = f"{pulled.transfer_s * 1000:.3f}"
     finish_reason = "length" if spec.max_output_tokens == generation.max_tokens else "stop"
     wake_every = replica.options.stream_interval if generation.stream else spec.max_output_tokens
     waiter = replica.submit(spec, wake_every, finish_reason)
     reply = Reply(chat, replica.served_model_name, spec, finish_reason, filler_from)
     try:
         if generation.stream:
-            return await stream_reply(request, replica, waiter, reply, generation)
+            return await stream_reply(request, replica, waiter, reply, generation, headers)
         while waiter.state.finished_s is None:
             await waiter.wait()
             if replica.closing:
                 raise _shutting_down()
-        return json_response(reply.whole())
+        answer = reply.whole()
+        hands_off = params is not None and params.do_remote_decode
+        if hands_off:
+            answer["kv_transfer_params"] = _hand_off(replica, spec)
+        response = json_response(answer)
+        response.headers.update(headers)
+        if hands_off and replica.faults.faults.crash_after_handoff:
+            await answer_and_exit(request, response)
+        return response
     finally:
         replica.release(waiter)
+
+
+def _hand_off(replica: ServedReplica, spec: RequestSpec) -> dict[str, Any] | None:
+    """Hold a finished prefill's KV for a decode replica: the answer's
+    ``kv_transfer_params``, or None (as vLLM answers) when there is no room to hold it."""
+    held = replica.hold_kv(spec.request_id, spec.prompt_tokens)
+    if held is None:
+        return None
+    return handoff_params(
+        held,
+        replica.engine_id,
+        replica.options.host,
+        replica.port,
+        replica.model.cost.tensor_parallel,
+    )
 
 
 async def _models(request: web.Request) -> web.Response:
@@ -144,7 +187,7 @@ async def _metrics(request: web.Request) -> web.Response:
     )
 
 
-def _application(replica: ServedReplica) -> web.Application:
+def _application(replica: ServedReplica, pulls: aiohttp.ClientSession) -> web.Application:
     app = web.Application(middlewares=[_faults_and_errors])
     app[REPLICA] = replica
     app.router.add_post("/v1/completions", _completions)
@@ -152,7 +195,9 @@ def _application(replica: ServedReplica) -> web.Application:
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
+    app[PULLS] = pulls
     add_fault_routes(app, replica.faults)
+    add_pull_route(app, replica)
     return app
 
 
@@ -206,11 +251,12 @@ async def serve(
     runners: list[web.AppRunner] = []
     tasks = [asyncio.create_task(r.run(), name=f"replica-{r.index}") for r in replicas]
     stop = stop_requested()
+    pulls = aiohttp.ClientSession()
     try:
         urls = []
         for replica, port in zip(replicas, ports, strict=True):
             runner = web.AppRunner(
-                _application(replica),
+                _application(replica, pulls),
                 shutdown_timeout=1.0,
                 access_log=None,
                 handler_cancellation=True,  # a client gone aborts its request at once
@@ -219,7 +265,7 @@ async def serve(
             runners.append(runner)
             site = web.TCPSite(runner, options.host, port)
             await site.start()
-            bound = runner.addresses[0][1]
+            bound = replica.port = runner.addresses[0][1]
             urls.append((replica, f"http://{options.host}:{bound}"))
         on_ready(urls)
         await stop.wait()
@@ -228,6 +274,7 @@ async def serve(
             replica.close()
         for runner in runners:
             await runner.cleanup()
+        await pulls.close()
         for task in tasks:
             task.cancel()
         with contextlib.suppress(asyncio.CancelledError):

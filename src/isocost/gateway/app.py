@@ -59,6 +59,8 @@ def _account(gateway: Gateway, request: GatewayRequest, result: ForwardResult) -
     replica = result.replica
     name = replica.name if replica else _NO_ROUTE
     gateway.metrics.requests.labels(str(result.status), request.pool.model, name).inc()
+    split = "yes" if result.disaggregated else "no"
+    gateway.metrics.disaggregated.labels(request.pool.model, split).inc()
     e2e_s = time.monotonic() - request.arrived_at
     if replica is not None and result.status < 400:
         gateway.metrics.e2e.labels(name).observe(e2e_s)
@@ -81,10 +83,17 @@ def _account(gateway: Gateway, request: GatewayRequest, result: ForwardResult) -
             "resumes": result.resumes,
             "cached_tokens": result.cached_tokens,
             "predicted_cached_tokens": result.predicted_cached_tokens,
-            "ttft_ms": None if result.ttft_s is None else round(result.ttft_s * 1000, 1),
+            "ttft_ms": _ms(result.ttft_s),
             "e2e_ms": round(e2e_s * 1000, 1),
             "key": request.key_name,
             "error": result.error,
+            "disaggregated": result.disaggregated,
+            "prefill_replica": result.prefill_replica.name if result.prefill_replica else None,
+            "prefill_ms": _ms(result.prefill_s),
+            "kv_transfer_ms": _ms(result.kv_transfer_s),
+            "handoff_failures": result.handoff_failures,
+            "prefill_queue": result.queues[0] if result.queues else None,
+            "decode_queue": result.queues[1] if result.queues else None,
         },
     )
 
@@ -100,6 +109,10 @@ def _slo_verdict(request: GatewayRequest, result: ForwardResult, e2e_s: float) -
         return "failed"
     met = slo.met_answer(request.view.prompt_tokens, result.output_tokens, result.ttft_s, e2e_s)
     return "met" if met else "missed"
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 1)
 
 
 async def _completion(http: web.Request, *, chat: bool) -> web.StreamResponse:

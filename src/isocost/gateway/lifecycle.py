@@ -35,6 +35,7 @@ import msgspec
 
 from isocost.core.catalog import Catalog
 from isocost.core.errors import ConfigError, IsocostError
+from isocost.core.links import link
 from isocost.files import read_text, read_tokenizer
 from isocost.gateway.auth import Authenticator
 from isocost.gateway.intake import Intake
@@ -63,6 +64,7 @@ from isocost.runtime.discovery import DiscoveryProvider, Malformed, Registration
 from isocost.runtime.discovery.etcd import EtcdDiscovery
 from isocost.runtime.discovery.membership import Membership, with_replicas
 from isocost.scheduling.contract import ReplicaSpec
+from isocost.scheduling.disagg import DisaggMode
 from isocost.scheduling.framework import Policy
 
 if TYPE_CHECKING:
@@ -256,10 +258,12 @@ class Gateway:
         for model, (name, _) in plan.policies.items():
             self.pools[model].policy = name
         for pool_config in config.pools:
-            slo = pool_config.slo
-            self.pools[pool_config.model].resume = pool_config.resume
-            self.pools[pool_config.model].tokenizer = plan.tokenizers.get(pool_config.model)
-            self.pools[pool_config.model].slo = None if slo is None else slo.targets()
+            pool = self.pools[pool_config.model]
+            pool.resume = pool_config.resume
+            pool.disaggregation = DisaggMode(pool_config.disaggregation)
+            pool.kv_link = link(pool_config.kv_link)
+            pool.tokenizer = plan.tokenizers.get(pool_config.model)
+            pool.slo = None if pool_config.slo is None else pool_config.slo.targets()
         self.router.queue_size = config.limits.max_queue
         self.router.queue_timeout_s = config.limits.queue_timeout_ms / 1000
         if self._forwarder is not None:

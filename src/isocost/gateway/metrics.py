@@ -84,6 +84,43 @@ class GatewayMetrics:
             ["outcome"],
             registry=r,
         )
+        self.disaggregated = Counter(
+            "isocost_disaggregated_requests",
+            "Requests answered, by pool and whether they were split into a prefill on one"
+            " replica and a decode on another (yes) or served whole (no).",
+            ["pool", "disaggregated"],
+            registry=r,
+        )
+        self.pd_prefill = Histogram(
+            "isocost_pd_prefill_seconds",
+            "Time of a split request's prefill step, from sending it to P to P's answer with"
+            " the KV hand-off, per prefill replica.",
+            ["replica"],
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.kv_transfer = Histogram(
+            "isocost_kv_transfer_seconds",
+            "KV transfer time of a split request, P to D, as the decode replica reports it"
+            " (x-isocost-kv-transfer-ms), per decode replica.",
+            ["replica"],
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.pd_handoff_failures = Counter(
+            "isocost_pd_handoff_failures",
+            "Split requests prefilled again elsewhere, by the step that failed: prefill (P"
+            " failed or gave no hand-off) or transfer (D could not pull the KV).",
+            ["pool", "stage"],
+            registry=r,
+        )
+        self.pd_queue_depth = Gauge(
+            "isocost_pd_queue_depth",
+            "Requests waiting at the prefill and the decode replica of the latest split,"
+            " as the brain's shadow state saw them when it chose the pair.",
+            ["pool", "role"],
+            registry=r,
+        )
         self.config_reloads = Counter(
             "isocost_config_reloads",
             "Config file reloads, by result: ok (applied) or rejected (the running config stays).",

@@ -10,6 +10,11 @@ for avoiding), so every request is shadowed as one the caller does not stream
 (``RequestView.stream=False``: no first token, started at its predicted prefill end) and
 the scrapes correct the rest. One consequence: a route class that matches on ``stream``
 sees every picked request as not streamed.
+
+A request the brain splits (``Router.plan_handoff``, P/D disaggregation) is granted the
+decode replica, and the prefill replica's ``ip:port`` goes with it
+(``EndpointGrant.prefill_endpoint``, llm-d's ``x-prefiller-host-port``); the prefill leg
+is held in the shadow state until the exchange ends, the data plane not reporting it.
 """
 
 from __future__ import annotations
@@ -84,6 +89,9 @@ class GatewayPicker:
             raise ApiError(
                 503, "no replica of the subset hint serves this model", code="subset_unavailable"
             )
+        handoff = self.gateway.router.plan_handoff(request, exclude)
+        if handoff is not None:
+            return EndpointGrant(self.gateway, request, handoff.decode, handoff.prefill)
         grant = await self.gateway.router.acquire(request, exclude)
         return EndpointGrant(self.gateway, request, grant)
 
@@ -106,10 +114,17 @@ class GatewayPicker:
 class EndpointGrant:
     """A replica granted to one picked request, until the data plane reports its end."""
 
-    def __init__(self, gateway: Gateway, request: GatewayRequest, grant: Grant) -> None:
+    def __init__(
+        self,
+        gateway: Gateway,
+        request: GatewayRequest,
+        grant: Grant,
+        prefill: Grant | None = None,
+    ) -> None:
         self._gateway = gateway
         self._request = request
         self._grant = grant
+        self._prefill = prefill  # the prefill leg of a split request
         self._status: int | None = None
 
     @property
@@ -121,6 +136,11 @@ class EndpointGrant:
     @property
     def replica(self) -> str:
         return self._grant.replica.name
+
+    @property
+    def prefill_endpoint(self) -> str | None:
+        """The prefill replica's ``ip:port`` of a split request, else None."""
+        return None if self._prefill is None else endpoint_of(self._prefill.replica)
 
     def responded(self, status: int, served: str | None) -> None:
         """The response headers: ``served`` is the endpoint the data plane used."""
@@ -143,7 +163,13 @@ class EndpointGrant:
         ok = status is not None and status < 400
         if ok:
             self._grant.replica.breaker.record_success(now)
-        self._gateway.router.release(self._grant, now, ok=ok, output_tokens=None)
+        router = self._gateway.router
+        router.release(self._grant, now, ok=ok, output_tokens=None)
+        if self._prefill is not None:
+            router.release(self._prefill, now, ok=ok, output_tokens=1 if ok else None)
+        self._gateway.metrics.disaggregated.labels(
+            self._request.pool.model, "no" if self._prefill is None else "yes"
+        ).inc()
         self._gateway.metrics.requests.labels(
             str(status or 0), self._request.pool.model, self._grant.replica.name
         ).inc()

@@ -28,6 +28,17 @@ the client asked for one, gives the exact count; a resumable stream asks its ups
 the usage in every chunk), and the times between chunks are the observed inter-token
 latencies.
 
+Disaggregated (a pool with prefill- or decode-role replicas, and the brain's pair choice
+splitting the request, ``Router.plan_handoff``): vLLM's two-step protocol. The prefill
+step goes to P (the request with ``max_tokens: 1``, not streamed, ``kv_transfer_params:
+{do_remote_decode: true}``); P's answer's ``kv_transfer_params`` go into the original
+request (chat or completions, streamed or not), sent to D and relayed as any attempt, so
+the client sees one ordinary answer (``x-isocost-prefill-replica`` names P). A prefill
+step that fails (P unreachable, an error, no hand-off in its answer) or a decode whose KV
+pull fails (D answers 502 ``kv_transfer_failed``: P died or dropped the KV; not held
+against D) is counted (``isocost_pd_handoff_failures``) and the request is prefilled
+again: on another pair without that P, else whole on a decode replica; never lost.
+
 A client that leaves (its connection lost) or stops reading (a write blocked for
 ``idle_timeout_ms``) ends the attempt: the upstream connection is closed, so the engine
 aborts the request, and the result is 499.
@@ -41,7 +52,7 @@ import logging
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import aiohttp
 import msgspec
@@ -56,6 +67,7 @@ from isocost.gateway.upstreams import Upstream
 from isocost.openai import sse
 from isocost.openai.continuation import not_resumable
 from isocost.openai.errors import ApiError
+from isocost.openai.requests import KV_TRANSFER_MS_HEADER
 from isocost.openai.usage import answer_usage
 
 __all__ = ["ClientGone", "ForwardResult", "ForwardSettings", "Forwarder"]
@@ -64,6 +76,8 @@ log = logging.getLogger("isocost.gateway")
 
 _HOP_HEADERS = ("Accept", "X-Request-Id")
 CLIENT_GONE_STATUS = 499
+PREFILL_REPLICA_HEADER = "x-isocost-prefill-replica"  # P, on a split request's answer
+_ERROR_PEEK_BYTES = 4096
 
 
 class _AttemptFailed(Exception):
@@ -77,6 +91,7 @@ class _AttemptFailed(Exception):
         status: int = 502,
         busy: bool = False,
         soft: bool = False,
+        handoff_lost: bool = False,
     ) -> None:
         super().__init__(reason)
         self.reason = reason
@@ -84,6 +99,7 @@ class _AttemptFailed(Exception):
         self.status = status
         self.busy = busy  # a healthy but full engine (503): retry, do not count against it
         self.soft = soft  # an overloaded engine (429): counts in its success rate only
+        self.handoff_lost = handoff_lost  # a decode could not pull its KV: P's failure
 
 
 class ClientGone(Exception):
@@ -117,6 +133,15 @@ class ForwardResult:
     cached_tokens: int | None = None  # the prefix-cache hit the engine reported
     predicted_cached_tokens: int | None = None  # the hit the router predicted, in its terms
     error: str | None = None
+    prefill_replica: Upstream | None = None  # P, when the answer came from a split
+    prefill_s: float | None = None  # its prefill step's time
+    kv_transfer_s: float | None = None  # the KV transfer D reported
+    handoff_failures: int = 0  # splits whose prefill or pull failed (prefilled again)
+    queues: tuple[int, int] | None = None  # waiting at (P, D) when the answering pair was chosen
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill_replica is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,6 +297,11 @@ class Forwarder:
         deadline = request.arrived_at + self.settings.total_timeout_s
         ledger = self._ledger(http, body, request)
         upstream_body = body if ledger is None else ledger.upstream_body()
+        split = await self._split(
+            _Attempt(http, request, result, tried, deadline, ledger), body, upstream_body
+        )
+        if split is not None:
+            return split
         while True:
             grant = await self._acquire(request, frozenset(tried), deadline)
             tried.add(grant.replica.name)
@@ -295,6 +325,99 @@ class Forwarder:
             raise ApiError(503, "every replica tried is full", code="overloaded", retry_after_s=1.0)
         raise ApiError(
             502, f"no replica could serve the request: {last.reason}", code="upstream_error"
+        )
+
+    async def _split(
+        self, attempt: _Attempt, body: bytes, upstream_body: bytes
+    ) -> web.StreamResponse | None:
+        """Answer ``attempt`` split into a prefill on P and the request on D while the brain
+        splits it (see the module docstring); None: serve it whole, as never split or
+        after failed splits (within the retry budget)."""
+        request, result, tried = attempt.request, attempt.result, attempt.tried
+        lost_prefills: set[str] = set()  # P that failed this request: no pair with them
+        while True:
+            handoff = self.router.plan_handoff(request, frozenset(tried | lost_prefills))
+            if handoff is None:
+                return None
+            prefill, decode = handoff.prefill, handoff.decode
+            try:
+                params = await self._prefill_step(attempt, body, prefill)
+            except _AttemptFailed as failed:
+                self.router.release(decode, time.monotonic(), ok=False, output_tokens=0)
+                lost_prefills.add(prefill.replica.name)
+                self._count_lost_handoff(request, result, prefill, "prefill", failed.reason)
+                if not await self._after_failure(
+                    failed, prefill, request, result, attempt.deadline, tried
+                ):
+                    return None
+                continue
+            except BaseException:
+                for grant in (prefill, decode):
+                    self.router.release(grant, time.monotonic(), ok=False, output_tokens=0)
+                raise
+            tried.add(decode.replica.name)
+            result.replica, result.prefill_replica = decode.replica, prefill.replica
+            result.queues = (handoff.prefill_queue, handoff.decode_queue)
+            decode_body = _with_kv_params(upstream_body, params)
+            try:
+                return await self._attempt(attempt, decode_body, decode)
+            except _AttemptFailed as failed:
+                result.prefill_replica = result.queues = None
+                if failed.handoff_lost:
+                    tried.discard(decode.replica.name)  # D is fine: P lost the KV
+                    lost_prefills.add(prefill.replica.name)
+                    self._count_lost_handoff(request, result, prefill, "transfer", failed.reason)
+                if not await self._after_failure(
+                    failed, decode, request, result, attempt.deadline, tried
+                ):
+                    return None
+            except BaseException:
+                self.router.release(decode, time.monotonic(), ok=False, output_tokens=0)
+                raise
+
+    async def _prefill_step(self, attempt: _Attempt, body: bytes, grant: Grant) -> dict[str, Any]:
+        """Send the prefill step to P and release its grant; the ``kv_transfer_params`` of
+        its answer, or _AttemptFailed (recorded by the caller) when it gave none."""
+        sent_at = time.monotonic()
+        upstream = await self._open(attempt.http, _prefill_body(body), attempt.request, grant)
+        try:
+            data = await self._read_whole(upstream, attempt.request)
+        except BaseException:
+            upstream.close()
+            raise
+        upstream.release()
+        if upstream.status >= 400:
+            raise _AttemptFailed(f"prefill step refused (status {upstream.status})")
+        params = _handoff_params(data)
+        if params is None:  # answered, but holds no KV for us (vLLM: no room): a full one
+            raise _AttemptFailed("prefill step gave no KV hand-off", busy=True)
+        now = time.monotonic()
+        grant.replica.breaker.record_success(now)
+        self.router.release(grant, now, ok=True, output_tokens=1)
+        attempt.result.prefill_s = now - sent_at
+        self.router.metrics.pd_prefill.labels(grant.replica.name).observe(now - sent_at)
+        return params
+
+    def _count_lost_handoff(
+        self,
+        request: GatewayRequest,
+        result: ForwardResult,
+        prefill: Grant,
+        stage: str,
+        reason: str,
+    ) -> None:
+        """Count and log a split whose hand-off from ``prefill``'s replica was lost."""
+        result.handoff_failures += 1
+        self.router.metrics.pd_handoff_failures.labels(request.pool.model, stage).inc()
+        log.info(
+            "handoff lost",
+            extra={
+                "event": "handoff_lost",
+                "request_id": request.request_id,
+                "replica": prefill.replica.name,
+                "stage": stage,
+                "reason": reason,
+            },
         )
 
     def _ledger(
@@ -411,7 +534,10 @@ class Forwarder:
         try:
             _judge_status(upstream.status)
         except _AttemptFailed:
+            lost = upstream.status == 502 and await _is_lost_handoff(upstream)
             upstream.close()
+            if lost:
+                raise _AttemptFailed("KV transfer failed", busy=True, handoff_lost=True) from None
             raise
         return upstream
 
@@ -419,6 +545,10 @@ class Forwarder:
         upstream = await self._open(attempt.http, body, attempt.request, grant)
         try:
             response_headers = {"x-isocost-replica": grant.replica.name}
+            prefill = attempt.result.prefill_replica
+            if prefill is not None:
+                response_headers[PREFILL_REPLICA_HEADER] = prefill.name
+                self._note_transfer(upstream, grant, attempt.result)
             if grant.predicted_ttft_s is not None:
                 response_headers["x-isocost-predicted-ttft-ms"] = (
                     f"{grant.predicted_ttft_s * 1000:.1f}"
@@ -434,6 +564,17 @@ class Forwarder:
             raise
         upstream.release()
         return response
+
+    def _note_transfer(
+        self, upstream: aiohttp.ClientResponse, grant: Grant, result: ForwardResult
+    ) -> None:
+        """The KV transfer time D reports (isocost's engine does; vLLM does not)."""
+        try:
+            transfer_s = float(upstream.headers.get(KV_TRANSFER_MS_HEADER, "")) / 1000
+        except ValueError:
+            return
+        result.kv_transfer_s = transfer_s
+        self.router.metrics.kv_transfer.labels(grant.replica.name).observe(transfer_s)
 
     async def _read_whole(
         self, upstream: aiohttp.ClientResponse, request: GatewayRequest
@@ -751,6 +892,56 @@ class Forwarder:
         )
         separator = b"" if segment.reader.at_event_end else b"\n"  # end a half-relayed event
         await self._send(http, response.write(separator + sse.error_events(error)))
+
+
+def _prefill_body(body: bytes) -> bytes:
+    """The prefill step of a split request, as vLLM's disaggregated proxies send it: one
+    output token, not streamed, asking for a remote decode."""
+    decoded = msgspec.json.decode(body)  # the intake decoded it: a JSON object
+    decoded["max_tokens"] = 1
+    if "max_completion_tokens" in decoded:
+        decoded["max_completion_tokens"] = 1
+    decoded["stream"] = False
+    decoded.pop("stream_options", None)
+    decoded["kv_transfer_params"] = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+    return msgspec.json.encode(decoded)
+
+
+def _handoff_params(answer: bytes | bytearray) -> dict[str, Any] | None:
+    """The ``kv_transfer_params`` of a prefill step's answer, when it hands the KV off."""
+    try:
+        decoded = msgspec.json.decode(answer)
+    except msgspec.DecodeError:
+        return None
+    params = decoded.get("kv_transfer_params") if isinstance(decoded, dict) else None
+    if isinstance(params, dict) and params.get("do_remote_prefill"):
+        return params
+    return None
+
+
+def _with_kv_params(body: bytes, params: dict[str, Any]) -> bytes:
+    """The request for D: the client's, carrying P's hand-off."""
+    decoded = msgspec.json.decode(body)
+    decoded["kv_transfer_params"] = params
+    return msgspec.json.encode(decoded)
+
+
+async def _is_lost_handoff(upstream: aiohttp.ClientResponse) -> bool:
+    """Whether a 502 is a decode's failed KV pull (``kv_transfer_failed``), read from its
+    small error body."""
+    try:
+        data = await upstream.content.read(_ERROR_PEEK_BYTES)
+        error = msgspec.json.decode(data).get("error", {})
+    except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError, AttributeError):
+        return False
+    return isinstance(error, dict) and error.get("code") == "kv_transfer_failed"
 
 
 def _judge_status(status: int) -> None:

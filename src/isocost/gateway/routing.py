@@ -67,12 +67,13 @@ from isocost.runtime.config import (
 )
 from isocost.scheduling.contract import EngineMetrics, InFlight, ReplicaSpec, RequestView
 from isocost.scheduling.decision import Decision, RejectReason
+from isocost.scheduling.disagg import DisaggMode, PairDecision, choose_pair
 from isocost.scheduling.dispatch import Dispatcher
 from isocost.scheduling.framework import Policy
 from isocost.scheduling.policies import SchedulingConfig, build_policy
 from isocost.scheduling.state import ReplicaSet
 
-__all__ = ["GatewayRequest", "Grant", "Router"]
+__all__ = ["GatewayRequest", "Grant", "Handoff", "Router"]
 
 log = logging.getLogger("isocost.gateway")
 
@@ -188,6 +189,17 @@ class Grant:
         return self.decision.predicted_ttft_s
 
 
+@dataclass(frozen=True, slots=True)
+class Handoff:
+    """One request split in two (``Router.plan_handoff``): both legs dispatched."""
+
+    prefill: Grant  # its prompt, computed on P (one output token)
+    decode: Grant  # the request itself on D, its prompt's KV pulled from P
+    predicted_transfer_s: float
+    prefill_queue: int  # requests waiting at P when the pair was chosen
+    decode_queue: int  # ... at D
+
+
 class Router:
     """Pools' policies over one shared ``ReplicaSet``; see the module docstring."""
 
@@ -299,6 +311,7 @@ class Router:
             usd_per_hour=config.usd_per_hour,
             max_queue=config.max_queue,
             groups=frozenset(config.groups),
+            role=config.role,
         )
 
     def add_replica(self, pool: Pool, replica: Upstream, spec: ReplicaSpec | None = None) -> None:
@@ -361,18 +374,74 @@ class Router:
 
     def has_candidate(self, request: GatewayRequest, exclude: frozenset[str]) -> bool:
         now = self.clock()
+        exclude |= request.pool.prefill_only()
         return any(
             r.routable(now) and r.name not in exclude for r in request.pool.replicas.values()
         )
 
-    def decide_only(self, request: GatewayRequest) -> dict[str, Any]:
-        """The decision for ``request`` without dispatching it (``POST /v1/route``)."""
+    def _pair(self, request: GatewayRequest, exclude: frozenset[str]) -> PairDecision | None:
+        """The brain's pair choice (``scheduling.disagg.choose_pair``, the pool's
+        ``disaggregation`` mode) when it splits ``request`` now; None when its pool has no
+        replica of a split role, or the choice is to serve it whole."""
+        pool = request.pool
         now = self.clock()
-        view = self._view(request, uuid.uuid4().hex, now)
-        decision = self._schedule(view, frozenset(), now)
+        if pool.disaggregation is DisaggMode.COLOCATED or not any(
+            r.config.role != "both" and r.routable(now) and r.name not in exclude
+            for r in pool.replicas.values()
+        ):
+            return None
+        pair = choose_pair(
+            self.policies[pool.model],
+            self._view(request, uuid.uuid4().hex, now),
+            self.replicas,
+            now,
+            mode=pool.disaggregation,
+            link=pool.kv_link,
+            exclude=exclude,
+        )
+        if pair.prefill is None:
+            return None
+        self._record(pair.decision, pair.decode_request, now)
+        return pair
+
+    def plan_handoff(self, request: GatewayRequest, exclude: frozenset[str]) -> Handoff | None:
+        """Both legs of ``request``, split into a prefill on P and its decode on D, when
+        the brain splits it (``_pair``), dispatched into the shadow state. None: serve it
+        whole (``acquire``)."""
+        pair = self._pair(request, exclude)
+        if pair is None or pair.prefill is None or pair.prefill_request is None:
+            return None
+        now = self.clock()
+        assert pair.prefill.replica_id is not None and pair.decision.replica_id is not None
+        prefill = self._grant(
+            pair.prefill_request, self._by_id[pair.prefill.replica_id], pair.prefill, now
+        )
+        decode = self._grant(
+            pair.decode_request, self._by_id[pair.decision.replica_id], pair.decision, now
+        )
+        depth = self.metrics.pd_queue_depth
+        depth.labels(request.pool.model, "prefill").set(pair.prefill_queue)
+        depth.labels(request.pool.model, "decode").set(pair.decode_queue)
+        return Handoff(prefill, decode, pair.transfer_s, pair.prefill_queue, pair.decode_queue)
+
+    def decide_only(self, request: GatewayRequest) -> dict[str, Any]:
+        """The decision for ``request`` without dispatching it (``POST /v1/route``); a
+        split names its prefill replica too."""
+        pair = self._pair(request, frozenset())
+        if pair is None:
+            now = self.clock()
+            view = self._view(request, uuid.uuid4().hex, now)
+            decision = self._schedule(view, request.pool.prefill_only(), now)
+        else:
+            decision = pair.decision
         body = self._describe(decision)
         if decision.replica_id is not None:
             body["replica_url"] = self._by_id[decision.replica_id].url
+        body["disaggregated"] = pair is not None
+        if pair is not None and pair.prefill is not None and pair.prefill.replica_id:
+            body["prefill_replica"] = pair.prefill.replica_id
+            body["prefill_replica_url"] = self._by_id[pair.prefill.replica_id].url
+            body["predicted_transfer_ms"] = _ms(pair.transfer_s)
         return body
 
     async def acquire(self, request: GatewayRequest, exclude: frozenset[str]) -> Grant:
@@ -383,7 +452,7 @@ class Router:
         dispatcher = self._dispatcher(request.pool.model)
         waiter = _Waiter(dispatcher, attempt_id, loop)
         view = self._view(request, attempt_id, now)
-        limit = dispatcher.submit(waiter, view, now, exclude)
+        limit = dispatcher.submit(waiter, view, now, exclude | request.pool.prefill_only())
         if limit is None:  # bound or refused at once
             return waiter.result()
         gauge = self.metrics.queue_depth.labels(request.pool.model)
@@ -416,14 +485,15 @@ class Router:
     def _bind(self, waiter: _Waiter, view: RequestView, decision: Decision, now: float) -> None:
         """The dispatcher admitted the attempt: dispatch it to the decision's replica."""
         assert decision.replica_id is not None
-        replica = self._by_id[decision.replica_id]
+        waiter.set_result(self._grant(view, self._by_id[decision.replica_id], decision, now))
+
+    def _grant(self, view: RequestView, replica: Upstream, decision: Decision, now: float) -> Grant:
+        """Dispatch ``view`` to ``replica`` (shadow state, state bus): the attempt's grant."""
         record = self._dispatch(view, replica, now, decision)
         if self.bus is not None:
             self.bus.dispatched(view, record)
         replica.num_in_flight += 1
-        waiter.set_result(
-            Grant(replica, view.request_id, decision, record.cached_tokens, view.prompt_tokens)
-        )
+        return Grant(replica, view.request_id, decision, record.cached_tokens, view.prompt_tokens)
 
     def _dispatch(
         self, view: RequestView, replica: Upstream, now: float, decision: Decision | None

@@ -14,10 +14,12 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from isocost.core.links import Link, link
 from isocost.core.slo import SloTargets
 from isocost.gateway.health import Breaker, BreakerState
 from isocost.runtime.config import HealthConfig, ReplicaConfig, normalize_replica_url, replica_name
 from isocost.scheduling.contract import EngineMetrics
+from isocost.scheduling.disagg import DisaggMode
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -98,3 +100,9 @@ class Pool:
     tokenizer: Tokenizer | None = None  # the pool's ``tokenizer``: exact prompt token ids
     slo: SloTargets | None = None  # the pool's ``slo``: what each answer is judged by
     verdicts: Counter[str] = field(default_factory=Counter)  # met / missed / failed so far
+    disaggregation: DisaggMode = DisaggMode.CONDITIONAL  # P/D split with prefill replicas
+    kv_link: Link = field(default_factory=lambda: link("tcp"))  # what hand-offs travel
+
+    def prefill_only(self) -> frozenset[str]:
+        """Names of the replicas that only prefill: never given a whole request."""
+        return frozenset(r.name for r in self.replicas.values() if r.config.role == "prefill")

@@ -14,17 +14,19 @@ charges the very number an engine executes (see its docstring).
 from __future__ import annotations
 
 import re
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 
 from isocost.openai.errors import ApiError
 
 __all__ = [
+    "KV_TRANSFER_MS_HEADER",
     "ChatMessage",
     "ChatRequest",
     "CompletionRequest",
     "ContentPart",
+    "KvTransferParams",
     "RequestError",
     "StreamOptions",
     "decode_body",
@@ -39,6 +41,26 @@ class StreamOptions(msgspec.Struct, frozen=True):
     continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk
 
 
+# isocost's engine says a decode's modelled KV-transfer time in this response header
+KV_TRANSFER_MS_HEADER = "x-isocost-kv-transfer-ms"
+
+
+class KvTransferParams(msgspec.Struct, frozen=True, kw_only=True):
+    """vLLM's disaggregated-serving fields (NixlConnector): a prefill request asks for
+    ``do_remote_decode``; its answer, passed on to the decode request, says
+    ``do_remote_prefill`` and where the KV waits (engine, request, blocks, host, port)."""
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_engine_id: str | None = None
+    remote_request_id: str | None = None
+    remote_block_ids: list[Any] | None = None  # flat, or one list per KV-cache group
+    remote_host: str | None = None
+    remote_port: int | None = None
+    tp_size: int = 1
+    remote_num_tokens: int | None = None
+
+
 class _Common(msgspec.Struct, frozen=True, kw_only=True):
     model: str
     max_tokens: int | None = None
@@ -48,6 +70,7 @@ class _Common(msgspec.Struct, frozen=True, kw_only=True):
     ignore_eos: bool = False
     n: int = 1
     user: str | None = None
+    kv_transfer_params: KvTransferParams | None = None
 
 
 class CompletionRequest(_Common, frozen=True, kw_only=True):

@@ -13,7 +13,11 @@ request refused or that nothing can take is answered by Envoy as an ImmediateRes
 (OpenAI-style JSON, ``Retry-After`` on 429 and 503). The response headers carry
 ``x-gateway-destination-endpoint-served`` (a header or ``envoy.lb`` metadata) and get
 ``x-isocost-replica``; the end of the stream is the end of the request. The subset hint
-(``envoy.lb.subset_hint`` filter metadata) bounds the choice.
+(``envoy.lb.subset_hint`` filter metadata) bounds the choice. A request the brain splits
+into a prefill and a decode (P/D disaggregation) goes to the decode replica with the
+prefill replica's ``ip:port`` in ``x-prefiller-host-port`` (llm-d's convention: the
+decode side's sidecar runs the prefill step there); any other request has a client's
+own ``x-prefiller-host-port`` removed.
 
 The decisions are the brain's (``Brain``): this module knows the wire, nothing of policies.
 """
@@ -37,6 +41,7 @@ from isocost.openai.errors import ApiError, retry_after
 
 __all__ = [
     "DESTINATION_HEADER",
+    "PREFILLER_HEADER",
     "REPLICA_HEADER",
     "SERVED_KEY",
     "SUBSET_KEY",
@@ -48,6 +53,7 @@ __all__ = [
 log = logging.getLogger("isocost.picker")
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
+PREFILLER_HEADER = "x-prefiller-host-port"  # llm-d: where the decode's prefill step goes
 SERVED_KEY = "x-gateway-destination-endpoint-served"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 LB_NAMESPACE = "envoy.lb"
@@ -66,6 +72,9 @@ class Granted(Protocol):
 
     @property
     def replica(self) -> str: ...  # its name, for ``x-isocost-replica``
+
+    @property
+    def prefill_endpoint(self) -> str | None: ...  # ip:port of P when split, else None
 
     def responded(self, status: int, served: str | None) -> None: ...
 
@@ -192,10 +201,12 @@ class _Exchange:
         except ApiError as exc:
             return _immediate(exc)
         endpoints = ",".join(self.granted.endpoints)
-        common = ext_proc.CommonResponse(
-            header_mutation=_set_headers({DESTINATION_HEADER: self.granted.endpoints[0]}),
-            clear_route_cache=True,
-        )
+        prefill = self.granted.prefill_endpoint
+        chosen = {DESTINATION_HEADER: self.granted.endpoints[0]}
+        mutation = _set_headers(chosen if prefill is None else chosen | {PREFILLER_HEADER: prefill})
+        if prefill is None:
+            mutation.remove_headers.append(PREFILLER_HEADER)  # a client's own: not trusted
+        common = ext_proc.CommonResponse(header_mutation=mutation, clear_route_cache=True)
         metadata = struct_pb2.Struct()
         metadata.update({LB_NAMESPACE: {DESTINATION_HEADER: endpoints}})
         if body_follows:

@@ -11,6 +11,10 @@ A full file, every key optional except ``pools[].model`` and ``replicas[].url``:
       - model: llama-3.1-8b           # the model name clients send
         policy: equal_cost            # a scheduling policy name
         tokenizer: /models/llama/     # tokenizer.json (or its folder): exact prompt tokens
+        disaggregation: conditional   # colocated | pd | conditional: with prefill-role
+                                      # replicas, split a request into a prefill on P and
+                                      # its decode on D (always, or where cheaper)
+        kv_link: infiniband           # nvlink | infiniband | roce | tcp: P -> D KV pulls
         replicas:
           - url: http://10.0.0.5:8000
             name: a100-0              # defaults to host:port
@@ -22,6 +26,7 @@ A full file, every key optional except ``pools[].model`` and ``replicas[].url``:
             api_key_env: ENGINE_KEY   # bearer token the replica expects, read from the env
             groups: [a100]            # route groups it belongs to (see routes)
             max_queue: 128            # engine-waiting requests beyond which it takes no work
+            role: both                # prefill | decode | both (P/D disaggregation)
             kv_events: tcp://10.0.0.5:5557  # the engine's KV-cache event publisher (vLLM's
                                       # --kv-events-config endpoint): evictions known
     scheduling:                       # isocost.scheduling.policies' config: plugin instances,
@@ -101,8 +106,11 @@ import msgspec
 from isocost.core.catalog import Catalog
 from isocost.core.costmodel import CostModel
 from isocost.core.errors import ConfigError, IsocostError
+from isocost.core.links import LINK_KINDS
 from isocost.core.slo import SloTargets
 from isocost.files import is_model_path, resolve_model
+from isocost.scheduling.contract import Role
+from isocost.scheduling.disagg import DisaggMode
 from isocost.scheduling.policies import SchedulingConfig, build_policy
 
 __all__ = [
@@ -148,6 +156,7 @@ class ReplicaConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     groups: list[str] = []
     max_queue: int = 128
     kv_events: str | None = None  # ZMQ endpoint of the engine's KV-cache event publisher
+    role: Role = "both"  # prefill/decode disaggregation (``scheduling.contract.Role``)
 
 
 class SloConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -169,6 +178,8 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     resume: bool = True  # a stream broken mid-way goes on on another replica
     tokenizer: str | None = None  # tokenizer.json, or a folder holding one
     slo: SloConfig | None = None  # per-answer verdicts in isocost_slo_requests_total
+    disaggregation: str = DisaggMode.CONDITIONAL.value  # ``DisaggMode``: with P/D roles
+    kv_link: str = "tcp"  # the link kind KV hand-offs travel (``core.links``)
 
 
 class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -416,6 +427,11 @@ def _check(config: GatewayConfig, source: str, secrets: bool) -> None:
                     raise bad(f"pools[{i}].slo.{field}", "must be positive")
             if slo.ttft_per_1k_ms < 0:
                 raise bad(f"pools[{i}].slo.ttft_per_1k_ms", "must be >= 0")
+        modes = [mode.value for mode in DisaggMode]
+        if pool.disaggregation not in modes:
+            raise bad(f"pools[{i}].disaggregation", f"must be one of {', '.join(modes)}")
+        if pool.kv_link not in LINK_KINDS:
+            raise bad(f"pools[{i}].kv_link", f"must be one of {', '.join(LINK_KINDS)}")
         for j, replica in enumerate(pool.replicas):
             key = f"pools[{i}].replicas[{j}]"
             _check_replica_fields(replica, source, key, secrets=secrets)

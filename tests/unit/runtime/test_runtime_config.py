@@ -97,6 +97,8 @@ def test_the_shipped_example_parses(monkeypatch: pytest.MonkeyPatch) -> None:
             "pools[0].replicas[1].name",
             "'b:1' is listed twice",
         ),
+        ("pools: [{model: m, kv_link: wifi}]", "pools[0].kv_link", "infiniband"),
+        ("pools: [{model: m, disaggregation: always}]", "pools[0].disaggregation", "pd"),
         ("limits: {max_body_bytes: 0}", "limits.max_body_bytes", "positive"),
         ("limits: {max_tokens: many}", "limits.max_tokens", "int"),
         ("health: {min_success_rate: 2}", "health.min_success_rate", "[0, 1]"),
