@@ -22,6 +22,7 @@ A full file, every key optional except ``pools[].model`` and ``replicas[].url``:
             api_key_env: ENGINE_KEY   # bearer token the replica expects, read from the env
             groups: [a100]            # route groups it belongs to (see routes)
             max_queue: 128            # engine-waiting requests beyond which it takes no work
+            role: both                # prefill | decode | both (P/D disaggregation)
             kv_events: tcp://10.0.0.5:5557  # the engine's KV-cache event publisher (vLLM's
                                       # --kv-events-config endpoint): evictions known
     scheduling:                       # isocost.scheduling.policies' config: plugin instances,
@@ -102,6 +103,7 @@ from isocost.core.catalog import Catalog
 from isocost.core.costmodel import CostModel
 from isocost.core.errors import ConfigError, IsocostError
 from isocost.files import is_model_path, resolve_model
+from isocost.scheduling.contract import Role
 from isocost.scheduling.policies import SchedulingConfig, build_policy
 
 __all__ = [
@@ -146,6 +148,7 @@ class ReplicaConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     groups: list[str] = []
     max_queue: int = 128
     kv_events: str | None = None  # ZMQ endpoint of the engine's KV-cache event publisher
+    role: Role = "both"  # prefill/decode disaggregation (``scheduling.contract.Role``)
 
 
 class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

@@ -48,21 +48,29 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 from isocost.core.costmodel import CostModel
 
 __all__ = [
     "DEFAULT_CLASS",
+    "REPLICA_ROLES",
     "EngineMetrics",
     "InFlight",
     "ReplicaSpec",
     "RequestView",
+    "Role",
     "ShadowListener",
     "stable_hash64",
 ]
 
 DEFAULT_CLASS = "default"  # the route class of a request no route rule claims
+
+# What a replica does in prefill/decode disaggregation (``scheduling.disagg``): "prefill"
+# computes prompts and hands their KV off, never decodes; "decode" decodes hand-offs and
+# serves whole requests (prefilling them itself); "both" does all of it (the default).
+Role = Literal["prefill", "decode", "both"]
+REPLICA_ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
 
 
 def stable_hash64(text: str) -> int:
@@ -88,6 +96,9 @@ class RequestView:
     stream: bool = True  # the caller will see its first token; False: only its completion
     arrival_s: float = 0.0
     prompt_tokens_exact: bool = True
+    # Prompt tokens whose KV arrives with the request (a prefill -> decode hand-off,
+    # ``scheduling.disagg``): priced as cached on every candidate, never prefilled again.
+    kv_ready_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,8 +112,11 @@ class ReplicaSpec:
     usd_per_hour: float | None = None  # None: GPU list price times tensor parallelism
     max_queue: int = 128  # waiting requests beyond which it takes no new work
     groups: frozenset[str] = frozenset()  # route groups it belongs to
+    role: Role = "both"  # prefill/decode disaggregation (``Role``)
 
     def __post_init__(self) -> None:
+        if self.role not in REPLICA_ROLES:
+            raise ValueError(f"replica {self.replica_id}: role must be one of {REPLICA_ROLES}")
         if self.weight <= 0:
             raise ValueError(f"replica {self.replica_id}: weight must be > 0")
         if self.max_queue < 0:

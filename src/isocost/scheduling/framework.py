@@ -53,7 +53,7 @@ from random import Random
 
 import numpy as np
 
-from isocost.scheduling.contract import InFlight, RequestView, ShadowListener
+from isocost.scheduling.contract import InFlight, RequestView, Role, ShadowListener
 from isocost.scheduling.decision import Decision, Explanation, Outcome, RejectReason
 from isocost.scheduling.interface import Context, Filter, Picker, Scorer
 from isocost.scheduling.predict import IndexArray
@@ -131,14 +131,17 @@ class Policy:
         now: float,
         *,
         exclude: Collection[str] = (),
+        roles: Collection[Role] | None = None,
     ) -> Decision:
         """Choose a replica for ``request`` at ``now``, or say why not (module docstring).
 
         ``exclude`` names replicas this request must not use (e.g. those that already
-        failed it); they count as unavailable for it, not for the global shed.
+        failed it); they count as unavailable for it, not for the global shed. ``roles``
+        (None: any) limits the replicas that serve it to those of these roles, as if no
+        other served the model (``scheduling.disagg`` picks prefill and decode legs so).
         """
         notes: dict[str, str] = {}
-        ctx = self.candidates(request, replicas, now, exclude=exclude, notes=notes)
+        ctx = self.candidates(request, replicas, now, exclude=exclude, roles=roles, notes=notes)
         if isinstance(ctx, Decision):
             return ctx
         rejected = self._slo_admission(ctx)
@@ -155,6 +158,7 @@ class Policy:
         now: float,
         *,
         exclude: Collection[str] = (),
+        roles: Collection[Role] | None = None,
         rng: Random | None = None,
         notes: dict[str, str] | None = None,
     ) -> Context | Decision:
@@ -164,7 +168,7 @@ class Policy:
         admission audit passes its own, so that the run's stream stays as it was)."""
         route = self.routes.classify(request)
         notes = {} if notes is None else notes
-        eligible = self._eligible(request, replicas, route, exclude, notes)
+        eligible = self._eligible(request, replicas, route, exclude, roles, notes)
         if isinstance(eligible, Decision):
             return eligible
         ctx = Context(request, replicas, now, rng or self.rng, eligible, route.name)
@@ -179,6 +183,7 @@ class Policy:
         replicas: ReplicaSet,
         route: RouteClass,
         exclude: Collection[str],
+        roles: Collection[Role] | None,
         notes: dict[str, str],
     ) -> IndexArray | Decision:
         """Stage 1: the slots serving the model in the first route tier with a usable
@@ -186,6 +191,8 @@ class Policy:
         or too few of the model's replicas are available (the global shed)."""
         slots = replicas.slots
         serving = slots.model_mask(request.model)
+        if roles is not None:
+            serving = serving & slots.role_mask(roles)
         available = serving & slots.healthy & ~slots.draining
         usable = available
         if exclude:
@@ -276,7 +283,8 @@ class Policy:
         request, replicas = ctx.request, ctx.replicas
         slot = int(ctx.idx[chosen])
         cached_tokens = min(
-            ctx.cached_blocks_at(chosen) * replicas.block_tokens, request.prompt_tokens
+            max(ctx.cached_blocks_at(chosen) * replicas.block_tokens, request.kv_ready_tokens),
+            request.prompt_tokens,
         )
         if ctx.priced:  # the policy priced every candidate already
             chosen_times = ctx.prediction.raw_at(chosen)

@@ -110,9 +110,11 @@ class Context:
 
     @property
     def cached_tokens(self) -> FloatArray:
-        """Prompt tokens cached on each candidate (whole blocks, at most the prompt)."""
-        tokens = self.cached_blocks * self.replicas.block_tokens
-        return np.asarray(np.minimum(tokens, self.request.prompt_tokens), dtype=np.float64)
+        """Prompt tokens cached on each candidate (whole blocks, at most the prompt), or
+        whose KV arrives with the request (``RequestView.kv_ready_tokens``)."""
+        request, block_tokens = self.request, self.replicas.block_tokens
+        tokens = np.maximum(self.cached_blocks * block_tokens, request.kv_ready_tokens)
+        return np.asarray(np.minimum(tokens, request.prompt_tokens), dtype=np.float64)
 
     def cached_blocks_at(self, position: int) -> int:
         """``cached_blocks`` of one candidate, without matching against every replica."""

@@ -12,7 +12,7 @@ candidates are one contiguous run of slots, so that reading is a view rather tha
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, Generic, TypeVar
 
 import numpy as np
@@ -94,6 +94,7 @@ class SlotStore(SlotArrays, Generic[_StateT]):
         self._free_slots: list[int] = []
         self._model_masks: dict[str, BoolArray] = {}
         self._group_masks: dict[str, BoolArray] = {}
+        self._role_masks: dict[str, BoolArray] = {}
         self.salt = np.zeros(0, dtype=np.uint64)
         self.coef = CoefficientArrays.zeros(0)
         self.ids = np.zeros(0, dtype=object)
@@ -144,12 +145,13 @@ class SlotStore(SlotArrays, Generic[_StateT]):
         self._mask(self._model_masks, spec.model)[slot] = True
         for group in spec.groups:
             self._mask(self._group_masks, group)[slot] = True
+        self._mask(self._role_masks, spec.role)[slot] = True
         return state
 
     def remove(self, replica_id: str, slot: int) -> None:
         """Free the slot of ``replica_id``."""
         self.active[slot] = self.healthy[slot] = self.draining[slot] = False
-        for masks in (self._model_masks, self._group_masks):
+        for masks in (self._model_masks, self._group_masks, self._role_masks):
             for mask in masks.values():
                 mask[slot] = False
         self.ids[slot] = None
@@ -190,9 +192,16 @@ class SlotStore(SlotArrays, Generic[_StateT]):
 
     def group_mask(self, groups: frozenset[str]) -> BoolArray:
         """Slots in any of ``groups``."""
+        return self._union(self._group_masks, groups)
+
+    def role_mask(self, roles: Collection[str]) -> BoolArray:
+        """Slots whose replica has one of ``roles`` (``contract.Role``)."""
+        return self._union(self._role_masks, roles)
+
+    def _union(self, masks: dict[str, BoolArray], keys: Collection[str]) -> BoolArray:
         out = np.zeros(self._capacity, dtype=bool)
-        for group in groups:
-            mask = self._group_masks.get(group)
+        for key in keys:
+            mask = masks.get(key)
             if mask is not None:
                 out |= mask
         return out
@@ -215,7 +224,7 @@ class SlotStore(SlotArrays, Generic[_StateT]):
         self.salt = _grown(self.salt, size)
         self.ids = _grown(self.ids, size)
         self.coef = self.coef.grown(size)
-        for masks in (self._model_masks, self._group_masks):
+        for masks in (self._model_masks, self._group_masks, self._role_masks):
             for key in masks:
                 masks[key] = _grown(masks[key], size)
         self._states.extend([None] * (size - old))

@@ -321,10 +321,8 @@ class ReplicaSet:
         if decision is not None and known is not None:
             cached = decision.cached_tokens
         else:
-            cached = min(
-                self.prefix.match_replica(slot, request.block_hashes) * self.block_tokens,
-                request.prompt_tokens,
-            )
+            matched = self.prefix.match_replica(slot, request.block_hashes) * self.block_tokens
+            cached = min(max(matched, request.kv_ready_tokens), request.prompt_tokens)
         if known is None or known.output_tokens != expected:
             known = self.predict_one(slot, now, request.prompt_tokens, cached, expected)
         record = InFlight(
