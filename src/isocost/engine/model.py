@@ -15,7 +15,10 @@ time. The model is vLLM V1's scheduler in miniature:
 * **KV cache.** A request holds ``ceil(tokens computed / block_size)`` blocks of a
   ``BlockPool``. On admission its prompt's chained block hashes are matched against the
   cache; hit blocks are shared and their tokens skip prefill (at least one prompt token is
-  always computed). Each full prompt block is cached as soon as it is computed.
+  always computed). Each full prompt block is cached as soon as it is computed. A request
+  whose KV arrived from a prefill replica (``RequestSpec.kv_ready_tokens``) is admitted
+  with those tokens computed, in new blocks, so only its last prompt token is prefilled;
+  a preemption drops them (it recomputes like any other).
 * **Preemption.** When a running request needs a block and none is free, the newest
   running request is preempted by recompute: its blocks are released, its progress
   reset, and it goes to the front of the waiting queue (it keeps its generated tokens and
@@ -309,7 +312,7 @@ class EngineModel:
         if spec.request_id in self._states:
             raise ValueError(f"duplicate request id {spec.request_id!r}")
         self._now_s = now
-        state = RequestState(spec, now)
+        state = RequestState(spec, now, num_kv_ready_tokens=spec.kv_ready_tokens)
         self._states[spec.request_id] = state
         heads = not self._waiting
         self._waiting.append(state)
@@ -394,15 +397,15 @@ class EngineModel:
             plan = self._admission(state, budget)
             if plan is None:
                 break
-            hits, n, need = plan
+            hits, computed, n, need = plan
             pool.acquire(state.spec.block_hashes[:hits])
             pool.allocate(need)
-            computed = hits * block_size
             state.num_cached_blocks = hits
             state.num_blocks = hits + need
-            state.num_computed_tokens = state.num_prefix_hit_tokens = computed
+            state.num_computed_tokens = computed
+            state.num_prefix_hit_tokens = hits * block_size
             counters.prefix_cache_queries += state.num_tokens
-            counters.prefix_cache_hits += computed
+            counters.prefix_cache_hits += state.num_prefix_hit_tokens
             waiting.popleft()
             running.append(state)
             batch.append((state, n))
@@ -413,17 +416,20 @@ class EngineModel:
         self._step_start_s = self._now_s
         self._step_end_s = self._now_s + self._step_time_s(batch) * self.slowdown
 
-    def _admission(self, state: RequestState, budget: int) -> tuple[int, int, int] | None:
-        """``(prefix hit blocks, tokens to compute now, new blocks)`` to admit ``state``
-        within ``budget``, or None when the free blocks do not suffice."""
+    def _admission(self, state: RequestState, budget: int) -> tuple[int, int, int, int] | None:
+        """``(prefix hit blocks, tokens computed already, tokens to compute now, new
+        blocks)`` to admit ``state`` within ``budget``, or None when the free blocks do not
+        suffice. Tokens whose KV arrived with it count as computed (in new blocks)."""
         max_hit_blocks = (state.num_tokens - 1) // self.block_size
         hits, free_hits = self.pool.match(state.spec.block_hashes, max_hit_blocks)
         computed = hits * self.block_size
+        if state.num_kv_ready_tokens > computed:
+            computed = min(state.num_kv_ready_tokens, state.num_tokens - 1)
         n = min(state.num_tokens - computed, budget)
         need = _blocks_for(computed + n, self.block_size) - hits
         if need > self.pool.num_free - free_hits:
             return None
-        return hits, n, need
+        return hits, computed, n, need
 
     def _head_fits(self, batch_size: int) -> bool:
         """Whether a step of ``batch_size`` decodes would admit the waiting head."""
@@ -513,7 +519,7 @@ class EngineModel:
 
     def _preempt(self, state: RequestState, events: list[EngineEvent]) -> None:
         self._release(state)
-        state.num_computed_tokens = 0
+        state.num_computed_tokens = state.num_kv_ready_tokens = 0  # recomputed from here
         state.num_preemptions += 1
         self.counters.num_preemptions += 1
         self._waiting.appendleft(state)

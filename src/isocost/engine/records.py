@@ -29,6 +29,9 @@ class RequestSpec:
     prompt_tokens: int
     max_output_tokens: int  # the engine generates exactly this many tokens
     block_hashes: tuple[int, ...] = ()  # chained hashes of the prompt's full blocks
+    # Prompt tokens whose KV arrives with the request (a prefill -> decode hand-off): at
+    # admission they count as computed, in blocks of its own, without a prefill step.
+    kv_ready_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -43,6 +46,7 @@ class RequestState:
     num_cached_blocks: int = 0
     num_prefix_hit_tokens: int = 0  # cached prompt tokens found at the last admission
     num_preemptions: int = 0
+    num_kv_ready_tokens: int = 0  # ``spec.kv_ready_tokens`` until a preemption drops them
     first_token_s: float | None = None
     last_token_s: float | None = None
     finished_s: float | None = None
