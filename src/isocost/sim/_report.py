@@ -33,6 +33,7 @@ from isocost.workload import mean_rate_rps
 
 __all__ = [
     "capacity_json",
+    "disagg_table",
     "json_rows",
     "print_capacity",
     "print_results",
@@ -197,7 +198,7 @@ def print_results(console: Console, output: SweepOutput, target: float) -> None:
         console.print(audit_table(audited))
     split = [(r.summary.policy, r.rate_rps, r.disagg) for r in output.runs if r.disagg]
     if split:
-        console.print(_disagg_table(split))
+        console.print(disagg_table(split))
     if sweep:
         capacity = Table(title=f"capacity at SLO ({target:.0%} of requests meet both)")
         capacity.add_column("policy")
@@ -207,12 +208,17 @@ def print_results(console: Console, output: SweepOutput, target: float) -> None:
         console.print(capacity)
 
 
-def _disagg_table(runs: Sequence[tuple[str, float | None, DisaggSummary]]) -> Table:
+def disagg_table(runs: Sequence[tuple[str, float | None, DisaggSummary]]) -> Table:
     """Per run, how much it disaggregated: share split, KV transfer, P and D queues."""
-    table = Table(title="prefill/decode disaggregation", title_justify="left")
-    headers = ("policy", "rate", "split %", "xfer p50 ms", "xfer p99 ms", "P queue", "D queue")
-    for header in headers:
-        table.add_column(header, justify="left" if header == "policy" else "right")
+    table = Table(
+        title="prefill/decode disaggregation",
+        title_justify="left",
+        caption="xfer: predicted KV transfer of split requests; queues: waiting at P and D",
+        caption_justify="left",
+    )
+    table.add_column("policy", no_wrap=True)
+    for header in ("rate", "split\n%", "xfer\np50 ms", "xfer\np99 ms", "P\nqueue", "D\nqueue"):
+        table.add_column(header, justify="right")
     for policy, rate, d in runs:
         table.add_row(
             policy,
