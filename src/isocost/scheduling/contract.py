@@ -100,6 +100,12 @@ class RequestView:
     # ``scheduling.disagg``): priced as cached on every candidate, never prefilled again.
     kv_ready_tokens: int = 0
 
+    @property
+    def decode_only(self) -> bool:
+        """Its whole prompt's KV arrives but the last token's, which rides in a decode step:
+        its prefill stalls no running stream (a P/D decode leg)."""
+        return 0 < self.kv_ready_tokens >= self.prompt_tokens - 1
+
 
 @dataclass(frozen=True, slots=True)
 class ReplicaSpec:

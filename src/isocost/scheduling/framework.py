@@ -249,7 +249,8 @@ class Policy:
             meets &= prediction.ttft_s <= request.deadline_s - ctx.now
         if request.tpot_target_s is not None:
             meets &= prediction.tpot_s <= request.tpot_target_s
-            meets &= ctx.tpot_victims(request.tpot_target_s) <= MAX_TPOT_VICTIMS
+            if not request.decode_only:
+                meets &= ctx.tpot_victims(request.tpot_target_s) <= MAX_TPOT_VICTIMS
         if not meets.any():
             retry = max(float(prediction.wait_s.min()), self.admission.retry_after_s)
             return self._reject(RejectReason.DEADLINE, ctx.route_class, retry)

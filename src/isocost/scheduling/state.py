@@ -356,7 +356,8 @@ class ReplicaSet:
             heapq.heappush(self._unseen_starts, (start, next(self._unseen_order), record))
         self.local.dispatched(record)
         self.calibration.dispatched_s[slot] = now
-        self.duty.add(slot, now, known.prefill_s * float(self.calibration.ttft_factor[slot]))
+        if not request.decode_only:  # its one token rides in a decode step: no prefill duty
+            self.duty.add(slot, now, known.prefill_s * float(self.calibration.ttft_factor[slot]))
         self.prefix.insert(slot, request.block_hashes)
         self.scrapes.observe_prompt(request.prompt_tokens)
         for listener in self._listeners:
