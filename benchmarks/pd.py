@@ -90,7 +90,7 @@ class Measured:
     mode: str
     prefill_replicas: int  # 0: colocated
     decode_replicas: int
-    split_by: str  # "planner", "--ratios" or "-" (colocated)
+    split_by: str  # "planner", "given" (--ratios) or "-" (colocated)
     result: CapacityResult
     disaggregated_share: float | None  # at the highest rate that met the target
     wall_s: float
@@ -190,13 +190,13 @@ def table(runs: Sequence[Measured]) -> Table:
         title=f"capacity at SLO, {GPUS} x {MODEL} on {GPU} (TTFT 2 s + 0.25 s/1k, "
         f"TPOT {SLO.tpot_s * 1000:.0f} ms, {SLO.share:.0%})",
         title_justify="left",
-        caption="P:D prefill:decode replicas; x col: capacity / colocated's; "
-        "split %: requests split at the capacity",
+        caption="P:D prefill:decode replicas, split by the planner or given by --ratios; "
+        "x col: capacity / colocated's; split %: requests split at the capacity",
         caption_justify="left",
     )
     out.add_column("trace", no_wrap=True)
     out.add_column("mode", no_wrap=True)
-    for header in ("P:D", "by", "capacity\nreq/s", "x col", "split\n%", "wall s"):
+    for header in ("P:D", "split by", "capacity\nreq/s", "x col", "split\n%", "wall\ns"):
         out.add_column(header, justify="right")
     colocated = {r.trace: r.result.capacity_rps for r in runs if r.mode == "colocated"}
     for run in runs:
@@ -254,7 +254,7 @@ def main() -> int:
         requests = load_trace(TRACES / trace.file, trace.trace_format)[:max_requests]  # type: ignore[arg-type]
         spec = CapacitySpec(trace.low_rps, trace.high_rps, precision, SLO.share)
         planned = planned_prefill(requests, cost)
-        splits = [(planned, "planner")] + [(p, "--ratios") for p in extra if p != planned]
+        splits = [(planned, "planner")] + [(p, "given") for p in extra if p != planned]
         runs.append(measure(trace, requests, "colocated", 0, "-", spec, console))
         for prefill, split_by in splits:
             for mode in ("pd", "conditional"):
