@@ -87,3 +87,17 @@ def test_user_catalog_file(tmp_path: Path) -> None:
     assert "bad.yaml" in done.stderr and "memory" in done.stderr
     done = run("plan", "-m", "llama-3.1-8b", "-g", "a100-80g", "--catalog", "/nonexistent.yaml")
     assert done.returncode == 2 and "/nonexistent.yaml: no such file" in done.stderr
+
+
+def test_disaggregate_prints_prefill_and_decode_replicas() -> None:
+    args = ("plan", "--model", "llama-3.1-8b", "--gpu", "a100-80g", "--context", "12000",
+            "--output-tokens", "300", "--tpot-slo-ms", "50", "--disaggregate", "16")  # fmt: skip
+    done = run(*args, "--json")
+    assert done.returncode == 0, done.stderr
+    split = json.loads(done.stdout)["disaggregation"]
+    assert split["prefill_replicas"] + split["decode_replicas"] == 16
+    assert split["prefill_replicas"] > split["decode_replicas"]  # long prompts: P-heavy
+    tables = run(*args)
+    assert f"{split['prefill_replicas']} P : {split['decode_replicas']} D" in tables.stdout
+    bad = run("plan", "--model", "llama-3.1-8b", "--gpu", "a100-80g", "--disaggregate", "1")
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0

@@ -20,7 +20,8 @@ from isocost.bench._report import compare_table, live_table, summary_table
 from isocost.bench._runner import BenchProgress
 from isocost.cli import _policies, planview
 from isocost.core.catalog import Catalog
-from isocost.core.planner import PlanRequest, plan
+from isocost.core.costmodel import CostModel
+from isocost.core.planner import PlanRequest, plan, plan_disaggregation
 from isocost.demo._cluster import DEFAULT_LAYOUT
 from isocost.demo._report import replica_table
 from isocost.drill._drill import DrillReport
@@ -28,8 +29,8 @@ from isocost.drill._report import drill_table
 from isocost.scheduling.policies import BUILTIN_POLICIES
 from isocost.sim._audit import AdmissionAudit, audit_table
 from isocost.sim._capacity import CapacityResult, CapacitySpec, CapacityStatus, Probe
-from isocost.sim._metrics import PolicySummary
-from isocost.sim._report import print_capacity, print_results
+from isocost.sim._metrics import DisaggSummary, PolicySummary
+from isocost.sim._report import disagg_table, print_capacity, print_results
 from isocost.sim._run import CapacityOutput, RunOutput, SweepOutput
 
 WIDTH = 80
@@ -116,6 +117,13 @@ def _plan_tables(console: Console) -> None:
     planview.print_tables(console, plan(request), explain=True)
 
 
+def _plan_split(console: Console) -> None:
+    catalog = Catalog.builtin()
+    cost = CostModel(catalog.model("llama-3.1-70b"), catalog.gpu("a100-80g"), 4)
+    split = plan_disaggregation(cost, 64, prompt_tokens=12_000, output_tokens=343)
+    planview.print_disaggregation(console, split)
+
+
 def _drill_report() -> DrillReport:
     return DrillReport(
         fault="kill", gateway="http://127.0.0.1:8080", targets=["a100-2", "l20-0"], rate_rps=8,
@@ -141,6 +149,13 @@ TABLES: dict[str, tuple[RenderableType | Callable[[Console], None], tuple[str, .
     "demo replicas, 4 policies": (replica_table(RUNS, DEFAULT_LAYOUT), POLICIES),
     "drill": (drill_table(_drill_report()), ()),
     "plan --explain": (_plan_tables, ()),
+    "plan --disaggregate": (_plan_split, ()),
+    "sim disaggregation": (
+        disagg_table(
+            [(p, 12.5, DisaggSummary(0.734, 1.2345, 12.345, 12.3, 123.4)) for p in POLICIES]
+        ),
+        POLICIES,
+    ),
     "sim admission audit": (audit_table([_audited(policy) for policy in POLICIES]), POLICIES),
 }
 

@@ -25,14 +25,21 @@ def plan(
     price: float | None = typer.Option(None, "--price", help="Override $/GPU-hour."),
     catalog: CatalogOption = None,
     explain: bool = typer.Option(False, "--explain", help="Show each figure's derivation."),
+    disaggregate: int | None = typer.Option(
+        None, "--disaggregate", help="Split N replicas into prefill and decode (P:D)."
+    ),
+    cached_tokens: int = typer.Option(
+        0, "--cached-tokens", help="With --disaggregate: mean prompt tokens found cached."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
 ) -> None:
     """Size a deployment: VRAM, TP, replicas, throughput, $ per token.
 
-    The VRAM ledger per GPU, then each tensor-parallel option.
+    The VRAM ledger per GPU, then each tensor-parallel option; with --disaggregate N,
+    the prefill and decode replicas N replicas of the recommended TP split into.
     """
     from isocost.cli import planview
-    from isocost.core.planner import PlanRequest
+    from isocost.core.planner import PlanRequest, plan_disaggregation
     from isocost.core.planner import plan as run_plan
     from isocost.files import load_catalog, resolve_model
 
@@ -58,7 +65,23 @@ def plan(
     except ValueError as exc:
         fail(str(exc))
     result = run_plan(request)
+    split = None
+    if disaggregate is not None:
+        try:
+            split = plan_disaggregation(
+                result.recommended.cost,
+                disaggregate,
+                prompt_tokens=request.prompt_tokens,
+                output_tokens=output_tokens,
+                cached_tokens=cached_tokens,
+                tpot_slo_s=request.tpot_slo_s,
+                headroom=headroom,
+            )
+        except ValueError as exc:
+            fail(f"--disaggregate: {exc}")
     if as_json:
-        planview.print_json(result)
+        planview.print_json(result, split)
     else:
         planview.print_tables(console, result, explain=explain)
+        if split is not None:
+            planview.print_disaggregation(console, split)

@@ -8,17 +8,50 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from isocost.core.planner import PlanResult
+from isocost.core.planner import DisaggPlan, PlanResult
 from isocost.core.planner import explain as explain_rows
 
-__all__ = ["print_json", "print_tables"]
+__all__ = ["print_disaggregation", "print_json", "print_tables"]
 
 _GIB = 1024**3
 
 
-def print_json(result: PlanResult) -> None:
-    json.dump(result.as_dict(), sys.stdout, indent=2)
+def print_json(result: PlanResult, split: DisaggPlan | None = None) -> None:
+    document = result.as_dict()
+    if split is not None:
+        document["disaggregation"] = {
+            "prefill_replicas": split.prefill_replicas,
+            "decode_replicas": split.decode_replicas,
+            "prefill_s_per_request": split.prefill_s_per_request,
+            "decode_s_per_request": split.decode_s_per_request,
+            "decode_batch": split.decode_batch,
+            "requests_per_s": split.requests_per_s,
+        }
+    json.dump(document, sys.stdout, indent=2)
     sys.stdout.write("\n")
+
+
+def print_disaggregation(console: Console, split: DisaggPlan) -> None:
+    """The P:D split: each pool's replicas and the work per request that sized it."""
+    table = Table(
+        title=f"Prefill/decode split: {split.prefill_replicas} P : {split.decode_replicas} D",
+        title_justify="left",
+        caption="pools sized by the replica-seconds one request takes in each",
+        caption_justify="left",
+    )
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for name, text in (
+        ("prefill replicas (role: prefill)", f"{split.prefill_replicas}"),
+        ("decode replicas (role: decode)", f"{split.decode_replicas}"),
+        ("prefill s per request on P", f"{split.prefill_s_per_request:.3f}"),
+        ("decode replica-s per request on D", f"{split.decode_s_per_request:.3f}"),
+        ("decode batch at the TPOT target", f"{split.decode_batch}"),
+        ("prefill share of the work", f"{split.prefill_share:.0%}"),
+        ("sustained req/s of the split", f"{split.requests_per_s:,.2f}"),
+    ):
+        table.add_row(name, text)
+    console.print(table)
 
 
 def print_tables(console: Console, result: PlanResult, *, explain: bool = False) -> None:

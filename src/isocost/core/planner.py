@@ -22,6 +22,10 @@ attention heads as engines require):
    the fewest GPUs for the target ``qps``/``concurrency`` (ties: the smaller t, since
    replicas scale out more simply than a wider TP group); without a target, the smallest.
 
+Prefill/decode disaggregation (``plan_disaggregation``, ``isocost plan --disaggregate``):
+splits a fleet into prefill and decode replicas in proportion to the replica-seconds a
+request takes in each pool, so neither pool idles while the other queues.
+
 Two throughput figures are reported on purpose: ``decode_tokens_per_s`` is the rate of the
 decode steps at the operating batch (what "a full KV pool decodes" means), and
 ``output_tokens_per_s`` is the sustained rate once prefill time is paid, which prices $.
@@ -30,6 +34,7 @@ decode steps at the operating batch (what "a full KV pool decodes" means), and
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from isocost.core.costmodel import CostModel, EngineLimits
@@ -37,7 +42,16 @@ from isocost.core.errors import DoesNotFitError
 from isocost.core.hardware import GpuSpec
 from isocost.core.models import ModelSpec
 
-__all__ = ["PlanRequest", "PlanResult", "TpOption", "explain", "plan", "valid_tp_degrees"]
+__all__ = [
+    "DisaggPlan",
+    "PlanRequest",
+    "PlanResult",
+    "TpOption",
+    "explain",
+    "plan",
+    "plan_disaggregation",
+    "valid_tp_degrees",
+]
 
 TP_DEGREES = (1, 2, 4, 8)
 _GIB = 1024**3
@@ -201,14 +215,7 @@ def _operating_point(req: PlanRequest, cost: CostModel, max_conc: int) -> TpOpti
         )
 
     fits = max_conc >= 1
-    best = 0
-    if fits:
-        lo, hi = 1, max_conc  # largest b in [1, max_conc] with ok(b): ok is monotone
-        if ok(1):
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
-            best = lo
+    best = _largest_meeting(ok, max_conc)
     limited_by = "kv"
     if best == 0 or best < max_conc:
         _, tpot, ttft, _ = metrics(min(best + 1, max(max_conc, 1)))
@@ -242,6 +249,82 @@ def _operating_point(req: PlanRequest, cost: CostModel, max_conc: int) -> TpOpti
         replicas_needed=replicas,
         usd_per_million_output_tokens=usd_per_s / (x * m) * 1e6,
         limited_by=limited_by,
+    )
+
+
+def _largest_meeting(ok: Callable[[int], bool], most: int) -> int:
+    """The largest ``b`` in ``[1, most]`` with ``ok(b)``, ``ok`` true up to some ``b`` and
+    false above (0: not even ``ok(1)``), by bisection."""
+    if most < 1 or not ok(1):
+        return 0
+    lo, hi = 1, most
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
+    return lo
+
+
+@dataclass(frozen=True, slots=True)
+class DisaggPlan:
+    """A prefill/decode split of a fleet for one workload (``plan_disaggregation``)."""
+
+    prefill_replicas: int
+    decode_replicas: int
+    prefill_s_per_request: float  # P replica-seconds a request takes: its uncached prefill
+    decode_s_per_request: float  # D replica-seconds: m steps shared by the decode batch
+    decode_batch: int  # D's operating batch (TPOT target, KV pool, max_num_seqs)
+    requests_per_s: float  # what the split sustains: the slower pool's rate
+
+    @property
+    def prefill_share(self) -> float:
+        work = self.prefill_s_per_request + self.decode_s_per_request
+        return self.prefill_s_per_request / work if work > 0 else 0.0
+
+
+def plan_disaggregation(
+    cost: CostModel,
+    replicas: int,
+    *,
+    prompt_tokens: int,
+    output_tokens: int,
+    cached_tokens: int = 0,
+    tpot_slo_s: float | None = None,
+    headroom: float = 0.15,
+) -> DisaggPlan:
+    """P:D for ``replicas`` replicas of ``cost`` serving requests of ``prompt_tokens``
+    (``cached_tokens`` of them found in P's prefix cache) and ``output_tokens``.
+
+    A prefill replica computes one prompt after another (compute-bound, prefill chunks
+    batch into full steps): ``T_pre(n - c, c)`` replica-seconds per request. A decode
+    replica runs the largest batch ``b`` whose step ``T_step(b, b * (n + m/2))`` meets the
+    TPOT target (no prefill stalls it) within its KV pool and ``max_num_seqs``:
+    ``m * T_step / b`` replica-seconds per request. The pools split the replicas in
+    proportion to those (at least one each), which balances their rates; a TPOT target no
+    batch meets leaves ``b = 1``."""
+    if replicas < 2:
+        raise ValueError("a prefill/decode split needs at least 2 replicas")
+    if prompt_tokens < 1 or output_tokens < 1 or not 0 <= cached_tokens < prompt_tokens:
+        raise ValueError("need prompt and output tokens >= 1 and cached below the prompt")
+    n, m = prompt_tokens, output_tokens
+    prefill_s = cost.prefill_time_s(n - cached_tokens, cached_tokens)
+    resident = n + m / 2
+
+    def step_s(b: int) -> float:
+        return cost.decode_step_time_s(b, int(b * resident))
+
+    most = cost.max_concurrency(resident, headroom)
+    batch = max(_largest_meeting(lambda b: tpot_slo_s is None or step_s(b) <= tpot_slo_s, most), 1)
+    decode_s = m * step_s(batch) / batch
+    share = prefill_s / (prefill_s + decode_s)
+    num_prefill = min(max(round(replicas * share), 1), replicas - 1)
+    num_decode = replicas - num_prefill
+    return DisaggPlan(
+        prefill_replicas=num_prefill,
+        decode_replicas=num_decode,
+        prefill_s_per_request=prefill_s,
+        decode_s_per_request=decode_s,
+        decode_batch=batch,
+        requests_per_s=min(num_prefill / prefill_s, num_decode / decode_s),
     )
 
 

@@ -36,6 +36,7 @@ from isocost.sim._cluster import (
 )
 from isocost.sim._core import SimRecord, SimResult, Simulator, block_hashes
 from isocost.sim._metrics import (
+    DisaggSummary,
     Isolated,
     PolicySummary,
     capacity_at_slo,
@@ -73,6 +74,7 @@ __all__ = [
     "CapacityStatus",
     "ClusterConfig",
     "ClusterEvent",
+    "DisaggSummary",
     "FleetUsage",
     "ForcedAdmission",
     "Isolated",

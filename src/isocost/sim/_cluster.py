@@ -12,6 +12,9 @@
       - {name: slow, gpu: a100-80g, model: llama-3.1-8b, slowdown: 3.0}
       - {name: l20, gpu: l20-48g, model: llama-3.1-8b, tp: 2, count: 4, max_queue: 64}
       - {name: late, gpu: h100-80g, model: llama-3.1-8b, start_s: 600, cold_start_s: 90}
+    link: infiniband             # P/D KV hand-offs: nvlink | infiniband | roce | tcp
+    disaggregation: conditional  # colocated | pd | conditional (default: conditional when
+                                 # a replica has a role other than both, else colocated)
     events:
       - {at_s: 300, replica: slow-0, action: fail}
       - {at_s: 420, replica: slow-0, action: recover}
@@ -23,7 +26,11 @@ A replica group expands to ``count`` replicas named ``<name>-<i>`` (``name`` def
 (a quantised variant, another size) behind one name. Replicas with ``start_s: 0`` are
 running when the simulation starts; a later ``start_s`` launches the replica then, ready
 ``cold_start_s`` later, and a recovered replica also pays its cold start, with an empty
-cache. ``slowdown`` multiplies every step time (a degraded node).
+cache. ``slowdown`` multiplies every step time (a degraded node). ``role`` (``prefill``,
+``decode`` or ``both``, the default) is the replica's part in prefill/decode
+disaggregation (``scheduling.disagg``): ``- {gpu: h100-80g, model: llama-3.1-8b, count: 4,
+role: prefill}``; a split request's KV moves over the cluster's ``link``
+(``core.links``).
 
 ``gateway_cluster`` reads the cluster from ``isocost serve``'s own config instead
 (``isocost sim --config gateway.yaml``): one pool's replicas, by their gateway names, with
@@ -45,8 +52,10 @@ import yaml
 from isocost.core.catalog import Catalog
 from isocost.core.costmodel import CostModel
 from isocost.core.errors import ConfigError
+from isocost.core.links import LINK_KINDS
 from isocost.files import resolve_model
 from isocost.runtime.config import GatewayConfig, PoolConfig, replica_name
+from isocost.scheduling.contract import Role
 from isocost.scheduling.policies import UnknownConfigEntryError
 
 __all__ = [
@@ -78,6 +87,7 @@ class ReplicaGroup(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     start_s: float = 0.0
     cold_start_s: float = 0.0
     groups: list[str] = []
+    role: Role = "both"
 
 
 class ClusterEvent(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -96,6 +106,8 @@ class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     queue_size: int = 1024
     queue_timeout_ms: float = 30_000.0
     max_retries: int = 2
+    link: str = "infiniband"
+    disaggregation: Literal["colocated", "pd", "conditional"] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +123,7 @@ class SimReplica:
     start_s: float
     cold_start_s: float
     groups: frozenset[str]
+    role: Role = "both"
 
 
 def parse_cluster_yaml(text: str, source: str) -> ClusterConfig:
@@ -163,6 +176,7 @@ def resolve_cluster(config: ClusterConfig, catalog: Catalog) -> list[SimReplica]
                     start_s=group.start_s,
                     cold_start_s=group.cold_start_s,
                     groups=frozenset(group.groups),
+                    role=group.role,
                 )
             )
     return out
@@ -202,6 +216,7 @@ def gateway_cluster(
             max_queue=r.max_queue,
             usd_per_hour=r.usd_per_hour,
             groups=r.groups,
+            role=r.role,
         )
         for r, name in zip(pool.replicas, names, strict=True)
     ]
@@ -244,6 +259,7 @@ def _check(config: ClusterConfig, source: str) -> None:
         ("queue_size", config.queue_size >= 0, "must be >= 0"),
         ("queue_timeout_ms", config.queue_timeout_ms > 0, "must be > 0"),
         ("max_retries", config.max_retries >= 0, "must be >= 0"),
+        ("link", config.link in LINK_KINDS, f"must be one of {', '.join(LINK_KINDS)}"),
     ]
     for i, g in enumerate(config.replicas):
         key = f"replicas[{i}]"

@@ -41,6 +41,19 @@ rejection (REJECT ``deadline`` from the policy) whether to admit the request aft
 the audit's forked replays say yes and run until it and the requests running beside it
 settle.
 
+Prefill/decode disaggregation (a fleet with replica roles, or ``disaggregation`` set in
+the cluster): the gateway asks ``scheduling.disagg.choose_pair`` instead of the policy
+alone. A split request's two legs enter the shadow state at once; the prefill leg (one
+output token) runs on P, whose prefix cache serves and keeps its prompt; its reply
+reaches the gateway, which relays the request to D (two network legs) while D pulls the
+KV of the tokens it lacks over the cluster's link (``core.links.kv_transfer_s``); D admits
+it with that KV present (``RequestSpec.kv_ready_tokens``: it needs the KV room, computes
+only the last prompt token, and caches the blocks), and decodes every output token. The
+user's first token is D's, so TTFT includes P's queue, the prefill and the transfer. P
+frees the prompt's KV when its leg finishes (it stays in P's prefix cache), not when D
+has pulled it: P's KV pressure is understated by the transfer time. A fleet without
+roles runs exactly as before.
+
 Invariant: every arrival ends exactly once, completed or rejected (a failed attempt is
 retried up to ``max_retries`` times, then rejected as ``failed``).
 """
@@ -56,6 +69,7 @@ from typing import Protocol, cast
 
 import numpy as np
 
+from isocost.core.links import Link, link
 from isocost.core.slo import SloTargets
 from isocost.engine.model import EngineModel
 from isocost.engine.records import EngineEvent, Finished, FirstToken, RequestSpec
@@ -63,6 +77,7 @@ from isocost.engine.records import RequestState as EngineRequest
 from isocost.prefix.hashing import BLOCK_TOKENS, ROOT_HASH
 from isocost.scheduling.contract import ReplicaSpec, RequestView
 from isocost.scheduling.decision import Decision, RejectReason
+from isocost.scheduling.disagg import DisaggMode, PairDecision, choose_pair
 from isocost.scheduling.dispatch import Dispatcher
 from isocost.scheduling.framework import Policy
 from isocost.scheduling.state import ReplicaSet
@@ -72,7 +87,7 @@ from isocost.workload import WorkloadRequest, prefix_block_hashes
 __all__ = ["AdmissionHook", "Controller", "SimRecord", "SimResult", "Simulator", "block_hashes"]
 
 FAULT, ENGINE, HOOK, SCRAPE, ARRIVAL, DELIVER, SAMPLE, CONTROL = range(8)
-_FIRST, _DONE, _FAILED, _TIMEOUT = range(4)  # hook kinds
+_FIRST, _DONE, _FAILED, _TIMEOUT, _LEG_DONE = range(5)  # hook kinds
 
 
 def block_hashes(request: WorkloadRequest, block_tokens: int = BLOCK_TOKENS) -> tuple[int, ...]:
@@ -97,6 +112,11 @@ class SimRecord:
     failed_on: tuple[str, ...] = ()  # replicas whose attempt broke: retries avoid them
     hashes: tuple[int, ...] | None = None  # the prompt's block hashes, once computed
     counterfactual: tuple[float, float] | None = None  # audited rejection: TTFT, E2E admitted
+    disaggregated: bool = False  # the last attempt was split into prefill and decode legs
+    prefill_replica_id: str | None = None  # its prefill replica, when split
+    transfer_s: float = 0.0  # its KV transfer, when split
+    prefill_queue: int = 0  # requests waiting at P, and at D, when it was split
+    decode_queue: int = 0
 
     @property
     def settled(self) -> bool:
@@ -163,6 +183,17 @@ _Delivery = tuple[_SimulatedReplica, RequestView, SimRecord, int]  # (..., repli
 _Fault = tuple[str, _SimulatedReplica, float]  # (action, replica, factor | start number)
 
 
+@dataclass(frozen=True, slots=True)
+class _PrefillLeg:
+    """A split request's prefill leg in flight, and where its decode leg goes next."""
+
+    record: SimRecord
+    decode_view: RequestView
+    decode: _SimulatedReplica
+    epoch: int  # the decode replica's at the split
+    transfer_s: float
+
+
 class Controller(Protocol):
     """An autoscaler driving the simulator (``sim._autoscale``)."""
 
@@ -212,6 +243,10 @@ class Simulator:
         self.replaying = False  # a forked replay: settles go to the audit, which ends it
         self.shadow = ReplicaSet(block_tokens=BLOCK_TOKENS)
         self.shadow.add_listener(policy)
+        self.disaggregation = _disaggregation(cluster, replicas)  # None: plain scheduling
+        self.link: Link = link(cluster.link)
+        self._pairs: dict[str, PairDecision] = {}  # the latest pair chosen, by attempt id
+        self._legs: dict[str, _PrefillLeg] = {}  # by prefill leg id
         self.dispatcher: Dispatcher[SimRecord] = Dispatcher(
             cluster.queue_size,
             cluster.queue_timeout_ms / 1000.0,
@@ -385,18 +420,57 @@ class Simulator:
             self._push(limit, HOOK, (_TIMEOUT, view.request_id, 0))
 
     def _schedule(self, view: RequestView, exclude: Collection[str], now: float) -> Decision:
-        return self.policy.schedule(view, self.shadow, now, exclude=exclude)
+        if self.disaggregation is None:
+            return self.policy.schedule(view, self.shadow, now, exclude=exclude)
+        pair = choose_pair(
+            self.policy,
+            view,
+            self.shadow,
+            now,
+            mode=self.disaggregation,
+            link=self.link,
+            exclude=exclude,
+        )
+        self._pairs[view.request_id] = pair
+        return pair.decision
 
     def _bind(self, record: SimRecord, view: RequestView, decision: Decision, now: float) -> None:
         """An ADMIT: dispatch, the request reaches the replica later."""
         replica_id = decision.replica_id
         assert replica_id is not None
+        pair = self._pairs.pop(view.request_id, None)
+        if pair is not None and pair.disaggregated and pair.decision is decision:
+            self._bind_split(record, pair, now)
+            return
         self.shadow.on_dispatch(view, replica_id, now, decision=decision)
         record.replica_id = replica_id
         record.attempts += 1
+        record.disaggregated = False
         self._attempts[view.request_id] = record
         replica = self.replicas[replica_id]
         self._push(now + self.delay_s, DELIVER, (replica, view, record, replica.epoch))
+
+    def _bind_split(self, record: SimRecord, pair: PairDecision, now: float) -> None:
+        """A split ADMIT: both legs into the shadow, the prefill leg on its way to P."""
+        leg, leg_view = pair.prefill, pair.prefill_request
+        decode_id = pair.decision.replica_id
+        assert leg is not None and leg_view is not None and leg.replica_id and decode_id
+        view = pair.decode_request
+        self.shadow.on_dispatch(leg_view, leg.replica_id, now, decision=leg)
+        self.shadow.on_dispatch(view, decode_id, now, decision=pair.decision)
+        record.replica_id = decode_id
+        record.prefill_replica_id = leg.replica_id
+        record.attempts += 1
+        record.disaggregated = True
+        record.transfer_s = pair.transfer_s
+        record.prefill_queue, record.decode_queue = pair.prefill_queue, pair.decode_queue
+        self._attempts[view.request_id] = record
+        decode = self.replicas[decode_id]
+        self._legs[leg_view.request_id] = _PrefillLeg(
+            record, view, decode, decode.epoch, pair.transfer_s
+        )
+        prefill = self.replicas[leg.replica_id]
+        self._push(now + self.delay_s, DELIVER, (prefill, leg_view, record, prefill.epoch))
 
     def _refuse(
         self,
@@ -416,8 +490,12 @@ class Simulator:
         kind, attempt_id, value = cast(_Hook, payload)
         now = self._now
         if kind == _FIRST:
-            if self.shadow.on_first_token(attempt_id, now):
+            if self.shadow.on_first_token(attempt_id, now) and attempt_id not in self._legs:
                 self._attempts[attempt_id].first_token_s = now
+        elif kind == _LEG_DONE:  # the prefill leg's reply reached the gateway
+            del self._legs[attempt_id]
+            self.shadow.on_complete(attempt_id, now, ok=True, output_tokens=1)
+            self.dispatcher.wake(self._now)
         elif kind == _DONE:
             record = self._attempts.pop(attempt_id)
             self.shadow.on_complete(attempt_id, now, ok=True, output_tokens=int(value))
@@ -428,11 +506,16 @@ class Simulator:
         elif kind == _TIMEOUT:
             self.dispatcher.time_out(attempt_id)
         else:  # _FAILED: the attempt's connection broke, or the engine refused it
+            leg = self._legs.pop(attempt_id, None)
+            if leg is not None:  # the prefill leg failed: so did its decode leg
+                self.shadow.on_complete(attempt_id, now, ok=False)
+                attempt_id = leg.decode_view.request_id
             record = self._attempts.pop(attempt_id)
             self.shadow.on_complete(attempt_id, now, ok=False)
             record.first_token_s = None
-            if record.replica_id is not None:
-                record.failed_on = (*record.failed_on, record.replica_id)
+            failed_on = record.prefill_replica_id if leg is not None else record.replica_id
+            if failed_on is not None:
+                record.failed_on = (*record.failed_on, failed_on)
             if value == "too_long" or record.attempts > self.max_retries:
                 self._reject(record, str(value))
             else:
@@ -490,8 +573,13 @@ class Simulator:
         if request.prompt_tokens + request.output_tokens > engine.max_request_tokens:
             self._push(back, HOOK, (_FAILED, attempt_id, "too_long"))
             return
+        output_tokens = 1 if attempt_id in self._legs else request.output_tokens
         spec = RequestSpec(
-            attempt_id, request.prompt_tokens, request.output_tokens, view.block_hashes
+            attempt_id,
+            request.prompt_tokens,
+            output_tokens,
+            view.block_hashes,
+            view.kv_ready_tokens,
         )
         replica.in_flight[attempt_id] = (record, engine.submit(spec, self._now))
         self._live[replica.index] = replica
@@ -522,11 +610,23 @@ class Simulator:
                 self._push(event.time_s + delay, HOOK, (_FIRST, event.request_id, 0))
             elif isinstance(event, Finished):
                 record, state = replica.in_flight.pop(event.request_id)
-                record.prefix_hit_tokens = state.num_prefix_hit_tokens
-                record.preemptions = state.num_preemptions
-                self._push(
-                    event.time_s + delay, HOOK, (_DONE, event.request_id, event.num_output_tokens)
-                )
+                leg = self._legs.get(event.request_id)
+                if leg is None and record.disaggregated:  # D's hits: the KV it was sent
+                    record.preemptions += state.num_preemptions
+                else:
+                    record.prefix_hit_tokens = state.num_prefix_hit_tokens
+                    record.preemptions = state.num_preemptions
+                if leg is None:
+                    self._push(
+                        event.time_s + delay,
+                        HOOK,
+                        (_DONE, event.request_id, event.num_output_tokens),
+                    )
+                    continue
+                # P's reply reaches the gateway, which relays the request to D; D pulls the KV
+                self._push(event.time_s + delay, HOOK, (_LEG_DONE, event.request_id, 1))
+                payload = (leg.decode, leg.decode_view, leg.record, leg.epoch)
+                self._push(event.time_s + 2 * delay + leg.transfer_s, DELIVER, payload)
 
     def _refresh_readings(self) -> None:
         """Read every live engine as a scrape would now. Before its wake an engine emits
@@ -586,6 +686,7 @@ class Simulator:
                         usd_per_hour=config.usd_per_hour,
                         max_queue=config.max_queue,
                         groups=config.groups,
+                        role=config.role,
                     )
                 )
             self._slots[replica.index] = self.shadow.get(config.replica_id).slot
@@ -652,4 +753,16 @@ class Simulator:
 
 
 def _attempt_order(attempt_id: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in attempt_id.split("."))
+    """Attempts by request, then retry; a prefill leg (``<attempt>:prefill``) after its own."""
+    attempt, _, leg = attempt_id.partition(":")
+    return (*(int(part) for part in attempt.split(".")), len(leg))
+
+
+def _disaggregation(cluster: ClusterConfig, replicas: Sequence[SimReplica]) -> DisaggMode | None:
+    """The cluster's P/D mode: as set, else conditional where some replica has a role;
+    None (plain scheduling, as before roles) for a colocated fleet of ``both``."""
+    split_roles = any(r.role != "both" for r in replicas)
+    if cluster.disaggregation is not None:
+        mode = DisaggMode(cluster.disaggregation)
+        return None if mode is DisaggMode.COLOCATED and not split_roles else mode
+    return DisaggMode.CONDITIONAL if split_roles else None

@@ -28,6 +28,9 @@
   add time. Slowdown = E2E / isolated E2E, at least 1 (``tests/property/test_sim_bound.py``
   checks every completed request of several policies and workloads against its bound).
 * Load imbalance = coefficient of variation (std / mean) of per-replica busy time.
+* Disaggregation (fleets with replica roles, ``DisaggSummary``): the share of arrivals
+  whose last attempt was split into prefill and decode legs, the predicted KV transfer
+  of those (p50, p99), and the mean requests waiting at P and at D when they were split.
 * Capacity at SLO over a rate sweep: the highest offered rate whose SLO attainment is at
   least the target share (e.g. 0.9, ``SloTargets.share``).
 """
@@ -46,16 +49,18 @@ import numpy.typing as npt
 from isocost.core.costmodel import CostModel
 from isocost.core.slo import SloTargets
 from isocost.engine import prefill_floor_s
-from isocost.sim._core import block_hashes
+from isocost.sim._core import SimRecord, block_hashes
 from isocost.workload import WorkloadRequest
 
 __all__ = [
+    "DisaggSummary",
     "Isolated",
     "PolicySummary",
     "capacity_at_slo",
     "isolated_times",
     "oracle_summary",
     "reusable_prefix_blocks",
+    "summarize_disagg",
     "summarize_sim",
 ]
 
@@ -208,6 +213,31 @@ def summarize_sim(
         preemptions=preemptions,
         offered_rps=offered,
         span_s=span,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class DisaggSummary:
+    """Prefill/decode disaggregation in one run (the module docstring)."""
+
+    disaggregated_share: float
+    transfer_p50_s: float | None
+    transfer_p99_s: float | None
+    prefill_queue_mean: float | None
+    decode_queue_mean: float | None
+
+
+def summarize_disagg(records: Sequence[SimRecord]) -> DisaggSummary:
+    split = [r for r in records if r.disaggregated]
+    transfer = np.array([r.transfer_s for r in split], dtype=np.float64)
+    prefill_queue = np.array([r.prefill_queue for r in split], dtype=np.float64)
+    decode_queue = np.array([r.decode_queue for r in split], dtype=np.float64)
+    return DisaggSummary(
+        disaggregated_share=len(split) / len(records) if records else 0.0,
+        transfer_p50_s=_pct(transfer, 50),
+        transfer_p99_s=_pct(transfer, 99),
+        prefill_queue_mean=float(prefill_queue.mean()) if split else None,
+        decode_queue_mean=float(decode_queue.mean()) if split else None,
     )
 
 

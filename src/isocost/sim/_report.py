@@ -25,7 +25,7 @@ from isocost.core.errors import ConfigError
 from isocost.scheduling.policies import SLO_BASELINES
 from isocost.sim._audit import audit_table
 from isocost.sim._capacity import CapacityResult, CapacitySpec, best_other, capacity_ratio
-from isocost.sim._metrics import PolicySummary
+from isocost.sim._metrics import DisaggSummary, PolicySummary
 from isocost.sim._run import CapacityOutput, RunOutput, SimPlan, SweepOutput, run_capacity, run_plan
 from isocost.sim._run import Progress as ProgressCallback
 from isocost.tables import Fitted
@@ -33,6 +33,7 @@ from isocost.workload import mean_rate_rps
 
 __all__ = [
     "capacity_json",
+    "disagg_table",
     "json_rows",
     "print_capacity",
     "print_results",
@@ -58,6 +59,8 @@ def json_rows(output: SweepOutput) -> list[dict[str, Any]]:
             row["autoscale"] = dataclasses.asdict(run.fleet)
         if run.audit is not None:
             row["admission_audit"] = {k: _rounded(v) for k, v in run.audit.json_fields().items()}
+        if run.disagg is not None:
+            row["disaggregation"] = dataclasses.asdict(run.disagg)
         rows.append(row)
     oracle: dict[str, Any] = dataclasses.asdict(output.oracle)
     oracle["rate_rps"] = None
@@ -91,15 +94,19 @@ def capacity_json(output: CapacityOutput, spec: CapacitySpec) -> dict[str, Any]:
             "capacity_ratio": None
             if ratio is None
             else {"against": ratio[0], "low": ratio[1], "high": _finite(ratio[2])},
-            "probes": [
-                {"rate_rps": run.rate_rps, **dataclasses.asdict(run.summary)}
-                for run in output.probes[policy]
-            ],
+            "probes": [_probe_json(run) for run in output.probes[policy]],
         }
         policies.append(row)
     settings = {"low_rps": spec.low_rps, "high_rps": spec.high_rps, "precision": spec.precision}
     content = {**settings, "target": spec.target, "ratio_against": reference}
     return {k: _rounded(v) for k, v in {**content, "policies": policies}.items()}
+
+
+def _probe_json(run: RunOutput) -> dict[str, Any]:
+    row: dict[str, Any] = {"rate_rps": run.rate_rps, **dataclasses.asdict(run.summary)}
+    if run.disagg is not None:
+        row["disaggregation"] = dataclasses.asdict(run.disagg)
+    return row
 
 
 def _finite(value: float) -> float | None:
@@ -189,6 +196,9 @@ def print_results(console: Console, output: SweepOutput, target: float) -> None:
     audited = [(r.summary.policy, r.rate_rps, r.audit) for r in output.runs if r.audit is not None]
     if audited:
         console.print(audit_table(audited))
+    split = [(r.summary.policy, r.rate_rps, r.disagg) for r in output.runs if r.disagg]
+    if split:
+        console.print(disagg_table(split))
     if sweep:
         capacity = Table(title=f"capacity at SLO ({target:.0%} of requests meet both)")
         capacity.add_column("policy")
@@ -196,6 +206,34 @@ def print_results(console: Console, output: SweepOutput, target: float) -> None:
         for policy, rate in output.capacity_rps.items():
             capacity.add_row(policy, "below sweep" if rate is None else f"{rate:g}")
         console.print(capacity)
+
+
+def disagg_table(runs: Sequence[tuple[str, float | None, DisaggSummary]]) -> Table:
+    """Per run, how much it disaggregated: share split, KV transfer, P and D queues."""
+    table = Table(
+        title="prefill/decode disaggregation",
+        title_justify="left",
+        caption="xfer: predicted KV transfer of split requests; queues: waiting at P and D",
+        caption_justify="left",
+    )
+    table.add_column("policy", no_wrap=True)
+    for header in ("rate", "split\n%", "xfer\np50 ms", "xfer\np99 ms", "P\nqueue", "D\nqueue"):
+        table.add_column(header, justify="right")
+    for policy, rate, d in runs:
+        table.add_row(
+            policy,
+            "-" if rate is None else f"{rate:g}",
+            f"{100 * d.disaggregated_share:.1f}",
+            *(
+                "-" if t is None else f"{1000 * t:.1f}"
+                for t in (d.transfer_p50_s, d.transfer_p99_s)
+            ),
+            *(
+                "-" if q is None else f"{q:.1f}"
+                for q in (d.prefill_queue_mean, d.decode_queue_mean)
+            ),
+        )
+    return table
 
 
 def print_capacity(console: Console, output: CapacityOutput, spec: CapacitySpec) -> None:

@@ -31,11 +31,13 @@ from isocost.sim._capacity import CapacityResult, CapacitySpec, search_capacity
 from isocost.sim._cluster import ClusterConfig, SimReplica, lowest_slowdowns, served_model
 from isocost.sim._core import SimResult, Simulator
 from isocost.sim._metrics import (
+    DisaggSummary,
     Isolated,
     PolicySummary,
     capacity_at_slo,
     isolated_times,
     oracle_summary,
+    summarize_disagg,
     summarize_sim,
 )
 from isocost.sim._workload import at_rate
@@ -91,6 +93,7 @@ class RunOutput:
     end_s: float
     audit: AdmissionAudit | None = None  # with ``audit_admission``
     fleet: FleetUsage | None = None  # with ``autoscale``
+    disagg: DisaggSummary | None = None  # a fleet with prefill/decode disaggregation
 
     @property
     def sim_s_per_wall_s(self) -> float:
@@ -244,6 +247,8 @@ def _run_task(
     )
     result = simulator.run()
     output = _output(result, requests, plan.slo, isolated, rate)
+    if simulator.disaggregation is not None:
+        output = dataclasses.replace(output, disagg=summarize_disagg(result.records))
     if controller is not None:
         output = dataclasses.replace(output, fleet=controller.usage(result.end_s))
     if auditor is None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from isocost.core.catalog import Catalog
+from isocost.core.costmodel import CostModel
 from isocost.core.errors import DoesNotFitError
-from isocost.core.planner import PlanRequest, explain, plan
+from isocost.core.planner import PlanRequest, explain, plan, plan_disaggregation
 
 CATALOG = Catalog.builtin()
 
@@ -97,3 +98,21 @@ def test_explain_covers_each_headline_figure() -> None:
 def test_bad_requests_are_rejected(kw: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         request("llama-2-7b", "a100-80g", **kw)
+
+
+def test_disaggregation_gives_long_prompts_more_prefill_replicas_than_short_ones() -> None:
+    catalog = Catalog.builtin()
+    cost = CostModel(catalog.model("llama-3.1-8b"), catalog.gpu("a100-80g"), 1)
+    long = plan_disaggregation(cost, 16, prompt_tokens=16_000, output_tokens=300)
+    chat = plan_disaggregation(cost, 16, prompt_tokens=300, output_tokens=600)
+    assert long.prefill_replicas > chat.prefill_replicas >= 1
+    assert long.prefill_replicas + long.decode_replicas == 16
+    cached = plan_disaggregation(cost, 16, prompt_tokens=16_000, output_tokens=300,
+                                 cached_tokens=12_000)  # fmt: skip
+    assert cached.prefill_replicas < long.prefill_replicas  # the cache does P's work
+    tight = plan_disaggregation(cost, 16, prompt_tokens=2000, output_tokens=300, tpot_slo_s=0.02)
+    loose = plan_disaggregation(cost, 16, prompt_tokens=2000, output_tokens=300)
+    assert tight.decode_batch < loose.decode_batch
+    assert tight.decode_replicas >= loose.decode_replicas
+    with pytest.raises(ValueError, match="at least 2"):
+        plan_disaggregation(cost, 1, prompt_tokens=100, output_tokens=10)

@@ -424,3 +424,20 @@ def test_jumps_record_every_inter_token_gap_of_a_run() -> None:
     assert [n for _, n in jumped_gaps] == [n for _, n in stepped_gaps]
     assert sum(n for _, n in stepped_gaps) == 199 + 99
     assert [g for g, _ in jumped_gaps] == pytest.approx([g for g, _ in stepped_gaps], rel=1e-9)
+
+
+def test_a_prompt_whose_kv_arrived_prefills_only_its_last_token_and_caches_its_blocks() -> None:
+    prompt = list(range(8000))
+    handed = EngineModel(_cost())
+    spec = _spec("d", prompt, 4)
+    handed.submit(RequestSpec(spec.request_id, 8000, 4, spec.block_hashes, 7999), 0.0)
+    events = _drain(handed)
+    first = next(e for e in events if isinstance(e, FirstToken))
+    cold = EngineModel(_cost())
+    cold.submit(_spec("c", prompt, 4), 0.0)
+    cold_first = next(e for e in _drain(cold) if isinstance(e, FirstToken))
+    assert first.ttft_s < cold_first.ttft_s / 20  # one token's step, not 8000 tokens' prefill
+    assert handed.counters.prefix_cache_hits == 0  # the KV was sent, not found cached
+    handed.submit(_spec("again", prompt, 1), events[-1].time_s)
+    _drain(handed)
+    assert handed.counters.prefix_cache_hits == 7984  # its blocks are in the cache now

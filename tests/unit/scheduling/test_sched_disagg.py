@@ -149,3 +149,18 @@ def test_kv_transfer_time_grows_with_tokens_and_falls_with_bandwidth() -> None:
 def test_a_replica_role_must_be_known() -> None:
     with pytest.raises(ValueError, match="role"):
         ReplicaSpec("x", MODEL, cost_model("a100-80g"), role="verify")  # type: ignore[arg-type]
+
+
+def test_a_decode_leg_is_admitted_where_a_prompt_would_stall_too_many_streams() -> None:
+    replicas = _fleet({"d0": "decode"})
+    _busy(replicas, "d0", 20)
+    policy = build_policy("equal_cost")
+    tight = RequestView("q", MODEL, 4000, max_tokens=256, tpot_target_s=0.05)
+    refused = policy.schedule(tight, replicas, 0.0)
+    handed = policy.schedule(
+        RequestView("q", MODEL, 4000, max_tokens=256, tpot_target_s=0.05, kv_ready_tokens=3999),
+        replicas,
+        0.0,
+    )
+    assert refused.outcome is Outcome.REJECT
+    assert handed.outcome is Outcome.ADMIT and handed.cached_tokens == 3999
