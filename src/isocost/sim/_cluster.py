@@ -34,7 +34,8 @@ role: prefill}``; a split request's KV moves over the cluster's ``link``
 
 ``gateway_cluster`` reads the cluster from ``isocost serve``'s own config instead
 (``isocost sim --config gateway.yaml``): one pool's replicas, by their gateway names, with
-their GPU, ``tp``, cost model, weight, price, groups and ``max_queue``, and the gateway's
+their GPU, ``tp``, cost model, weight, price, groups, ``max_queue`` and ``role``, the pool's
+``kv_link`` and ``disaggregation`` (where some replica has a role), and the gateway's
 scrape interval, queue size, queue timeout and retries. URLs and secrets play no part: the
 simulator simulates each replica from its GPU, model and ``tp``.
 """
@@ -44,7 +45,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 import msgspec
 import yaml
@@ -57,6 +58,8 @@ from isocost.files import resolve_model
 from isocost.runtime.config import GatewayConfig, PoolConfig, replica_name
 from isocost.scheduling.contract import Role
 from isocost.scheduling.policies import UnknownConfigEntryError
+
+DisaggregationMode = Literal["colocated", "pd", "conditional"]  # scheduling.disagg.DisaggMode
 
 __all__ = [
     "ClusterConfig",
@@ -107,7 +110,7 @@ class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     queue_timeout_ms: float = 30_000.0
     max_retries: int = 2
     link: str = "infiniband"
-    disaggregation: Literal["colocated", "pd", "conditional"] | None = None
+    disaggregation: DisaggregationMode | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,6 +224,7 @@ def gateway_cluster(
         for r, name in zip(pool.replicas, names, strict=True)
     ]
     limits = config.limits
+    split = any(r.role != "both" for r in pool.replicas)  # as the gateway: else never split
     cluster = ClusterConfig(
         replicas=groups,
         served_model=pool.model,
@@ -228,6 +232,8 @@ def gateway_cluster(
         queue_size=limits.max_queue,
         queue_timeout_ms=limits.queue_timeout_ms,
         max_retries=limits.max_retries,
+        link=pool.kv_link,
+        disaggregation=cast(DisaggregationMode, pool.disaggregation) if split else None,
     )
     cluster = with_settings(cluster, source, **settings)
     replicas = resolve_cluster(cluster, catalog)  # one per group, each named <name>-0
