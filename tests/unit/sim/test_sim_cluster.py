@@ -103,3 +103,29 @@ def test_a_gateway_file_with_several_pools_needs_one_named() -> None:
         gateway_pool(gateway, None, "g.yaml")
     with pytest.raises(UnknownEntryError, match="--pool: unknown pool 'x'"):
         gateway_pool(gateway, "x", "g.yaml")
+
+
+def test_a_gateway_pool_with_roles_is_simulated_as_the_gateway_splits_it() -> None:
+    text = """
+pools:
+  - model: llama-3.1-8b
+    disaggregation: pd
+    kv_link: roce
+    replicas:
+      - {url: 'http://10.0.0.1:8000', name: p0, gpu: h100-80g, role: prefill}
+      - {url: 'http://10.0.0.2:8000', name: d0, gpu: h100-80g, role: decode}
+  - model: llama-3.1-70b
+    disaggregation: pd
+    replicas:
+      - {url: 'http://10.0.0.3:8000', name: whole, gpu: h100-80g, tp: 4}
+"""
+    gateway = parse_config(text, "g.yaml", secrets=False)
+    split, replicas = gateway_cluster(
+        gateway, gateway_pool(gateway, "llama-3.1-8b", "g.yaml"), Catalog.builtin(), "g.yaml"
+    )
+    assert (split.disaggregation, split.link) == ("pd", "roce")
+    assert [(r.replica_id, r.role) for r in replicas] == [("p0", "prefill"), ("d0", "decode")]
+    whole, _ = gateway_cluster(
+        gateway, gateway_pool(gateway, "llama-3.1-70b", "g.yaml"), Catalog.builtin(), "g.yaml"
+    )
+    assert whole.disaggregation is None  # every replica does both: never split, as live
