@@ -51,6 +51,7 @@ from isocost.prefix.hashing import BLOCK_TOKENS
 from isocost.sim import (
     CapacityResult,
     CapacitySpec,
+    CapacityStatus,
     ClusterConfig,
     ReplicaGroup,
     SimPlan,
@@ -202,18 +203,28 @@ def table(runs: Sequence[Measured]) -> Table:
     for run in runs:
         capacity, base = run.result.capacity_rps, colocated.get(run.trace)
         ratio = "-" if capacity is None or not base else f"{capacity / base:.2f}"
+        if run.result.status is CapacityStatus.AT_LEAST_HIGH and ratio != "-":
+            ratio = ">=" + ratio
         share = run.disaggregated_share
         out.add_row(
             run.trace,
             run.mode,
             "-" if run.mode == "colocated" else f"{run.prefill_replicas}:{run.decode_replicas}",
             run.split_by,
-            "below" if capacity is None else f"{capacity:.2f}",
+            _capacity_text(run.result),
             ratio,
             "-" if share is None else f"{100 * share:.0f}",
             f"{run.wall_s:.0f}",
         )
     return out
+
+
+def _capacity_text(result: CapacityResult) -> str:
+    """The capacity found, marked when the search hit its ceiling (a lower bound)."""
+    if result.capacity_rps is None:
+        return "below"
+    at_least = result.status is CapacityStatus.AT_LEAST_HIGH
+    return f"{'>=' if at_least else ''}{result.capacity_rps:.2f}"
 
 
 def parse_ratios(text: str) -> list[int]:
