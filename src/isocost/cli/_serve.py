@@ -40,6 +40,15 @@ def serve(
     shutdown_timeout: float = typer.Option(
         10.0, "--shutdown-timeout", help="SIGTERM: seconds in-flight requests get to finish."
     ),
+    record: str | None = typer.Option(
+        None, "--record", help="Record traffic and fleet to this directory (isocost sim replays)."
+    ),
+    record_segment_mb: float = typer.Option(
+        64.0, "--record-segment-mb", help="With --record: a new trace segment past this size."
+    ),
+    record_max_mb: float = typer.Option(
+        1024.0, "--record-max-mb", help="With --record: oldest segments go past this total."
+    ),
 ) -> None:
     """Run the OpenAI-compatible gateway that routes by equal cost."""
     import asyncio
@@ -48,6 +57,7 @@ def serve(
     import msgspec
 
     from isocost.files import load_catalog, read_text
+    from isocost.gateway.recording import RecordingSettings
     from isocost.gateway.server import (
         configure_logging,
         discover_config,
@@ -60,6 +70,8 @@ def serve(
         fail("give either --config FILE or one or more --replica URL")
     if not shutdown_timeout > 0:
         fail("--shutdown-timeout must be a positive number of seconds")
+    if not 0 < record_segment_mb <= record_max_mb:
+        fail("--record-segment-mb must be positive and at most --record-max-mb")
     if state_bus is not None:
         check_state_bus(StateBusConfig(url=state_bus), "--state-bus")
     cat = load_catalog(catalog or [])
@@ -85,7 +97,12 @@ def serve(
         bus = msgspec.structs.replace(bus, url=state_bus)
         gateway_config = msgspec.structs.replace(gateway_config, state_bus=bus)
     configure_logging(log_level)
-    gateway = load_gateway(gateway_config, cat, Path(config) if config else None)
+    recording = RecordingSettings(
+        Path(record) if record else None,
+        segment_bytes=int(record_segment_mb * 2**20),
+        max_bytes=int(record_max_mb * 2**20),
+    )
+    gateway = load_gateway(gateway_config, cat, Path(config) if config else None, recording)
 
     def ready(url: str) -> None:
         console.print(f"isocost serve: ready at {url}", highlight=False, soft_wrap=True)

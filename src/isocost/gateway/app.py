@@ -82,6 +82,8 @@ def _account(gateway: Gateway, request: GatewayRequest, result: ForwardResult) -
             "error": result.error,
         },
     )
+    if gateway.recording.active:
+        gateway.recording.record(request, result, e2e_s)
 
 
 async def _completion(http: web.Request, *, chat: bool) -> web.StreamResponse:
