@@ -60,6 +60,7 @@ from isocost.sim._run import (
     run_capacity,
     run_plan,
 )
+from isocost.sim._twin import Recording, calibrated_slowdown, load_recording, recorded_cluster
 from isocost.sim._workload import WorkloadChoice, at_rate, load_requests
 from isocost.workload import TRACE_FORMATS
 
@@ -77,6 +78,7 @@ __all__ = [
     "ForcedAdmission",
     "Isolated",
     "PolicySummary",
+    "Recording",
     "ReplicaGroup",
     "RunOutput",
     "SimAutoscale",
@@ -91,6 +93,7 @@ __all__ = [
     "at_rate",
     "autoscaled_cluster",
     "block_hashes",
+    "calibrated_slowdown",
     "capacity_at_slo",
     "capacity_json",
     "check_policies",
@@ -98,6 +101,7 @@ __all__ = [
     "gateway_pool",
     "isolated_times",
     "json_rows",
+    "load_recording",
     "load_requests",
     "lowest_slowdowns",
     "met_slo",
@@ -106,6 +110,7 @@ __all__ = [
     "parse_cluster_yaml",
     "print_capacity",
     "print_results",
+    "recorded_cluster",
     "replica_usd_per_hour",
     "resolve_cluster",
     "reusable_prefix_blocks",
