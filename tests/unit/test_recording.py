@@ -31,6 +31,8 @@ def _request(i: int, *, session: str | None = None, prompt: int = 1000) -> Recor
         session_id=session,
         status=200,
         replica="r0",
+        output_tokens=5 + i,
+        e2e_ms=20.0,
     )
 
 

@@ -54,8 +54,9 @@ _HASH_MASK = (1 << 63) - 1
 _FLUSH_S = 0.2  # how long a record waits in the queue at most
 
 
-class RecordedRequest(msgspec.Struct, frozen=True, omit_defaults=True):
-    """One finished request: Mooncake's four fields first, then isocost's."""
+class RecordedRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One finished request: Mooncake's four fields first, then isocost's (those at their
+    default are left out, the outcome never)."""
 
     timestamp: float  # ms since the recording started
     input_length: int
@@ -69,11 +70,11 @@ class RecordedRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     tpot_ms: float | None = None
     stream: bool = True
     max_tokens: int | None = None
-    status: int = 200
+    status: int
     replica: str | None = None
-    output_tokens: int = 0  # what the replica made (output_length is >= 1 for Mooncake)
+    output_tokens: int  # what the replica made (output_length is >= 1 for Mooncake)
     ttft_ms: float | None = None
-    e2e_ms: float | None = None
+    e2e_ms: float
 
 
 class FleetReplica(msgspec.Struct, frozen=True):
