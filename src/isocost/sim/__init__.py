@@ -35,6 +35,7 @@ from isocost.sim._cluster import (
     with_settings,
 )
 from isocost.sim._core import SimRecord, SimResult, Simulator, block_hashes
+from isocost.sim._fleetplan import FleetPlan, FleetTrial, plan_fleet
 from isocost.sim._metrics import (
     Isolated,
     PolicySummary,
@@ -74,6 +75,8 @@ __all__ = [
     "CapacityStatus",
     "ClusterConfig",
     "ClusterEvent",
+    "FleetPlan",
+    "FleetTrial",
     "FleetUsage",
     "ForcedAdmission",
     "Isolated",
@@ -108,6 +111,7 @@ __all__ = [
     "oracle_summary",
     "parse_autoscale_yaml",
     "parse_cluster_yaml",
+    "plan_fleet",
     "print_capacity",
     "print_results",
     "recorded_cluster",

@@ -1,0 +1,250 @@
+"""The digital twin's fidelity: a live run recorded, then replayed in the simulator.
+
+Starts an `isocost engine` cluster (two A100 replicas, one of them slowed ``--slowdown``
+times, which the gateway is not told and calibration must learn) and `isocost serve
+--policy round_robin --record DIR` in front of it, drives the Mooncake conversation trace
+through it with `isocost bench`, stops the gateway (the recording is flushed), then:
+
+* fidelity: `isocost sim --from-record DIR` replays the recording with the same policy
+  on the recorded, calibrated fleet; live (bench) and replayed TTFT p50/p99, TPOT p99 and
+  goodput side by side, with the relative error of each;
+* what-if direction: the same replay with equal_cost predicts what switching policy
+  gains; a second live run, equal_cost, on the same trace, shows what it does gain. Both
+  as ratios round_robin / equal_cost of TTFT p50 and p99.
+
+With ``--overhead``, the recording's cost: `isocost serve` with and without ``--record``
+in front of a fast engine, a closed loop at ``--overhead-concurrency`` for a few seconds
+each, alternated twice; the best req/s of each, and their ratio.
+
+Run:
+
+    .venv/bin/python benchmarks/twin.py --requests 150 --rate 1.5 --json twin.json
+    .venv/bin/python benchmarks/twin.py --overhead --requests 0
+
+On a small shared machine the engines, the gateway and the load generator share cores:
+an engine that falls behind its model shows up as a calibration factor above 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from isocost.runtime.processes import Services, isocost_command
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+MODEL = "llama-3.1-8b"
+METRICS = (
+    ("TTFT p50 ms", "ttft_p50_s", 1000.0),
+    ("TTFT p99 ms", "ttft_p99_s", 1000.0),
+    ("TPOT p99 ms", "tpot_p99_s", 1000.0),
+    ("goodput req/s", "goodput_rps", 1.0),
+)
+
+
+def _engines(services: Services, args: argparse.Namespace) -> list[str]:
+    slowdown = args.slowdown
+    engine = services.start(
+        "engine",
+        [
+            "engine", "--port", "0", "-m", MODEL, "--output-dist", "max",
+            "--stream-interval", str(args.stream_interval),
+            "--time-scale", str(args.time_scale),
+            "--replica-spec", "gpu=a100-80g",
+            "--replica-spec", f"gpu=a100-80g,slowdown={slowdown:g}",
+        ],
+    )  # fmt: skip
+    return engine.wait_ready(2, 60)
+
+
+def _gateway(services: Services, name: str, urls: list[str], policy: str, *extra: str) -> Any:
+    args = ["serve", "--port", "0", "--policy", policy, "-g", "a100-80g", "--log-level", "error"]
+    gateway = services.start(name, [*args, *(a for u in urls for a in ("-r", u)), *extra])
+    return gateway, gateway.wait_ready(1, 60)[0]
+
+
+def _bench(url: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    command = [
+        *isocost_command(), "bench", "--url", url, "--trace", str(args.trace),
+        "--max-requests", str(args.requests), "--rate", str(args.rate),
+        "--seed", str(args.seed), "--slo-ttft-ms", str(args.slo_ttft_ms),
+        "--slo-tpot-ms", str(args.slo_tpot_ms), "--json", str(out),
+    ]  # fmt: skip
+    subprocess.run(command, check=True, capture_output=True, timeout=600)
+    summary: dict[str, Any] = json.loads(out.read_text())
+    return summary
+
+
+def _replay(record: Path, args: argparse.Namespace, out: Path) -> dict[str, dict[str, Any]]:
+    command = [
+        *isocost_command(), "sim", "--from-record", str(record),
+        "--policies", "round_robin,equal_cost", "--jobs", "1", "--seed", str(args.seed),
+        "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-ttft-per-1k-ms", "0",
+        "--slo-tpot-ms", str(args.slo_tpot_ms), "--json", str(out),
+    ]  # fmt: skip
+    subprocess.run(command, check=True, capture_output=True, timeout=600)
+    return {row["policy"]: row for row in json.loads(out.read_text())}
+
+
+def _error(replayed: float | None, live: float | None) -> float | None:
+    if replayed is None or live is None or live == 0:
+        return None
+    return (replayed - live) / live
+
+
+def fidelity(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    services = Services(work / "logs")
+    record = work / "rec"
+    try:
+        urls = _engines(services, args)
+        gateway, url = _gateway(services, "gateway-rr", urls, "round_robin", "--record", str(record))
+        live_rr = _bench(url, args, work / "live-rr.json")
+        services.stop(gateway)  # SIGTERM: the recording is flushed
+        gateway, url = _gateway(services, "gateway-eq", urls, "equal_cost")
+        live_eq = _bench(url, args, work / "live-eq.json")
+        services.stop(gateway)
+    finally:
+        services.stop_all()
+    replay = _replay(record, args, work / "replay.json")
+    fleet = json.loads((record / "fleet.json").read_text())
+    rows = []
+    for label, key, scale in METRICS:
+        live, replayed = live_rr.get(key), replay["round_robin"].get(key)
+        rows.append(
+            {
+                "metric": label,
+                "live": None if live is None else live * scale,
+                "replay": None if replayed is None else replayed * scale,
+                "error": _error(replayed, live),
+            }
+        )
+    what_if = []
+    for label, key in (("TTFT p50", "ttft_p50_s"), ("TTFT p99", "ttft_p99_s")):
+        predicted = replay["round_robin"][key] / replay["equal_cost"][key]
+        shown = live_rr[key] / live_eq[key]
+        what_if.append(
+            {
+                "metric": f"{label} rr / eq",
+                "predicted": predicted,
+                "live": shown,
+                "error": _error(predicted, shown),
+            }
+        )
+    factors = {
+        r["name"]: [r["ttft_factor"], r["itl_factor"]] for r in fleet["pools"][0]["replicas"]
+    }
+    return {"fidelity": rows, "what_if": what_if, "calibration": factors}
+
+
+def overhead(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """Closed-loop req/s through the gateway without and with ``--record``."""
+    services = Services(work / "logs-overhead")
+    best = {"plain": 0.0, "record": 0.0}
+    try:
+        engine = services.start(
+            "engine-fast",
+            ["engine", "--port", "0", "-m", MODEL, "--output-dist", "max",
+             "--time-scale", "0.001"],
+        )  # fmt: skip
+        (engine_url,) = engine.wait_ready(1, 60)
+        for round_ in range(2):
+            for mode in ("plain", "record"):
+                extra = ("--record", str(work / f"rec-{mode}-{round_}")) if mode == "record" else ()
+                gateway, url = _gateway(services, f"gw-{mode}", [engine_url], "equal_cost", *extra)
+                out = work / f"overhead-{mode}-{round_}.json"
+                command = [
+                    *isocost_command(), "bench", "--url", url, "--workload", "mix",
+                    "--max-prompt-tokens", "256", "--max-tokens", "4", "--no-stream",
+                    "--concurrency", str(args.overhead_concurrency),
+                    "--duration", str(args.overhead_seconds), "--json", str(out),
+                ]  # fmt: skip
+                subprocess.run(command, check=True, capture_output=True, timeout=600)
+                services.stop(gateway)
+                best[mode] = max(best[mode], json.loads(out.read_text())["throughput_rps"])
+    finally:
+        services.stop_all()
+    return {"rps": best, "ratio": best["record"] / best["plain"] if best["plain"] else None}
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _print(console: Console, result: dict[str, Any]) -> None:
+    if "fidelity" in result:
+        table = Table(title="live round_robin run vs its replay")
+        for column in ("metric", "live", "replay", "error"):
+            table.add_column(column, justify="left" if column == "metric" else "right")
+        for row in result["fidelity"]:
+            table.add_row(
+                row["metric"],
+                _fmt(row["live"], ",.2f"),
+                _fmt(row["replay"], ",.2f"),
+                _fmt(row["error"], "+.1%"),
+            )
+        console.print(table)
+        table = Table(title="what-if: round_robin -> equal_cost")
+        for column in ("ratio", "predicted", "live", "error"):
+            table.add_column(column, justify="left" if column == "ratio" else "right")
+        for row in result["what_if"]:
+            table.add_row(
+                row["metric"],
+                _fmt(row["predicted"], ".2f"),
+                _fmt(row["live"], ".2f"),
+                _fmt(row["error"], "+.1%"),
+            )
+        console.print(table)
+        console.print(f"learned [ttft, itl] factors: {result['calibration']}")
+    if "overhead" in result:
+        o = result["overhead"]
+        console.print(
+            f"recording overhead: {o['rps']['plain']:.0f} req/s plain, "
+            f"{o['rps']['record']:.0f} req/s with --record "
+            f"(ratio {_fmt(o['ratio'], '.3f')})"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trace", type=Path, default=TRACE)
+    parser.add_argument("--requests", type=int, default=150, help="0: skip fidelity")
+    parser.add_argument("--rate", type=float, default=1.5, help="Mean req/s (Poisson).")
+    parser.add_argument("--slowdown", type=float, default=2.0, help="The slow replica's.")
+    parser.add_argument("--stream-interval", type=int, default=8, help="Tokens per chunk.")
+    parser.add_argument(
+        "--time-scale", type=float, default=0.25, help="Engine time (0.25: GPUs 4x faster)."
+    )
+    parser.add_argument("--slo-ttft-ms", type=float, default=3000.0)
+    parser.add_argument("--slo-tpot-ms", type=float, default=60.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--overhead", action="store_true", help="Also the recording's cost.")
+    parser.add_argument("--overhead-concurrency", type=int, default=32)
+    parser.add_argument("--overhead-seconds", type=float, default=8.0)
+    parser.add_argument("--json", type=Path, help="Write the figures here.")
+    args = parser.parse_args()
+    console = Console()
+    result: dict[str, Any] = {"args": {k: str(v) for k, v in sorted(vars(args).items())}}
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="isocost-twin-") as tmp:
+        if args.requests > 0:
+            result.update(fidelity(args, Path(tmp)))
+        if args.overhead:
+            result["overhead"] = overhead(args, Path(tmp))
+    _print(console, result)
+    console.print(f"took {time.monotonic() - started:.0f} s")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
