@@ -107,7 +107,9 @@ def fidelity(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     record = work / "rec"
     try:
         urls = _engines(services, args)
-        gateway, url = _gateway(services, "gateway-rr", urls, "round_robin", "--record", str(record))
+        gateway, url = _gateway(
+            services, "gateway-rr", urls, "round_robin", "--record", str(record)
+        )
         live_rr = _bench(url, args, work / "live-rr.json")
         services.stop(gateway)  # SIGTERM: the recording is flushed
         gateway, url = _gateway(services, "gateway-eq", urls, "equal_cost")
