@@ -69,7 +69,7 @@ def test_a_failure_what_if_is_an_event_on_a_recorded_replica(tmp_path: Path) -> 
 
 
 def test_a_directory_without_a_fleet_is_one_clear_error(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="fleet.json"):
+    with pytest.raises(ConfigError, match=r"fleet\.json"):
         load_recording(str(tmp_path), None)
 
 
