@@ -112,7 +112,8 @@ def fidelity(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         )
         live_rr = _bench(url, args, work / "live-rr.json")
         services.stop(gateway)  # SIGTERM: the recording is flushed
-        gateway, url = _gateway(services, "gateway-eq", urls, "equal_cost")
+        extra = ("--record", str(work / "rec-eq"))  # the live what-if, for later replays
+        gateway, url = _gateway(services, "gateway-eq", urls, "equal_cost", *extra)
         live_eq = _bench(url, args, work / "live-eq.json")
         services.stop(gateway)
     finally:
@@ -233,15 +234,17 @@ def main() -> None:
     parser.add_argument("--overhead-concurrency", type=int, default=32)
     parser.add_argument("--overhead-seconds", type=float, default=8.0)
     parser.add_argument("--json", type=Path, help="Write the figures here.")
+    parser.add_argument("--keep", type=Path, help="Keep the recordings and logs here.")
     args = parser.parse_args()
     console = Console()
     result: dict[str, Any] = {"args": {k: str(v) for k, v in sorted(vars(args).items())}}
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="isocost-twin-") as tmp:
+        work = args.keep or Path(tmp)
         if args.requests > 0:
-            result.update(fidelity(args, Path(tmp)))
+            result.update(fidelity(args, work))
         if args.overhead:
-            result["overhead"] = overhead(args, Path(tmp))
+            result["overhead"] = overhead(args, work)
     _print(console, result)
     console.print(f"took {time.monotonic() - started:.0f} s")
     if args.json:

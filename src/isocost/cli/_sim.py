@@ -71,10 +71,11 @@ def sim(
     slo_ttft_ms: SloTtftOption = DEFAULT_SLO_TTFT_MS,
     slo_ttft_per_1k_ms: SloTtftPer1kOption = DEFAULT_SLO_TTFT_PER_1K_MS,
     slo_tpot_ms: SloTpotOption = DEFAULT_SLO_TPOT_MS,
-    deadlines: bool = typer.Option(
-        True,
+    deadlines: bool | None = typer.Option(
+        None,
         "--deadlines/--no-deadlines",
-        help="Requests carry their TTFT and TPOT targets (SLO admission sees them).",
+        help="Requests carry their TTFT and TPOT targets (SLO admission sees them); "
+        "default: yes, with --from-record: as recorded.",
     ),
     audit_admission: bool = typer.Option(
         False,
@@ -146,6 +147,9 @@ def sim(
     if from_record is not None:
         recording = simulator.load_recording(from_record, pool)
         default_policies = recording.pool.policy
+        if deadlines is None:  # as the live clients sent them
+            deadlines = recording.has_deadlines
+    deadlines = True if deadlines is None else deadlines
     if config is not None:  # read exactly as `isocost serve` reads it, secrets aside
         gateway = parse_config(read_text(config), config, secrets=False)
         check_references(gateway, cat)
@@ -185,7 +189,7 @@ def sim(
     elif recording is not None and cluster is None:
         assert from_record is not None
         fleet, members = simulator.recorded_cluster(
-            recording, cat, from_record, failures, **overrides
+            recording, cat, from_record, failures, settings=overrides
         )
     else:
         if cluster is not None:

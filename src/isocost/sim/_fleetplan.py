@@ -9,7 +9,8 @@ type, else the catalog's) and the cheapest wins; the fleet one replica smaller o
 same type is reported beside it, as evidence that it does not meet them.
 
 Calibration carries over: each candidate replica runs at the slowdown the recorded
-replicas of its GPU type learned (their geometric mean), else at the recorded fleet's
+replicas of its GPU type learned (``recorded_cluster``: the gateway's factors, fitted to
+the recorded outcomes; their geometric mean), else at the recorded fleet's
 (an engine the cost model misjudges everywhere, CPU vLLM say, is misjudged here too).
 """
 
@@ -29,7 +30,7 @@ from isocost.files import resolve_model
 from isocost.sim._cluster import ClusterConfig, ReplicaGroup, resolve_cluster
 from isocost.sim._metrics import PolicySummary
 from isocost.sim._run import SimPlan, run_plan
-from isocost.sim._twin import Recording, calibrated_slowdown
+from isocost.sim._twin import Recording, recorded_cluster
 from isocost.workload import speedup
 
 __all__ = ["FleetPlan", "FleetTrial", "plan_fleet"]
@@ -87,7 +88,7 @@ def plan_fleet(
     requests = list(speedup(recording.requests, growth))
     span_s = max(requests[-1].arrival_s - requests[0].arrival_s, 1e-9)
     tokens_per_s = sum(r.prompt_tokens + r.output_tokens for r in requests) / span_s
-    slowdown = _learned_slowdowns(recording)
+    slowdown = _learned_slowdowns(recording, catalog)
     prices = _recorded_prices(recording)
     trials: dict[tuple[str, int], FleetTrial] = {}
 
@@ -108,6 +109,7 @@ def plan_fleet(
                 policies=(name,),
                 slo=slo,
                 seed=seed,
+                deadlines=recording.has_deadlines,
                 jobs=1,
             )
             summary = run_plan(plan).runs[0].summary
@@ -162,12 +164,13 @@ def _fewest(trial: Callable[[int], FleetTrial], max_replicas: int) -> FleetTrial
     return trial(high)
 
 
-def _learned_slowdowns(recording: Recording) -> dict[str, float]:
+def _learned_slowdowns(recording: Recording, catalog: Catalog) -> dict[str, float]:
     """Per recorded GPU type the geometric mean of its replicas' learned slowdowns; under
     ``""`` the whole recorded fleet's."""
+    _, fitted = recorded_cluster(recording, catalog, "fleet.json")
     logs: dict[str, list[float]] = {"": []}
-    for r in recording.pool.replicas:
-        value = math.log(calibrated_slowdown(r.ttft_factor, r.itl_factor))
+    for r, sim in zip(recording.pool.replicas, fitted, strict=True):
+        value = math.log(sim.slowdown)
         logs.setdefault(r.gpu, []).append(value)
         logs[""].append(value)
     return {gpu: math.exp(sum(v) / len(v)) for gpu, v in logs.items() if v}

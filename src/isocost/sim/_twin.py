@@ -3,52 +3,82 @@
 The trace is every segment's lines of one pool, in arrival order (the Mooncake loader
 reads them). The fleet is ``fleet.json``'s pool as it was when the recording last wrote
 it: each replica by its gateway name, GPU, ``tp``, cost model, weight, price, groups and
-``max_queue``, with the gateway's queue and retries, and with what calibration learned
-applied: a replica's ``slowdown`` is the geometric mean of its TTFT and ITL factors
-(observed over predicted; the simulator has one factor for every step, prefill and
-decode alike). ``failures`` add what-if events: a replica that fails at a time.
+``max_queue``, with the gateway's queue and retries. ``failures`` add what-if events: a
+replica that fails at a time.
+
+Calibration: each replica's ``slowdown`` (the simulator's one factor on every step time)
+is learned from the recording. It starts from the gateway's factors (the geometric mean of
+its TTFT and ITL factors, observed over predicted), then ``fit_slowdowns`` replays the
+recording with the policy it ran and scales each replica's slowdown by the ratio of the
+median TPOT it showed live to the one it shows in the replay, a few rounds. Why not the
+gateway's factors alone: they are ratios to the gateway's own predictions, which carry its
+shadow state's errors (a replica with a long engine queue is predicted a larger batch than
+it runs), so they rank replicas but misstate their speed; an engine slowed 2x on purpose
+was learned as 1.46 (TTFT) and 0.58 (ITL), and replayed at those speeds TTFT p50 came out
+25% low, while replayed at 1x and 2x it matched live to 1% (``benchmarks/twin.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from random import Random
 
 import msgspec
 
 from isocost.core.catalog import Catalog
 from isocost.core.errors import ConfigError
-from isocost.runtime.recording import FLEET_FILE, FleetFile, FleetPool, segment_paths
-from isocost.scheduling.policies import UnknownConfigEntryError
+from isocost.runtime.recording import (
+    FLEET_FILE,
+    FleetFile,
+    FleetPool,
+    RecordedRequest,
+    segment_paths,
+)
+from isocost.scheduling.policies import UnknownConfigEntryError, build_policy
 from isocost.sim._cluster import (
     ClusterConfig,
     ClusterEvent,
     ReplicaGroup,
     SimReplica,
     resolve_cluster,
+    served_model,
     with_settings,
 )
+from isocost.sim._core import Simulator
 from isocost.workload import WorkloadRequest, parse_trace
 
-__all__ = ["Recording", "calibrated_slowdown", "load_recording", "recorded_cluster"]
+__all__ = [
+    "Recording",
+    "calibrated_slowdown",
+    "fit_slowdowns",
+    "load_recording",
+    "recorded_cluster",
+]
 
 
-class _Pool(msgspec.Struct):
-    model: str = ""
-
-
-_pool_of = msgspec.json.Decoder(_Pool)
+_outcome = msgspec.json.Decoder(RecordedRequest)
+_FIT_ROUNDS = 3
+_FIT_STEP = (0.25, 4.0)  # bounds of one round's correction
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Recording:
-    """One pool of a recording: its requests, its fleet and the policy it ran."""
+    """One pool of a recording: its requests, what became of them live, its fleet and
+    the policy it ran."""
 
     requests: list[WorkloadRequest]
+    outcomes: list[RecordedRequest]
     pool: FleetPool
     fleet: FleetFile
+
+    @property
+    def has_deadlines(self) -> bool:
+        """Whether clients sent deadlines or TPOT targets (SLO admission saw them)."""
+        return any(o.deadline_ms is not None or o.tpot_ms is not None for o in self.outcomes)
 
 
 def load_recording(directory: str, pool: str | None) -> Recording:
@@ -64,24 +94,25 @@ def load_recording(directory: str, pool: str | None) -> Recording:
         raise ConfigError(str(fleet_path), str(exc)) from None
     chosen = _pool(fleet, pool, str(fleet_path))
     lines: list[str] = []
+    outcomes: list[RecordedRequest] = []
     for path in segment_paths(root):
         try:
             text = path.read_text(encoding="utf-8")
         except OSError as exc:
             raise ConfigError(str(path), f"cannot read: {exc.strerror or exc}") from None
-        for line in text.splitlines():
-            if line.strip() and _decoded_pool(line, str(path)) in ("", chosen.model):
+        for number, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                outcome = _outcome.decode(line)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                raise ConfigError(f"{path}:{number}", str(exc)) from None
+            if outcome.model == chosen.model:
                 lines.append(line)
+                outcomes.append(outcome)
     if not lines:
         raise ConfigError(directory, f"no recorded request of pool {chosen.model}")
-    return Recording(parse_trace(lines, directory, "mooncake"), chosen, fleet)
-
-
-def _decoded_pool(line: str, source: str) -> str:
-    try:
-        return _pool_of.decode(line).model
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ConfigError(source, str(exc)) from None
+    return Recording(parse_trace(lines, directory, "mooncake"), outcomes, chosen, fleet)
 
 
 def _pool(fleet: FleetFile, pool: str | None, source: str) -> FleetPool:
@@ -106,10 +137,13 @@ def recorded_cluster(
     catalog: Catalog,
     source: str,
     failures: Sequence[tuple[str, float]] = (),
-    **settings: float,
+    *,
+    fit: bool = True,
+    settings: Mapping[str, float] | None = None,
 ) -> tuple[ClusterConfig, list[SimReplica]]:
-    """The recorded pool as a simulated cluster, calibrated, by the gateway's replica
-    names; ``failures`` are ``(replica, at_s)`` events, checked like a cluster file's."""
+    """The recorded pool as a simulated cluster, calibrated (``fit``: refined by
+    ``fit_slowdowns``), by the gateway's replica names; ``failures`` are ``(replica,
+    at_s)`` events, checked like a cluster file's."""
     pool, fleet = recording.pool, recording.fleet
     if not pool.replicas:
         raise ConfigError(source, "the recorded pool had no replica", f"pool {pool.model}")
@@ -140,8 +174,58 @@ def recorded_cluster(
         queue_timeout_ms=fleet.queue_timeout_ms,
         max_retries=fleet.max_retries,
     )
-    cluster = with_settings(cluster, source, **settings)
+    cluster = with_settings(cluster, source, **(settings or {}))
     replicas = resolve_cluster(cluster, catalog)
     named = [dataclasses.replace(r, replica_id=names[r.replica_id]) for r in replicas]
+    if fit:
+        named = fit_slowdowns(recording, cluster, named)
     events = [ClusterEvent(at_s=at_s, replica=name, action="fail") for name, at_s in failures]
     return msgspec.structs.replace(cluster, events=events), named  # by the gateway's names
+
+
+def fit_slowdowns(
+    recording: Recording, cluster: ClusterConfig, replicas: list[SimReplica], seed: int = 0
+) -> list[SimReplica]:
+    """``replicas`` with slowdowns fitted to the recording (module docstring): replicas
+    that showed no streamed request keep theirs."""
+    live = _median_tpot(
+        (o.replica, o.e2e_ms, o.ttft_ms, o.output_tokens) for o in recording.outcomes
+    )
+    for _ in range(_FIT_ROUNDS):
+        policy = build_policy(recording.pool.policy, rng=Random(seed), source="fleet.json")
+        served = served_model(cluster)
+        result = Simulator(cluster, replicas, policy, recording.requests, model=served).run()
+        replayed = _median_tpot(
+            (
+                r.replica_id,
+                None if r.finished_s is None else 1000 * (r.finished_s - r.request.arrival_s),
+                None if r.first_token_s is None else 1000 * (r.first_token_s - r.request.arrival_s),
+                r.output_tokens,
+            )
+            for r in result.records
+        )
+        low, high = _FIT_STEP
+        replicas = [
+            dataclasses.replace(
+                r,
+                slowdown=r.slowdown
+                * min(high, max(low, live[r.replica_id] / replayed[r.replica_id])),
+            )
+            if r.replica_id in live and replayed.get(r.replica_id, 0) > 0
+            else r
+            for r in replicas
+        ]
+    return replicas
+
+
+def _median_tpot(
+    rows: Iterable[tuple[str | None, float | None, float | None, int]],
+) -> dict[str, float]:
+    """Per replica, the median time per output token after the first, of its requests
+    with a first token and more than one token."""
+    tpots: dict[str, list[float]] = {}
+    for replica, e2e_ms, ttft_ms, tokens in rows:
+        if replica is None or e2e_ms is None or ttft_ms is None or tokens < 2:
+            continue
+        tpots.setdefault(replica, []).append((e2e_ms - ttft_ms) / (tokens - 1))
+    return {name: statistics.median(values) for name, values in tpots.items()}

@@ -26,7 +26,10 @@ def _record(directory: Path, factors: tuple[float, float], requests: int = 60) -
     learned ``factors`` (TTFT, ITL), plus one request of another pool."""
     directory.mkdir()
     lines = TRACE.read_text().splitlines()[:requests]
-    rows = [{**json.loads(line), "model": MODEL, "status": 200} for line in lines]
+    rows = [
+        {**row, "model": MODEL, "status": 200, "output_tokens": row["output_length"], "e2e_ms": 1}
+        for row in map(json.loads, lines)
+    ]  # no TTFT recorded: nothing to fit, the gateway's factors stand
     rows.append({**rows[0], "model": "other-model"})
     (directory / "trace-000000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     replicas = [
