@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from random import Random
 
 import msgspec
 import pytest
@@ -12,8 +13,26 @@ import pytest
 from isocost.core.catalog import Catalog
 from isocost.core.errors import ConfigError
 from isocost.core.slo import SloTargets
-from isocost.runtime.recording import FLEET_FILE, FleetFile, FleetPool, FleetReplica
-from isocost.sim import SimPlan, load_recording, plan_fleet, recorded_cluster, run_plan
+from isocost.runtime.recording import (
+    FLEET_FILE,
+    FleetFile,
+    FleetPool,
+    FleetReplica,
+    RecordedRequest,
+)
+from isocost.scheduling.policies import build_policy
+from isocost.sim import (
+    ClusterConfig,
+    ReplicaGroup,
+    SimPlan,
+    Simulator,
+    load_recording,
+    plan_fleet,
+    recorded_cluster,
+    resolve_cluster,
+    run_plan,
+)
+from isocost.workload import parse_trace
 
 FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "traces"
 TRACE = FIXTURE / "mooncake_conversation_head.jsonl"
@@ -87,3 +106,52 @@ def test_the_cheapest_fleet_meets_the_slos_and_one_fewer_does_not(tmp_path: Path
     assert best.usd_per_million_tokens is not None and best.usd_per_million_tokens > 0
     grown = plan_fleet(recording, Catalog.builtin(), SLO, growth=2.0, gpus=["a100-80g"])
     assert grown.cheapest is not None and grown.cheapest.count > best.count
+
+
+def test_slowdowns_are_fitted_to_what_the_replicas_showed(tmp_path: Path) -> None:
+    """A "live" run simulated with one replica 2.5x slow, recorded with the gateway's
+    factors at 1.0: the fit finds both speeds again."""
+    truth = {"fast-0": 1.0, "slow-0": 2.5}
+    groups = [
+        ReplicaGroup(gpu="a100-80g", model=MODEL, name=name[:-2], slowdown=slowdown)
+        for name, slowdown in truth.items()
+    ]
+    cluster = ClusterConfig(replicas=groups, served_model=MODEL)
+    lines = [json.loads(line) for line in TRACE.read_text().splitlines()[:60]]
+    requests = parse_trace([json.dumps(row) for row in lines], "fixture")
+    policy = build_policy("round_robin", rng=Random(0))
+    replicas = resolve_cluster(cluster, Catalog.builtin())
+    live = Simulator(cluster, replicas, policy, requests, model=MODEL).run()
+    directory = tmp_path / "rec"
+    directory.mkdir()
+    rows = []
+    for record in live.records:
+        assert record.first_token_s is not None and record.finished_s is not None
+        arrival = record.request.arrival_s
+        rows.append(
+            RecordedRequest(
+                timestamp=arrival * 1000,
+                input_length=record.request.prompt_tokens,
+                output_length=record.request.output_tokens,
+                hash_ids=lines[record.request.request_id]["hash_ids"],
+                model=MODEL,
+                status=200,
+                replica=record.replica_id,
+                output_tokens=record.output_tokens,
+                ttft_ms=(record.first_token_s - arrival) * 1000,
+                e2e_ms=(record.finished_s - arrival) * 1000,
+            )
+        )
+    (directory / "trace-000000.jsonl").write_bytes(
+        b"".join(msgspec.json.encode(row) + b"\n" for row in rows)
+    )
+    fleet = [FleetReplica(name, "a100-80g", MODEL) for name in truth]
+    (directory / FLEET_FILE).write_bytes(
+        msgspec.json.encode(FleetFile(pools=[FleetPool(MODEL, "round_robin", fleet)]))
+    )
+    recording = load_recording(str(directory), None)
+    _, unfitted = recorded_cluster(recording, Catalog.builtin(), "test", fit=False)
+    assert [r.slowdown for r in unfitted] == [1.0, 1.0]
+    _, fitted = recorded_cluster(recording, Catalog.builtin(), "test")
+    found = {r.replica_id: r.slowdown for r in fitted}
+    assert found == {name: pytest.approx(value, rel=0.1) for name, value in truth.items()}
