@@ -9,8 +9,9 @@ through it with `isocost bench`, stops the gateway (the recording is flushed), t
   on the recorded, calibrated fleet; live (bench) and replayed TTFT p50/p99, TPOT p99 and
   goodput side by side, with the relative error of each;
 * what-if direction: the same replay with equal_cost predicts what switching policy
-  gains; a second live run, equal_cost, on the same trace, shows what it does gain. Both
-  as ratios round_robin / equal_cost of TTFT p50 and p99.
+  gains; a second live run, equal_cost, on the same trace (new prompt text, so that the
+  engines' caches are cold again), shows what it does gain. Both as ratios: TTFT p50 and
+  p99 round_robin / equal_cost, goodput equal_cost / round_robin.
 
 With ``--overhead``, the recording's cost: `isocost serve` with and without ``--record``
 in front of a fast engine, a closed loop at ``--overhead-concurrency`` for a few seconds
@@ -73,12 +74,15 @@ def _gateway(services: Services, name: str, urls: list[str], policy: str, *extra
     return gateway, gateway.wait_ready(1, 60)[0]
 
 
-def _bench(url: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+def _bench(url: str, args: argparse.Namespace, out: Path, text_salt: int) -> dict[str, Any]:
+    """The trace through ``url``; a new ``text_salt`` for each run on the same engines, so
+    that none finds the prompts of the one before in the engines' prefix caches."""
     command = [
         *isocost_command(), "bench", "--url", url, "--trace", str(args.trace),
         "--max-requests", str(args.requests), "--rate", str(args.rate),
         "--seed", str(args.seed), "--slo-ttft-ms", str(args.slo_ttft_ms),
         "--slo-tpot-ms", str(args.slo_tpot_ms), "--json", str(out),
+        "--text-salt", str(text_salt),
     ]  # fmt: skip
     subprocess.run(command, check=True, capture_output=True, timeout=600)
     summary: dict[str, Any] = json.loads(out.read_text())
@@ -110,11 +114,11 @@ def fidelity(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         gateway, url = _gateway(
             services, "gateway-rr", urls, "round_robin", "--record", str(record)
         )
-        live_rr = _bench(url, args, work / "live-rr.json")
+        live_rr = _bench(url, args, work / "live-rr.json", 1)
         services.stop(gateway)  # SIGTERM: the recording is flushed
         extra = ("--record", str(work / "rec-eq"))  # the live what-if, for later replays
         gateway, url = _gateway(services, "gateway-eq", urls, "equal_cost", *extra)
-        live_eq = _bench(url, args, work / "live-eq.json")
+        live_eq = _bench(url, args, work / "live-eq.json", 2)
         services.stop(gateway)
     finally:
         services.stop_all()
@@ -132,12 +136,17 @@ def fidelity(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             }
         )
     what_if = []
-    for label, key in (("TTFT p50", "ttft_p50_s"), ("TTFT p99", "ttft_p99_s")):
-        predicted = replay["round_robin"][key] / replay["equal_cost"][key]
-        shown = live_rr[key] / live_eq[key]
+    lives = {"round_robin": live_rr, "equal_cost": live_eq}
+    for label, key, over, under in (
+        ("TTFT p50 rr / eq", "ttft_p50_s", "round_robin", "equal_cost"),
+        ("TTFT p99 rr / eq", "ttft_p99_s", "round_robin", "equal_cost"),
+        ("goodput eq / rr", "goodput_rps", "equal_cost", "round_robin"),
+    ):
+        predicted = replay[over][key] / replay[under][key]
+        shown = lives[over][key] / lives[under][key]
         what_if.append(
             {
-                "metric": f"{label} rr / eq",
+                "metric": label,
                 "predicted": predicted,
                 "live": shown,
                 "error": _error(predicted, shown),
@@ -146,7 +155,47 @@ def fidelity(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     factors = {
         r["name"]: [r["ttft_factor"], r["itl_factor"]] for r in fleet["pools"][0]["replicas"]
     }
-    return {"fidelity": rows, "what_if": what_if, "calibration": factors}
+    return {
+        "fidelity": rows,
+        "what_if": what_if,
+        "calibration": factors,
+        "plan": plan(record, args, work),
+    }
+
+
+def plan(record: Path, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """``isocost plan --from-record``'s fleet, then the recorded traffic replayed on it
+    and on one replica fewer through ``isocost sim --cluster`` (the plan's own runs are
+    not taken on trust)."""
+    command = [
+        *isocost_command(), "plan", "--from-record", str(record), "--json",
+        "--ttft-slo-ms", str(args.plan_ttft_slo_ms), "--tpot-slo-ms", str(args.slo_tpot_ms),
+        "--growth", str(args.growth), "--gpus", args.plan_gpus,
+    ]  # fmt: skip
+    found = json.loads(subprocess.run(command, check=True, capture_output=True).stdout)
+    chosen = found["cheapest"]
+    replayed = {}
+    for label, count in (("chosen", chosen["replicas"]), ("one fewer", chosen["replicas"] - 1)):
+        if count < 1:
+            continue
+        cluster = work / f"plan-{count}.yaml"
+        group = {k: chosen[k] for k in ("gpu", "tp", "slowdown")}
+        cluster.write_text(json.dumps({"replicas": [{**group, "model": MODEL, "count": count}]}))
+        out = work / f"plan-{count}.json"
+        subprocess.run(
+            [
+                *isocost_command(), "sim", "--from-record", str(record),
+                "--cluster", str(cluster), "--policies", found["policy"],
+                "--speedup", str(args.growth), "--jobs", "1", "--json", str(out),
+                "--slo-ttft-ms", str(args.plan_ttft_slo_ms), "--slo-ttft-per-1k-ms", "0",
+                "--slo-tpot-ms", str(args.slo_tpot_ms),
+            ],
+            check=True,
+            capture_output=True,
+        )  # fmt: skip
+        (row,) = [r for r in json.loads(out.read_text()) if r["policy"] == found["policy"]]
+        replayed[label] = {"replicas": count, "slo_attainment": row["slo_attainment"]}
+    return {"cheapest": chosen, "replayed": replayed}
 
 
 def overhead(args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -207,7 +256,17 @@ def _print(console: Console, result: dict[str, Any]) -> None:
                 _fmt(row["error"], "+.1%"),
             )
         console.print(table)
-        console.print(f"learned [ttft, itl] factors: {result['calibration']}")
+        console.print(f"the gateway's [ttft, itl] factors: {result['calibration']}")
+        chosen, replayed = result["plan"]["cheapest"], result["plan"]["replayed"]
+        console.print(
+            f"plan: {chosen['replicas']} x {chosen['tp']}x {chosen['gpu']} at "
+            f"${chosen['usd_per_hour']:.2f}/h; replayed there "
+            + ", ".join(
+                f"{r['replicas']} replicas: {100 * r['slo_attainment']:.1f}% within SLO"
+                for r in replayed.values()
+            ),
+            highlight=False,
+        )
     if "overhead" in result:
         o = result["overhead"]
         console.print(
@@ -230,6 +289,9 @@ def main() -> None:
     parser.add_argument("--slo-ttft-ms", type=float, default=3000.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=60.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plan-ttft-slo-ms", type=float, default=6000.0)
+    parser.add_argument("--growth", type=float, default=2.0, help="Plan for traffic x this.")
+    parser.add_argument("--plan-gpus", default="a100-80g,h100-80g,l40s-48g")
     parser.add_argument("--overhead", action="store_true", help="Also the recording's cost.")
     parser.add_argument("--overhead-concurrency", type=int, default=32)
     parser.add_argument("--overhead-seconds", type=float, default=8.0)

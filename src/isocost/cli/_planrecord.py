@@ -63,6 +63,7 @@ def _trial(t: FleetTrial) -> dict[str, Any]:
         "gpu": t.gpu,
         "tp": t.tp,
         "replicas": t.count,
+        "slowdown": round(t.slowdown, 4),
         "usd_per_hour": round(t.usd_per_hour, 4),
         "usd_per_million_tokens": t.usd_per_million_tokens,
         "meets_slo": t.meets,

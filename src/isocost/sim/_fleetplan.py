@@ -43,6 +43,7 @@ class FleetTrial:
     gpu: str
     tp: int
     count: int
+    slowdown: float  # the learned one each replica runs at
     usd_per_hour: float
     summary: PolicySummary
     meets: bool
@@ -94,13 +95,8 @@ def plan_fleet(
 
     def trial(gpu: str, tp: int, count: int) -> FleetTrial:
         if (gpu, count) not in trials:
-            group = ReplicaGroup(
-                gpu=gpu,
-                model=model_id,
-                tp=tp,
-                count=count,
-                slowdown=slowdown.get(gpu, slowdown[""]),
-            )
+            factor = slowdown.get(gpu, slowdown[""])
+            group = ReplicaGroup(gpu=gpu, model=model_id, tp=tp, count=count, slowdown=factor)
             cluster = ClusterConfig(replicas=[group], served_model=recording.pool.model)
             plan = SimPlan(
                 cluster=cluster,
@@ -115,7 +111,7 @@ def plan_fleet(
             summary = run_plan(plan).runs[0].summary
             price = count * tp * prices.get(gpu, catalog.gpu(gpu).usd_per_hour)
             meets = summary.slo_attainment >= slo.share
-            found = FleetTrial(gpu, tp, count, price, summary, meets, tokens_per_s)
+            found = FleetTrial(gpu, tp, count, factor, price, summary, meets, tokens_per_s)
             trials[(gpu, count)] = found
             if on_trial is not None:
                 on_trial(found)
