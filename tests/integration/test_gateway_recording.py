@@ -154,3 +154,17 @@ def test_an_unwritable_directory_stops_recording_not_requests(
     client.close()
     log = (tmp_path / "gateway.log").read_text()
     assert log.count('"event": "recording_failed"') == 1
+
+
+def test_bad_recordings_and_flags_are_one_line_errors(tmp_path: Path) -> None:
+    for args in (
+        ["sim", "--from-record", str(tmp_path / "missing")],
+        ["sim", "--from-record", str(tmp_path), "--trace", "t.jsonl"],
+        ["sim", "--fail", "r0@10"],
+        ["plan", "--from-record", str(tmp_path)],
+        ["plan", "--from-record", str(tmp_path), "--ttft-slo-ms", "1", "--tpot-slo-ms", "1"],
+    ):
+        run = subprocess.run([ISOCOST, *args], capture_output=True, text=True, timeout=60)
+        assert run.returncode != 0, args
+        lines = [line for line in (run.stderr + run.stdout).splitlines() if line.strip()]
+        assert len(lines) == 1, (args, lines)
