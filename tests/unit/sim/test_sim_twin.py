@@ -60,9 +60,9 @@ def _record(directory: Path, factors: tuple[float, float], requests: int = 60) -
     return directory
 
 
-def _replay(directory: Path, **kwargs: object) -> float:
+def _replay(directory: Path) -> float:
     recording = load_recording(str(directory), None)
-    cluster, replicas = recorded_cluster(recording, Catalog.builtin(), "test", **kwargs)  # type: ignore[arg-type]
+    cluster, replicas = recorded_cluster(recording, Catalog.builtin(), "test")
     plan = SimPlan(cluster, tuple(replicas), recording.requests, ("round_robin",), SLO, jobs=1)
     return run_plan(plan).runs[0].summary.e2e_p50_s
 
