@@ -256,7 +256,7 @@ def _print(console: Console, result: dict[str, Any]) -> None:
                 _fmt(row["error"], "+.1%"),
             )
         console.print(table)
-        console.print(f"the gateway's [ttft, itl] factors: {result['calibration']}")
+        console.print(f"the gateway's (TTFT, ITL) factors: {result['calibration']}", markup=False)
         chosen, replayed = result["plan"]["cheapest"], result["plan"]["replayed"]
         console.print(
             f"plan: {chosen['replicas']} x {chosen['tp']}x {chosen['gpu']} at "

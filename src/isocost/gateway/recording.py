@@ -100,9 +100,9 @@ class Recording:
         return {
             "active": self.active,
             "dir": str(recorder.directory if recorder else self.settings.directory or "") or None,
-            "recorded": self.total("recorded"),
-            "dropped": self.total("dropped"),
-            "errors": self.total("errors"),
+            "recorded": int(self.total("recorded")),
+            "dropped": int(self.total("dropped")),
+            "errors": int(self.total("errors")),
             "error": recorder.error if recorder else None,
         }
 

@@ -11,11 +11,11 @@ is learned from the recording. It starts from the gateway's factors (the geometr
 its TTFT and ITL factors, observed over predicted), then ``fit_slowdowns`` replays the
 recording with the policy it ran and scales each replica's slowdown by the ratio of the
 median TPOT it showed live to the one it shows in the replay, a few rounds. Why not the
-gateway's factors alone: they are ratios to the gateway's own predictions, which carry its
-shadow state's errors (a replica with a long engine queue is predicted a larger batch than
-it runs), so they rank replicas but misstate their speed; an engine slowed 2x on purpose
-was learned as 1.46 (TTFT) and 0.58 (ITL), and replayed at those speeds TTFT p50 came out
-25% low, while replayed at 1x and 2x it matched live to 1% (``benchmarks/twin.py``).
+gateway's factors alone: they are ratios to the gateway's own predictions (its shadow
+state included), not step times. An engine slowed 2x on purpose was learned as 1.49
+(TTFT) and 1.00 (ITL), its twin as 1.12 and 0.78; replayed at those speeds TTFT p50 came
+out 44% low, while the fit found 2.00 and 1.00 and matched live to 2%
+(``benchmarks/twin.py``).
 """
 
 from __future__ import annotations
