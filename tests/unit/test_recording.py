@@ -130,3 +130,19 @@ def test_hash_ids_follow_the_prefix_one_per_512_tokens() -> None:
     assert len(a) == len(b) == 3  # ceil(1100 / 512)
     assert a[0] == b[0] and a[1] != b[1] and a[2] != b[2]
     assert a[0] != recorded_hash_ids(shared, 16, 1100, salt=6, unique=1)[0]  # salted
+
+
+def test_a_restarted_recording_appends_on_one_time_line(tmp_path: Path) -> None:
+    arrivals = []
+    for _ in range(2):  # the gateway restarted with the same --record DIR
+        recorder = Recorder(tmp_path)
+        recorder.start()
+        arrivals.append(recorder.timestamp_ms(time.monotonic()))
+        recorder.record(msgspec.structs.replace(_request(0), timestamp=arrivals[-1]))
+        recorder.stop()
+        time.sleep(0.002)  # the second arrives later, on the wall clock too
+    assert [p.name for p in segment_paths(tmp_path)] == ["trace-000000.jsonl", "trace-000001.jsonl"]
+    first, second = parse_trace(_lines(tmp_path), "rec")
+    assert first.arrival_s == 0
+    assert second.arrival_s == pytest.approx((arrivals[1] - arrivals[0]) / 1000, abs=1e-4)
+    assert second.arrival_s > 0

@@ -122,7 +122,7 @@ class Recording:
         tpot_s, ttft_s = request.tpot_target_s, result.ttft_s
         recorder.record(
             RecordedRequest(
-                timestamp=recorder.ms_since_start(arrived_at),
+                timestamp=recorder.timestamp_ms(arrived_at),
                 input_length=view.prompt_tokens,
                 output_length=max(1, result.output_tokens or view.max_tokens or 1),
                 hash_ids=recorded_hash_ids(

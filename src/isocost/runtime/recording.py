@@ -1,8 +1,8 @@
 """Recording live traffic as a trace the simulator replays (the digital twin, #25).
 
 A recording directory holds ``trace-NNNNNN.jsonl`` segments and ``fleet.json``. Each
-segment line is one finished request in Mooncake's form (``timestamp`` ms since the
-recording began, ``input_length``, ``output_length``, ``hash_ids``: one id per 512-token
+segment line is one finished request in Mooncake's form (``timestamp``: arrival in Unix
+ms, ``input_length``, ``output_length``, ``hash_ids``: one id per 512-token
 block, equal ids at equal positions = shared prefix), so ``isocost sim --trace`` reads a
 segment as it reads any Mooncake trace, plus what a replay or an audit needs: the
 session, route class, priority, deadline and TPOT target, and the outcome (status,
@@ -58,7 +58,7 @@ class RecordedRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=T
     """One finished request: Mooncake's four fields first, then isocost's (those at their
     default are left out, the outcome never)."""
 
-    timestamp: float  # ms since the recording started
+    timestamp: float  # arrival, ms since the Unix epoch (the trace loader rebases)
     input_length: int
     output_length: int
     hash_ids: list[int]
@@ -147,7 +147,7 @@ class Recorder:
         self.max_bytes = max_bytes
         self.queue_size = queue_size
         self.salt = int.from_bytes(secrets.token_bytes(8))  # ids stable in this recording
-        self.started_at = time.monotonic()
+        self._epoch_s = time.time() - time.monotonic()  # monotonic -> Unix seconds
         self.active = False
         self.recorded = 0  # written to a segment
         self.dropped = 0  # refused by a full queue, or pending when the recording stopped
@@ -177,9 +177,10 @@ class Recorder:
             self._thread.join(timeout_s)
         self.active = False
 
-    def ms_since_start(self, monotonic_s: float) -> float:
-        """A request's ``timestamp``: 0 for one that arrived before the recording began."""
-        return max(0.0, round((monotonic_s - self.started_at) * 1000, 3))
+    def timestamp_ms(self, monotonic_s: float) -> float:
+        """A request's ``timestamp``: Unix milliseconds, so that recordings appended to one
+        directory across gateway restarts keep one time line."""
+        return round((monotonic_s + self._epoch_s) * 1000, 1)
 
     def record(self, request: RecordedRequest) -> None:
         """Queue one finished request; never blocks (a full queue drops and counts it)."""
