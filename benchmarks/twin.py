@@ -25,7 +25,7 @@ Run:
 
 On a small shared machine the engines, the gateway and the load generator share cores:
 with faster engines (``--time-scale`` below 1) or one SSE chunk per several tokens the
-live run becomes CPU-bound (TPOT p99 10x the model's), which no replay reproduces; the
+live run becomes CPU-bound (TPOT p99 8x the replay's, measured), which no replay reproduces; the
 defaults keep the engines' own timing in charge.
 """
 
