@@ -24,9 +24,10 @@ Run:
     .venv/bin/python benchmarks/twin.py --overhead --requests 0 --json overhead.json
 
 On a small shared machine the engines, the gateway and the load generator share cores:
-with faster engines (``--time-scale`` below 1) or one SSE chunk per several tokens the
-live run becomes CPU-bound (TPOT p99 8x the replay's, measured), which no replay reproduces; the
-defaults keep the engines' own timing in charge.
+with faster engines (``--time-scale`` below 1) the live run becomes CPU-bound (TPOT p99
+8x the replay's at 0.25, measured), which no replay reproduces; and with several tokens
+per SSE chunk the gateway's ITL factors are off. The defaults keep the engines' own timing
+in charge.
 """
 
 from __future__ import annotations
