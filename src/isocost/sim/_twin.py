@@ -12,9 +12,9 @@ its TTFT and ITL factors, observed over predicted), then ``fit_slowdowns`` repla
 recording with the policy it ran and scales each replica's slowdown by the ratio of the
 median TPOT it showed live to the one it shows in the replay, a few rounds. Why not the
 gateway's factors alone: they are ratios to the gateway's own predictions (its shadow
-state included), not step times. An engine slowed 2x on purpose was learned as 1.49
-(TTFT) and 1.00 (ITL), its twin as 1.12 and 0.78; replayed at those speeds TTFT p50 came
-out 44% low, while the fit found 2.00 and 1.00 and matched live to 2%
+state included), not step times. An engine slowed 2x on purpose was learned as 1.46
+(TTFT) and 1.63 (ITL), its twin as 1.09 and 0.70; replayed at those speeds TTFT p50 came
+out 36% low, while the fit found 2.00 and 1.00 and matched live to 3%
 (``benchmarks/twin.py``).
 """
 
