@@ -15,7 +15,8 @@ through it with `isocost bench`, stops the gateway (the recording is flushed), t
 
 With ``--overhead``, the recording's cost: `isocost serve` with and without ``--record``
 in front of a fast engine, a closed loop at ``--overhead-concurrency`` for a few seconds
-each, alternated twice; the best req/s of each, and their ratio.
+each, alternated ``--overhead-rounds`` times; the median req/s of each and the median
+CPU time the gateway process spent per request, and their ratios.
 
 Run:
 
@@ -34,6 +35,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -203,9 +206,10 @@ def plan(record: Path, args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 
 def overhead(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """Closed-loop req/s through the gateway without and with ``--record``."""
+    """Closed-loop req/s through the gateway without and with ``--record``, and the
+    gateway process's CPU time per request (steadier than req/s on a shared machine)."""
     services = Services(work / "logs-overhead")
-    best = {"plain": 0.0, "record": 0.0}
+    runs: dict[str, list[dict[str, float]]] = {"plain": [], "record": []}
     try:
         engine = services.start(
             "engine-fast",
@@ -213,8 +217,9 @@ def overhead(args: argparse.Namespace, work: Path) -> dict[str, Any]:
              "--time-scale", "0.001"],
         )  # fmt: skip
         (engine_url,) = engine.wait_ready(1, 60)
-        for round_ in range(2):
-            for mode in ("plain", "record"):
+        for round_ in range(args.overhead_rounds):
+            order = ("plain", "record") if round_ % 2 == 0 else ("record", "plain")
+            for mode in order:  # ABBA: a drift in the machine's load hits both alike
                 extra = ("--record", str(work / f"rec-{mode}-{round_}")) if mode == "record" else ()
                 gateway, url = _gateway(services, f"gw-{mode}", [engine_url], "equal_cost", *extra)
                 out = work / f"overhead-{mode}-{round_}.json"
@@ -224,12 +229,35 @@ def overhead(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                     "--concurrency", str(args.overhead_concurrency),
                     "--duration", str(args.overhead_seconds), "--json", str(out),
                 ]  # fmt: skip
+                cpu_before = _cpu_s(gateway.popen.pid)
                 subprocess.run(command, check=True, capture_output=True, timeout=600)
+                cpu_s = _cpu_s(gateway.popen.pid) - cpu_before
                 services.stop(gateway)
-                best[mode] = max(best[mode], json.loads(out.read_text())["throughput_rps"])
+                summary = json.loads(out.read_text())
+                runs[mode].append(
+                    {
+                        "rps": summary["throughput_rps"],
+                        "cpu_us_per_request": 1e6 * cpu_s / max(1, summary["completed"]),
+                    }
+                )
     finally:
         services.stop_all()
-    return {"rps": best, "ratio": best["record"] / best["plain"] if best["plain"] else None}
+    median = {
+        mode: {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+        for mode, rows in runs.items()
+    }
+    return {
+        "runs": runs,
+        "median": median,
+        "rps_ratio": median["record"]["rps"] / median["plain"]["rps"],
+        "cpu_ratio": median["record"]["cpu_us_per_request"] / median["plain"]["cpu_us_per_request"],
+    }
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -273,10 +301,13 @@ def _print(console: Console, result: dict[str, Any]) -> None:
         )
     if "overhead" in result:
         o = result["overhead"]
+        plain, record = o["median"]["plain"], o["median"]["record"]
         console.print(
-            f"recording overhead: {o['rps']['plain']:.0f} req/s plain, "
-            f"{o['rps']['record']:.0f} req/s with --record "
-            f"(ratio {_fmt(o['ratio'], '.3f')})"
+            f"recording overhead, medians: {plain['rps']:.0f} req/s plain, "
+            f"{record['rps']:.0f} with --record (ratio {o['rps_ratio']:.3f}); gateway CPU "
+            f"{plain['cpu_us_per_request']:.0f} us/request plain, "
+            f"{record['cpu_us_per_request']:.0f} with --record (ratio {o['cpu_ratio']:.3f})",
+            highlight=False,
         )
 
 
@@ -299,6 +330,7 @@ def main() -> None:
     parser.add_argument("--overhead", action="store_true", help="Also the recording's cost.")
     parser.add_argument("--overhead-concurrency", type=int, default=32)
     parser.add_argument("--overhead-seconds", type=float, default=8.0)
+    parser.add_argument("--overhead-rounds", type=int, default=4, help="Alternations.")
     parser.add_argument("--json", type=Path, help="Write the figures here.")
     parser.add_argument("--keep", type=Path, help="Keep the recordings and logs here.")
     args = parser.parse_args()
