@@ -130,6 +130,24 @@ def test_recorded_traffic_replays_in_the_simulator(tmp_path: Path, procs: list[P
     (result,) = [r for r in replayed if r["policy"] == "round_robin"]
     assert result["completed"] == 12
 
+    args = ["--ttft-slo-ms", "5000", "--tpot-slo-ms", "200", "--gpus", "a100-80g,h100-80g"]
+    planned = subprocess.run(
+        [ISOCOST, "plan", "--from-record", str(record), *args, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert planned.returncode == 0, planned.stderr
+    cheapest = json.loads(planned.stdout)["cheapest"]
+    assert cheapest["meets_slo"] and cheapest["gpu"] in ("a100-80g", "h100-80g")
+    table = subprocess.run(
+        [ISOCOST, "plan", "--from-record", str(record), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert table.returncode == 0 and "cheapest: " in table.stdout, table.stderr
+
 
 def test_an_unwritable_directory_stops_recording_not_requests(
     tmp_path: Path, procs: list[Proc]
