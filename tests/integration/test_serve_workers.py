@@ -169,6 +169,7 @@ def _alive(pid: int) -> bool:
     [
         (["--workers", "0"], "--workers must be at least 1"),
         (["--worker-id", "1"], "--worker-id and --worker-dir go together"),
+        (["--workers", "2", "--record", "/tmp/x"], "--record with --workers: not supported"),
     ],
 )
 def test_bad_worker_flags_are_one_line_and_exit_2(args: list[str], fragment: str) -> None:

@@ -10,8 +10,10 @@ from isocost.cli._options import CatalogOption
 
 @app.command()
 def plan(
-    model: str = typer.Option(..., "--model", "-m", help="Catalog id or local HF model folder."),
-    gpu: str = typer.Option(..., "--gpu", "-g", help="GPU catalog id, e.g. a100-80g."),
+    model: str | None = typer.Option(
+        None, "--model", "-m", help="Catalog id or local HF model folder."
+    ),
+    gpu: str | None = typer.Option(None, "--gpu", "-g", help="GPU catalog id, e.g. a100-80g."),
     dtype: str | None = typer.Option(None, "--dtype", help="Weights: fp16|bf16|fp8|int8|int4."),
     kv_dtype: str | None = typer.Option(None, "--kv-dtype", help="KV cache dtype."),
     context: int = typer.Option(2048, "--context", help="Mean tokens per request (in + out)."),
@@ -32,6 +34,19 @@ def plan(
         0, "--cached-tokens", help="With --disaggregate: mean prompt tokens found cached."
     ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+    from_record: str | None = typer.Option(
+        None, "--from-record", help="A recording: the cheapest fleet for its traffic, simulated."
+    ),
+    growth: float = typer.Option(1.0, "--growth", help="With --from-record: traffic x this."),
+    policy: str | None = typer.Option(
+        None, "--policy", help="With --from-record: policy (default: the recorded one)."
+    ),
+    gpus: str | None = typer.Option(
+        None, "--gpus", help="With --from-record: GPU ids to try (default: the catalog's)."
+    ),
+    max_replicas: int = typer.Option(64, "--max-replicas", help="With --from-record."),
+    target: float = typer.Option(0.9, "--target", help="With --from-record: share within SLO."),
+    pool: str | None = typer.Option(None, "--pool", help="With --from-record: recorded pool."),
 ) -> None:
     """Size a deployment: VRAM, TP, replicas, throughput, $ per token.
 
@@ -44,6 +59,15 @@ def plan(
     from isocost.files import load_catalog, resolve_model
 
     cat = load_catalog(catalog)
+    if from_record is not None:
+        from isocost.cli._planrecord import plan_from_record
+
+        plan_from_record(from_record, cat, ttft_slo_ms=ttft_slo_ms, tpot_slo_ms=tpot_slo_ms,
+                         target=target, growth=growth, policy=policy, gpus=gpus,
+                         max_replicas=max_replicas, pool=pool, as_json=as_json)  # fmt: skip
+        return
+    if model is None or gpu is None:
+        fail("give --model and --gpu (or --from-record DIR)")
     gpu_spec = cat.gpu(gpu)
     if price is not None:
         gpu_spec = gpu_spec.with_price(price)

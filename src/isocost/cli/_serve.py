@@ -45,6 +45,15 @@ def serve(
     ),
     worker_id: int | None = typer.Option(None, "--worker-id", hidden=True),
     worker_dir: str | None = typer.Option(None, "--worker-dir", hidden=True),
+    record: str | None = typer.Option(
+        None, "--record", help="Record traffic and fleet to this directory (isocost sim replays)."
+    ),
+    record_segment_mb: float = typer.Option(
+        64.0, "--record-segment-mb", help="With --record: a new trace segment past this size."
+    ),
+    record_max_mb: float = typer.Option(
+        1024.0, "--record-max-mb", help="With --record: oldest segments go past this total."
+    ),
 ) -> None:
     """Run the OpenAI-compatible gateway that routes by equal cost."""
     import asyncio
@@ -54,6 +63,7 @@ def serve(
     import msgspec
 
     from isocost.files import load_catalog, read_text
+    from isocost.gateway.recording import RecordingSettings
     from isocost.gateway.server import (
         configure_logging,
         discover_config,
@@ -71,6 +81,10 @@ def serve(
         fail("--workers must be at least 1")
     if (worker_id is None) != (worker_dir is None):
         fail("--worker-id and --worker-dir go together (the supervisor of --workers sets them)")
+    if not 0 < record_segment_mb <= record_max_mb:
+        fail("--record-segment-mb must be positive and at most --record-max-mb")
+    if record and workers > 1:
+        fail("--record with --workers: not supported (the workers would share one trace)")
     if state_bus is not None:
         check_state_bus(StateBusConfig(url=state_bus), "--state-bus")
     log = logging.getLogger("isocost.gateway")
@@ -111,6 +125,11 @@ def serve(
             )
         serve_args = sys.argv[sys.argv.index("serve") + 1 :]
         sys.exit(run_workers(worker_args(serve_args), workers, host, port, ready, shutdown_timeout))
-    gateway = load_gateway(gateway_config, cat, Path(config) if config else None)
+    recording = RecordingSettings(
+        Path(record) if record else None,
+        segment_bytes=int(record_segment_mb * 2**20),
+        max_bytes=int(record_max_mb * 2**20),
+    )
+    gateway = load_gateway(gateway_config, cat, Path(config) if config else None, recording)
     group = None if worker_dir is None else WorkerGroup(worker_id or 0, Path(worker_dir))
     run_gateway(gateway, host, port, ready, shutdown_timeout_s=shutdown_timeout, workers=group)

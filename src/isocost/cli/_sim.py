@@ -50,6 +50,14 @@ def sim(
         None, "--pool", help="With --config: the pool (model) requests ask for (default: the only)."
     ),
     cluster: str | None = typer.Option(None, "--cluster", help="Cluster YAML (mixed fleets)."),
+    from_record: str | None = typer.Option(
+        None,
+        "--from-record",
+        help="A recording (isocost serve --record): its traffic on its calibrated fleet.",
+    ),
+    fail_at: list[str] | None = typer.Option(
+        None, "--fail", help="With --from-record: NAME@SECONDS, a replica failing then."
+    ),
     replicas: int = typer.Option(16, "--replicas", help="Identical replicas (no --cluster)."),
     gpu: str = typer.Option("a100-80g", "--gpu", "-g", help="GPU catalog id."),
     model: str = typer.Option("llama-3.1-8b", "--model", "-m", help="Model id or HF folder."),
@@ -63,10 +71,11 @@ def sim(
     slo_ttft_ms: SloTtftOption = DEFAULT_SLO_TTFT_MS,
     slo_ttft_per_1k_ms: SloTtftPer1kOption = DEFAULT_SLO_TTFT_PER_1K_MS,
     slo_tpot_ms: SloTpotOption = DEFAULT_SLO_TPOT_MS,
-    deadlines: bool = typer.Option(
-        True,
+    deadlines: bool | None = typer.Option(
+        None,
         "--deadlines/--no-deadlines",
-        help="Requests carry their TTFT and TPOT targets (SLO admission sees them).",
+        help="Requests carry their TTFT and TPOT targets (SLO admission sees them); "
+        "default: yes, with --from-record: as recorded.",
     ),
     audit_admission: bool = typer.Option(
         False,
@@ -125,10 +134,22 @@ def sim(
     trace_format = one_of("trace format", trace_format, simulator.TRACE_FORMATS)
     if config is not None and cluster is not None:
         fail("give --config (a gateway's file) or --cluster, not both")
-    if pool is not None and config is None:
-        fail("--pool chooses a pool of --config's file")
+    if pool is not None and config is None and from_record is None:
+        fail("--pool chooses a pool of --config's file or --from-record's recording")
+    if from_record is not None and (config is not None or trace or workload):
+        fail("--from-record replays its own traffic: not with --config, --trace or --workload")
+    if fail_at and (from_record is None or cluster is not None):
+        fail("--fail names a recorded replica: with --from-record and without --cluster")
+    failures = [_failure(text) for text in fail_at or []]
     cat = load_catalog(catalog or [])
     scheduling, default_policies = SchedulingConfig(), "equal_cost,round_robin,least_request"
+    recording = None
+    if from_record is not None:
+        recording = simulator.load_recording(from_record, pool)
+        default_policies = recording.pool.policy
+        if deadlines is None:  # as the live clients sent them
+            deadlines = recording.has_deadlines
+    deadlines = True if deadlines is None else deadlines
     if config is not None:  # read exactly as `isocost serve` reads it, secrets aside
         gateway = parse_config(read_text(config), config, secrets=False)
         check_references(gateway, cat)
@@ -165,6 +186,11 @@ def sim(
     }
     if config is not None:
         fleet, members = simulator.gateway_cluster(gateway, chosen, cat, config, **overrides)
+    elif recording is not None and cluster is None:
+        assert from_record is not None
+        fleet, members = simulator.recorded_cluster(
+            recording, cat, from_record, failures, settings=overrides
+        )
     else:
         if cluster is not None:
             fleet = simulator.parse_cluster_yaml(read_text(cluster), cluster)
@@ -184,6 +210,7 @@ def sim(
         max_requests=max_requests,
         duration_s=duration,
         seed=seed,
+        recorded=recording.requests if recording is not None else None,
     )
     requests = simulator.load_requests(choice)
     if rates or search is not None:
@@ -231,3 +258,15 @@ def _capacity_spec(text: str, precision: float, target: float) -> CapacitySpec:
         return CapacitySpec(*rates, precision, target)
     except ValueError as exc:
         fail(f"--capacity {text} --precision {precision:g}: {exc}")
+
+
+def _failure(text: str) -> tuple[str, float]:
+    """``--fail NAME@SECONDS`` as ``(name, at_s)``; a one-line error if malformed."""
+    name, sep, at = text.rpartition("@")
+    try:
+        at_s = float(at)
+    except ValueError:
+        at_s = -1.0
+    if not (sep and name and at_s >= 0):
+        fail(f"--fail {text}: give NAME@SECONDS, e.g. gpu-3@120")
+    return name, at_s

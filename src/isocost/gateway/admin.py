@@ -10,6 +10,9 @@ Routes (token as ``Authorization: Bearer <token>`` or ``X-Admin-Token``):
 * ``POST /admin/replicas/{name}/undrain``
 * ``POST /admin/policy``                         ``{"policy", "model"?}`` switch the policy
 * ``GET  /admin/snapshot``                       everything a dashboard polls, one JSON
+* ``GET  /admin/recording``                      whether traffic is recorded, where, counts
+* ``POST /admin/recording/start``                ``{"dir"?}`` record (default: ``--record``)
+* ``POST /admin/recording/stop``                 write what is queued, then stop
 
 Without a configured admin token the API answers 403; a missing or wrong token, 401.
 """
@@ -21,6 +24,7 @@ import os
 import statistics
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
@@ -47,6 +51,10 @@ _T = TypeVar("_T")
 class _AddReplica(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     model: str
     replica: ReplicaConfig
+
+
+class _StartRecording(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    dir: str | None = None
 
 
 class _SwitchPolicy(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -261,6 +269,26 @@ def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
     async def get_snapshot(request: web.Request) -> web.StreamResponse:
         return json_response(snapshot(gateway))
 
+    async def recording(request: web.Request) -> web.StreamResponse:
+        return json_response(gateway.recording.status())
+
+    async def start_recording(request: web.Request) -> web.StreamResponse:
+        if gateway.workers is not None:  # every worker would write the same directory
+            raise ApiError(
+                409, "recording is not supported with serve --workers", code="unsupported"
+            )
+        raw = await request.read()
+        body = _decode(raw, _StartRecording) if raw.strip() else _StartRecording()
+        try:
+            await gateway.recording.start(Path(body.dir) if body.dir else None)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), code="invalid_request", param="dir") from None
+        return json_response(gateway.recording.status())
+
+    async def stop_recording(request: web.Request) -> web.StreamResponse:
+        await gateway.recording.stop()
+        return json_response(gateway.recording.status())
+
     app.router.add_get("/admin/replicas", guarded(list_replicas))
     app.router.add_post("/admin/replicas", guarded(add), expect_handler=defer_continue)
     app.router.add_delete("/admin/replicas/{name}", guarded(remove))
@@ -272,3 +300,8 @@ def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
     )
     app.router.add_post("/admin/policy", guarded(switch_policy), expect_handler=defer_continue)
     app.router.add_get("/admin/snapshot", guarded(get_snapshot))
+    app.router.add_get("/admin/recording", guarded(recording))
+    for path, handler in (("start", start_recording), ("stop", stop_recording)):
+        app.router.add_post(
+            f"/admin/recording/{path}", guarded(handler), expect_handler=defer_continue
+        )

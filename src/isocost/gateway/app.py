@@ -96,6 +96,8 @@ def _account(gateway: Gateway, request: GatewayRequest, result: ForwardResult) -
             "decode_queue": result.queues[1] if result.queues else None,
         },
     )
+    if gateway.recording.active:
+        gateway.recording.record(request, result, e2e_s)
 
 
 def _slo_verdict(request: GatewayRequest, result: ForwardResult, e2e_s: float) -> str | None:

@@ -42,6 +42,7 @@ from isocost.gateway.intake import Intake
 from isocost.gateway.metrics import GatewayMetrics
 from isocost.gateway.monitor import Monitor
 from isocost.gateway.proxy import Forwarder, ForwardSettings
+from isocost.gateway.recording import Recording, RecordingSettings
 from isocost.gateway.routing import Router
 from isocost.gateway.supervise import supervise
 from isocost.gateway.upstreams import Pool, Upstream
@@ -63,6 +64,7 @@ from isocost.runtime.config import (
 from isocost.runtime.discovery import DiscoveryProvider, Malformed, Registration
 from isocost.runtime.discovery.etcd import EtcdDiscovery
 from isocost.runtime.discovery.membership import Membership, with_replicas
+from isocost.runtime.recording import FleetFile, FleetPool, FleetReplica
 from isocost.scheduling.contract import ReplicaSpec
 from isocost.scheduling.disagg import DisaggMode
 from isocost.scheduling.framework import Policy
@@ -83,7 +85,11 @@ class Gateway:
     """Everything one ``isocost serve`` process holds."""
 
     def __init__(
-        self, config: GatewayConfig, catalog: Catalog, config_path: Path | None = None
+        self,
+        config: GatewayConfig,
+        catalog: Catalog,
+        config_path: Path | None = None,
+        recording: RecordingSettings | None = None,
     ) -> None:
         self.config = config  # the file's (or --replica's), plus what discovery found
         self.file_config = config
@@ -120,6 +126,10 @@ class Gateway:
         self._running_state_bus = config.state_bus  # read at start only
         self._discovery_pending: asyncio.TimerHandle | None = None
         self._bus_tasks: list[asyncio.Task[None]] = []
+        self.recording = Recording(
+            recording or RecordingSettings(), self.fleet, self.router.block_tokens
+        )
+        self.metrics.track_recording(lambda: float(self.recording.active), self.recording.total)
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -140,8 +150,11 @@ class Gateway:
             self._watcher = supervise(
                 "config_watcher", self._watch_config, self.metrics.task_failures
             )
+        if self.recording.settings.directory is not None:
+            await self.recording.start()
 
     async def stop(self) -> None:
+        await self.recording.stop()
         if self._discovery_pending is not None:
             self._discovery_pending.cancel()
         tasks = [*self._discovery, *self._bus_tasks, *([self._watcher] if self._watcher else [])]
@@ -169,6 +182,40 @@ class Gateway:
         """Count one refused request under ``reason``."""
         self.rejections[reason] += 1
         self.metrics.rejections.labels(reason).inc()
+
+    def fleet(self) -> FleetFile:
+        """The fleet as a recording describes it: each pool's policy and replicas, with
+        what calibration learned of them (no URLs, no keys)."""
+        pools = []
+        for pool in self.pools.values():
+            replicas = []
+            for upstream in pool.replicas.values():
+                config = upstream.config
+                known = upstream.name in self.router.replicas
+                state = self.router.replicas.get(upstream.name) if known else None
+                replicas.append(
+                    FleetReplica(
+                        name=upstream.name,
+                        gpu=config.gpu,
+                        cost_model=config.cost_model or pool.model,
+                        tp=config.tp,
+                        weight=config.weight,
+                        max_queue=config.max_queue,
+                        usd_per_hour=state.spec.price_usd_per_hour if state else None,
+                        groups=config.groups,
+                        ttft_factor=round(state.ttft_factor, 4) if state else 1.0,
+                        itl_factor=round(state.itl_factor, 4) if state else 1.0,
+                    )
+                )
+            pools.append(FleetPool(pool.model, pool.policy, replicas))
+        limits = self.config.limits
+        return FleetFile(
+            pools=pools,
+            scrape_interval_ms=self.config.scrape_interval_ms,
+            queue_size=limits.max_queue,
+            queue_timeout_ms=limits.queue_timeout_ms,
+            max_retries=limits.max_retries,
+        )
 
     # -- replicas and config ------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
@@ -229,6 +230,25 @@ class GatewayMetrics:
             buckets=_BUS_LAG_BUCKETS_S,
             registry=self.registry,
         )
+
+    def track_recording(self, active: Callable[[], float], total: Callable[[str], float]) -> None:
+        """Export the recorder's state (``isocost serve --record``, the admin API)."""
+        r = self.registry
+        Gauge(
+            "isocost_recording_active",
+            "1 while finished requests are being recorded; 0 when off or stopped by an error.",
+            registry=r,
+        ).set_function(active)
+        for name, meaning in (
+            ("recorded", "Requests written to the recording"),
+            ("dropped", "Requests not recorded: the recorder's queue was full"),
+            ("errors", "Write errors that stopped a recording (full disk, unwritable dir)"),
+        ):
+            Gauge(
+                f"isocost_recording_{name}",
+                f"{meaning}, since the gateway started.",
+                registry=r,
+            ).set_function(functools.partial(total, name))
 
     def track_state_bus(self, up: Callable[[], float], peers: Callable[[], float]) -> None:
         """Export the state bus's health (only gateways that have one)."""

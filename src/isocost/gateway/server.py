@@ -34,6 +34,7 @@ from isocost.core.catalog import Catalog
 from isocost.core.errors import ConfigError, IsocostError
 from isocost.gateway.app import build_app
 from isocost.gateway.lifecycle import Gateway
+from isocost.gateway.recording import RecordingSettings
 from isocost.gateway.workers import WorkerGroup, watch_supervisor
 from isocost.openai.errors import ApiError, error_response
 from isocost.runtime.config import (
@@ -371,8 +372,13 @@ class _HeaderDeadline(asyncio.Protocol):
             self._transport.close()
 
 
-def load_gateway(config: GatewayConfig, catalog: Catalog, config_path: Path | None) -> Gateway:
+def load_gateway(
+    config: GatewayConfig,
+    catalog: Catalog,
+    config_path: Path | None,
+    recording: RecordingSettings | None = None,
+) -> Gateway:
     """A gateway for ``config``; unknown policies or cost models fail before any port opens."""
-    gateway = Gateway(config, catalog, config_path)
+    gateway = Gateway(config, catalog, config_path, recording)
     gateway.router.check_config(config)
     return gateway

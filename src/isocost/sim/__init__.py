@@ -35,6 +35,7 @@ from isocost.sim._cluster import (
     with_settings,
 )
 from isocost.sim._core import SimRecord, SimResult, Simulator, block_hashes
+from isocost.sim._fleetplan import FleetPlan, FleetTrial, plan_fleet
 from isocost.sim._metrics import (
     DisaggSummary,
     Isolated,
@@ -61,6 +62,7 @@ from isocost.sim._run import (
     run_capacity,
     run_plan,
 )
+from isocost.sim._twin import Recording, calibrated_slowdown, load_recording, recorded_cluster
 from isocost.sim._workload import WorkloadChoice, at_rate, load_requests
 from isocost.workload import TRACE_FORMATS
 
@@ -75,10 +77,13 @@ __all__ = [
     "ClusterConfig",
     "ClusterEvent",
     "DisaggSummary",
+    "FleetPlan",
+    "FleetTrial",
     "FleetUsage",
     "ForcedAdmission",
     "Isolated",
     "PolicySummary",
+    "Recording",
     "ReplicaGroup",
     "RunOutput",
     "SimAutoscale",
@@ -93,6 +98,7 @@ __all__ = [
     "at_rate",
     "autoscaled_cluster",
     "block_hashes",
+    "calibrated_slowdown",
     "capacity_at_slo",
     "capacity_json",
     "check_policies",
@@ -100,14 +106,17 @@ __all__ = [
     "gateway_pool",
     "isolated_times",
     "json_rows",
+    "load_recording",
     "load_requests",
     "lowest_slowdowns",
     "met_slo",
     "oracle_summary",
     "parse_autoscale_yaml",
     "parse_cluster_yaml",
+    "plan_fleet",
     "print_capacity",
     "print_results",
+    "recorded_cluster",
     "replica_usd_per_hour",
     "resolve_cluster",
     "reusable_prefix_blocks",

@@ -34,7 +34,8 @@ _DEFAULT_SYNTHETIC_REQUESTS = 1000
 
 @dataclass(frozen=True, slots=True)
 class WorkloadChoice:
-    """What to replay: exactly one of ``trace`` and ``synthetic``."""
+    """What to replay: exactly one of ``trace``, ``synthetic`` and ``recorded`` (a
+    recording's requests, already loaded: ``isocost sim --from-record``)."""
 
     trace: str | None = None
     trace_format: TraceFormat | None = None
@@ -44,17 +45,19 @@ class WorkloadChoice:
     max_requests: int | None = None
     duration_s: float | None = None
     seed: int = 0
+    recorded: list[WorkloadRequest] | None = None
 
 
 def load_requests(choice: WorkloadChoice) -> list[WorkloadRequest]:
     """The requests of ``choice`` in arrival order; ConfigError for bad choices or files."""
-    if (choice.trace is None) == (choice.synthetic is None):
-        raise ConfigError("sim", "give exactly one of --trace and --workload")
+    given = [x for x in (choice.trace, choice.synthetic, choice.recorded) if x is not None]
+    if len(given) != 1:
+        raise ConfigError("sim", "give exactly one of --trace, --workload and --from-record")
     for name, value in (("--rate", choice.rate_rps), ("--speedup", choice.speedup)):
         if value is not None and value <= 0:
             raise ConfigError("sim", f"{name} must be positive")
-    if choice.trace is not None:
-        requests = load_trace(choice.trace, choice.trace_format)
+    if choice.synthetic is None:
+        requests = choice.recorded or load_trace(choice.trace or "", choice.trace_format)
         if choice.rate_rps is not None:
             if len({r.arrival_s for r in requests}) < 2:  # lengths only: Poisson arrivals
                 arrivals = poisson_arrivals(Random(choice.seed), choice.rate_rps)
@@ -64,7 +67,6 @@ def load_requests(choice: WorkloadChoice) -> list[WorkloadRequest]:
         else:
             requests = list(speedup(requests, choice.speedup))
     else:
-        assert choice.synthetic is not None
         requests = _synthetic(choice, choice.synthetic)
     if choice.duration_s is not None:
         requests = [r for r in requests if r.arrival_s < choice.duration_s]

@@ -3,7 +3,8 @@
 Formats (detected from the first line, or named):
 
 - ``mooncake``: JSON lines ``{"timestamp": ms, "input_length", "output_length",
-  "hash_ids": [...]}``; each hash id is a 512-token block, equal ids = shared prefix.
+  "hash_ids": [...]}``; each hash id is a 512-token block, equal ids = shared prefix; an
+  optional ``session_id`` (isocost's recordings) numbers a session's turns.
 - ``azure``: CSV ``TIMESTAMP,ContextTokens,GeneratedTokens`` with ISO date-times
   (Azure LLM inference traces, Splitwise).
 - ``burstgpt``: CSV ``Timestamp,Model,Request tokens,Response tokens,Total tokens,Log
@@ -44,6 +45,7 @@ class _MooncakeRow(msgspec.Struct, forbid_unknown_fields=False):
     input_length: int
     output_length: int
     hash_ids: list[int] = []
+    session_id: str | None = None  # isocost's recordings add it (isocost.runtime.recording)
 
 
 _mooncake_decoder = msgspec.json.Decoder(_MooncakeRow)
@@ -105,7 +107,12 @@ def _mooncake(lines: Iterable[str], source: str) -> Iterator[WorkloadRequest]:
             row = _mooncake_decoder.decode(line)
             segments = segments_for_blocks(row.hash_ids, row.input_length)
             yield WorkloadRequest(
-                index, row.timestamp / 1000.0, row.input_length, row.output_length, segments
+                index,
+                row.timestamp / 1000.0,
+                row.input_length,
+                row.output_length,
+                segments,
+                row.session_id,
             )
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
             raise ConfigError(where, str(exc)) from None

@@ -1,0 +1,157 @@
+"""A recording as the simulator's workload and fleet: calibration as slowdown, what-if
+failures, and the fleet planner's cheapest fleet (it meets the SLOs, one fewer does not)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from random import Random
+
+import msgspec
+import pytest
+
+from isocost.core.catalog import Catalog
+from isocost.core.errors import ConfigError
+from isocost.core.slo import SloTargets
+from isocost.runtime.recording import (
+    FLEET_FILE,
+    FleetFile,
+    FleetPool,
+    FleetReplica,
+    RecordedRequest,
+)
+from isocost.scheduling.policies import build_policy
+from isocost.sim import (
+    ClusterConfig,
+    ReplicaGroup,
+    SimPlan,
+    Simulator,
+    load_recording,
+    plan_fleet,
+    recorded_cluster,
+    resolve_cluster,
+    run_plan,
+)
+from isocost.workload import parse_trace
+
+FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "traces"
+TRACE = FIXTURE / "mooncake_conversation_head.jsonl"
+MODEL = "llama-3.1-8b"
+SLO = SloTargets.from_ms(1000, 100, 250.0, share=0.9)  # long prompts get longer
+
+
+def _record(directory: Path, factors: tuple[float, float], requests: int = 60) -> Path:
+    """A recording of the fixture trace's first ``requests`` on two A100 replicas that
+    learned ``factors`` (TTFT, ITL), plus one request of another pool."""
+    directory.mkdir()
+    lines = TRACE.read_text().splitlines()[:requests]
+    rows = [
+        {**row, "model": MODEL, "status": 200, "output_tokens": row["output_length"], "e2e_ms": 1}
+        for row in map(json.loads, lines)
+    ]  # no TTFT recorded: nothing to fit, the gateway's factors stand
+    rows.append({**rows[0], "model": "other-model"})
+    (directory / "trace-000000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    replicas = [
+        FleetReplica(name, "a100-80g", MODEL, ttft_factor=factors[0], itl_factor=factors[1])
+        for name in ("10.0.0.1:8000", "10.0.0.2:8000")
+    ]
+    fleet = FleetFile(pools=[FleetPool(MODEL, "round_robin", replicas)])
+    (directory / FLEET_FILE).write_bytes(msgspec.json.encode(fleet))
+    return directory
+
+
+def _replay(directory: Path) -> float:
+    recording = load_recording(str(directory), None)
+    cluster, replicas = recorded_cluster(recording, Catalog.builtin(), "test")
+    plan = SimPlan(cluster, tuple(replicas), recording.requests, ("round_robin",), SLO, jobs=1)
+    return run_plan(plan).runs[0].summary.e2e_p50_s
+
+
+def test_the_recorded_fleet_runs_at_its_learned_slowdown(tmp_path: Path) -> None:
+    recording = load_recording(str(_record(tmp_path / "rec", (4.0, 1.0))), None)
+    assert len(recording.requests) == 60  # the other pool's request is not replayed
+    cluster, replicas = recorded_cluster(recording, Catalog.builtin(), "test")
+    assert [r.replica_id for r in replicas] == ["10.0.0.1:8000", "10.0.0.2:8000"]
+    assert [r.slowdown for r in replicas] == [pytest.approx(2.0)] * 2
+    assert cluster.served_model == MODEL
+    slow = _replay(tmp_path / "rec")
+    fast = _replay(_record(tmp_path / "fast", (1.0, 1.0)))
+    assert slow > 1.5 * fast
+
+
+def test_a_failure_what_if_is_an_event_on_a_recorded_replica(tmp_path: Path) -> None:
+    recording = load_recording(str(_record(tmp_path / "rec", (1.0, 1.0))), None)
+    cluster, _ = recorded_cluster(
+        recording, Catalog.builtin(), "test", failures=[("10.0.0.2:8000", 5.0)]
+    )
+    (event,) = cluster.events
+    assert (event.replica, event.at_s, event.action) == ("10.0.0.2:8000", 5.0, "fail")
+    with pytest.raises(ConfigError, match=r"10\.0\.0\.1:8000, 10\.0\.0\.2:8000"):
+        recorded_cluster(recording, Catalog.builtin(), "test", failures=[("nope", 1.0)])
+
+
+def test_a_directory_without_a_fleet_is_one_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"fleet\.json"):
+        load_recording(str(tmp_path), None)
+
+
+def test_the_cheapest_fleet_meets_the_slos_and_one_fewer_does_not(tmp_path: Path) -> None:
+    recording = load_recording(str(_record(tmp_path / "rec", (1.0, 1.0))), None)
+    result = plan_fleet(recording, Catalog.builtin(), SLO, gpus=["a100-80g"], max_replicas=32)
+    best, smaller = result.cheapest, result.smaller
+    assert best is not None and smaller is not None and best.count > 1
+    assert best.meets and best.summary.slo_attainment >= 0.9
+    assert not smaller.meets and smaller.count == best.count - 1
+    assert best.usd_per_hour == pytest.approx(best.count * 1.6)  # the catalog's A100 price
+    assert best.usd_per_million_tokens is not None and best.usd_per_million_tokens > 0
+    grown = plan_fleet(recording, Catalog.builtin(), SLO, growth=2.0, gpus=["a100-80g"])
+    assert grown.cheapest is not None and grown.cheapest.count > best.count
+
+
+def test_slowdowns_are_fitted_to_what_the_replicas_showed(tmp_path: Path) -> None:
+    """A "live" run simulated with one replica 2.5x slow, recorded with the gateway's
+    factors at 1.0: the fit finds both speeds again."""
+    truth = {"fast-0": 1.0, "slow-0": 2.5}
+    groups = [
+        ReplicaGroup(gpu="a100-80g", model=MODEL, name=name[:-2], slowdown=slowdown)
+        for name, slowdown in truth.items()
+    ]
+    cluster = ClusterConfig(replicas=groups, served_model=MODEL)
+    lines = [json.loads(line) for line in TRACE.read_text().splitlines()[:60]]
+    requests = parse_trace([json.dumps(row) for row in lines], "fixture")
+    policy = build_policy("round_robin", rng=Random(0))
+    replicas = resolve_cluster(cluster, Catalog.builtin())
+    live = Simulator(cluster, replicas, policy, requests, model=MODEL).run()
+    directory = tmp_path / "rec"
+    directory.mkdir()
+    rows = []
+    for record in live.records:
+        assert record.first_token_s is not None and record.finished_s is not None
+        arrival = record.request.arrival_s
+        rows.append(
+            RecordedRequest(
+                timestamp=arrival * 1000,
+                input_length=record.request.prompt_tokens,
+                output_length=record.request.output_tokens,
+                hash_ids=lines[record.request.request_id]["hash_ids"],
+                model=MODEL,
+                status=200,
+                replica=record.replica_id,
+                output_tokens=record.output_tokens,
+                ttft_ms=(record.first_token_s - arrival) * 1000,
+                e2e_ms=(record.finished_s - arrival) * 1000,
+            )
+        )
+    (directory / "trace-000000.jsonl").write_bytes(
+        b"".join(msgspec.json.encode(row) + b"\n" for row in rows)
+    )
+    fleet = [FleetReplica(name, "a100-80g", MODEL) for name in truth]
+    (directory / FLEET_FILE).write_bytes(
+        msgspec.json.encode(FleetFile(pools=[FleetPool(MODEL, "round_robin", fleet)]))
+    )
+    recording = load_recording(str(directory), None)
+    _, unfitted = recorded_cluster(recording, Catalog.builtin(), "test", fit=False)
+    assert [r.slowdown for r in unfitted] == [1.0, 1.0]
+    _, fitted = recorded_cluster(recording, Catalog.builtin(), "test")
+    found = {r.replica_id: r.slowdown for r in fitted}
+    assert found == {name: pytest.approx(value, rel=0.1) for name, value in truth.items()}
