@@ -463,13 +463,21 @@ def test_kv_events_make_the_predicted_prefix_hit_the_one_vllm_reports(
     tokenizes prompts with the model's ``tokenizer.json``: for each answer, the prefix-cache
     hit it predicted for the chosen replica (in vLLM's terms: whole 128-token blocks, never
     the last token) is compared with what vLLM reports (``prompt_tokens_details``). 12
-    documents asked 4 questions each, shuffled, 4 at a time; half way, one replica's cache
-    is emptied behind the gateway's back (``/reset_prefix_cache``), which only its events
-    can tell it. Dispatches still claim a prefix before vLLM stores it, so a repeat sent
-    while its document's first request is being prefilled can be predicted a hit vLLM does
-    not have yet: that is the remaining error."""
+    documents asked 4 questions each, 4 at a time: each document's first question, then
+    the other 36 shuffled; half way through those, one replica's cache is emptied behind
+    the gateway's back (``/reset_prefix_cache``), which only its events can tell it.
+    Dispatches claim a prefix before vLLM stores it, so a repeat sent while its document's
+    first request waits to be prefilled is predicted a hit vLLM does not have yet: a race
+    of timing, not of the events, kept out of the first pass by sending first questions of
+    distinct documents only (with all 48 shuffled it cost 1 to 3 of 48)."""
     tokenizer = Tokenizer.from_file(str(TINY_MODEL / "tokenizer.json"))
-    documents, _, prompts = _shared_prefix_workload(tokenizer, 12, 4, seed=10)
+    documents, order, shuffled = _shared_prefix_workload(tokenizer, 12, 4, seed=10)
+    first_of: dict[int, int] = {}  # document -> its first question's place in the order
+    for place, (doc, _) in enumerate(order):
+        first_of.setdefault(doc, place)
+    firsts = sorted(first_of.values())
+    rest = [place for place in range(len(order)) if place not in firsts]
+    prompts = [shuffled[place] for place in firsts + rest]
     for url in vllm.urls:
         _reset_prefix_cache(url)
     gateway = _start_gateway(tmp_path, vllm, "prefix", kv_events=True)
@@ -479,14 +487,17 @@ def test_kv_events_make_the_predicted_prefix_hit_the_one_vllm_reports(
             client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=1)
 
     try:
-        half = len(prompts) // 2
+        half = len(documents) + (len(prompts) - len(documents)) // 2
         with ThreadPoolExecutor(4) as pool:
-            list(pool.map(ask, prompts[:half]))
+            list(pool.map(ask, prompts[: len(documents)]))  # distinct documents: no race
+            list(pool.map(ask, prompts[len(documents) : half]))
+            batches = _gateway_counter(gateway, "isocost_kv_event_batches_total")
             _reset_prefix_cache(vllm.urls[0])  # behind the gateway's back
-            wait_for(
-                lambda: _gateway_counter(gateway, "isocost_kv_event_batches_total") >= 3,
+            _vllm_busy_after_a_step(vllm.urls[0])  # vLLM publishes events at engine steps
+            wait_for(  # the reset (AllBlocksCleared) came with that step's batch
+                lambda: _gateway_counter(gateway, "isocost_kv_event_batches_total") > batches,
                 10,
-                "the gateway to receive vLLM's events",
+                "the gateway to receive the reset's event",
             )
             list(pool.map(ask, prompts[half:]))
     finally:
@@ -598,9 +609,9 @@ def test_clients_that_leave_mid_generation_free_vllm(
             tasks = [asyncio.create_task(client(session, i)) for i in range(100)]
             await asyncio.to_thread(
                 wait_for,
-                lambda: streaming >= 20 and all(_vllm_busy(url) > 0 for url in urls),
+                lambda: streaming >= 20 and any(_vllm_busy(url) > 0 for url in urls),
                 120,
-                "streams running on both replicas",
+                "streams running in vLLM",  # on one replica or both: as the policy spreads
             )
             generated = sum(_vllm_gauge(url, _GENERATED) for url in urls)
             seen, leaving_wall = streaming, time.time()
