@@ -181,3 +181,18 @@ def test_bad_worker_flags_are_one_line_and_exit_2(args: list[str], fragment: str
     )
     assert run.returncode == 2
     assert fragment in run.stderr and len(run.stderr.strip().splitlines()) == 1
+
+
+def test_a_bad_config_is_refused_by_the_supervisor_before_any_worker(tmp_path: Path) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_text(
+        "policy: nope\npools:\n  - model: m\n    replicas: [{url: 'http://127.0.0.1:9'}]\n"
+    )
+    run = subprocess.run(
+        [ISOCOST, "serve", "--config", str(config), "--workers", "2", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 2 and "unknown policy 'nope'" in run.stderr
+    assert "worker" not in run.stderr  # no worker was started to fail

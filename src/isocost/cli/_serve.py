@@ -116,7 +116,9 @@ def serve(
         console.print(f"isocost serve: ready at {url}", highlight=False, soft_wrap=True)
         sys.stdout.flush()
 
-    if workers > 1 and worker_id is None:  # the supervisor: the config is checked above
+    config_path = Path(config) if config else None
+    if workers > 1 and worker_id is None:  # the supervisor: checks the config, as each worker
+        load_gateway(gateway_config, cat, config_path)  # unknown policies, models: exit 2
         if gateway_config.state_bus is None:
             log.warning(
                 "--workers without a state bus: each worker prices only its own dispatches"
@@ -130,6 +132,6 @@ def serve(
         segment_bytes=int(record_segment_mb * 2**20),
         max_bytes=int(record_max_mb * 2**20),
     )
-    gateway = load_gateway(gateway_config, cat, Path(config) if config else None, recording)
+    gateway = load_gateway(gateway_config, cat, config_path, recording)
     group = None if worker_dir is None else WorkerGroup(worker_id or 0, Path(worker_dir))
     run_gateway(gateway, host, port, ready, shutdown_timeout_s=shutdown_timeout, workers=group)
