@@ -264,30 +264,25 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _comparison(
+    rows: list[dict[str, Any]], title: str, columns: tuple[str, str, str], spec: str
+) -> Table:
+    """A metric, two figures of it (keys ``columns[1:]``, shown as ``spec``) and the error."""
+    table = Table(title=title)
+    for column in (*columns, "error"):
+        table.add_column(column, justify="left" if column == columns[0] else "right")
+    for row in rows:
+        figures = (_fmt(row[key], spec) for key in columns[1:])
+        table.add_row(row["metric"], *figures, _fmt(row["error"], "+.1%"))
+    return table
+
+
 def _print(console: Console, result: dict[str, Any]) -> None:
     if "fidelity" in result:
-        table = Table(title="live round_robin run vs its replay")
-        for column in ("metric", "live", "replay", "error"):
-            table.add_column(column, justify="left" if column == "metric" else "right")
-        for row in result["fidelity"]:
-            table.add_row(
-                row["metric"],
-                _fmt(row["live"], ",.2f"),
-                _fmt(row["replay"], ",.2f"),
-                _fmt(row["error"], "+.1%"),
-            )
-        console.print(table)
-        table = Table(title="what-if: round_robin -> equal_cost")
-        for column in ("ratio", "predicted", "live", "error"):
-            table.add_column(column, justify="left" if column == "ratio" else "right")
-        for row in result["what_if"]:
-            table.add_row(
-                row["metric"],
-                _fmt(row["predicted"], ".2f"),
-                _fmt(row["live"], ".2f"),
-                _fmt(row["error"], "+.1%"),
-            )
-        console.print(table)
+        fidelity = ("live round_robin run vs its replay", ("metric", "live", "replay"), ",.2f")
+        console.print(_comparison(result["fidelity"], *fidelity))
+        what_if = ("what-if: round_robin -> equal_cost", ("ratio", "predicted", "live"), ".2f")
+        console.print(_comparison(result["what_if"], *what_if))
         console.print(f"the gateway's (TTFT, ITL) factors: {result['calibration']}", markup=False)
         chosen, replayed = result["plan"]["cheapest"], result["plan"]["replayed"]
         console.print(

@@ -45,7 +45,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, cast
+from typing import Literal, Protocol, TypeVar, cast
 
 import msgspec
 import yaml
@@ -69,6 +69,7 @@ __all__ = [
     "gateway_cluster",
     "gateway_pool",
     "lowest_slowdowns",
+    "named_pool",
     "parse_cluster_yaml",
     "resolve_cluster",
     "served_model",
@@ -185,18 +186,32 @@ def resolve_cluster(config: ClusterConfig, catalog: Catalog) -> list[SimReplica]
     return out
 
 
-def gateway_pool(config: GatewayConfig, pool: str | None, source: str) -> PoolConfig:
-    """The pool named ``pool`` (the model its clients ask for); None: the file's only pool."""
-    models = [p.model for p in config.pools]
+class _Pool(Protocol):
+    @property
+    def model(self) -> str: ...
+
+
+_PoolT = TypeVar("_PoolT", bound=_Pool)
+
+
+def named_pool(pools: Sequence[_PoolT], pool: str | None, source: str, verb: str) -> _PoolT:
+    """The pool named ``pool`` (the model its clients ask for) among ``pools``; None: the
+    only one. ``verb`` says what ``--pool`` names it for (simulate, replay)."""
+    models = [p.model for p in pools]
     if pool is None:
         if len(models) != 1:
             found = f"pools {', '.join(models)}" if models else "no pool"
-            raise ConfigError(source, f"{found}: name the one to simulate with --pool")
-        return config.pools[0]
-    for candidate in config.pools:
+            raise ConfigError(source, f"{found}: name the one to {verb} with --pool")
+        return pools[0]
+    for candidate in pools:
         if candidate.model == pool:
             return candidate
     raise UnknownConfigEntryError("pool", pool, models, "--pool")
+
+
+def gateway_pool(config: GatewayConfig, pool: str | None, source: str) -> PoolConfig:
+    """The gateway file's pool named ``pool``; None: the file's only pool."""
+    return named_pool(config.pools, pool, source, "simulate")
 
 
 def gateway_cluster(

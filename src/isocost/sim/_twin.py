@@ -38,12 +38,13 @@ from isocost.runtime.recording import (
     RecordedRequest,
     segment_paths,
 )
-from isocost.scheduling.policies import UnknownConfigEntryError, build_policy
+from isocost.scheduling.policies import build_policy
 from isocost.sim._cluster import (
     ClusterConfig,
     ClusterEvent,
     ReplicaGroup,
     SimReplica,
+    named_pool,
     resolve_cluster,
     served_model,
     with_settings,
@@ -92,7 +93,7 @@ def load_recording(directory: str, pool: str | None) -> Recording:
         raise ConfigError(str(fleet_path), f"cannot read: {exc.strerror or exc}") from None
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ConfigError(str(fleet_path), str(exc)) from None
-    chosen = _pool(fleet, pool, str(fleet_path))
+    chosen = named_pool(fleet.pools, pool, str(fleet_path), "replay")
     lines: list[str] = []
     outcomes: list[RecordedRequest] = []
     for path in segment_paths(root):
@@ -113,19 +114,6 @@ def load_recording(directory: str, pool: str | None) -> Recording:
     if not lines:
         raise ConfigError(directory, f"no recorded request of pool {chosen.model}")
     return Recording(parse_trace(lines, directory, "mooncake"), outcomes, chosen, fleet)
-
-
-def _pool(fleet: FleetFile, pool: str | None, source: str) -> FleetPool:
-    models = [p.model for p in fleet.pools]
-    if pool is None:
-        if len(models) != 1:
-            found = f"pools {', '.join(models)}" if models else "no pool"
-            raise ConfigError(source, f"{found}: name the one to replay with --pool")
-        return fleet.pools[0]
-    for candidate in fleet.pools:
-        if candidate.model == pool:
-            return candidate
-    raise UnknownConfigEntryError("pool", pool, models, "--pool")
 
 
 def calibrated_slowdown(ttft_factor: float, itl_factor: float) -> float:
