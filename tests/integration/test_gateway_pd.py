@@ -18,7 +18,7 @@ from typing import Any
 
 import openai
 import pytest
-from gateway_harness import gateway_config, http
+from gateway_harness import http, pd_gateway_config
 from isocost_procs import Proc, start_isocost
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -36,15 +36,10 @@ def start_engine(role: str, *extra: str) -> Proc:
 def start_gateway(tmp: Path, roles: dict[str, str], mode: str = "pd") -> Proc:
     """The gateway over ``roles`` (engine URL -> its role, and any more replica fields),
     disaggregating in ``mode``."""
-    text = gateway_config(
-        list(roles),
-        model=MODEL,
-        admin_token="admin-pd-token",
-        api_key=API_KEY,
-        pool_fields=f"    disaggregation: {mode}\n    kv_link: roce",
-    )
-    for url, role in roles.items():
-        text = text.replace(f"{{url: '{url}'}}", f"{{url: '{url}', role: {role}}}")
+    text = pd_gateway_config(
+        roles, mode, model=MODEL, admin_token="admin-pd-token", api_key=API_KEY,
+        pool="    kv_link: roce",
+    )  # fmt: skip
     config = tmp / "gateway.yaml"
     config.write_text(text)
     with (tmp / "gateway.log").open("a") as log:

@@ -16,7 +16,7 @@ import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
-from gateway_harness import gateway_config
+from gateway_harness import pd_gateway_config
 from isocost_procs import Proc, free_port, start_isocost
 
 MODEL = "llama-3.1-8b"
@@ -30,15 +30,9 @@ def _engine(role: str) -> Proc:
 
 
 def _picker(tmp: Path, roles: dict[str, str], mode: str) -> tuple[Proc, int]:
-    text = gateway_config(
-        list(roles),
-        model=MODEL,
-        admin_token="admin-picker-pd",
-        api_key=API_KEY,
-        pool_fields=f"    disaggregation: {mode}",
+    text = pd_gateway_config(
+        roles, mode, model=MODEL, admin_token="admin-picker-pd", api_key=API_KEY
     )
-    for url, role in roles.items():
-        text = text.replace(f"{{url: '{url}'}}", f"{{url: '{url}', role: {role}}}")
     config = tmp / f"{mode}.yaml"
     config.write_text(text)
     port = free_port()

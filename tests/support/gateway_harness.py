@@ -66,6 +66,20 @@ auth:
 """
 
 
+def pd_gateway_config(
+    roles: dict[str, str], mode: str, *, admin_token: str, api_key: str, model: str, pool: str = ""
+) -> str:
+    """``gateway_config`` for a P/D pool: each engine URL with its ``role``, the pool
+    disaggregating in ``mode`` (``pool``: more ``key: value`` lines of the pool)."""
+    fields = f"    disaggregation: {mode}" + (f"\n{pool}" if pool else "")
+    text = gateway_config(
+        list(roles), model=model, admin_token=admin_token, api_key=api_key, pool_fields=fields
+    )
+    for url, role in roles.items():
+        text = text.replace(f"{{url: '{url}'}}", f"{{url: '{url}', role: {role}}}")
+    return text
+
+
 def http(
     method: str,
     url: str,
