@@ -345,6 +345,7 @@ class Gateway:
                 self.monitor.unwatch(replica)
                 self.monitor.watch(replica)
         for pool in list(self.pools.values()):
+            pool.roles_changed()  # edited replicas may have changed role or name
             self._drop_if_unused(pool)
         self.intake.configure(config, now)
 
@@ -381,6 +382,7 @@ class Gateway:
         pool = self.pools[replica.pool]
         self.router.add_replica(pool, replica, spec)
         pool.replicas[replica.url] = replica
+        pool.roles_changed()
         self.replicas[replica.url] = replica
         self.monitor.watch(replica)
         log.info("replica added", extra={"event": "replica_added", "replica": replica.name})
@@ -402,6 +404,7 @@ class Gateway:
         del self.replicas[replica.url]
         pool = self.pools[replica.pool]
         pool.replicas.pop(replica.url, None)
+        pool.roles_changed()
         self.router.remove_replica(replica)
         self.monitor.unwatch(replica)
         log.info("replica removed", extra={"event": "replica_removed", "replica": replica.name})

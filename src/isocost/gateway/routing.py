@@ -374,7 +374,7 @@ class Router:
 
     def has_candidate(self, request: GatewayRequest, exclude: frozenset[str]) -> bool:
         now = self.clock()
-        exclude |= request.pool.prefill_only()
+        exclude |= request.pool.prefill_only
         return any(
             r.routable(now) and r.name not in exclude for r in request.pool.replicas.values()
         )
@@ -385,9 +385,13 @@ class Router:
         replica of a split role, or the choice is to serve it whole."""
         pool = request.pool
         now = self.clock()
-        if pool.disaggregation is DisaggMode.COLOCATED or not any(
-            r.config.role != "both" and r.routable(now) and r.name not in exclude
-            for r in pool.replicas.values()
+        if (
+            not pool.split_roles
+            or pool.disaggregation is DisaggMode.COLOCATED
+            or not any(
+                r.config.role != "both" and r.routable(now) and r.name not in exclude
+                for r in pool.replicas.values()
+            )
         ):
             return None
         pair = choose_pair(
@@ -431,7 +435,7 @@ class Router:
         if pair is None:
             now = self.clock()
             view = self._view(request, uuid.uuid4().hex, now)
-            decision = self._schedule(view, request.pool.prefill_only(), now)
+            decision = self._schedule(view, request.pool.prefill_only, now)
         else:
             decision = pair.decision
         body = self._describe(decision)
@@ -452,7 +456,7 @@ class Router:
         dispatcher = self._dispatcher(request.pool.model)
         waiter = _Waiter(dispatcher, attempt_id, loop)
         view = self._view(request, attempt_id, now)
-        limit = dispatcher.submit(waiter, view, now, exclude | request.pool.prefill_only())
+        limit = dispatcher.submit(waiter, view, now, exclude | request.pool.prefill_only)
         if limit is None:  # bound or refused at once
             return waiter.result()
         gauge = self.metrics.queue_depth.labels(request.pool.model)

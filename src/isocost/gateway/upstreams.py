@@ -103,6 +103,13 @@ class Pool:
     disaggregation: DisaggMode = DisaggMode.CONDITIONAL  # P/D split with prefill replicas
     kv_link: Link = field(default_factory=lambda: link("tcp"))  # what hand-offs travel
 
-    def prefill_only(self) -> frozenset[str]:
-        """Names of the replicas that only prefill: never given a whole request."""
-        return frozenset(r.name for r in self.replicas.values() if r.config.role == "prefill")
+    # Kept by ``roles_changed`` (a replica added, removed or edited), not recomputed per
+    # request: the names of the replicas that only prefill (never given a whole request),
+    # and whether any replica has a split role at all (else the pool is never split).
+    prefill_only: frozenset[str] = frozenset()
+    split_roles: bool = False
+
+    def roles_changed(self) -> None:
+        replicas = self.replicas.values()
+        self.prefill_only = frozenset(r.name for r in replicas if r.config.role == "prefill")
+        self.split_roles = any(r.config.role != "both" for r in replicas)
