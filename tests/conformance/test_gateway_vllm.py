@@ -676,6 +676,11 @@ def test_clients_that_leave_mid_generation_free_vllm(
 
 
 KILL_AFTER = 600  # tokens the victim generates (of its 12 x 600) before it is killed
+# Unthrottled, the tiny model makes the victim's 7,200 tokens in ~0.6 s, less than one
+# scrape of its /metrics can take on a busy machine (seen: 1.8 s), so the kill could land
+# after its streams had ended. Paused 80% of the time, the victim needs ~3 s for them.
+THROTTLE_RUN_S = 0.01
+THROTTLE_PAUSE_S = 0.04
 
 
 @dataclass
@@ -690,9 +695,10 @@ def test_a_killed_replica_loses_nothing_and_its_streams_resume(
     live: Gateway, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """24 requests (half streamed, completions and chats) of 600 tokens each; the victim
-    is SIGKILLed once its own metrics show ``KILL_AFTER`` tokens generated (the tiny model
-    decodes faster than a client reads, so a kill timed by what the client has read lands
-    after the streams ended), with its requests mid-generation. Every stream flowing from it goes
+    is throttled (see ``THROTTLE_PAUSE_S``) and SIGKILLed once its own metrics show
+    ``KILL_AFTER`` tokens generated (the tiny model decodes faster than a client reads, so
+    a kill timed by what the client has read lands after the streams ended), with its
+    requests mid-generation. Every stream flowing from it goes
     on on the survivor: no error, exactly 600 completion tokens in its usage, one id.
     (The text itself cannot be checked to the token: random weights emit byte tokens that
     decode to replacement characters, and the continuation's prompt is that text tokenized
@@ -704,13 +710,14 @@ def test_a_killed_replica_loses_nothing_and_its_streams_resume(
     generated_before = _vllm_gauge(victim.url, _GENERATED)
 
     def kill_mid_generation() -> None:
-        wait_for(
-            lambda: _vllm_gauge(victim.url, _GENERATED) - generated_before >= KILL_AFTER,
-            120,
-            "the victim generating",
-            interval_s=0.01,
-        )
-        victim.kill()
+        with victim.throttled(THROTTLE_RUN_S, THROTTLE_PAUSE_S):
+            wait_for(
+                lambda: _vllm_gauge(victim.url, _GENERATED) - generated_before >= KILL_AFTER,
+                120,
+                "the victim generating",
+                interval_s=0.01,
+            )
+            victim.kill()
 
     async def one(client: openai.AsyncOpenAI, i: int) -> _Outcome:
         streamed = i % 4 < 2  # S S N N: under round robin each replica gets both kinds
