@@ -47,7 +47,6 @@ from isocost.gateway.routing import Router
 from isocost.gateway.supervise import supervise
 from isocost.gateway.upstreams import Pool, Upstream
 from isocost.gateway.workers import WorkerGroup
-from isocost.runtime.bus import StateBus
 from isocost.runtime.config import (
     AuthConfig,
     DiscoveryConfig,
@@ -444,7 +443,10 @@ class Gateway:
 
     def _start_state_bus(self, config: StateBusConfig) -> None:
         """Share in-flight with the other gateways on the bus: the router publishes and
-        takes the peers' requests; the bus's loops run supervised."""
+        takes the peers' requests; the bus's loops run supervised. Imported here: its Redis
+        client takes longer to import than the rest of the gateway's start."""
+        from isocost.runtime.bus import StateBus
+
         lag = self.metrics.state_bus_lag()
         bus = StateBus(config, self.router, on_divergence=self._show_divergence, on_lag=lag.observe)
         self.router.bus = bus

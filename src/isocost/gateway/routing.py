@@ -45,7 +45,7 @@ from collections import deque
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from random import Random
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from isocost.core.catalog import Catalog
 from isocost.core.errors import IsocostError
@@ -56,7 +56,6 @@ from isocost.gateway.upstreams import Pool, Upstream
 from isocost.openai.errors import ApiError
 from isocost.prefix.hashing import BLOCK_TOKENS
 from isocost.prefix.kvevents import KvEventTracker, engine_cached_tokens
-from isocost.runtime.bus import StateBus
 from isocost.runtime.config import (
     GENERIC_PRIOR_MODEL,
     GatewayConfig,
@@ -72,6 +71,9 @@ from isocost.scheduling.dispatch import Dispatcher
 from isocost.scheduling.framework import Policy
 from isocost.scheduling.policies import SchedulingConfig, build_policy
 from isocost.scheduling.state import ReplicaSet
+
+if TYPE_CHECKING:
+    from isocost.runtime.bus import StateBus
 
 __all__ = ["GatewayRequest", "Grant", "Handoff", "Router"]
 
