@@ -121,10 +121,21 @@ def test_workers_share_the_port_and_act_as_one_gateway(fleet: Fleet) -> None:
     for snapshot in fleet.snapshots_of_every_worker().values():
         states = {row["name"]: row["state"] for row in snapshot["replicas"]}
         assert states[name] == "drained", (snapshot["worker"], states)
+    status, _, listed = http("GET", fleet.gateway.url + "/admin/changes", None, ADMIN)
+    drain = {"method": "POST", "path": f"/admin/replicas/{name}/drain", "body": ""}
+    assert status == 200 and listed == {"changes": [drain], "complete": True}, listed
 
 
 def test_a_killed_worker_is_replaced_and_nothing_is_refused(fleet: Fleet) -> None:
     before = fleet.snapshots_of_every_worker()
+    # Admin changes made before the crash: the replacement makes them on itself too.
+    drained = before[0]["replicas"][0]["name"]
+    for path, body in (
+        (f"/admin/replicas/{drained}/drain", b""),
+        ("/admin/policy", json.dumps({"policy": "least_request"}).encode()),
+    ):
+        status, headers, answer = http("POST", fleet.gateway.url + path, body, ADMIN)
+        assert status == 200 and "x-isocost-workers-failed" not in headers, answer
     os.kill(before[1]["pid"], signal.SIGKILL)
     client = fleet.client()
     for i in range(30):  # the kernel sends new connections to the live socket only
@@ -142,6 +153,10 @@ def test_a_killed_worker_is_replaced_and_nothing_is_refused(fleet: Fleet) -> Non
         state=lambda: [sorted(seen) for seen in replaced[-3:]],
     )
     assert replaced[-1][0]["pid"] == before[0]["pid"]  # the other one was left alone
+    for snapshot in replaced[-1].values():
+        states = {row["name"]: row["state"] for row in snapshot["replicas"]}
+        assert states[drained] == "drained", (snapshot["worker"], states)
+        assert [pool["policy"] for pool in snapshot["pools"]] == ["least_request"], snapshot
 
     # SIGTERM to the supervisor drains and stops every worker, exit 0.
     pids = [snapshot["pid"] for snapshot in replaced[-1].values()]

@@ -10,6 +10,8 @@ Routes (token as ``Authorization: Bearer <token>`` or ``X-Admin-Token``):
 * ``POST /admin/replicas/{name}/undrain``
 * ``POST /admin/policy``                         ``{"policy", "model"?}`` switch the policy
 * ``GET  /admin/snapshot``                       everything a dashboard polls, one JSON
+* ``GET  /admin/changes``                        ``serve --workers``: this worker's admin
+  changes, in order (what a restarted sibling repeats)
 * ``GET  /admin/recording``                      whether traffic is recorded, where, counts
 * ``POST /admin/recording/start``                ``{"dir"?}`` record (default: ``--record``)
 * ``POST /admin/recording/stop``                 write what is queued, then stop
@@ -201,14 +203,12 @@ def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
             await send_continue(request)  # Expect: 100-continue only once the token passed
             response = await handler(request)
             workers = gateway.workers
-            if (
-                workers is not None
-                and request.method != "GET"
-                and response.status < 300
-                and SIBLING_HEADER not in request.headers
-            ):  # the same change on every other worker of ``serve --workers``
+            if workers is None or request.method == "GET" or response.status >= 300:
+                return response
+            body = await request.read()
+            workers.made(request.method, request.path_qs, body)
+            if SIBLING_HEADER not in request.headers:  # the same change on every other worker
                 headers = {k: v for k, v in request.headers.items() if k.lower() in _RELAYED}
-                body = await request.read()
                 failed = await workers.fan_out(request.method, request.path_qs, body, headers)
                 if failed:
                     response.headers["x-isocost-workers-failed"] = ",".join(map(str, failed))
@@ -266,6 +266,14 @@ def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
             raise ApiError(400, str(exc), code="unknown_policy", param="policy") from None
         return json_response({"pools": {pool.model: pool.policy for pool in pools}})
 
+    async def changes(request: web.Request) -> web.StreamResponse:
+        if gateway.workers is None:
+            raise ApiError(
+                404, "admin changes are kept by the workers of serve --workers only",
+                code="not_found",
+            )  # fmt: skip
+        return json_response(gateway.workers.changes_view())
+
     async def get_snapshot(request: web.Request) -> web.StreamResponse:
         return json_response(snapshot(gateway))
 
@@ -300,6 +308,7 @@ def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
     )
     app.router.add_post("/admin/policy", guarded(switch_policy), expect_handler=defer_continue)
     app.router.add_get("/admin/snapshot", guarded(get_snapshot))
+    app.router.add_get("/admin/changes", guarded(changes))
     app.router.add_get("/admin/recording", guarded(recording))
     for path, handler in (("start", start_recording), ("stop", stop_recording)):
         app.router.add_post(

@@ -95,6 +95,7 @@ class Authenticator:
         if admin is None and config.admin_token_env is not None:
             admin = os.environ[config.admin_token_env]
         self._admin = secret_bytes(admin) if admin else None
+        self._admin_token = admin or None
 
     @property
     def enabled(self) -> bool:
@@ -103,6 +104,11 @@ class Authenticator:
     @property
     def admin_enabled(self) -> bool:
         return self._admin is not None
+
+    def admin_headers(self) -> dict[str, str]:
+        """Headers that pass the admin check (a worker of ``serve --workers`` making its
+        siblings' changes on itself); empty without an admin token."""
+        return {"X-Admin-Token": self._admin_token} if self._admin_token else {}
 
     def key_for(self, token: str | None) -> ApiKey | None:
         """The key whose secret equals ``token``, checking every key in constant time."""

@@ -158,18 +158,26 @@ async def _serve(
         )
         return _HeaderDeadline(handler, deadline_s, connections)
 
-    shared = workers is not None
-    listener = await loop.create_server(protocol, host, port, backlog=1024, reuse_port=shared)
     private: asyncio.Server | None = None
+    listener: asyncio.Server | None = None
     watch: asyncio.Task[None] | None = None
     try:
+        if workers is not None:  # a sibling's admin changes made here before any connection
+            private = await loop.create_server(protocol, "127.0.0.1", 0)
+            own = f"http://127.0.0.1:{private.sockets[0].getsockname()[1]}"
+            gateway.workers = workers
+            admin = gateway.intake.auth.admin_headers()
+            made = await workers.catch_up(own, admin)
+            workers.announce(own)
+            await workers.catch_up(own, admin, start=made)  # those made while catching up
+        shared = workers is not None
+        listener = await loop.create_server(
+            protocol, host, port, backlog=1024, reuse_port=shared
+        )
         bound = listener.sockets[0].getsockname()[1]
         gateway.intake.listen.set(host, bound)
         gateway.intake.listen.check_config(gateway.config, source)
         if workers is not None:
-            private = await loop.create_server(protocol, "127.0.0.1", 0)
-            workers.announce(f"http://127.0.0.1:{private.sockets[0].getsockname()[1]}")
-            gateway.workers = workers
             watch = asyncio.create_task(watch_supervisor(workers, stop))
         on_ready(f"http://{host}:{bound}")
         await stop.wait()
@@ -183,7 +191,8 @@ async def _serve(
             },
         )
     finally:
-        listener.close()
+        if listener is not None:
+            listener.close()
         if workers is not None:
             workers.withdraw()
         if watch is not None:

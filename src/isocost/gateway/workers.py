@@ -20,7 +20,12 @@ Each worker also listens on a private 127.0.0.1 port, written to
   is logged and named in the answer's ``x-isocost-workers-failed`` header;
 * ``/metrics`` on the shared port holds every worker's series, each with a ``worker``
   label (a worker that does not answer in time is missing, and logged);
-* ``/admin/snapshot`` is the answering worker's view (its ``worker`` field says which).
+* ``/admin/snapshot`` is the answering worker's view (its ``worker`` field says which);
+* each worker keeps the admin changes it made, in order (``GET /admin/changes``); a worker
+  restarted after a crash makes a sibling's list on itself before it takes a connection,
+  so a replica drained, added or removed and a policy switched through the API stay so on
+  every worker. Admin changes leave the same state when made twice (a second add or
+  remove is refused and skipped), which lets the catch-up overlap the fan-out.
 """
 
 from __future__ import annotations
@@ -36,7 +41,9 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 from prometheus_client import CollectorRegistry, generate_latest
@@ -49,6 +56,7 @@ from isocost.serving import run_serving, stop_requested
 
 __all__ = [
     "SIBLING_HEADER",
+    "AdminChange",
     "WorkerGroup",
     "merge_metrics",
     "run_workers",
@@ -64,6 +72,16 @@ _READY_TIMEOUT_S = 120.0
 _MAX_RESTARTS = 5
 _RESTART_WINDOW_S = 60.0
 _PARENT_POLL_S = 1.0
+_MAX_CHANGES = 10_000  # admin changes kept for a restarted sibling; past it, none are
+
+
+@dataclass(frozen=True)
+class AdminChange:
+    """One admin request that changed this worker: what a restarted sibling repeats."""
+
+    method: str
+    path: str  # with its query string
+    body: str
 
 
 class WorkerGroup:
@@ -74,6 +92,8 @@ class WorkerGroup:
         self.worker_id = worker_id
         self.directory = directory
         self._parent = os.getppid()
+        self.changes: list[AdminChange] = []  # made on this worker, in order
+        self.changes_complete = True  # False once past _MAX_CHANGES: none can be repeated
 
     def announce(self, private_url: str) -> None:
         """Tell the siblings where to reach this worker (written whole, then renamed)."""
@@ -129,6 +149,73 @@ class WorkerGroup:
         async with _session() as session:
             failed = await asyncio.gather(*(one(session, w, u) for w, u in siblings.items()))
         return sorted(w for w in failed if w is not None)
+
+    def made(self, method: str, path: str, body: bytes) -> None:
+        """Keep an admin change this worker made (from a client or a sibling)."""
+        if len(self.changes) >= _MAX_CHANGES:
+            self.changes_complete = False
+            return
+        self.changes.append(AdminChange(method, path, body.decode()))
+
+    def changes_view(self) -> dict[str, Any]:
+        return {
+            "changes": [asdict(change) for change in self.changes],
+            "complete": self.changes_complete,
+        }
+
+    async def catch_up(self, own_url: str, admin: Mapping[str, str], start: int = 0) -> int:
+        """Make on this worker (through ``own_url``, its private port) the admin changes
+        the first sibling that answers has made, from its ``start``-th on; how many that
+        sibling had made (the next call's ``start``). No admin token, no sibling, or a
+        sibling whose list overflowed: nothing is made (logged), as a fresh worker."""
+        if not admin:
+            return 0
+        headers = {**admin, SIBLING_HEADER: str(self.worker_id)}
+        async with _session() as session:
+            for worker_id, url in sorted(self.siblings().items()):
+                try:
+                    async with session.get(url + "/admin/changes", headers=headers) as reply:
+                        listed = await reply.json() if reply.status == 200 else None
+                except (aiohttp.ClientError, TimeoutError, ValueError):
+                    listed = None
+                if listed is None:
+                    continue
+                if not listed.get("complete", False):
+                    log.warning(
+                        "a sibling's admin changes overflowed: this worker starts from the "
+                        "config file alone",
+                        extra={"event": "worker_catch_up_skipped", "worker": worker_id},
+                    )
+                    return 0
+                changes = [AdminChange(**c) for c in listed["changes"]]
+                for change in changes[start:]:
+                    await self._repeat(session, own_url, change, headers)
+                return len(changes)
+        return 0
+
+    async def _repeat(
+        self,
+        session: aiohttp.ClientSession,
+        own_url: str,
+        change: AdminChange,
+        headers: Mapping[str, str],
+    ) -> None:
+        sent = {**headers, "Content-Type": "application/json"}
+        data = change.body.encode()
+        try:
+            async with session.request(
+                change.method, own_url + change.path, data=data, headers=sent
+            ) as reply:
+                if reply.status < 300:
+                    return
+                reason = f"HTTP {reply.status} {(await reply.text())[:200]}"
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            reason = type(exc).__name__
+        log.info(
+            "a sibling's admin change was not repeated here",
+            extra={"event": "worker_catch_up_refused", "method": change.method,
+                   "path": change.path, "error": reason},
+        )  # fmt: skip
 
     async def gather_metrics(self, own: bytes) -> bytes:
         """Every worker's ``/metrics``, each series labelled with its worker."""
