@@ -8,12 +8,13 @@ endpoint, immediate responses, health). The last test SIGKILLs the picker.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,9 +39,9 @@ API_KEY = "sk-test-picker-3b7d"
 ADMIN_TOKEN = "admin-test-picker-9e1f"
 
 
-def _engine() -> Proc:
+def _engine(*extra: str) -> Proc:
     args = ["engine", "--port", "0", "--model", MODEL, "--gpu", "a100-80g", "--output-dist", "max"]
-    return start_isocost(args, "isocost engine")
+    return start_isocost([*args, *extra], "isocost engine")
 
 
 def _port(proc: Proc) -> int:
@@ -84,14 +85,15 @@ def _start_picker(config: Path, port: int, log: Path, metrics_port: int | None =
         return start_isocost(args, "isocost picker", stderr=stderr)
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    tmp = tmp_path_factory.mktemp("picker")
+@contextlib.contextmanager
+def _running_stack(tmp: Path, engine_args: Sequence[Sequence[str]] = ((), ())) -> Iterator[Stack]:
+    """Engines (one per ``engine_args``: their extra flags), the picker (with
+    ``--metrics-port``) and Envoy, stopped on the way out."""
     engines: list[Proc] = []
     picker: Proc | None = None
     envoy: Envoy | None = None
     try:
-        engines += [_engine(), _engine()]
+        engines += [_engine(*extra) for extra in engine_args]
         config = tmp / "gateway.yaml"
         _write_config(config, engines)
         picker_port = free_port()
@@ -120,6 +122,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             picker.stop()
         for engine in engines:
             engine.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with _running_stack(tmp_path_factory.mktemp("picker")) as running:
+        yield running
 
 
 def _chat(content: str, max_tokens: int = 4) -> list[dict[str, str]]:
@@ -345,16 +353,24 @@ def _body(content: str = "pick for me") -> dict[str, Any]:
     return {"model": MODEL, "messages": _chat(content), "max_tokens": 2}
 
 
-def _picked(response: ext_proc.ProcessingResponse) -> str:
-    """The endpoint of a pick, checked to be the same in the header and the metadata."""
+def _picked_list(response: ext_proc.ProcessingResponse) -> list[str]:
+    """The endpoints of a pick, the choice first, checked to be the same in the header
+    and the metadata, and each named once."""
     common = response.request_body.response
     assert common.clear_route_cache
     (header,) = common.header_mutation.set_headers
     assert header.header.key == "x-gateway-destination-endpoint"
-    endpoint = header.header.raw_value.decode()
+    value = header.header.raw_value.decode()
     lb = response.dynamic_metadata.fields["envoy.lb"].struct_value
-    assert lb.fields["x-gateway-destination-endpoint"].string_value == endpoint
-    return endpoint
+    assert lb.fields["x-gateway-destination-endpoint"].string_value == value
+    endpoints = value.split(",")
+    assert len(set(endpoints)) == len(endpoints), endpoints
+    return endpoints
+
+
+def _picked(response: ext_proc.ProcessingResponse) -> str:
+    """The chosen endpoint of a pick (see ``_picked_list``)."""
+    return _picked_list(response)[0]
 
 
 def test_pick_sets_header_and_metadata(stack: Stack) -> None:
@@ -505,6 +521,38 @@ class _Load:
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=30)
+
+
+def test_a_failing_choice_is_served_by_its_fallback(tmp_path: Path) -> None:
+    """A replica that answers every request with a 500 (``--error-rate 1``): Envoy's retry
+    goes down the picked list (``--fallbacks``, override_host) and the next replica answers;
+    the picker moves the request's hold there (nothing left in flight anywhere at the
+    end), counts the retry and lets the failing replica's breaker know."""
+    with _running_stack(tmp_path, [("--error-rate", "1"), (), ()]) as own:
+        failing = own.engines[0].url.removeprefix("http://")
+        served: list[str] = []
+        for i in range(12):  # the first picks explore every replica, the failing one too
+            raw = own.client.completions.with_raw_response.create(
+                model=MODEL, prompt=f"question {i}", max_tokens=2
+            )
+            answer = raw.parse()
+            assert answer.usage is not None and answer.usage.completion_tokens == 2
+            served.append(raw.headers["x-isocost-replica"])
+        assert failing not in served, served
+        fallbacks = _sample(own, 'isocost_retries_total{reason="fallback"}')
+        events = [json.loads(line) for line in own.log.read_text().splitlines() if line[:1] == "{"]
+        moved = [e for e in events if e.get("event") == "served_by_fallback"]
+        assert fallbacks >= 1 and len(moved) == fallbacks, (moved, served)
+        assert {e["replica"] for e in moved} == {failing}, moved
+        wait_for(lambda: _in_flight_total(own) == 0, what="no request held anywhere")
+
+
+def _in_flight_total(stack: Stack) -> float:
+    """The picker's ``isocost_replica_in_flight`` summed over replicas."""
+    with urllib.request.urlopen(stack.metrics_url, timeout=5) as response:
+        lines = response.read().decode().splitlines()
+    return sum(float(line.rpartition(" ")[2]) for line in lines
+               if line.startswith("isocost_replica_in_flight{"))  # fmt: skip
 
 
 def test_picker_killed_under_load_then_restarted(stack: Stack) -> None:

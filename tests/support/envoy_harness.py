@@ -1,6 +1,6 @@
 """A real Envoy for the picker's suites and benchmarks: deploy/envoy/picker.yaml, rewired.
 
-The file's ports become the caller's (listener, admin, picker, the fallback engines);
+The file's ports become the caller's (listener, admin, picker, the pool's engines);
 ``fail_open`` sets ``failure_mode_allow``; the request body goes to the picker STREAMED
 without waiting for the headers' answer (the file's), or ``full_duplex``
 (FULL_DUPLEX_STREAMED: Envoy then fails closed whatever ``failure_mode_allow`` says), or
@@ -64,7 +64,7 @@ def envoy_config(
     clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
     (picker_host,) = clusters["picker"]["load_assignment"]["endpoints"][0]["lb_endpoints"]
     picker_host["endpoint"]["address"] = _address("127.0.0.1", picker_port)
-    clusters["fallback"]["load_assignment"]["endpoints"] = [
+    clusters["pool"]["load_assignment"]["endpoints"] = [
         {
             "lb_endpoints": [
                 {"endpoint": {"address": _address("127.0.0.1", p)}} for p in engine_ports

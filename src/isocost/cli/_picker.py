@@ -20,6 +20,11 @@ def picker(
     metrics_port: int | None = typer.Option(
         None, "--metrics-port", help="Serve Prometheus GET /metrics on this port too."
     ),
+    fallbacks: int = typer.Option(
+        2,
+        "--fallbacks",
+        help="Replicas named after the choice, for the data plane's retries (0: one).",
+    ),
     catalog: CatalogOption = None,
     log_level: str = typer.Option("info", "--log-level", help="debug|info|warning|error"),
     shutdown_timeout: float = typer.Option(
@@ -39,6 +44,8 @@ def picker(
     from isocost.picker.server import run_picker
     from isocost.runtime.config import parse_config
 
+    if fallbacks < 0:
+        fail("--fallbacks must be 0 or more")
     if not shutdown_timeout > 0:
         fail("--shutdown-timeout must be a positive number of seconds")
     for name, value in (("--port", port), ("--metrics-port", metrics_port)):
@@ -60,4 +67,6 @@ def picker(
         console.print(f"isocost picker: ready at {address}", highlight=False, soft_wrap=True)
         sys.stdout.flush()
 
-    run_picker(GatewayPicker(gateway), host, port, ready, shutdown_timeout_s=shutdown_timeout)
+    run_picker(
+        GatewayPicker(gateway, fallbacks), host, port, ready, shutdown_timeout_s=shutdown_timeout
+    )

@@ -11,6 +11,12 @@ for avoiding), so every request is shadowed as one the caller does not stream
 the scrapes correct the rest. One consequence: a route class that matches on ``stream``
 sees every picked request as not streamed.
 
+With ``fallbacks`` N (``isocost picker --fallbacks``), the next N replicas by the
+decision's scores follow the choice in ``x-gateway-destination-endpoint`` (GAIE v0.4:
+the data plane tries them in order on a retry); when the response says a fallback served
+it, the choice's breaker counts a soft failure and the shadow state moves the request to
+the fallback (``Router.reassign``).
+
 A request the brain splits (``Router.plan_handoff``, P/D disaggregation) is granted the
 decode replica, and the prefill replica's ``ip:port`` goes with it
 (``EndpointGrant.prefill_endpoint``, llm-d's ``x-prefiller-host-port``); the prefill leg
@@ -50,8 +56,9 @@ def endpoint_of(replica: Upstream) -> str:
 class GatewayPicker:
     """One gateway runtime as an endpoint picker's brain; see the module docstring."""
 
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Gateway, fallbacks: int = 0) -> None:
         self.gateway = gateway
+        self.fallbacks = fallbacks  # replicas named after the choice, best first
 
     async def start(self) -> None:
         await self.gateway.start()
@@ -93,7 +100,29 @@ class GatewayPicker:
         if handoff is not None:
             return EndpointGrant(self.gateway, request, handoff.decode, handoff.prefill)
         grant = await self.gateway.router.acquire(request, exclude)
-        return EndpointGrant(self.gateway, request, grant)
+        return EndpointGrant(
+            self.gateway, request, grant, fallbacks=self._fallbacks(request, grant, exclude)
+        )
+
+    def _fallbacks(
+        self, request: GatewayRequest, grant: Grant, exclude: frozenset[str]
+    ) -> tuple[Upstream, ...]:
+        """The ``fallbacks`` best replicas after the choice, by the decision's scores:
+        routable now and allowed by the subset hint."""
+        explanation = grant.decision.explanation
+        if not self.fallbacks or explanation is None:
+            return ()
+        now = time.monotonic()
+        by_name = {replica.name: replica for replica in request.pool.replicas.values()}
+        ranked = (by_name.get(str(row["replica_id"])) for row in explanation.top(len(by_name)))
+        return tuple(
+            replica
+            for replica in ranked
+            if replica is not None
+            and replica is not grant.replica
+            and replica.name not in exclude
+            and replica.routable(now)
+        )[: self.fallbacks]
 
     async def _routing_request(
         self, path: str, headers: Mapping[str, str], body: bytes
@@ -120,18 +149,19 @@ class EndpointGrant:
         request: GatewayRequest,
         grant: Grant,
         prefill: Grant | None = None,
+        fallbacks: tuple[Upstream, ...] = (),
     ) -> None:
         self._gateway = gateway
         self._request = request
         self._grant = grant
         self._prefill = prefill  # the prefill leg of a split request
+        self._fallbacks = {endpoint_of(replica): replica for replica in fallbacks}
         self._status: int | None = None
 
     @property
     def endpoints(self) -> tuple[str, ...]:
-        """Where to send it, the choice first (GAIE allows fallbacks after it; the shadow
-        state holds the request on the choice alone, so none are offered)."""
-        return (endpoint_of(self._grant.replica),)
+        """Where to send it: the choice, then the fallbacks in order."""
+        return (endpoint_of(self._grant.replica), *self._fallbacks)
 
     @property
     def replica(self) -> str:
@@ -147,10 +177,23 @@ class EndpointGrant:
         self._status = status
         replica = self._grant.replica
         if served is not None and served != endpoint_of(replica):
-            log.warning(
-                "served elsewhere",
-                extra={"event": "served_elsewhere", "replica": replica.name, "served": served},
-            )
+            fallback = self._fallbacks.get(served)
+            if fallback is None:
+                log.warning(
+                    "served elsewhere",
+                    extra={"event": "served_elsewhere", "replica": replica.name,
+                           "served": served},
+                )  # fmt: skip
+            else:  # the data plane could not use the choice and retried on a fallback
+                log.info(
+                    "served by a fallback",
+                    extra={"event": "served_by_fallback", "replica": replica.name,
+                           "fallback": fallback.name},
+                )  # fmt: skip
+                replica.breaker.record_failure(time.monotonic(), "skipped", soft=True)
+                self._gateway.metrics.retries.labels("fallback").inc()
+                self._grant = self._gateway.router.reassign(self._grant, self._request, fallback)
+                replica = fallback
         fault = status_fault(status)
         if fault is not None and not fault.busy:  # judged as the proxy judges it
             replica.breaker.record_failure(time.monotonic(), f"status {status}", soft=fault.soft)

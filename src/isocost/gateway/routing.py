@@ -633,6 +633,13 @@ class Router:
         self.metrics.prefix_predictions.labels(grant.replica.name, outcome).inc()
         return predicted
 
+    def reassign(self, grant: Grant, request: GatewayRequest, replica: Upstream) -> Grant:
+        """The data plane served ``grant``'s attempt on ``replica`` instead (one of the
+        picker's fallbacks): the shadow state holds the request there from now on."""
+        now = self.clock()
+        self.release(grant, now, ok=False, output_tokens=0)
+        return self._grant(self._view(request, uuid.uuid4().hex, now), replica, grant.decision, now)
+
     def release(self, grant: Grant, now: float, *, ok: bool, output_tokens: int | None) -> None:
         """The attempt ended; frees its place and maybe the replica's last hold (once).
         ``output_tokens``: from the usage; None when the data plane never saw it."""

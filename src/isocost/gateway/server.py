@@ -171,9 +171,7 @@ async def _serve(
             workers.announce(own)
             await workers.catch_up(own, admin, start=made)  # those made while catching up
         shared = workers is not None
-        listener = await loop.create_server(
-            protocol, host, port, backlog=1024, reuse_port=shared
-        )
+        listener = await loop.create_server(protocol, host, port, backlog=1024, reuse_port=shared)
         bound = listener.sockets[0].getsockname()[1]
         gateway.intake.listen.set(host, bound)
         gateway.intake.listen.check_config(gateway.config, source)

@@ -1,9 +1,9 @@
 """Envoy's ``ext_proc`` protocol as GAIE's endpoint picker speaks it (proposal 004, v1).
 
 One gRPC stream is one HTTP request. Envoy sends its headers, then its body; the picker
-answers, once the body is whole, with the chosen ``ip:port`` in header
-``x-gateway-destination-endpoint`` and the same value in ``envoy.lb`` dynamic metadata,
-and clears the route cache so that Envoy routes on it. The first message's
+answers, once the body is whole, with the chosen ``ip:port`` (then its fallbacks, comma
+separated: GAIE v0.4) in header ``x-gateway-destination-endpoint`` and the same value in
+``envoy.lb`` dynamic metadata, and clears the route cache so that Envoy routes on it. The first message's
 ``protocol_config`` tells how the body comes: ``STREAMED`` with
 ``send_body_without_waiting_for_header_response`` (the chunks come at once and are held;
 the pick answers the headers once the body is whole, then each chunk gets its answer: one
@@ -202,7 +202,7 @@ class _Exchange:
             return _immediate(exc)
         endpoints = ",".join(self.granted.endpoints)
         prefill = self.granted.prefill_endpoint
-        chosen = {DESTINATION_HEADER: self.granted.endpoints[0]}
+        chosen = {DESTINATION_HEADER: endpoints}  # the same value as the metadata's
         mutation = _set_headers(chosen if prefill is None else chosen | {PREFILLER_HEADER: prefill})
         if prefill is None:
             mutation.remove_headers.append(PREFILLER_HEADER)  # a client's own: not trusted
