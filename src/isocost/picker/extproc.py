@@ -3,8 +3,8 @@
 One gRPC stream is one HTTP request. Envoy sends its headers, then its body; the picker
 answers, once the body is whole, with the chosen ``ip:port`` (then its fallbacks, comma
 separated: GAIE v0.4) in header ``x-gateway-destination-endpoint`` and the same value in
-``envoy.lb`` dynamic metadata, and clears the route cache so that Envoy routes on it. The first message's
-``protocol_config`` tells how the body comes: ``STREAMED`` with
+``envoy.lb`` dynamic metadata, and clears the route cache so that Envoy routes on it.
+The first message's ``protocol_config`` tells how the body comes: ``STREAMED`` with
 ``send_body_without_waiting_for_header_response`` (the chunks come at once and are held;
 the pick answers the headers once the body is whole, then each chunk gets its answer: one
 round trip), ``FULL_DUPLEX_STREAMED`` (the same, and the body is streamed back), or
