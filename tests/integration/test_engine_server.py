@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import time
 import urllib.error
@@ -465,6 +466,7 @@ def test_identical_replicas_are_independent() -> None:
         (["--gpu", "h100"], "unknown GPU"),
         (["--error-rate", "3"], "--error-rate: must be between 0 and 1"),
         (["--tokenizer", "/nonexistent/tokenizer.json"], "tokenizer.json: no such file"),
+        (["--kv-events-port", "65536"], "--kv-events-port: must leave a TCP port"),
     ],
 )
 def test_bad_flags_exit_2_with_one_line(args: list[str], message: str) -> None:
@@ -473,3 +475,17 @@ def test_bad_flags_exit_2_with_one_line(args: list[str], message: str) -> None:
     )
     assert run.returncode == 2
     assert message in run.stderr and len(run.stderr.strip().splitlines()) == 1
+
+
+def test_a_kv_events_port_in_use_exits_2_with_one_line() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        run = subprocess.run(
+            [str(ISOCOST), "engine", "--port", "0", "--kv-events-port", str(port)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert run.returncode == 2
+    assert f"--kv-events-port: tcp://127.0.0.1:{port}: Address already in use" in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1

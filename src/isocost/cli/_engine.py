@@ -56,6 +56,14 @@ def engine(
     kv_hold_timeout: float = typer.Option(
         480.0, "--kv-hold-timeout", help="Seconds a prefill's KV waits to be pulled."
     ),
+    kv_events_port: int | None = typer.Option(
+        None, "--kv-events-port", help="Publish vLLM's KV-cache events (ZMQ): replica i on +i."
+    ),
+    prompt_details: bool = typer.Option(
+        False,
+        "--enable-prompt-tokens-details",
+        help="Usage says the prompt's cached tokens, as vLLM's flag does.",
+    ),
     crash_after_handoff: bool = typer.Option(
         False, "--crash-after-handoff", help="Fault: exit after a prefill hand-off answer."
     ),
@@ -93,6 +101,8 @@ def engine(
         tokenizer,
         write_timeout,
         kv_hold_timeout,
+        kv_events_port,
+        prompt_details,
     )
 
     def ready(urls: list[tuple[ServedReplica, str]]) -> None:

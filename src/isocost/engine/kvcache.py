@@ -15,6 +15,9 @@ Invariant: ``num_free_uncached + len(free cached) + in-use blocks == num_blocks`
 in-use blocks are private blocks plus cached blocks with a positive reference count.
 Unlike vLLM, an allocation prefers never-cached free blocks to evicting cached ones, which
 only keeps cached prefixes alive longer.
+
+With ``log_changes`` the pool also keeps, in order, what an engine's KV-cache events
+report: blocks newly cached (with the token ids the committer gives) and blocks evicted.
 """
 
 from __future__ import annotations
@@ -22,21 +25,25 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from isocost.engine.records import BlocksEvicted, BlocksStored, CacheChange
+
 __all__ = ["BlockPool"]
 
 
 class BlockPool:
     """Counts of free, private and cached blocks; cached blocks keyed by chained hash."""
 
-    __slots__ = ("_free_cached", "_refs", "num_blocks", "num_free_uncached")
+    __slots__ = ("_free_cached", "_refs", "changes", "num_blocks", "num_free_uncached")
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, *, log_changes: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.num_free_uncached = num_blocks
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # LRU first
         self._refs: dict[int, int] = {}  # hash -> requests holding the cached block
+        # blocks cached and evicted, in order, until the owner takes them (None: not kept)
+        self.changes: list[CacheChange] | None = [] if log_changes else None
 
     @property
     def num_free(self) -> int:
@@ -85,17 +92,28 @@ class BlockPool:
             return False
         from_uncached = min(num_blocks, self.num_free_uncached)
         self.num_free_uncached -= from_uncached
-        for _ in range(num_blocks - from_uncached):
-            self._free_cached.popitem(last=False)
+        evicted = [
+            self._free_cached.popitem(last=False)[0] for _ in range(num_blocks - from_uncached)
+        ]
+        if evicted and self.changes is not None:
+            self.changes.append(BlocksEvicted(tuple(evicted)))
         return True
 
-    def commit(self, block_hashes: Sequence[int]) -> None:
+    def commit(
+        self,
+        block_hashes: Sequence[int],
+        parent: int | None = None,
+        token_ids: Sequence[int] = (),
+    ) -> None:
         """Turn private blocks, now full of prompt tokens, into the cached blocks
-        ``block_hashes`` (in order); a hash already cached is shared and its copy freed."""
+        ``block_hashes`` (in order); a hash already cached is shared and its copy freed.
+        ``parent`` (the block before them) and ``token_ids`` (theirs, a whole number of
+        equal blocks) name what is newly cached in ``changes``."""
         refs = self._refs
         free_cached = self._free_cached
         copies = 0
-        for block_hash in block_hashes:
+        new: list[int] = []  # positions newly cached
+        for i, block_hash in enumerate(block_hashes):
             count = refs.get(block_hash)
             if count is not None:
                 refs[block_hash] = count + 1
@@ -104,8 +122,36 @@ class BlockPool:
                 if block_hash in free_cached:
                     del free_cached[block_hash]
                     copies += 1
+                else:
+                    new.append(i)
                 refs[block_hash] = 1
         self.num_free_uncached += copies
+        if new and self.changes is not None:
+            self._log_stored(block_hashes, new, parent, token_ids)
+
+    def _log_stored(
+        self,
+        block_hashes: Sequence[int],
+        new: list[int],
+        parent: int | None,
+        token_ids: Sequence[int],
+    ) -> None:
+        """One ``BlocksStored`` per run of consecutive newly cached blocks."""
+        assert self.changes is not None
+        size = len(token_ids) // len(block_hashes)
+        start = new[0]
+        for end, following in zip(new, [*new[1:], None], strict=True):
+            if following == end + 1:
+                continue
+            self.changes.append(
+                BlocksStored(
+                    tuple(block_hashes[start : end + 1]),
+                    block_hashes[start - 1] if start else parent,
+                    tuple(token_ids[start * size : (end + 1) * size]),
+                )
+            )
+            if following is not None:
+                start = following
 
     def release(self, cached_hashes: Sequence[int], num_private: int) -> None:
         """Return a request's blocks. Cached ones are released last block first, so a

@@ -51,5 +51,10 @@ def launch(
     specs = resolve_replicas(default, replicas, spec_strings, file_text, replicas_file or "")
     if port and port + len(specs) - 1 > 65535:
         raise ConfigError("--port", f"{len(specs)} replicas from port {port} overflow 65535")
+    events = options.kv_events_port
+    if events is not None and not 1 <= events <= 65536 - len(specs):
+        raise ConfigError(
+            "--kv-events-port", f"must leave a TCP port for each of {len(specs)} replicas"
+        )
     ports = [port + i if port else 0 for i in range(len(specs))]
     run_engine(specs, load_catalog(catalog_paths), limits, options, ports, on_ready)

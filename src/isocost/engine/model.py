@@ -18,7 +18,9 @@ time. The model is vLLM V1's scheduler in miniature:
   always computed). Each full prompt block is cached as soon as it is computed. A request
   whose KV arrived from a prefill replica (``RequestSpec.kv_ready_tokens``) is admitted
   with those tokens computed, in new blocks, so only its last prompt token is prefilled;
-  a preemption drops them (it recomputes like any other).
+  a preemption drops them (it recomputes like any other). With ``cache_events`` the blocks
+  cached and evicted come out of ``advance_to`` too (``BlocksStored``, ``BlocksEvicted``),
+  in the order they happened: what the engine publishes as vLLM's KV-cache events.
 * **Preemption.** When a running request needs a block and none is free, the newest
   running request is preempted by recompute: its blocks are released, its progress
   reset, and it goes to the front of the waiting queue (it keeps its generated tokens and
@@ -35,7 +37,7 @@ Driving contract::
     model = EngineModel(cost)
     state = model.submit(RequestSpec("r1", prompt_tokens=900, max_output_tokens=64), now)
     while (t := model.next_event_time()) is not None:
-        for event in model.advance_to(t):   # FirstToken | Finished | Preempted
+        for event in model.advance_to(t):   # FirstToken | Finished | Preempted | ...
             ...
 
 * ``submit(spec, now)`` queues a request at ``now`` and returns its live ``RequestState``
@@ -184,6 +186,7 @@ class EngineModel:
         num_blocks: int | None = None,
         jump: bool = True,
         record_inter_token_gaps: bool = False,
+        cache_events: bool = False,
     ) -> None:
         limits = cost.limits
         self.cost = cost
@@ -195,7 +198,7 @@ class EngineModel:
             raise ValueError(
                 f"{cost.model.id} on {cost.tensor_parallel}x {cost.gpu.id} leaves no KV cache"
             )
-        self.pool = BlockPool(blocks)
+        self.pool = BlockPool(blocks, log_changes=cache_events)
         self.slowdown = 1.0  # step times are multiplied by this (fault injection)
         self.counters = EngineCounters()
         self._jump = jump
@@ -378,6 +381,10 @@ class EngineModel:
             if self._jump and self._running and (run := self._run_ahead()) is not None:
                 self._decode(run, t, in_flight=False)
         self._now_s = t
+        changes = self.pool.changes
+        if changes:  # blocks cached and evicted (``cache_events``), since the last call
+            events.extend(changes)
+            changes.clear()
         return events
 
     # -- one step ----------------------------------------------------------------------
@@ -503,7 +510,11 @@ class EngineModel:
             if cached < len(hashes):
                 full = min(computed // block_size, len(hashes))
                 if full > cached:
-                    self.pool.commit(hashes[cached:full])
+                    self.pool.commit(
+                        hashes[cached:full],
+                        hashes[cached - 1] if cached else None,
+                        spec.token_ids[cached * block_size : full * block_size],
+                    )
                     state.num_cached_blocks = full
             if computed < spec.prompt_tokens + state.num_output_tokens:
                 continue  # a prefill chunk that did not reach the end

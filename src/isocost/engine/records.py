@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 __all__ = [
+    "BlocksEvicted",
+    "BlocksStored",
+    "CacheChange",
     "EngineCounters",
     "EngineEvent",
     "EngineObservation",
@@ -32,6 +35,8 @@ class RequestSpec:
     # Prompt tokens whose KV arrives with the request (a prefill -> decode hand-off): at
     # admission they count as computed, in blocks of its own, without a prefill step.
     kv_ready_tokens: int = 0
+    # The prompt's token ids: what an engine publishing KV events says its blocks hold.
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -84,7 +89,25 @@ class Preempted:
     time_s: float
 
 
-EngineEvent = FirstToken | Finished | Preempted
+@dataclass(frozen=True, slots=True)
+class BlocksStored:
+    """Full prompt blocks newly in the prefix cache (vLLM's ``BlockStored``): their hashes
+    in order, the hash of the block before the first, the token ids they hold."""
+
+    block_hashes: tuple[int, ...]
+    parent_block_hash: int | None
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksEvicted:
+    """Cached blocks evicted to make room (vLLM's ``BlockRemoved``)."""
+
+    block_hashes: tuple[int, ...]
+
+
+CacheChange = BlocksStored | BlocksEvicted
+EngineEvent = FirstToken | Finished | Preempted | BlocksStored | BlocksEvicted
 
 
 @dataclass(slots=True)

@@ -21,9 +21,18 @@ from isocost.core.links import Link, link
 from isocost.engine.config import EngineReplicaConfig
 from isocost.engine.faults import FaultInjector
 from isocost.engine.handoff import DEFAULT_HOLD_TIMEOUT_S, HeldKv, KvHandoffs
+from isocost.engine.kvevents import KvEventPublisher
 from isocost.engine.metrics import ReplicaMetrics
 from isocost.engine.model import EngineModel
-from isocost.engine.records import Finished, FirstToken, RequestSpec, RequestState
+from isocost.engine.records import (
+    BlocksEvicted,
+    BlocksStored,
+    CacheChange,
+    Finished,
+    FirstToken,
+    RequestSpec,
+    RequestState,
+)
 from isocost.engine.tokens import Tokenizer
 
 __all__ = ["OUTPUT_DISTRIBUTIONS", "OutputLengths", "ServeOptions", "ServedReplica", "Waiter"]
@@ -45,6 +54,8 @@ class ServeOptions:
     tokenizer_path: str | None = None
     write_timeout_s: float = 30.0  # a stream write blocked this long: the client is gone
     kv_hold_timeout_s: float = DEFAULT_HOLD_TIMEOUT_S  # a prefill's KV waits this long
+    kv_events_port: int | None = None  # replica i publishes KV-cache events on this + i
+    prompt_details: bool = False  # usage says the prompt's cached tokens (as vLLM can)
 
 
 class OutputLengths:
@@ -101,8 +112,10 @@ class ServedReplica:
         model: EngineModel,
         tokenizer: Tokenizer,
         options: ServeOptions,
+        kv_events: KvEventPublisher | None = None,
     ) -> None:
         self.index = index
+        self.kv_events = kv_events  # where its prefix cache's changes go, if anywhere
         self.spec = spec
         self.model = model
         self.tokenizer = tokenizer
@@ -156,14 +169,19 @@ class ServedReplica:
         """Advance the model to ``now``: metrics from its events, wake-ups for handlers."""
         model, metrics, scale = self.model, self.metrics, self.options.time_scale
         steps_before = model.counters.num_steps
+        changes: list[CacheChange] = []
         for event in model.advance_to(now):
-            if isinstance(event, FirstToken):
+            if isinstance(event, BlocksStored | BlocksEvicted):
+                changes.append(event)
+            elif isinstance(event, FirstToken):
                 metrics.ttft.observe(event.ttft_s * scale)
             elif isinstance(event, Finished):
                 metrics.e2e.observe(event.e2e_s * scale)
                 waiter = self._waiters.get(event.request_id)
                 if waiter is not None:
                     metrics.finished[waiter.finish_reason] += 1
+        if self.kv_events is not None:
+            self.kv_events.publish(changes)
         gaps = model.counters.inter_token_gaps
         for gap_s, times in gaps:
             metrics.inter_token.observe(gap_s * scale, times)

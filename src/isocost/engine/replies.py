@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -24,7 +24,7 @@ from isocost.engine.replica import ServedReplica, Waiter
 from isocost.engine.tokens import filler_text
 from isocost.engine.validation import Generation
 from isocost.openai import sse
-from isocost.openai.usage import Usage
+from isocost.openai.usage import PromptTokensDetails, Usage
 
 __all__ = ["Reply", "stream_reply"]
 
@@ -39,6 +39,7 @@ class Reply:
         spec: RequestSpec,
         finish_reason: str,
         filler_from: int = 0,
+        cached_tokens: Callable[[], int] | None = None,
     ):
         self.chat = chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + spec.request_id
@@ -47,6 +48,9 @@ class Reply:
         self.spec = spec
         self.finish_reason = finish_reason
         self.filler_from = filler_from  # where in the filler cycle the answer begins
+        # its prompt's prefix-cache hit so far, when the usage reports it (vLLM's
+        # --enable-prompt-tokens-details)
+        self.cached_tokens = cached_tokens
 
     def text(self, start: int, count: int) -> str:
         """Output tokens ``start .. start+count-1`` of this answer."""
@@ -57,7 +61,13 @@ class Reply:
         prompt = self.spec.prompt_tokens
         if output is None:
             output = self.spec.max_output_tokens
-        return Usage(prompt_tokens=prompt, completion_tokens=output, total_tokens=prompt + output)
+        details = None if self.cached_tokens is None else PromptTokensDetails(self.cached_tokens())
+        return Usage(
+            prompt_tokens=prompt,
+            completion_tokens=output,
+            total_tokens=prompt + output,
+            prompt_tokens_details=details,
+        )
 
     def _envelope(self, stream: bool) -> dict[str, Any]:
         if self.chat:

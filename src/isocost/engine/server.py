@@ -20,15 +20,17 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
+import zmq
 from aiohttp import web
 
 from isocost.core.catalog import Catalog
 from isocost.core.costmodel import CostModel, EngineLimits
-from isocost.core.errors import DoesNotFitError
+from isocost.core.errors import ConfigError, DoesNotFitError
 from isocost.engine.config import EngineReplicaConfig
 from isocost.engine.disagg import add_pull_route, check_role, pull_kv
 from isocost.engine.faults import add_fault_routes, answer_and_exit
 from isocost.engine.handoff import handoff_params
+from isocost.engine.kvevents import KvEventPublisher
 from isocost.engine.model import EngineModel
 from isocost.engine.records import RequestSpec
 from isocost.engine.replica import ServedReplica, ServeOptions
@@ -127,7 +129,9 @@ async def _generate(
     finish_reason = "length" if spec.max_output_tokens == generation.max_tokens else "stop"
     wake_every = replica.options.stream_interval if generation.stream else spec.max_output_tokens
     waiter = replica.submit(spec, wake_every, finish_reason)
-    reply = Reply(chat, replica.served_model_name, spec, finish_reason, filler_from)
+    state = waiter.state
+    cached = (lambda: state.num_prefix_hit_tokens) if replica.options.prompt_details else None
+    reply = Reply(chat, replica.served_model_name, spec, finish_reason, filler_from, cached)
     try:
         if generation.stream:
             return await stream_reply(request, replica, waiter, reply, generation, headers)
@@ -205,9 +209,14 @@ def _application(replica: ServedReplica, pulls: aiohttp.ClientSession) -> web.Ap
 
 
 def build_models(
-    specs: list[EngineReplicaConfig], catalog: Catalog, limits: EngineLimits
+    specs: list[EngineReplicaConfig],
+    catalog: Catalog,
+    limits: EngineLimits,
+    *,
+    cache_events: bool = False,
 ) -> list[EngineModel]:
-    """An engine model per spec; a model that does not fit its GPUs is an error."""
+    """An engine model per spec (``cache_events``: reporting its prefix cache's changes);
+    a model that does not fit its GPUs is an error."""
     models = []
     for spec in specs:
         cost = CostModel(
@@ -218,7 +227,12 @@ def build_models(
                 f"{spec.model} on {spec.tp}x {spec.gpu} leaves no memory for the KV cache"
             )
         models.append(
-            EngineModel(cost, num_blocks=spec.num_gpu_blocks, record_inter_token_gaps=True)
+            EngineModel(
+                cost,
+                num_blocks=spec.num_gpu_blocks,
+                record_inter_token_gaps=True,
+                cache_events=cache_events,
+            )
         )
     return models
 
@@ -240,12 +254,13 @@ async def serve(
     options: ServeOptions,
     ports: list[int],
     on_ready: Callable[[list[tuple[ServedReplica, str]]], None],
+    publishers: list[KvEventPublisher | None],
 ) -> None:
     """Serve every replica until SIGINT or SIGTERM, then shut down within a second."""
     replicas = [
-        ServedReplica(index, spec, model, tokenizer, options)
-        for index, (spec, model, tokenizer) in enumerate(
-            zip(specs, models, tokenizers, strict=True)
+        ServedReplica(index, spec, model, tokenizer, options, publisher)
+        for index, (spec, model, tokenizer, publisher) in enumerate(
+            zip(specs, models, tokenizers, publishers, strict=True)
         )
     ]
     runners: list[web.AppRunner] = []
@@ -272,6 +287,9 @@ async def serve(
     finally:
         for replica in replicas:
             replica.close()
+        for publisher in publishers:
+            if publisher is not None:
+                publisher.close()
         for runner in runners:
             await runner.cleanup()
         await pulls.close()
@@ -291,6 +309,29 @@ def run_engine(
 ) -> None:
     """Build the replicas' models and tokenizers (errors surface before any port opens)
     and serve."""
-    models = build_models(specs, catalog, limits)
+    events_port = options.kv_events_port
+    models = build_models(specs, catalog, limits, cache_events=events_port is not None)
     tokenizers = build_tokenizers(models, options.tokenizer_path)
-    run_serving(serve(specs, models, tokenizers, options, ports, on_ready))
+    publishers = bind_kv_events(models, options)
+    run_serving(serve(specs, models, tokenizers, options, ports, on_ready, publishers))
+
+
+def bind_kv_events(
+    models: list[EngineModel], options: ServeOptions
+) -> list[KvEventPublisher | None]:
+    """A KV-event publisher per replica on ``--kv-events-port`` + its index (none without
+    it); a port that cannot be bound is a ``ConfigError`` before any HTTP port opens."""
+    base = options.kv_events_port
+    if base is None:
+        return [None] * len(models)
+    publishers: list[KvEventPublisher | None] = []
+    for index, model in enumerate(models):
+        endpoint = f"tcp://{options.host}:{base + index}"
+        try:
+            publishers.append(KvEventPublisher(endpoint, model.block_size))
+        except zmq.ZMQError as exc:
+            for bound in publishers:
+                if bound is not None:
+                    bound.close()
+            raise ConfigError("--kv-events-port", f"{endpoint}: {exc}") from None
+    return publishers

@@ -123,7 +123,9 @@ def validate(
     requested = min(requested or limit, limit - num_prompt)
     output = requested if body.ignore_eos else replica.output_lengths.draw(requested)
     block_hashes = token_block_hashes(prompt_ids, replica.model.block_size)
-    spec = RequestSpec(uuid.uuid4().hex, num_prompt, output, tuple(block_hashes))
+    spec = RequestSpec(
+        uuid.uuid4().hex, num_prompt, output, tuple(block_hashes), token_ids=tuple(prompt_ids)
+    )
     options = body.stream_options
     include_usage = options is not None and options.include_usage
     continuous = include_usage and options is not None and options.continuous_usage_stats

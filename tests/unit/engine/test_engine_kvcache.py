@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from isocost.engine.kvcache import BlockPool
+from isocost.engine.records import BlocksEvicted, BlocksStored
 
 
 def test_allocation_is_all_or_nothing() -> None:
@@ -180,3 +181,30 @@ def test_pool_agrees_with_a_plain_list_model(
         assert pool.allocate(pool.num_free_uncached + 1) and model.allocate(model.uncached + 1)
         assert not pool.is_cached(oldest)
         assert all(map(pool.is_cached, model.free))
+
+
+def test_logged_changes_name_new_runs_with_their_parent_and_tokens() -> None:
+    pool = BlockPool(8, log_changes=True)
+    pool.allocate(2)
+    pool.commit([21, 22], None, [1, 2, 3, 4])  # blocks of two tokens
+    pool.allocate(3)
+    pool.commit([21, 23, 24], None, [1, 2, 5, 6, 7, 8])  # 21 is shared: not new
+    assert pool.changes == [
+        BlocksStored((21, 22), None, (1, 2, 3, 4)),
+        BlocksStored((23, 24), 21, (5, 6, 7, 8)),
+    ]
+    pool.changes.clear()
+    pool.allocate(2)
+    pool.commit([31, 22, 33], 7, [9, 9, 3, 4, 0, 0])  # a gap in the middle: two runs
+    assert pool.changes == [BlocksStored((31,), 7, (9, 9)), BlocksStored((33,), 22, (0, 0))]
+
+
+def test_logged_changes_report_evictions_in_order_and_not_a_free_block_reused() -> None:
+    pool = BlockPool(3, log_changes=True)
+    pool.allocate(3)
+    pool.commit([1, 2, 3], None, [])
+    pool.release([1, 2, 3], 0)
+    pool.acquire([1])  # cached and free, taken again: still cached, nothing to report
+    pool.allocate(1)  # evicts the least recent free one: 3
+    assert pool.changes == [BlocksStored((1, 2, 3), None, ()), BlocksEvicted((3,))]
+    assert BlockPool(2).changes is None  # not kept unless asked
