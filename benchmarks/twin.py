@@ -13,6 +13,14 @@ through it with `isocost bench`, stops the gateway (the recording is flushed), t
   engines' caches are cold again), shows what it does gain. Both as ratios: TTFT p50 and
   p99 round_robin / equal_cost, goodput equal_cost / round_robin.
 
+With ``--engine vllm``, the same fidelity comparison on real engines: two vLLM CPU
+replicas of tiny-llama (``tests/support/vllm_procs.py``, the conformance suite's fleet)
+behind `isocost serve --record` with ``--policy``, the first ``--requests`` rows of the
+trace with their lengths scaled to tiny-llama's 1,024-token context, at ``--rate``; then
+the recording's replay, with what its calibration fitted per replica (slowdown, prefill
+overhead) and the machine's load as the live run ended. ``--replay-only`` replays a run
+kept with ``--keep`` again. No what-if, no plan.
+
 With ``--overhead``, the recording's cost: `isocost serve` with and without ``--record``
 in front of a fast engine, a closed loop at ``--overhead-concurrency`` for a few seconds
 each, alternated ``--overhead-rounds`` times; the median req/s of each and the median
@@ -23,6 +31,8 @@ Run:
     .venv/bin/python benchmarks/twin.py --requests 40 --rate 0.4 --time-scale 1 \
         --stream-interval 1 --json twin.json          # about 5 minutes
     .venv/bin/python benchmarks/twin.py --overhead --requests 0 --json overhead.json
+    .venv/bin/python benchmarks/twin.py --engine vllm --requests 60 --rate 1.5 \
+        --json twin-vllm.json                          # about 2.5 minutes
 
 On a small shared machine the engines, the gateway and the load generator share cores:
 with faster engines (``--time-scale`` below 1) the live run becomes CPU-bound (TPOT p99
