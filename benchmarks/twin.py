@@ -56,8 +56,11 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from tokenizers import Tokenizer
 
+from isocost.core.catalog import Catalog
 from isocost.runtime.processes import Services, isocost_command
+from isocost.sim import load_recording, recorded_cluster
 from isocost.workload import TRACE_BLOCK_TOKENS, Segment, TextRenderer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -238,8 +241,6 @@ def _scaled_trace(args: argparse.Namespace, out: Path) -> Path:
     tiny-llama's context: prompts x ``--prompt-scale``, at most half the context in the
     tiny tokenizer's tokens (the rendered words, counted by it), outputs x
     ``--output-scale``, at most the other half; block ids cut to the scaled prompt."""
-    from tokenizers import Tokenizer  # the tiny model's own, as the gateway counts
-
     tokenizer = Tokenizer.from_file(str(TINY_MODEL / "tokenizer.json"))
     sample = TextRenderer().render([Segment(0, TRACE_BLOCK_TOKENS)])
     tokens_per_word = len(tokenizer.encode(sample).ids) / TRACE_BLOCK_TOKENS
@@ -261,9 +262,6 @@ def _scaled_trace(args: argparse.Namespace, out: Path) -> Path:
 def _fitted(record: Path) -> dict[str, dict[str, float]]:
     """Per replica, what ``sim --from-record`` calibrates it to: the gateway's factors,
     the fitted slowdown and the fitted prefill overhead."""
-    from isocost.core.catalog import Catalog
-    from isocost.sim import load_recording, recorded_cluster
-
     recording = load_recording(str(record), None)
     factors = {r.name: (r.ttft_factor, r.itl_factor) for r in recording.pool.replicas}
     _, replicas = recorded_cluster(recording, Catalog.builtin(), str(record))
