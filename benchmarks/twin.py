@@ -13,6 +13,14 @@ through it with `isocost bench`, stops the gateway (the recording is flushed), t
   engines' caches are cold again), shows what it does gain. Both as ratios: TTFT p50 and
   p99 round_robin / equal_cost, goodput equal_cost / round_robin.
 
+With ``--engine vllm``, the same fidelity comparison on real engines: two vLLM CPU
+replicas of tiny-llama (``tests/support/vllm_procs.py``, the conformance suite's fleet)
+behind `isocost serve --record` with ``--policy``, the first ``--requests`` rows of the
+trace with their lengths scaled to tiny-llama's 1,024-token context, at ``--rate``; then
+the recording's replay, with what its calibration fitted per replica (slowdown, prefill
+overhead) and the machine's load as the live run ended. ``--replay-only`` replays a run
+kept with ``--keep`` again. No what-if, no plan.
+
 With ``--overhead``, the recording's cost: `isocost serve` with and without ``--record``
 in front of a fast engine, a closed loop at ``--overhead-concurrency`` for a few seconds
 each, alternated ``--overhead-rounds`` times; the median req/s of each and the median
@@ -23,6 +31,8 @@ Run:
     .venv/bin/python benchmarks/twin.py --requests 40 --rate 0.4 --time-scale 1 \
         --stream-interval 1 --json twin.json          # about 5 minutes
     .venv/bin/python benchmarks/twin.py --overhead --requests 0 --json overhead.json
+    .venv/bin/python benchmarks/twin.py --engine vllm --requests 60 --rate 1.5 \
+        --json twin-vllm.json                          # about 2.5 minutes
 
 On a small shared machine the engines, the gateway and the load generator share cores:
 with faster engines (``--time-scale`` below 1) the live run becomes CPU-bound (TPOT p99
@@ -46,12 +56,20 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from tokenizers import Tokenizer
 
+from isocost.core.catalog import Catalog
 from isocost.runtime.processes import Services, isocost_command
+from isocost.sim import load_recording, recorded_cluster
+from isocost.workload import TRACE_BLOCK_TOKENS, Segment, TextRenderer
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "support"))  # the suites' real-vLLM fleet
+from vllm_procs import MAX_MODEL_LEN, TINY_MODEL, VllmFleet, gateway_yaml  # noqa: E402
+
 TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 MODEL = "llama-3.1-8b"
+_SLOS_MS = {"isocost": (3000.0, 60.0), "vllm": (1000.0, 25.0)}  # (TTFT, TPOT) per engine
 METRICS = (
     ("TTFT p50 ms", "ttft_p50_s", 1000.0),
     ("TTFT p99 ms", "ttft_p99_s", 1000.0),
@@ -81,11 +99,13 @@ def _gateway(services: Services, name: str, urls: list[str], policy: str, *extra
     return gateway, gateway.wait_ready(1, 60)[0]
 
 
-def _bench(url: str, args: argparse.Namespace, out: Path, text_salt: int) -> dict[str, Any]:
-    """The trace through ``url``; a new ``text_salt`` for each run on the same engines, so
+def _bench(
+    url: str, args: argparse.Namespace, out: Path, text_salt: int, trace: Path, *extra: str
+) -> dict[str, Any]:
+    """``trace`` through ``url``; a new ``text_salt`` for each run on the same engines, so
     that none finds the prompts of the one before in the engines' prefix caches."""
     command = [
-        *isocost_command(), "bench", "--url", url, "--trace", str(args.trace),
+        *isocost_command(), "bench", "--url", url, "--trace", str(trace), *extra,
         "--max-requests", str(args.requests), "--rate", str(args.rate),
         "--seed", str(args.seed), "--slo-ttft-ms", str(args.slo_ttft_ms),
         "--slo-tpot-ms", str(args.slo_tpot_ms), "--json", str(out),
@@ -96,15 +116,36 @@ def _bench(url: str, args: argparse.Namespace, out: Path, text_salt: int) -> dic
     return summary
 
 
-def _replay(record: Path, args: argparse.Namespace, out: Path) -> dict[str, dict[str, Any]]:
+def _replay(
+    record: Path, args: argparse.Namespace, out: Path, policies: str
+) -> dict[str, dict[str, Any]]:
     command = [
         *isocost_command(), "sim", "--from-record", str(record),
-        "--policies", "round_robin,equal_cost", "--jobs", "1", "--seed", str(args.seed),
+        "--policies", policies, "--jobs", "1", "--seed", str(args.seed),
         "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-ttft-per-1k-ms", "0",
         "--slo-tpot-ms", str(args.slo_tpot_ms), "--json", str(out),
     ]  # fmt: skip
     subprocess.run(command, check=True, capture_output=True, timeout=600)
     return {row["policy"]: row for row in json.loads(out.read_text())}
+
+
+def _fidelity_rows(live: dict[str, Any], replay: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each of ``METRICS`` live (bench's summary) and replayed (sim's row), and the
+    relative error; then errors: bench's failed requests, the replay's rejected ones."""
+    rows = []
+    for label, key, scale in METRICS:
+        shown, replayed = live.get(key), replay.get(key)
+        rows.append(
+            {
+                "metric": label,
+                "live": None if shown is None else shown * scale,
+                "replay": None if replayed is None else replayed * scale,
+                "error": _error(replayed, shown),
+            }
+        )
+    errors = {"live": live["errors"], "replay": replay["rejected"]}
+    rows.append({"metric": "errors", **errors, "error": _error(errors["replay"], errors["live"])})
+    return rows
 
 
 def _error(replayed: float | None, live: float | None) -> float | None:
@@ -121,27 +162,17 @@ def fidelity(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         gateway, url = _gateway(
             services, "gateway-rr", urls, "round_robin", "--record", str(record)
         )
-        live_rr = _bench(url, args, work / "live-rr.json", 1)
+        live_rr = _bench(url, args, work / "live-rr.json", 1, args.trace)
         services.stop(gateway)  # SIGTERM: the recording is flushed
         extra = ("--record", str(work / "rec-eq"))  # the live what-if, for later replays
         gateway, url = _gateway(services, "gateway-eq", urls, "equal_cost", *extra)
-        live_eq = _bench(url, args, work / "live-eq.json", 2)
+        live_eq = _bench(url, args, work / "live-eq.json", 2, args.trace)
         services.stop(gateway)
     finally:
         services.stop_all()
-    replay = _replay(record, args, work / "replay.json")
+    replay = _replay(record, args, work / "replay.json", "round_robin,equal_cost")
     fleet = json.loads((record / "fleet.json").read_text())
-    rows = []
-    for label, key, scale in METRICS:
-        live, replayed = live_rr.get(key), replay["round_robin"].get(key)
-        rows.append(
-            {
-                "metric": label,
-                "live": None if live is None else live * scale,
-                "replay": None if replayed is None else replayed * scale,
-                "error": _error(replayed, live),
-            }
-        )
+    rows = _fidelity_rows(live_rr, replay["round_robin"])
     what_if = []
     lives = {"round_robin": live_rr, "equal_cost": live_eq}
     for label, key, over, under in (
@@ -168,6 +199,89 @@ def fidelity(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "calibration": factors,
         "plan": plan(record, args, work),
     }
+
+
+def vllm_fidelity(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """Fidelity on the real engine: two vLLM CPU replicas of tiny-llama (the conformance
+    suite's fleet) behind ``isocost serve --record``, the scaled trace through it with
+    ``--policy``, then its replay; and what the replay's calibration fitted. With
+    ``--replay-only``, the live run kept in ``work`` is replayed again."""
+    record, live_path, load_path = work / "rec", work / "live.json", work / "load.json"
+    if not args.replay_only:
+        trace = _scaled_trace(args, work / "trace.jsonl")
+        services = Services(work / "logs")
+        services.log_dir.mkdir(parents=True, exist_ok=True)
+        fleet = VllmFleet(services.log_dir, size=2)
+        try:
+            config = work / "gateway.yaml"
+            config.write_text(gateway_yaml(fleet.replicas, args.policy, tokenizer=True))
+            gateway = services.start(
+                "gateway",
+                ["serve", "--config", str(config), "--port", "0", "--record", str(record),
+                 "--log-level", "error"],
+            )  # fmt: skip
+            (url,) = gateway.wait_ready(1, 60)
+            _bench(url, args, live_path, 1, trace, "--ignore-eos")
+            load_path.write_text(json.dumps(_load()))  # the 1-minute average: the run's
+            services.stop(gateway)  # SIGTERM: the recording is flushed
+        finally:
+            services.stop_all()
+            fleet.stop()
+    live = json.loads(live_path.read_text())
+    replay = _replay(record, args, work / "replay.json", args.policy)
+    return {
+        "fidelity": _fidelity_rows(live, replay[args.policy]),
+        "calibration": _fitted(record),
+        "load": json.loads(load_path.read_text()),
+    }
+
+
+def _scaled_trace(args: argparse.Namespace, out: Path) -> Path:
+    """The first ``--requests`` rows of ``--trace`` with their lengths scaled to fit
+    tiny-llama's context: prompts x ``--prompt-scale``, at most half the context in the
+    tiny tokenizer's tokens (the rendered words, counted by it), outputs x
+    ``--output-scale``, at most the other half; block ids cut to the scaled prompt."""
+    tokenizer = Tokenizer.from_file(str(TINY_MODEL / "tokenizer.json"))
+    sample = TextRenderer().render([Segment(0, TRACE_BLOCK_TOKENS)])
+    tokens_per_word = len(tokenizer.encode(sample).ids) / TRACE_BLOCK_TOKENS
+    half = MAX_MODEL_LEN // 2
+    lines = []
+    with args.trace.open() as source:
+        for line, _ in zip(source, range(args.requests), strict=False):
+            row = json.loads(line)
+            words = round(row["input_length"] * args.prompt_scale)
+            words = max(1, min(words, int(half / tokens_per_word)))
+            output = max(1, min(round(row["output_length"] * args.output_scale), half - 1))
+            blocks = -(-words // TRACE_BLOCK_TOKENS)
+            scaled = {**row, "input_length": words, "output_length": output}
+            lines.append(json.dumps({**scaled, "hash_ids": row["hash_ids"][:blocks]}))
+    out.write_text("\n".join(lines) + "\n")
+    return out
+
+
+def _fitted(record: Path) -> dict[str, dict[str, float]]:
+    """Per replica, what ``sim --from-record`` calibrates it to: the gateway's factors,
+    the fitted slowdown and the fitted prefill overhead."""
+    recording = load_recording(str(record), None)
+    factors = {r.name: (r.ttft_factor, r.itl_factor) for r in recording.pool.replicas}
+    _, replicas = recorded_cluster(recording, Catalog.builtin(), str(record))
+    return {
+        r.replica_id: {
+            "ttft_factor": factors[r.replica_id][0],
+            "itl_factor": factors[r.replica_id][1],
+            "slowdown": round(r.slowdown, 4),
+            "prefill_overhead_ms": round(1000 * r.cost_model.gpu.prefill_overhead_s, 3),
+        }
+        for r in replicas
+    }
+
+
+def _load() -> dict[str, float]:
+    """The machine's 1-, 5- and 15-minute load averages and CPU count, as the live run
+    ends (the engines, the gateway, the load generator and whatever else runs share
+    these cores)."""
+    one, five, fifteen = os.getloadavg()
+    return {"load_1m": one, "load_5m": five, "load_15m": fifteen, "cpus": os.cpu_count() or 0}
 
 
 def plan(record: Path, args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -279,11 +393,13 @@ def _comparison(
 
 def _print(console: Console, result: dict[str, Any]) -> None:
     if "fidelity" in result:
-        fidelity = ("live round_robin run vs its replay", ("metric", "live", "replay"), ",.2f")
+        fidelity = ("live run vs its replay", ("metric", "live", "replay"), ",.2f")
         console.print(_comparison(result["fidelity"], *fidelity))
+        console.print(f"calibration: {result['calibration']}", markup=False)
+    if "what_if" in result:
         what_if = ("what-if: round_robin -> equal_cost", ("ratio", "predicted", "live"), ".2f")
         console.print(_comparison(result["what_if"], *what_if))
-        console.print(f"the gateway's (TTFT, ITL) factors: {result['calibration']}", markup=False)
+    if "plan" in result:
         chosen, replayed = result["plan"]["cheapest"], result["plan"]["replayed"]
         console.print(
             f"plan: {chosen['replicas']} x {chosen['tp']}x {chosen['gpu']} at "
@@ -292,6 +408,13 @@ def _print(console: Console, result: dict[str, Any]) -> None:
                 f"{r['replicas']} replicas: {100 * r['slo_attainment']:.1f}% within SLO"
                 for r in replayed.values()
             ),
+            highlight=False,
+        )
+    if "load" in result:
+        load = result["load"]
+        console.print(
+            f"machine load as the live run ended: {load['load_1m']:.1f} (1 min), "
+            f"{load['load_5m']:.1f} (5 min) on {load['cpus']} CPUs",
             highlight=False,
         )
     if "overhead" in result:
@@ -308,16 +431,20 @@ def _print(console: Console, result: dict[str, Any]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engine", choices=("isocost", "vllm"), default="isocost")
     parser.add_argument("--trace", type=Path, default=TRACE)
     parser.add_argument("--requests", type=int, default=40, help="0: skip fidelity")
     parser.add_argument("--rate", type=float, default=0.4, help="Mean req/s (Poisson).")
+    parser.add_argument("--policy", default="round_robin", help="vllm: the live run's.")
+    parser.add_argument("--prompt-scale", type=float, default=1 / 32, help="vllm: lengths.")
+    parser.add_argument("--output-scale", type=float, default=0.5, help="vllm: lengths.")
     parser.add_argument("--slowdown", type=float, default=2.0, help="The slow replica's.")
     parser.add_argument("--stream-interval", type=int, default=1, help="Tokens per chunk.")
     parser.add_argument(
         "--time-scale", type=float, default=1.0, help="Engine time (0.5: GPUs 2x faster)."
     )
-    parser.add_argument("--slo-ttft-ms", type=float, default=3000.0)
-    parser.add_argument("--slo-tpot-ms", type=float, default=60.0)
+    parser.add_argument("--slo-ttft-ms", type=float, help="Default 3000; vllm: 1000.")
+    parser.add_argument("--slo-tpot-ms", type=float, help="Default 60; vllm: 25.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plan-ttft-slo-ms", type=float, default=6000.0)
     parser.add_argument("--growth", type=float, default=2.0, help="Plan for traffic x this.")
@@ -326,16 +453,25 @@ def main() -> None:
     parser.add_argument("--overhead-concurrency", type=int, default=32)
     parser.add_argument("--overhead-seconds", type=float, default=8.0)
     parser.add_argument("--overhead-rounds", type=int, default=4, help="Alternations.")
+    parser.add_argument(
+        "--replay-only", action="store_true", help="vllm: replay the live run kept in --keep."
+    )
     parser.add_argument("--json", type=Path, help="Write the figures here.")
     parser.add_argument("--keep", type=Path, help="Keep the recordings and logs here.")
     args = parser.parse_args()
+    if args.replay_only and (args.engine != "vllm" or args.keep is None):
+        parser.error("--replay-only replays a kept vllm run: with --engine vllm --keep DIR")
+    ttft_ms, tpot_ms = _SLOS_MS[args.engine]
+    args.slo_ttft_ms = ttft_ms if args.slo_ttft_ms is None else args.slo_ttft_ms
+    args.slo_tpot_ms = tpot_ms if args.slo_tpot_ms is None else args.slo_tpot_ms
     console = Console()
     result: dict[str, Any] = {"args": {k: str(v) for k, v in sorted(vars(args).items())}}
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="isocost-twin-") as tmp:
         work = args.keep or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
         if args.requests > 0:
-            result.update(fidelity(args, work))
+            result.update((vllm_fidelity if args.engine == "vllm" else fidelity)(args, work))
         if args.overhead:
             result["overhead"] = overhead(args, work)
     _print(console, result)

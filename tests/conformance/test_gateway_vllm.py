@@ -40,6 +40,7 @@ from processes import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer
+from vllm_procs import gateway_yaml
 
 pytestmark = pytest.mark.real_vllm
 
@@ -90,31 +91,15 @@ def _start_gateway(
     ``cost_model`` is the model the gateway prices the replicas' work with; ``kv_events``:
     it follows the replicas' KV-cache events and tokenizes prompts with the tiny model's
     tokenizer."""
-    replicas = "\n".join(
-        f"      - {{url: {r.url}, cost_model: {cost_model}"
-        + (f", kv_events: '{r.kv_events}'}}" if kv_events else "}")
-        for r in fleet.replicas
+    text = gateway_yaml(
+        fleet.replicas,
+        policy,
+        cost_model,
+        kv_events=kv_events,
+        tokenizer=kv_events,
+        admin_token=ADMIN_TOKEN,
     )
-    tokenizer = f"    tokenizer: {TINY_MODEL}" if kv_events else ""
-    (folder / "gateway.yaml").write_text(f"""
-policy: {policy}
-scrape_interval_ms: 100
-pools:
-  - model: {SERVED_NAME}
-{tokenizer}
-    replicas:
-{replicas}
-limits:
-  retry_backoff_ms: 5
-  connect_timeout_ms: 10000   # two CPU vLLM replicas saturate both cores: the gateway's
-                              # event loop can stall past 1 s; a dead replica still refuses
-health:
-  interval_ms: 200
-  timeout_ms: 10000
-  open_ms: 500
-auth:
-  admin_token: {ADMIN_TOKEN}
-""")
+    (folder / "gateway.yaml").write_text(text)
     process = IsocostProcess(
         ["serve", "--config", str(folder / "gateway.yaml"), "--port", "0"],
         "isocost serve",

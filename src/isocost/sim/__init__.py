@@ -62,7 +62,13 @@ from isocost.sim._run import (
     run_capacity,
     run_plan,
 )
-from isocost.sim._twin import Recording, calibrated_slowdown, load_recording, recorded_cluster
+from isocost.sim._twin import (
+    Recording,
+    calibrated_slowdown,
+    light_requests,
+    load_recording,
+    recorded_cluster,
+)
 from isocost.sim._workload import WorkloadChoice, at_rate, load_requests
 from isocost.workload import TRACE_FORMATS
 
@@ -106,6 +112,7 @@ __all__ = [
     "gateway_pool",
     "isolated_times",
     "json_rows",
+    "light_requests",
     "load_recording",
     "load_requests",
     "lowest_slowdowns",

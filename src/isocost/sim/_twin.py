@@ -16,6 +16,18 @@ state included), not step times. An engine slowed 2x on purpose was learned as 1
 (TTFT) and 1.63 (ITL), its twin as 1.09 and 0.70; replayed at those speeds TTFT p50 came
 out 36% low, while the fit found 2.00 and 1.00 and matched live to 3%
 (``benchmarks/twin.py``).
+
+One factor on every step keeps the recorded GPU's ratio of prefill to decode time, which
+a replica that is not that GPU does not have (a CPU serving a tiny model: its prefill is
+no dearer than a decode step, its time is its framework's). So further rounds fit each
+replica's prefill overhead (the cost model's fixed time per prefill chunk) beside its
+slowdown: the recorded TTFTs of the requests that met their replica least loaded
+(``light_requests``: the fewest of its requests in flight when they arrived, so their TTFT
+is service, not queueing) against the replay's TTFTs of the same requests; the median gap
+moves the overhead along the secant of the last two rounds (``_secant``). A prefill 60 ms
+dearer per chunk than the GPU's is found to 1%, an engine that matches its GPU keeps 3 ms
+(``tests/unit/sim/test_sim_twin.py``). TTFT under load, the tails and goodput stay
+predictions.
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ from random import Random
 import msgspec
 
 from isocost.core.catalog import Catalog
+from isocost.core.costmodel import CostModel
 from isocost.core.errors import ConfigError
 from isocost.runtime.recording import (
     FLEET_FILE,
@@ -56,14 +69,17 @@ __all__ = [
     "Recording",
     "calibrated_slowdown",
     "fit_slowdowns",
+    "light_requests",
     "load_recording",
     "recorded_cluster",
 ]
 
 
 _outcome = msgspec.json.Decoder(RecordedRequest)
-_FIT_ROUNDS = 3
-_FIT_STEP = (0.25, 4.0)  # bounds of one round's correction
+_FIT_ROUNDS = 3  # slowdowns alone
+_PREFILL_ROUNDS = 5  # then slowdowns and prefill overheads
+_FIT_STEP = (0.25, 4.0)  # bounds of one round's slowdown correction
+_LIGHT_MIN = 3  # light requests per replica, at least (fewer: its whole next load level)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -174,12 +190,16 @@ def recorded_cluster(
 def fit_slowdowns(
     recording: Recording, cluster: ClusterConfig, replicas: list[SimReplica], seed: int = 0
 ) -> list[SimReplica]:
-    """``replicas`` with slowdowns fitted to the recording (module docstring): replicas
-    that showed no streamed request keep theirs."""
-    live = _median_tpot(
-        (o.replica, o.e2e_ms, o.ttft_ms, o.output_tokens) for o in recording.outcomes
-    )
-    for _ in range(_FIT_ROUNDS):
+    """``replicas`` with slowdowns and prefill overheads fitted to the recording (module
+    docstring): replicas that showed no streamed request keep their slowdown, those with
+    no light request their prefill overhead. Slowdowns first, alone; then both."""
+    tried: dict[str, tuple[float, float]] = {}  # replica: (overhead s, its TTFT gap ms)
+    outcomes = recording.outcomes
+    live = _median_tpot((o.replica, o.e2e_ms, o.ttft_ms, o.output_tokens) for o in outcomes)
+    light = light_requests(outcomes)
+    if not live and not light:
+        return replicas  # nothing recorded to fit to
+    for round_ in range(_FIT_ROUNDS + _PREFILL_ROUNDS):
         policy = build_policy(recording.pool.policy, rng=Random(seed), source="fleet.json")
         served = served_model(cluster)
         result = Simulator(cluster, replicas, policy, recording.requests, model=served).run()
@@ -192,18 +212,83 @@ def fit_slowdowns(
             )
             for r in result.records
         )
+        replayed_ttft_ms = {
+            r.request.request_id: 1000 * (r.first_token_s - r.request.arrival_s)
+            for r in result.records
+            if r.first_token_s is not None
+        }
         low, high = _FIT_STEP
-        replicas = [
-            dataclasses.replace(
-                r,
-                slowdown=r.slowdown
-                * min(high, max(low, live[r.replica_id] / replayed[r.replica_id])),
-            )
-            if r.replica_id in live and replayed.get(r.replica_id, 0) > 0
-            else r
-            for r in replicas
-        ]
+        fitted = []
+        for r in replicas:
+            gaps_ms = [
+                ttft_ms - replayed_ttft_ms[i]
+                for i in light.get(r.replica_id, ())
+                if i in replayed_ttft_ms and (ttft_ms := outcomes[i].ttft_ms) is not None
+            ]
+            if gaps_ms and round_ >= _FIT_ROUNDS:
+                r = _with_prefill_overhead(r, _secant(r, statistics.median(gaps_ms), tried))
+            if r.replica_id in live and replayed.get(r.replica_id, 0) > 0:
+                ratio = live[r.replica_id] / replayed[r.replica_id]
+                r = dataclasses.replace(r, slowdown=r.slowdown * min(high, max(low, ratio)))
+            fitted.append(r)
+        replicas = fitted
     return replicas
+
+
+def light_requests(outcomes: Sequence[RecordedRequest]) -> dict[str, list[int]]:
+    """Per replica, the indices in ``outcomes`` of its least loaded requests with a
+    TTFT. Least loaded: the fewest other requests of the same replica in flight (arrived
+    no later, not finished) when each arrived; at least ``_LIGHT_MIN`` of them where the
+    replica has as many, taking the next load levels whole."""
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for o in outcomes:
+        if o.replica is not None:
+            spans.setdefault(o.replica, []).append((o.timestamp, o.timestamp + o.e2e_ms))
+    levels: dict[str, dict[int, list[int]]] = {}
+    for index, o in enumerate(outcomes):
+        if o.replica is None or o.ttft_ms is None:
+            continue
+        busy = sum(start <= o.timestamp < end for start, end in spans[o.replica]) - 1
+        levels.setdefault(o.replica, {}).setdefault(busy, []).append(index)
+    light: dict[str, list[int]] = {}
+    for replica, by_busy in levels.items():
+        chosen: list[int] = []
+        for busy in sorted(by_busy):
+            if len(chosen) >= _LIGHT_MIN:
+                break
+            chosen.extend(by_busy[busy])
+        light[replica] = chosen
+    return light
+
+
+def _secant(replica: SimReplica, gap_ms: float, tried: dict[str, tuple[float, float]]) -> float:
+    """The next prefill overhead (s) of ``replica``, whose light requests came out
+    ``gap_ms`` (median) faster in the replay than live: along the secant through this
+    round and the one before it (``tried``, updated); in the first round, or where the
+    secant does not fall, along the cost model's own slope (one chunk's overhead,
+    stretched by the slowdown)."""
+    overhead_s = replica.cost_model.gpu.prefill_overhead_s
+    slope = -1000 * replica.slowdown  # gap ms per s of overhead
+    if replica.replica_id in tried:
+        before_s, before_ms = tried[replica.replica_id]
+        if overhead_s != before_s and (gap_ms - before_ms) / (overhead_s - before_s) < 0:
+            slope = (gap_ms - before_ms) / (overhead_s - before_s)
+    tried[replica.replica_id] = (overhead_s, gap_ms)
+    return max(0.0, overhead_s - gap_ms / slope)
+
+
+def _with_prefill_overhead(replica: SimReplica, overhead_s: float) -> SimReplica:
+    cost = replica.cost_model
+    gpu = dataclasses.replace(cost.gpu, prefill_overhead_s=overhead_s)
+    fitted = CostModel(
+        cost.model,
+        gpu,
+        cost.tensor_parallel,
+        weight_dtype=cost.weight_dtype,
+        kv_dtype=cost.kv_dtype,
+        limits=cost.limits,
+    )
+    return dataclasses.replace(replica, cost_model=fitted)
 
 
 def _median_tpot(

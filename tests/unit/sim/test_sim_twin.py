@@ -3,6 +3,7 @@ failures, and the fleet planner's cheapest fleet (it meets the SLOs, one fewer d
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from random import Random
@@ -11,6 +12,7 @@ import msgspec
 import pytest
 
 from isocost.core.catalog import Catalog
+from isocost.core.costmodel import CostModel
 from isocost.core.errors import ConfigError
 from isocost.core.slo import SloTargets
 from isocost.runtime.recording import (
@@ -25,7 +27,9 @@ from isocost.sim import (
     ClusterConfig,
     ReplicaGroup,
     SimPlan,
+    SimReplica,
     Simulator,
+    light_requests,
     load_recording,
     plan_fleet,
     recorded_cluster,
@@ -108,21 +112,18 @@ def test_the_cheapest_fleet_meets_the_slos_and_one_fewer_does_not(tmp_path: Path
     assert grown.cheapest is not None and grown.cheapest.count > best.count
 
 
-def test_slowdowns_are_fitted_to_what_the_replicas_showed(tmp_path: Path) -> None:
-    """A "live" run simulated with one replica 2.5x slow, recorded with the gateway's
-    factors at 1.0: the fit finds both speeds again."""
-    truth = {"fast-0": 1.0, "slow-0": 2.5}
-    groups = [
-        ReplicaGroup(gpu="a100-80g", model=MODEL, name=name[:-2], slowdown=slowdown)
-        for name, slowdown in truth.items()
-    ]
-    cluster = ClusterConfig(replicas=groups, served_model=MODEL)
+def _simulated_recording(directory: Path, replicas: list[SimReplica]) -> Path:
+    """A "live" run simulated on ``replicas`` (round robin, the fixture trace's first 60
+    requests), recorded as the gateway records, its fleet at the gateway's defaults
+    (A100s, factors 1.0)."""
+    cluster = ClusterConfig(
+        replicas=[ReplicaGroup(gpu="a100-80g", model=MODEL, name=r.replica_id) for r in replicas],
+        served_model=MODEL,
+    )
     lines = [json.loads(line) for line in TRACE.read_text().splitlines()[:60]]
     requests = parse_trace([json.dumps(row) for row in lines], "fixture")
     policy = build_policy("round_robin", rng=Random(0))
-    replicas = resolve_cluster(cluster, Catalog.builtin())
     live = Simulator(cluster, replicas, policy, requests, model=MODEL).run()
-    directory = tmp_path / "rec"
     directory.mkdir()
     rows = []
     for record in live.records:
@@ -145,13 +146,57 @@ def test_slowdowns_are_fitted_to_what_the_replicas_showed(tmp_path: Path) -> Non
     (directory / "trace-000000.jsonl").write_bytes(
         b"".join(msgspec.json.encode(row) + b"\n" for row in rows)
     )
-    fleet = [FleetReplica(name, "a100-80g", MODEL) for name in truth]
+    fleet = [FleetReplica(r.replica_id, "a100-80g", MODEL) for r in replicas]
     (directory / FLEET_FILE).write_bytes(
         msgspec.json.encode(FleetFile(pools=[FleetPool(MODEL, "round_robin", fleet)]))
     )
+    return directory
+
+
+def _a100s(**slowdowns: float) -> list[SimReplica]:
+    groups = [
+        ReplicaGroup(gpu="a100-80g", model=MODEL, name=name, slowdown=slowdown)
+        for name, slowdown in slowdowns.items()
+    ]
+    replicas = resolve_cluster(ClusterConfig(replicas=groups), Catalog.builtin())
+    return [dataclasses.replace(r, replica_id=r.replica_id[:-2]) for r in replicas]
+
+
+def _fitted(directory: Path) -> dict[str, tuple[float, float]]:
+    """Per replica, the fitted (slowdown, prefill overhead in ms)."""
+    recording = load_recording(str(directory), None)
+    _, fitted = recorded_cluster(recording, Catalog.builtin(), "test")
+    return {r.replica_id: (r.slowdown, 1000 * r.cost_model.gpu.prefill_overhead_s) for r in fitted}
+
+
+def test_slowdowns_are_fitted_to_what_the_replicas_showed(tmp_path: Path) -> None:
+    """A "live" run simulated with one replica 2.5x slow, recorded with the gateway's
+    factors at 1.0: the fit finds both speeds again, and the prefill overhead the A100
+    has (3 ms) on both."""
+    directory = _simulated_recording(tmp_path / "rec", _a100s(fast=1.0, slow=2.5))
     recording = load_recording(str(directory), None)
     _, unfitted = recorded_cluster(recording, Catalog.builtin(), "test", fit=False)
     assert [r.slowdown for r in unfitted] == [1.0, 1.0]
-    _, fitted = recorded_cluster(recording, Catalog.builtin(), "test")
-    found = {r.replica_id: r.slowdown for r in fitted}
-    assert found == {name: pytest.approx(value, rel=0.1) for name, value in truth.items()}
+    found = _fitted(directory)
+    assert {name: slowdown for name, (slowdown, _) in found.items()} == {
+        "fast": pytest.approx(1.0, rel=0.1),
+        "slow": pytest.approx(2.5, rel=0.1),
+    }
+    assert [overhead for _, overhead in found.values()] == [pytest.approx(3.0, abs=1.0)] * 2
+
+
+def test_a_prefill_dearer_than_the_gpus_is_fitted_from_light_requests(tmp_path: Path) -> None:
+    """A "live" replica whose every prefill chunk costs 60 ms more than the recorded GPU's
+    (a CPU-like engine: decode steps as the A100's, prefill not): the fit finds that
+    overhead from the requests that met it least loaded, and leaves both speeds alone."""
+    fast, dear = _a100s(fast=1.0, dear=1.0)
+    gpu = dataclasses.replace(dear.cost_model.gpu, prefill_overhead_s=0.063)
+    dear = dataclasses.replace(dear, cost_model=CostModel(dear.cost_model.model, gpu))
+    directory = _simulated_recording(tmp_path / "rec", [fast, dear])
+    recording = load_recording(str(directory), None)
+    light = light_requests(recording.outcomes)
+    assert sorted(light) == ["dear", "fast"] and all(len(v) >= 3 for v in light.values())
+    found = _fitted(directory)
+    assert found["dear"][1] == pytest.approx(63.0, rel=0.15)
+    assert found["fast"][1] == pytest.approx(3.0, abs=1.0)
+    assert [slowdown for slowdown, _ in found.values()] == [pytest.approx(1.0, rel=0.1)] * 2
