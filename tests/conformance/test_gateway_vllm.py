@@ -17,6 +17,7 @@ import asyncio
 import json
 import random
 import re
+import signal
 import subprocess
 import time
 import urllib.request
@@ -660,12 +661,15 @@ def test_clients_that_leave_mid_generation_free_vllm(
 # -- a replica killed under load (last: it leaves one replica dead) ----------------------
 
 
-KILL_AFTER = 600  # tokens the victim generates (of its 12 x 600) before it is killed
-# Unthrottled, the tiny model makes the victim's 7,200 tokens in ~0.6 s, less than one
-# scrape of its /metrics can take on a busy machine (seen: 1.8 s), so the kill could land
-# after its streams had ended. Paused 80% of the time, the victim needs ~3 s for them.
-THROTTLE_RUN_S = 0.01
-THROTTLE_PAUSE_S = 0.04
+KILL_AFTER_CHUNKS = 5  # of a stream from the victim read by its client, then SIGKILL
+# A warm tiny model makes the victim's 7,200 tokens in ~0.6 s, faster than one scrape of
+# vLLM's /metrics on a busy machine (seen: 1.8 s), so a kill timed by its metrics could
+# land after its streams had ended. Its API server, paused 95% of the time, then sends
+# what was made in bursts (seen: each stream's 600 tokens within 1 s of its first), so
+# the kill is sent right where a client reads the 5th chunk, not from another task (which
+# the burst kept waiting 0.6 s).
+THROTTLE_RUN_S = 0.005
+THROTTLE_PAUSE_S = 0.095
 
 
 @dataclass
@@ -680,10 +684,9 @@ def test_a_killed_replica_loses_nothing_and_its_streams_resume(
     live: Gateway, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """24 requests (half streamed, completions and chats) of 600 tokens each; the victim
-    is throttled (see ``THROTTLE_PAUSE_S``) and SIGKILLed once its own metrics show
-    ``KILL_AFTER`` tokens generated (the tiny model decodes faster than a client reads, so
-    a kill timed by what the client has read lands after the streams ended), with its
-    requests mid-generation. Every stream flowing from it goes
+    is throttled (see ``THROTTLE_PAUSE_S``) and SIGKILLed once a client has read
+    ``KILL_AFTER_CHUNKS`` chunks of a stream from it, with its streams mid-way.
+    Every stream flowing from it goes
     on on the survivor: no error, exactly 600 completion tokens in its usage, one id.
     (The text itself cannot be checked to the token: random weights emit byte tokens that
     decode to replacement characters, and the continuation's prompt is that text tokenized
@@ -692,17 +695,11 @@ def test_a_killed_replica_loses_nothing_and_its_streams_resume(
     survivor = live.fleet.replicas[0]
     output_tokens = 600  # the continuation's prompt must still fit the 1,024-token context
 
-    generated_before = _vllm_gauge(victim.url, _GENERATED)
+    victim_streaming = asyncio.Event()  # SIGKILL sent: a client read KILL_AFTER_CHUNKS
 
-    def kill_mid_generation() -> None:
-        with victim.throttled(THROTTLE_RUN_S, THROTTLE_PAUSE_S):
-            wait_for(
-                lambda: _vllm_gauge(victim.url, _GENERATED) - generated_before >= KILL_AFTER,
-                120,
-                "the victim generating",
-                interval_s=0.01,
-            )
-            victim.kill()
+    async def reap_the_victim() -> None:
+        await asyncio.wait_for(victim_streaming.wait(), 120)
+        await asyncio.to_thread(victim.kill)  # already sent; waits for its exit
 
     async def one(client: openai.AsyncOpenAI, i: int) -> _Outcome:
         streamed = i % 4 < 2  # S S N N: under round robin each replica gets both kinds
@@ -724,7 +721,12 @@ def test_a_killed_replica_loses_nothing_and_its_streams_resume(
         try:
             answer = raw.parse()
             if isinstance(answer, openai.AsyncStream):
-                chunks = [chunk async for chunk in answer]
+                chunks = []
+                async for chunk in answer:
+                    chunks.append(chunk)
+                    if outcome.served_by == victim.url and len(chunks) == KILL_AFTER_CHUNKS:
+                        victim.signal_group(signal.SIGKILL)
+                        victim_streaming.set()
                 assert len({c.id for c in chunks}) == 1
                 usage = chunks[-1].usage
                 assert usage is not None and usage.completion_tokens == output_tokens
@@ -742,9 +744,10 @@ def test_a_killed_replica_loses_nothing_and_its_streams_resume(
         async with openai.AsyncOpenAI(
             base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=300
         ) as client:
-            killer = asyncio.create_task(asyncio.to_thread(kill_mid_generation))
-            outcomes = list(await asyncio.gather(*(one(client, i) for i in range(24))))
-            await killer
+            with victim.throttled(THROTTLE_RUN_S, THROTTLE_PAUSE_S):
+                killer = asyncio.create_task(reap_the_victim())
+                outcomes = list(await asyncio.gather(*(one(client, i) for i in range(24))))
+                await killer
             return outcomes
 
     outcomes = asyncio.run(load())
