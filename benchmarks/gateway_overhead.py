@@ -17,7 +17,10 @@ engine, for ``sglang-router`` and ``vllm-router`` (round_robin, their cheapest p
 installed from PyPI into their own venv ``.venv-peers`` on first use. With ``--envoy``,
 for Envoy alone (round robin) and Envoy with ``isocost picker`` choosing
 (deploy/envoy/picker.yaml; and its request body BUFFERED or FULL_DUPLEX_STREAMED).
-Envoy comes from ``make envoy``.
+Envoy comes from ``make envoy``. With ``--shadow a,b`` also the gateway whose pool
+evaluates those candidate policies beside ``--policy`` (``shadow:``, each request's
+decision computed by every candidate too); its replays are set an hour apart, so the
+figures are the per-request cost of the shadow decisions alone.
 
 Run:
 
@@ -105,6 +108,23 @@ def _start(args: list[str], marker: str) -> tuple[subprocess.Popen[str], str]:
     except NotReady as exc:
         raise SystemExit(f"isocost {args[0]} did not become ready ({exc})") from None
     return proc, url
+
+
+def _start_shadowed(
+    engine_url: str, policy: str, candidates: str, workdir: Path
+) -> tuple[subprocess.Popen[str], str]:
+    """`isocost serve` over the engine, its pool shadowing ``candidates`` (comma-separated)."""
+    names = ", ".join(c.strip() for c in candidates.split(",") if c.strip())
+    config = workdir / "shadow.yaml"
+    config.write_text(
+        f"policy: {policy}\n"
+        f"pools:\n  - model: {MODEL}\n    replicas: [{{url: '{engine_url}'}}]\n"
+        f"    shadow: {{policies: [{names}], interval_s: 3600}}\n"
+    )
+    return _start(
+        ["serve", "--port", "0", "--config", str(config), "--log-level", "warning"],
+        "isocost serve",
+    )
 
 
 def _start_envoy_rows(
@@ -268,6 +288,9 @@ def main() -> None:
     parser.add_argument(
         "--workers", type=int, default=1, help="also measure `isocost serve --workers N`"
     )
+    parser.add_argument(
+        "--shadow", help="also measure the gateway with these candidate policies (a,b)"
+    )
     args = parser.parse_args()
     console = Console()
 
@@ -294,6 +317,10 @@ def main() -> None:
     stops: list[Callable[[], None]] = []
     workdir = Path(tempfile.mkdtemp(prefix="isocost-overhead-"))
     try:
+        if args.shadow:
+            shadowed, shadowed_url = _start_shadowed(engine_url, args.policy, args.shadow, workdir)
+            procs.insert(0, shadowed)
+            targets["isocost +shadow"] = shadowed_url
         if args.envoy:
             stops, envoy_urls = _start_envoy_rows(engine_url, args.policy, workdir)
             targets.update(envoy_urls)
