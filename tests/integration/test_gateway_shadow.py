@@ -9,87 +9,20 @@ are answered as ever."""
 from __future__ import annotations
 
 import json
-import time
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
-import openai
-from gateway_harness import gateway_config, http
-from isocost_procs import Proc, start_isocost
+from isocost_procs import Proc
+from shadow_cluster import (
+    MODEL,
+    send_traffic,
+    shadow_status,
+    start_shadowed_gateway,
+    wait_for_shadow,
+)
 
-MODEL = "llama-3.1-8b"
-API_KEY = "sk-test-shadow-5c2a"
-ADMIN_TOKEN = "admin-shadow-token-81fe"
-ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 CANDIDATES = ("equal_cost", "least_request")
 REQUESTS = 48
-
-
-def _engines(procs: list[Proc]) -> list[str]:
-    for slowdown in (1.0, 4.0):
-        args = ["engine", "--port", "0", "--model", MODEL, "--gpu", "a100-80g"]
-        args += ["--output-dist", "max", "--time-scale", "0.05", "--slowdown", f"{slowdown:g}"]
-        procs.append(start_isocost(args))
-    return [p.url for p in procs]
-
-
-def _gateway(procs: list[Proc], tmp: Path, shadow: str) -> Proc:
-    config = tmp / "gateway.yaml"
-    config.write_text(
-        gateway_config(
-            _engines(procs),
-            model=MODEL,
-            admin_token=ADMIN_TOKEN,
-            api_key=API_KEY,
-            policy="round_robin",
-            pool_fields=f"    shadow: {shadow}",
-        )
-    )
-    with (tmp / "gateway.log").open("a") as log:
-        gateway = start_isocost(
-            ["serve", "--config", str(config), "--port", "0"], "isocost serve", log
-        )
-    procs.append(gateway)
-    return gateway
-
-
-def _ask(client: openai.OpenAI, i: int) -> None:
-    messages = [{"role": "user", "content": f"question {i}: " + "how busy is it? " * 40}]
-    with client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=24, stream=True
-    ) as chunks:  # type: ignore[call-overload]
-        pieces = [c.choices[0].delta.content for c in chunks if c.choices]
-    assert "".join(p for p in pieces if p)
-
-
-def _traffic(gateway: Proc, count: int) -> None:
-    with (
-        openai.OpenAI(base_url=gateway.url + "/v1", api_key=API_KEY) as client,
-        ThreadPoolExecutor(4) as pool,
-    ):
-        list(pool.map(lambda i: _ask(client, i), range(count)))
-
-
-def _shadow(gateway: Proc) -> dict[str, Any]:
-    status, _, answer = http("GET", gateway.url + "/admin/snapshot", None, ADMIN)
-    assert status == 200, answer
-    assert isinstance(answer, dict)
-    shadow = answer["shadow"][MODEL]
-    assert isinstance(shadow, dict)
-    return shadow
-
-
-def _until(gateway: Proc, done: Any, timeout_s: float) -> dict[str, Any]:
-    """The pool's shadow status once ``done(status)`` holds; fails at the deadline."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        shadow = _shadow(gateway)
-        if done(shadow):
-            return shadow
-        assert time.monotonic() < deadline, f"not reached in {timeout_s:g} s: {shadow}"
-        time.sleep(0.2)
 
 
 def _metrics(gateway: Proc, name: str) -> dict[str, float]:
@@ -107,9 +40,9 @@ def test_candidates_are_counted_and_the_replay_predicts_the_better_one(
     tmp_path: Path, procs: list[Proc]
 ) -> None:
     shadow = "{policies: [equal_cost, least_request], interval_s: 2, min_requests: 20}"
-    gateway = _gateway(procs, tmp_path, shadow)
-    _traffic(gateway, REQUESTS)
-    status = _until(
+    gateway = start_shadowed_gateway(procs, tmp_path, shadow)
+    send_traffic(gateway, REQUESTS)
+    status = wait_for_shadow(
         gateway, lambda s: s["replay"] is not None and s["replay"]["requests"] == REQUESTS, 120
     )  # a replay may have run before the last requests ended
 
@@ -140,13 +73,13 @@ def test_a_replay_past_its_time_limit_fails_and_requests_go_on(
     tmp_path: Path, procs: list[Proc]
 ) -> None:
     shadow = "{policies: [equal_cost], interval_s: 0.5, min_requests: 1, timeout_s: 0.001}"
-    gateway = _gateway(procs, tmp_path, shadow)
-    _traffic(gateway, 4)
-    status = _until(gateway, lambda s: s["replays"]["failed"] >= 2, timeout_s=60)
+    gateway = start_shadowed_gateway(procs, tmp_path, shadow)
+    send_traffic(gateway, 4)
+    status = wait_for_shadow(gateway, lambda s: s["replays"]["failed"] >= 2, timeout_s=60)
     assert status["replay"] is None and "time limit" in status["last_error"]
-    _traffic(gateway, 4)  # answered as ever
+    send_traffic(gateway, 4)  # answered as ever
     assert _metrics(gateway, "isocost_shadow_replays_total")['{outcome="failed"}'] >= 2
-    assert _shadow(gateway)["candidates"][0]["decisions"] == 8
+    assert shadow_status(gateway)["candidates"][0]["decisions"] == 8
     lines = (tmp_path / "gateway.log").read_text().splitlines()
     failed = [json.loads(line) for line in lines if '"event": "shadow_replay_failed"' in line]
     assert len(failed) >= 2 and "time limit" in failed[0]["error"]

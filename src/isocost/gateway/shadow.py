@@ -255,27 +255,31 @@ class Shadow:
 
     def configure(self, config: GatewayConfig) -> None:
         """Follow ``config``'s pools: start, restart (changed settings) or stop each
-        pool's replays; a window outlives a change of its bounds."""
+        pool's replays. A pool's window and replay counts outlive a change of its
+        settings, its latest predictions one that keeps its candidates."""
         wanted = {pool.model: pool for pool in config.pools if pool.shadow is not None}
         for model in [m for m in self._pools if m not in wanted]:
-            self._stop(self._pools.pop(model))
+            self._forget(model, self._pools.pop(model))
         for model, pool_config in wanted.items():
             settings = pool_config.shadow
             assert settings is not None
             current = self._pools.get(model)
-            if current is not None and (current.settings, current.slo) == (
-                settings,
-                pool_config.slo,
-            ):
+            if current is None:
+                shadow = _PoolShadow(
+                    settings,
+                    pool_config.slo,
+                    ShadowWindow(settings.window_s, settings.max_requests),
+                )
+            elif (current.settings, current.slo) == (settings, pool_config.slo):
                 continue
-            window = (
-                ShadowWindow(settings.window_s, settings.max_requests)
-                if current is None
-                else current.window.resized(settings.window_s, settings.max_requests)
-            )
-            if current is not None:
+            else:
                 self._stop(current)
-            shadow = _PoolShadow(settings, pool_config.slo, window)
+                window = current.window.resized(settings.window_s, settings.max_requests)
+                shadow = _PoolShadow(settings, pool_config.slo, window, outcomes=current.outcomes)
+                if settings.policies == current.settings.policies:
+                    shadow.result = current.result
+                else:
+                    self._forget(model, current)
             shadow.task = asyncio.get_running_loop().create_task(
                 self._replay_every(model, shadow), name=f"shadow:{model}"
             )
@@ -292,6 +296,14 @@ class Shadow:
         if shadow.task is not None:
             shadow.task.cancel()
             shadow.task = None
+
+    def _forget(self, model: str, shadow: _PoolShadow) -> None:
+        """Stop ``shadow``'s replays and drop its predictions' series (stale from now on)."""
+        self._stop(shadow)
+        for change in shadow.result.changes if shadow.result else ():
+            for metric in ("ttft_p99", "goodput"):
+                with contextlib.suppress(KeyError):
+                    self._metrics.shadow_change.remove(model, change.policy, metric)
 
     def record(self, request: GatewayRequest, result: ForwardResult, e2e_s: float) -> None:
         """Keep one finished request in its pool's window (nothing without a shadow)."""
@@ -319,7 +331,7 @@ class Shadow:
         """Replay ``model``'s window now (after any replay running): ok, failed or skipped."""
         async with self._one_at_a_time:
             shadow = self._pools.get(model)
-            pool = self._router_pool_policy(model)
+            pool = self._running_policy(model)
             if shadow is None or pool is None:
                 return "skipped"
             running, settings = pool, shadow.settings
@@ -339,7 +351,7 @@ class Shadow:
             self._metrics.shadow_replays.labels(outcome).inc()
             return outcome
 
-    def _router_pool_policy(self, model: str) -> str | None:
+    def _running_policy(self, model: str) -> str | None:
         policy = self._router.policies.get(model)
         return None if policy is None else policy.name
 
@@ -400,7 +412,7 @@ class Shadow:
                     }
                 )
             out[model] = {
-                "running": self._router_pool_policy(model),
+                "running": self._running_policy(model),
                 "interval_s": shadow.settings.interval_s,
                 "window_requests": len(shadow.window),
                 "candidates": candidates,

@@ -249,3 +249,52 @@ def test_a_window_with_too_few_requests_is_skipped_then_a_failure_counts() -> No
     assert status["replay"] is None and status["candidates"][0]["ttft_p99_change"] is None
     replays = metrics.shadow_replays
     assert [replays.labels(o)._value.get() for o in ("ok", "failed", "skipped")] == [0, 1, 1]
+
+
+# A stand-in simulator (a real subprocess): each candidate half the running policy's P99
+# TTFT, goodput alike; it writes its rows where --json says, as `isocost sim` does.
+_HALVES = _exits(
+    "import json, sys; a = sys.argv; names = a[a.index('--policies') + 1].split(',');"
+    " rows = [{'policy': p, 'ttft_p99_s': 1.0 if i else 2.0, 'goodput_rps': 3.0}"
+    " for i, p in enumerate(names)];"
+    " open(a[a.index('--json') + 1], 'w').write(json.dumps(rows))"
+)
+
+
+def _shadow_config(shadow: str) -> Any:
+    text = f"pools: [{{model: {MODEL}, policy: round_robin, shadow: {shadow}}}]"
+    return parse_config(text, "g.yaml")
+
+
+def test_a_reload_keeps_the_window_and_predictions_of_the_same_candidates() -> None:
+    router, pool, metrics = _router()
+    shadow = Shadow(router, metrics, _fleet, 16, command=_HALVES)
+    gauge = metrics.shadow_change
+
+    def series() -> dict[tuple[str, ...], float]:
+        return {
+            tuple(s.labels.values()): s.value for family in gauge.collect() for s in family.samples
+        }
+
+    async def scenario() -> dict[str, Any]:
+        shadow.configure(_shadow_config("{policies: [random], min_requests: 1}"))
+        shadow.record(_request(pool, "r0"), ForwardResult(200, output_tokens=8), 0.05)
+        assert await shadow.replay(MODEL) == "ok"
+        assert series() == {
+            (MODEL, "random", "ttft_p99"): -0.5,
+            (MODEL, "random", "goodput"): 0.0,
+        }
+        shadow.configure(_shadow_config("{policies: [random], min_requests: 1, interval_s: 5}"))
+        kept = shadow.status(time.monotonic())[MODEL]
+        shadow.configure(_shadow_config("{policies: [least_request], min_requests: 1}"))
+        assert series() == {}  # the dropped candidate's predictions are gone
+        changed = shadow.status(time.monotonic())[MODEL]
+        await shadow.stop()
+        return {"kept": kept, "changed": changed}
+
+    got = asyncio.run(scenario())
+    kept, changed = got["kept"], got["changed"]
+    assert kept["interval_s"] == 5 and kept["window_requests"] == 1
+    assert kept["candidates"][0]["ttft_p99_change"] == -0.5 and kept["replay"]["requests"] == 1
+    assert changed["replay"] is None and changed["window_requests"] == 1
+    assert changed["replays"] == {"ok": 1, "failed": 0, "skipped": 0}
