@@ -58,7 +58,7 @@ MODEL = "llama-3.1-8b"
 PEERS_VENV = ROOT / ".venv-peers"
 PEER_PACKAGES = ("sglang-router==0.3.2", "vllm-router==0.1.17")
 sys.path.insert(0, str(ROOT / "tests" / "support"))  # the suites' processes and Envoy
-from isocost_procs import NotReady, free_port, spawn_ready  # noqa: E402
+from isocost_procs import NotReady, cpu_seconds, free_port, spawn_ready  # noqa: E402
 
 
 def _peers_venv() -> Path:
@@ -233,7 +233,10 @@ async def latency(
     return samples
 
 
-async def throughput(url: str, concurrency: int, duration_s: float, max_tokens: int) -> float:
+async def throughput(
+    url: str, concurrency: int, duration_s: float, max_tokens: int
+) -> tuple[float, int]:
+    """Requests/s of a closed loop of ``concurrency`` workers, and how many were answered."""
     body = _body(max_tokens, False)
     done = 0
     stop_at = time.perf_counter() + duration_s
@@ -248,13 +251,17 @@ async def throughput(url: str, concurrency: int, duration_s: float, max_tokens: 
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return done / (time.perf_counter() - start)
+        return done / (time.perf_counter() - start), done
 
 
 def _row(
-    name: str, percentiles: dict[str, dict[str, float]], rates: dict[str, float]
+    name: str,
+    percentiles: dict[str, dict[str, float]],
+    rates: dict[str, float],
+    cpu_us: dict[str, float],
 ) -> dict[str, Any]:
-    """One router's JSON object: what it adds to direct (ms), and its request rate."""
+    """One router's JSON object: what it adds to direct (ms), its request rate and (an
+    isocost gateway's) CPU time per request."""
 
     def added(key: str) -> float:
         return round(percentiles[key][name] - percentiles[key]["direct"], 3)
@@ -267,6 +274,7 @@ def _row(
         "stream_added_p99_ms": added("stream_ttft_p99"),
         "rps": round(rates[name], 1),
         "rps_x_direct": round(rates[name] / rates["direct"], 3),
+        "cpu_us_per_request": round(cpu_us[name], 1) if name in cpu_us else None,
     }
 
 
@@ -305,6 +313,7 @@ def main() -> None:
         "isocost serve",
     )  # fmt: skip
     procs = [gateway, engine]
+    pids = {"isocost": gateway.pid}  # gateways whose CPU time per request is measured
     targets = {"direct": engine_url, "isocost": gateway_url}
     if args.workers > 1:  # the same gateway on --workers processes sharing the port
         workers, workers_url = _start(
@@ -321,6 +330,7 @@ def main() -> None:
             shadowed, shadowed_url = _start_shadowed(engine_url, args.policy, args.shadow, workdir)
             procs.insert(0, shadowed)
             targets["isocost +shadow"] = shadowed_url
+            pids["isocost +shadow"] = shadowed.pid
         if args.envoy:
             stops, envoy_urls = _start_envoy_rows(engine_url, args.policy, workdir)
             targets.update(envoy_urls)
@@ -335,13 +345,19 @@ def main() -> None:
                 latency(targets, args.requests, args.max_tokens, lambda: progress.advance(task))
             )
             rates: dict[str, float] = {name: 0.0 for name in targets}
+            cpu_us: dict[str, float] = {}  # the lowest of the runs, as rates take the highest
             runs = progress.add_task("throughput", total=2 * len(targets))
             for _ in range(2):
                 for name, url in targets.items():
-                    rate = asyncio.run(
+                    pid = pids.get(name)
+                    cpu_before = cpu_seconds(pid) if pid else 0.0
+                    rate, done = asyncio.run(
                         throughput(url, args.concurrency, args.duration, args.max_tokens)
                     )
                     rates[name] = max(rates[name], rate)
+                    if pid:
+                        used = 1e6 * (cpu_seconds(pid) - cpu_before) / max(1, done)
+                        cpu_us[name] = min(cpu_us.get(name, used), used)
                     progress.advance(runs)
     finally:
         for stop in stops:
@@ -379,9 +395,20 @@ def main() -> None:
             for name, rate in rates.items()
         ),
     )
+    table.add_row(
+        "gateway CPU µs/request (x isocost)",
+        *(
+            "–"
+            if name not in cpu_us
+            else f"{cpu_us[name]:.0f}"
+            if name == "isocost"
+            else f"{cpu_us[name]:.0f} ({cpu_us[name] / cpu_us['isocost']:.2f}x)"
+            for name in targets
+        ),
+    )
     console.print(table)
     if args.json:
-        rows = [_row(name, percentiles, rates) for name in targets]
+        rows = [_row(name, percentiles, rates, cpu_us) for name in targets]
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
         console.print(f"figures written to {args.json}")
     sys.exit(0)

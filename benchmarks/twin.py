@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -50,6 +49,9 @@ from rich.table import Table
 from isocost.runtime.processes import Services, isocost_command
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "support"))  # the suites' process helpers
+from isocost_procs import cpu_seconds  # noqa: E402
+
 TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 MODEL = "llama-3.1-8b"
 METRICS = (
@@ -229,9 +231,9 @@ def overhead(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                     "--concurrency", str(args.overhead_concurrency),
                     "--duration", str(args.overhead_seconds), "--json", str(out),
                 ]  # fmt: skip
-                cpu_before = _cpu_s(gateway.popen.pid)
+                cpu_before = cpu_seconds(gateway.popen.pid)
                 subprocess.run(command, check=True, capture_output=True, timeout=600)
-                cpu_s = _cpu_s(gateway.popen.pid) - cpu_before
+                cpu_s = cpu_seconds(gateway.popen.pid) - cpu_before
                 services.stop(gateway)
                 summary = json.loads(out.read_text())
                 runs[mode].append(
@@ -252,12 +254,6 @@ def overhead(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "rps_ratio": median["record"]["rps"] / median["plain"]["rps"],
         "cpu_ratio": median["record"]["cpu_us_per_request"] / median["plain"]["cpu_us_per_request"],
     }
-
-
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far (Linux ``/proc``)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _fmt(value: float | None, spec: str) -> str:

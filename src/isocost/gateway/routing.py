@@ -78,6 +78,7 @@ __all__ = ["GatewayRequest", "Grant", "Handoff", "Router"]
 log = logging.getLogger("isocost.gateway")
 
 _RECENT_DECISIONS = 50
+_NO_CANDIDATES: Mapping[str, Policy] = {}
 _REJECT_STATUS = {
     RejectReason.NO_REPLICA: 404,
     RejectReason.UNAVAILABLE: 503,
@@ -711,23 +712,26 @@ class _PolicyHooks:
         self.policies = policies
         self.candidates = candidates
 
-    def _of(self, model: str) -> list[Policy]:
-        policy = self.policies.get(model)
-        found = [] if policy is None else [policy]
-        found.extend(self.candidates.get(model, {}).values())
-        return found
-
     def on_dispatch(self, record: InFlight, now: float) -> None:
-        for policy in self._of(record.model):
+        policy = self.policies.get(record.model)
+        if policy is not None:
             policy.on_dispatch(record, now)
+        for candidate in self.candidates.get(record.model, _NO_CANDIDATES).values():
+            candidate.on_dispatch(record, now)
 
     def on_first_token(self, record: InFlight, now: float) -> None:
-        for policy in self._of(record.model):
+        policy = self.policies.get(record.model)
+        if policy is not None:
             policy.on_first_token(record, now)
+        for candidate in self.candidates.get(record.model, _NO_CANDIDATES).values():
+            candidate.on_first_token(record, now)
 
     def on_complete(self, record: InFlight, now: float, ok: bool) -> None:
-        for policy in self._of(record.model):
+        policy = self.policies.get(record.model)
+        if policy is not None:
             policy.on_complete(record, now, ok)
+        for candidate in self.candidates.get(record.model, _NO_CANDIDATES).values():
+            candidate.on_complete(record, now, ok)
 
 
 class _Waiter(asyncio.Future[Grant]):

@@ -87,6 +87,7 @@ class CandidateChange:
 @dataclass(frozen=True, slots=True)
 class ReplayResult:
     at_s: float  # monotonic seconds the replay finished
+    took_s: float  # from writing the window to reading the simulator's answer
     requests: int  # in the window it replayed
     running: str
     changes: tuple[CandidateChange, ...]
@@ -330,11 +331,10 @@ class Shadow:
     async def replay(self, model: str) -> str:
         """Replay ``model``'s window now (after any replay running): ok, failed or skipped."""
         async with self._one_at_a_time:
-            shadow = self._pools.get(model)
-            pool = self._running_policy(model)
-            if shadow is None or pool is None:
+            shadow, running = self._pools.get(model), self._running_policy(model)
+            if shadow is None or running is None:  # the pool went while this waited
                 return "skipped"
-            running, settings = pool, shadow.settings
+            settings = shadow.settings
             candidates = [c for c in settings.policies if c != running]
             lines = shadow.window.recent(self._clock())
             if len(lines) < settings.min_requests or not candidates:
@@ -363,7 +363,7 @@ class Shadow:
         running: str,
         candidates: list[str],
     ) -> str:
-        settings = shadow.settings
+        settings, started_s = shadow.settings, self._clock()
         try:
             rows = await run_replay(
                 lines,
@@ -383,7 +383,8 @@ class Shadow:
             )
             return "failed"
         shadow.error = None
-        shadow.result = ReplayResult(self._clock(), len(lines), running, changes)
+        now = self._clock()
+        shadow.result = ReplayResult(now, round(now - started_s, 2), len(lines), running, changes)
         gauge = self._metrics.shadow_change
         for change in changes:
             for metric, value in (("ttft_p99", change.ttft_p99), ("goodput", change.goodput)):
@@ -421,6 +422,7 @@ class Shadow:
                 else {
                     "running": result.running,
                     "requests": result.requests,
+                    "took_s": result.took_s,
                     "age_s": round(now - result.at_s, 1),
                 },
                 "last_outcome": shadow.outcome,

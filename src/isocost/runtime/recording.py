@@ -125,7 +125,7 @@ def recorded_hash_ids(
 
 
 def monotonic_epoch_s() -> float:
-    """What turns monotonic seconds into Unix seconds (added)."""
+    """The offset that, added to monotonic seconds, gives Unix seconds (as of now)."""
     return time.time() - time.monotonic()
 
 
