@@ -189,11 +189,15 @@ def test_candidates_decide_every_request_and_see_the_real_dispatches() -> None:
     agree = router.agreement[MODEL, "least_request", True]
     disagree = router.agreement[MODEL, "least_request", False]
     assert agree + disagree == 6
-    counter = metrics.shadow_decisions
-    assert counter.labels(MODEL, "least_request", "yes")._value.get() == agree
-    assert counter.labels(MODEL, "least_request", "no")._value.get() == disagree
+    for agrees, count in (("yes", agree), ("no", disagree)):
+        labels = {"pool": MODEL, "policy": "least_request", "agrees": agrees}
+        assert _sample(metrics, "isocost_shadow_decisions_total", labels) == count
     hooks = [("on_dispatch", name) for name in chosen] + [("on_complete", n) for n in chosen]
     assert seen == hooks  # the real dispatches and ends, in order
+
+
+def _sample(metrics: GatewayMetrics, name: str, labels: dict[str, str]) -> float | None:
+    return metrics.registry.get_sample_value(name, labels)
 
 
 def _fleet() -> FleetFile:
@@ -247,8 +251,12 @@ def test_a_window_with_too_few_requests_is_skipped_then_a_failure_counts() -> No
     assert status["replays"] == {"ok": 0, "failed": 1, "skipped": 1}
     assert status["window_requests"] == 2 and "exited 3" in status["last_error"]
     assert status["replay"] is None and status["candidates"][0]["ttft_p99_change"] is None
-    replays = metrics.shadow_replays
-    assert [replays.labels(o)._value.get() for o in ("ok", "failed", "skipped")] == [0, 1, 1]
+    counts = [
+        _sample(metrics, "isocost_shadow_replays_total", {"outcome": o})
+        for o in ("failed", "skipped")
+    ]
+    assert counts == [1, 1]
+    assert _sample(metrics, "isocost_shadow_replays_total", {"outcome": "ok"}) is None
 
 
 # A stand-in simulator (a real subprocess): each candidate half the running policy's P99
