@@ -17,7 +17,10 @@ engine, for ``sglang-router`` and ``vllm-router`` (round_robin, their cheapest p
 installed from PyPI into their own venv ``.venv-peers`` on first use. With ``--envoy``,
 for Envoy alone (round robin) and Envoy with ``isocost picker`` choosing
 (deploy/envoy/picker.yaml; and its request body BUFFERED or FULL_DUPLEX_STREAMED).
-Envoy comes from ``make envoy``.
+Envoy comes from ``make envoy``. With ``--shadow a,b`` also the gateway whose pool
+evaluates those candidate policies beside ``--policy`` (``shadow:``, each request's
+decision computed by every candidate too); its replays are set an hour apart, so the
+figures are the per-request cost of the shadow decisions alone.
 
 Run:
 
@@ -55,7 +58,7 @@ MODEL = "llama-3.1-8b"
 PEERS_VENV = ROOT / ".venv-peers"
 PEER_PACKAGES = ("sglang-router==0.3.2", "vllm-router==0.1.17")
 sys.path.insert(0, str(ROOT / "tests" / "support"))  # the suites' processes and Envoy
-from isocost_procs import NotReady, free_port, spawn_ready  # noqa: E402
+from isocost_procs import NotReady, cpu_seconds, free_port, spawn_ready  # noqa: E402
 
 
 def _peers_venv() -> Path:
@@ -105,6 +108,23 @@ def _start(args: list[str], marker: str) -> tuple[subprocess.Popen[str], str]:
     except NotReady as exc:
         raise SystemExit(f"isocost {args[0]} did not become ready ({exc})") from None
     return proc, url
+
+
+def _start_shadowed(
+    engine_url: str, policy: str, candidates: str, workdir: Path
+) -> tuple[subprocess.Popen[str], str]:
+    """`isocost serve` over the engine, its pool shadowing ``candidates`` (comma-separated)."""
+    names = ", ".join(c.strip() for c in candidates.split(",") if c.strip())
+    config = workdir / "shadow.yaml"
+    config.write_text(
+        f"policy: {policy}\n"
+        f"pools:\n  - model: {MODEL}\n    replicas: [{{url: '{engine_url}'}}]\n"
+        f"    shadow: {{policies: [{names}], interval_s: 3600}}\n"
+    )
+    return _start(
+        ["serve", "--port", "0", "--config", str(config), "--log-level", "warning"],
+        "isocost serve",
+    )
 
 
 def _start_envoy_rows(
@@ -213,7 +233,10 @@ async def latency(
     return samples
 
 
-async def throughput(url: str, concurrency: int, duration_s: float, max_tokens: int) -> float:
+async def throughput(
+    url: str, concurrency: int, duration_s: float, max_tokens: int
+) -> tuple[float, int]:
+    """Requests/s of a closed loop of ``concurrency`` workers, and how many were answered."""
     body = _body(max_tokens, False)
     done = 0
     stop_at = time.perf_counter() + duration_s
@@ -228,13 +251,17 @@ async def throughput(url: str, concurrency: int, duration_s: float, max_tokens: 
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return done / (time.perf_counter() - start)
+        return done / (time.perf_counter() - start), done
 
 
 def _row(
-    name: str, percentiles: dict[str, dict[str, float]], rates: dict[str, float]
+    name: str,
+    percentiles: dict[str, dict[str, float]],
+    rates: dict[str, float],
+    cpu_us: dict[str, float],
 ) -> dict[str, Any]:
-    """One router's JSON object: what it adds to direct (ms), and its request rate."""
+    """One router's JSON object: what it adds to direct (ms), its request rate and (an
+    isocost gateway's) CPU time per request."""
 
     def added(key: str) -> float:
         return round(percentiles[key][name] - percentiles[key]["direct"], 3)
@@ -247,6 +274,7 @@ def _row(
         "stream_added_p99_ms": added("stream_ttft_p99"),
         "rps": round(rates[name], 1),
         "rps_x_direct": round(rates[name] / rates["direct"], 3),
+        "cpu_us_per_request": round(cpu_us[name], 1) if name in cpu_us else None,
     }
 
 
@@ -268,6 +296,9 @@ def main() -> None:
     parser.add_argument(
         "--workers", type=int, default=1, help="also measure `isocost serve --workers N`"
     )
+    parser.add_argument(
+        "--shadow", help="also measure the gateway with these candidate policies (a,b)"
+    )
     args = parser.parse_args()
     console = Console()
 
@@ -282,6 +313,7 @@ def main() -> None:
         "isocost serve",
     )  # fmt: skip
     procs = [gateway, engine]
+    pids = {"isocost": gateway.pid}  # gateways whose CPU time per request is measured
     targets = {"direct": engine_url, "isocost": gateway_url}
     if args.workers > 1:  # the same gateway on --workers processes sharing the port
         workers, workers_url = _start(
@@ -294,6 +326,11 @@ def main() -> None:
     stops: list[Callable[[], None]] = []
     workdir = Path(tempfile.mkdtemp(prefix="isocost-overhead-"))
     try:
+        if args.shadow:
+            shadowed, shadowed_url = _start_shadowed(engine_url, args.policy, args.shadow, workdir)
+            procs.insert(0, shadowed)
+            targets["isocost +shadow"] = shadowed_url
+            pids["isocost +shadow"] = shadowed.pid
         if args.envoy:
             stops, envoy_urls = _start_envoy_rows(engine_url, args.policy, workdir)
             targets.update(envoy_urls)
@@ -308,13 +345,19 @@ def main() -> None:
                 latency(targets, args.requests, args.max_tokens, lambda: progress.advance(task))
             )
             rates: dict[str, float] = {name: 0.0 for name in targets}
+            cpu_us: dict[str, float] = {}  # the lowest of the runs, as rates take the highest
             runs = progress.add_task("throughput", total=2 * len(targets))
             for _ in range(2):
                 for name, url in targets.items():
-                    rate = asyncio.run(
+                    pid = pids.get(name)
+                    cpu_before = cpu_seconds(pid) if pid else 0.0
+                    rate, done = asyncio.run(
                         throughput(url, args.concurrency, args.duration, args.max_tokens)
                     )
                     rates[name] = max(rates[name], rate)
+                    if pid:
+                        used = 1e6 * (cpu_seconds(pid) - cpu_before) / max(1, done)
+                        cpu_us[name] = min(cpu_us.get(name, used), used)
                     progress.advance(runs)
     finally:
         for stop in stops:
@@ -352,9 +395,20 @@ def main() -> None:
             for name, rate in rates.items()
         ),
     )
+    table.add_row(
+        "gateway CPU µs/request (x isocost)",
+        *(
+            "–"
+            if name not in cpu_us
+            else f"{cpu_us[name]:.0f}"
+            if name == "isocost"
+            else f"{cpu_us[name]:.0f} ({cpu_us[name] / cpu_us['isocost']:.2f}x)"
+            for name in targets
+        ),
+    )
     console.print(table)
     if args.json:
-        rows = [_row(name, percentiles, rates) for name in targets]
+        rows = [_row(name, percentiles, rates, cpu_us) for name in targets]
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
         console.print(f"figures written to {args.json}")
     sys.exit(0)

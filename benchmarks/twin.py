@@ -64,7 +64,8 @@ from isocost.sim import load_recording, recorded_cluster
 from isocost.workload import TRACE_BLOCK_TOKENS, Segment, TextRenderer
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "support"))  # the suites' real-vLLM fleet
+sys.path.insert(0, str(ROOT / "tests" / "support"))  # the suites' process helpers
+from isocost_procs import cpu_seconds  # noqa: E402
 from vllm_procs import MAX_MODEL_LEN, TINY_MODEL, VllmFleet, gateway_yaml  # noqa: E402
 
 TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
@@ -343,9 +344,9 @@ def overhead(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                     "--concurrency", str(args.overhead_concurrency),
                     "--duration", str(args.overhead_seconds), "--json", str(out),
                 ]  # fmt: skip
-                cpu_before = _cpu_s(gateway.popen.pid)
+                cpu_before = cpu_seconds(gateway.popen.pid)
                 subprocess.run(command, check=True, capture_output=True, timeout=600)
-                cpu_s = _cpu_s(gateway.popen.pid) - cpu_before
+                cpu_s = cpu_seconds(gateway.popen.pid) - cpu_before
                 services.stop(gateway)
                 summary = json.loads(out.read_text())
                 runs[mode].append(
@@ -366,12 +367,6 @@ def overhead(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "rps_ratio": median["record"]["rps"] / median["plain"]["rps"],
         "cpu_ratio": median["record"]["cpu_us_per_request"] / median["plain"]["cpu_us_per_request"],
     }
-
-
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far (Linux ``/proc``)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _fmt(value: float | None, spec: str) -> str:

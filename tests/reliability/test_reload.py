@@ -286,6 +286,42 @@ def test_profiles_dropped_under_an_admin_switched_policy_apply_whole(
     wait_for(lambda: set(gateway.rows()) == {first, second, third}, what="the next edit")
 
 
+def _shadowed(text: str, shadow: str) -> str:
+    """``text`` with the pool's ``shadow`` set to ``shadow``."""
+    return text.replace(f"  - model: {MODEL}\n", f"  - model: {MODEL}\n    shadow: {shadow}\n")
+
+
+def test_reloads_add_change_and_drop_a_pools_shadow_candidates(
+    upstreams: list[str], start_gateway: Callable[[str], Gateway]
+) -> None:
+    """Candidates come, change and go with the file; a bad ``shadow`` (the running policy
+    as a candidate) is rejected whole, the candidates running kept."""
+    first = upstreams[0]
+    plain = config_text([entry(first, "a")])
+    gateway = start_gateway(plain)
+
+    def candidates() -> dict[str, int]:
+        _, _, snap = http("GET", gateway.url + "/admin/snapshot", headers=ADMIN)
+        found = snap["shadow"].get(MODEL)
+        return {} if found is None else {c["policy"]: c["decisions"] for c in found["candidates"]}
+
+    assert candidates() == {}
+    gateway.write(_shadowed(plain, "{policies: [least_request], interval_s: 3600}"))
+    wait_for(lambda: candidates() == {"least_request": 0}, what="the candidate added")
+    assert completion(gateway) == 200
+    assert candidates() == {"least_request": 1}
+    gateway.write(_shadowed(plain, "{policies: [least_request, round_robin]}"))
+    wait_rejected(gateway)  # round_robin is the pool's running policy
+    assert candidates() == {"least_request": 1}
+    gateway.write(_shadowed(plain, "{policies: [least_request, random], interval_s: 3600}"))
+    wait_for(lambda: set(candidates()) == {"least_request", "random"}, what="one more")
+    assert completion(gateway) == 200
+    assert candidates() == {"least_request": 2, "random": 1}  # counted on
+    gateway.write(plain + "\n")
+    wait_for(lambda: candidates() == {}, what="the candidates dropped")
+    assert completion(gateway) == 200
+
+
 # -- edits reach the replicas that are already there --------------------------------------
 
 

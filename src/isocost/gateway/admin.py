@@ -158,6 +158,7 @@ def snapshot(gateway: Gateway) -> dict[str, Any]:
         "replicas": rows,
         "decisions": decisions,
         "rejections": dict(gateway.rejections),
+        "shadow": gateway.shadow.status(now),
         "state_bus": None if bus is None else {"up": bus.up, "peers": len(bus.views.peers)},
         "worker": None if gateway.workers is None else gateway.workers.worker_id,
         "pid": os.getpid(),

@@ -98,6 +98,7 @@ def _account(gateway: Gateway, request: GatewayRequest, result: ForwardResult) -
     )
     if gateway.recording.active:
         gateway.recording.record(request, result, e2e_s)
+    gateway.shadow.record(request, result, e2e_s)
 
 
 def _slo_verdict(request: GatewayRequest, result: ForwardResult, e2e_s: float) -> str | None:

@@ -44,6 +44,7 @@ from isocost.gateway.monitor import Monitor
 from isocost.gateway.proxy import Forwarder, ForwardSettings
 from isocost.gateway.recording import Recording, RecordingSettings
 from isocost.gateway.routing import Router
+from isocost.gateway.shadow import Shadow
 from isocost.gateway.supervise import supervise
 from isocost.gateway.upstreams import Pool, Upstream
 from isocost.gateway.workers import WorkerGroup
@@ -129,6 +130,7 @@ class Gateway:
             recording or RecordingSettings(), self.fleet, self.router.block_tokens
         )
         self.metrics.track_recording(lambda: float(self.recording.active), self.recording.total)
+        self.shadow = Shadow(self.router, self.metrics, self.fleet, self.router.block_tokens)
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -154,6 +156,7 @@ class Gateway:
 
     async def stop(self) -> None:
         await self.recording.stop()
+        await self.shadow.stop()
         if self._discovery_pending is not None:
             self._discovery_pending.cancel()
         tasks = [*self._discovery, *self._bus_tasks, *([self._watcher] if self._watcher else [])]
@@ -243,6 +246,15 @@ class Gateway:
                     name,
                     self.router.build(name, config.scheduling),
                 )
+            shadowed = pool_config.shadow.policies if pool_config.shadow else []
+            built = self.router.candidates.get(pool_config.model, {})
+            if scheduling_changed or list(built) != shadowed:  # kept ones keep their state
+                plan.candidates[pool_config.model] = {
+                    c: built[c]
+                    if c in built and not scheduling_changed
+                    else self.router.build(c, config.scheduling)
+                    for c in shadowed
+                }
             for replica_config in pool_config.replicas:
                 url = normalize_replica_url(replica_config.url)
                 wanted[url] = (pool_config.model, replica_config)
@@ -303,6 +315,11 @@ class Gateway:
         )
         for model, (name, _) in plan.policies.items():
             self.pools[model].policy = name
+        self.router.candidates.update(plan.candidates)
+        shadowed = {pool.model for pool in config.pools if pool.shadow is not None}
+        for model in [m for m in self.router.candidates if m not in shadowed]:
+            del self.router.candidates[model]
+        self.shadow.configure(config)
         for pool_config in config.pools:
             pool = self.pools[pool_config.model]
             pool.resume = pool_config.resume
@@ -586,6 +603,7 @@ class _Plan:
 
     config: GatewayConfig
     policies: dict[str, tuple[str, Policy]] = field(default_factory=dict)  # by pool model
+    candidates: dict[str, dict[str, Policy]] = field(default_factory=dict)  # shadow, by pool
     tokenizers: dict[str, Tokenizer] = field(default_factory=dict)  # by pool model
     kept: list[Upstream] = field(default_factory=list)  # listed again as they are
     edited: list[tuple[Upstream, ReplicaConfig, ReplicaSpec | None]] = field(

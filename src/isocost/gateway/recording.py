@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from isocost.gateway.proxy import ForwardResult
     from isocost.gateway.routing import GatewayRequest
 
-__all__ = ["Recording", "RecordingSettings"]
+__all__ = ["Recording", "RecordingSettings", "trace_line"]
 
 log = logging.getLogger("isocost.gateway")
 
@@ -117,32 +117,56 @@ class Recording:
         if recorder is None or not recorder.active:
             return
         self._sequence += 1
-        salt, view, arrived_at = recorder.salt, request.view, request.arrived_at
-        session, deadline_at = request.session_key, request.deadline_at
-        tpot_s, ttft_s = request.tpot_target_s, result.ttft_s
         recorder.record(
-            RecordedRequest(
-                timestamp=recorder.timestamp_ms(arrived_at),
-                input_length=view.prompt_tokens,
-                output_length=max(1, result.output_tokens or view.max_tokens or 1),
-                hash_ids=recorded_hash_ids(
-                    view.block_hashes, self._block_tokens, view.prompt_tokens, salt, self._sequence
-                ),
-                model=request.pool.model,
-                session_id=None if session is None else f"{hash((salt, session)) & _MASK:x}",
-                route_class=request.route_class,
-                priority=request.priority,
-                deadline_ms=None if deadline_at is None else _ms(deadline_at - arrived_at),
-                tpot_ms=None if tpot_s is None else _ms(tpot_s),
-                stream=view.stream,
-                max_tokens=view.max_tokens,
-                status=result.status,
-                replica=result.replica.name if result.replica else None,
-                output_tokens=result.output_tokens,
-                ttft_ms=None if ttft_s is None else _ms(ttft_s),
-                e2e_ms=_ms(e2e_s),
+            trace_line(
+                request,
+                result,
+                e2e_s,
+                salt=recorder.salt,
+                timestamp_ms=recorder.timestamp_ms(request.arrived_at),
+                unique=self._sequence,
+                block_tokens=self._block_tokens,
             )
         )
+
+
+def trace_line(
+    request: GatewayRequest,
+    result: ForwardResult,
+    e2e_s: float,
+    *,
+    salt: int,
+    timestamp_ms: float,
+    unique: int,
+    block_tokens: int,
+) -> RecordedRequest:
+    """One finished request as a recording's line: ids salted with ``salt`` (stable within
+    one recording), ``unique`` telling its unshared blocks apart. The recorder and the
+    shadow window (``gateway.shadow``) both build their lines here."""
+    view, arrived_at = request.view, request.arrived_at
+    session, deadline_at = request.session_key, request.deadline_at
+    tpot_s, ttft_s = request.tpot_target_s, result.ttft_s
+    return RecordedRequest(
+        timestamp=timestamp_ms,
+        input_length=view.prompt_tokens,
+        output_length=max(1, result.output_tokens or view.max_tokens or 1),
+        hash_ids=recorded_hash_ids(
+            view.block_hashes, block_tokens, view.prompt_tokens, salt, unique
+        ),
+        model=request.pool.model,
+        session_id=None if session is None else f"{hash((salt, session)) & _MASK:x}",
+        route_class=request.route_class,
+        priority=request.priority,
+        deadline_ms=None if deadline_at is None else _ms(deadline_at - arrived_at),
+        tpot_ms=None if tpot_s is None else _ms(tpot_s),
+        stream=view.stream,
+        max_tokens=view.max_tokens,
+        status=result.status,
+        replica=result.replica.name if result.replica else None,
+        output_tokens=result.output_tokens,
+        ttft_ms=None if ttft_s is None else _ms(ttft_s),
+        e2e_ms=_ms(e2e_s),
+    )
 
 
 def _ms(seconds: float) -> float:

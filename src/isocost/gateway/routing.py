@@ -41,7 +41,7 @@ import logging
 import math
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from random import Random
@@ -65,7 +65,7 @@ from isocost.runtime.config import (
     replica_cost_model,
 )
 from isocost.scheduling.contract import EngineMetrics, InFlight, ReplicaSpec, RequestView
-from isocost.scheduling.decision import Decision, RejectReason
+from isocost.scheduling.decision import Decision, Outcome, RejectReason
 from isocost.scheduling.disagg import DisaggMode, PairDecision, choose_pair
 from isocost.scheduling.dispatch import Dispatcher
 from isocost.scheduling.framework import Policy
@@ -80,6 +80,7 @@ __all__ = ["GatewayRequest", "Grant", "Handoff", "Router"]
 log = logging.getLogger("isocost.gateway")
 
 _RECENT_DECISIONS = 50
+_NO_CANDIDATES: Mapping[str, Policy] = {}
 _REJECT_STATUS = {
     RejectReason.NO_REPLICA: 404,
     RejectReason.UNAVAILABLE: 503,
@@ -226,7 +227,11 @@ class Router:
         self.block_tokens = BLOCK_TOKENS
         self.kv_trackers: dict[str, KvEventTracker] = {}  # by replica name
         self.policies: dict[str, Policy] = {}  # by pool model
-        self.replicas.add_listener(_PolicyHooks(self.policies))
+        # candidates evaluated beside a pool's policy (``gateway.shadow``): by pool model,
+        # then policy name; fed the same hooks, so their state is the real cluster's
+        self.candidates: dict[str, dict[str, Policy]] = {}
+        self.agreement: Counter[tuple[str, str, bool]] = Counter()  # (pool, candidate, agrees)
+        self.replicas.add_listener(_PolicyHooks(self.policies, self.candidates))
         # (time, prompt tokens, decision): described only when someone asks (admin API).
         self._recent: deque[tuple[float, int, Decision]] = deque(maxlen=_RECENT_DECISIONS)
         self._by_id: dict[str, Upstream] = {}
@@ -289,6 +294,7 @@ class Router:
     def remove_pool(self, model: str) -> None:
         """Forget a pool's policy and queue (its replicas are gone already)."""
         self.policies.pop(model, None)
+        self.candidates.pop(model, None)
         dispatcher = self._dispatchers.pop(model, None)
         for waiter in dispatcher.clear() if dispatcher else ():
             self.on_reject("model_not_found")
@@ -368,11 +374,37 @@ class Router:
         )
 
     def _schedule(self, request: RequestView, exclude: Collection[str], now: float) -> Decision:
-        """``policy.schedule`` of the request's pool, recorded (metrics, admin API)."""
+        """``policy.schedule`` of the request's pool, recorded (metrics, admin API); a final
+        decision (not QUEUE: that one is scheduled again) is shadowed by the candidates."""
         policy = self.policies[request.model]
         decision = policy.schedule(request, self.replicas, now, exclude=exclude)
         self._record(decision, request, now)
+        candidates = self.candidates.get(request.model)
+        if candidates and decision.outcome is not Outcome.QUEUE:
+            self._shadow(candidates, request, exclude, now, decision)
         return decision
+
+    def _shadow(
+        self,
+        candidates: Mapping[str, Policy],
+        request: RequestView,
+        exclude: Collection[str],
+        now: float,
+        decision: Decision,
+    ) -> None:
+        """Each candidate's decision on the request and the replica states the real one
+        saw, never acted on: counted as agreeing (same outcome, same replica) or not.
+        It runs before the real dispatch, not after: that dispatch changes the state."""
+        counter = self.metrics.shadow_decisions
+        for name, candidate in candidates.items():
+            if name == decision.policy:  # switched to it (admin API): nothing to compare
+                continue
+            shadowed = candidate.schedule(request, self.replicas, now, exclude=exclude)
+            agrees = (
+                shadowed.outcome is decision.outcome and shadowed.replica_id == decision.replica_id
+            )
+            self.agreement[request.model, name, agrees] += 1
+            counter.labels(request.model, name, "yes" if agrees else "no").inc()
 
     def has_candidate(self, request: GatewayRequest, exclude: frozenset[str]) -> bool:
         now = self.clock()
@@ -680,25 +712,35 @@ class Router:
 
 
 class _PolicyHooks:
-    """Passes the brain's shadow hooks on to the policy of the request's pool."""
+    """Passes the brain's shadow hooks on to the policy of the request's pool and to its
+    candidates (``Router.candidates``): they see the real dispatches and ends."""
 
-    def __init__(self, policies: dict[str, Policy]) -> None:
+    def __init__(
+        self, policies: dict[str, Policy], candidates: dict[str, dict[str, Policy]]
+    ) -> None:
         self.policies = policies
+        self.candidates = candidates
 
     def on_dispatch(self, record: InFlight, now: float) -> None:
         policy = self.policies.get(record.model)
         if policy is not None:
             policy.on_dispatch(record, now)
+        for candidate in self.candidates.get(record.model, _NO_CANDIDATES).values():
+            candidate.on_dispatch(record, now)
 
     def on_first_token(self, record: InFlight, now: float) -> None:
         policy = self.policies.get(record.model)
         if policy is not None:
             policy.on_first_token(record, now)
+        for candidate in self.candidates.get(record.model, _NO_CANDIDATES).values():
+            candidate.on_first_token(record, now)
 
     def on_complete(self, record: InFlight, now: float, ok: bool) -> None:
         policy = self.policies.get(record.model)
         if policy is not None:
             policy.on_complete(record, now, ok)
+        for candidate in self.candidates.get(record.model, _NO_CANDIDATES).values():
+            candidate.on_complete(record, now, ok)
 
 
 class _Waiter(asyncio.Future[Grant]):

@@ -15,6 +15,13 @@ A full file, every key optional except ``pools[].model`` and ``replicas[].url``:
                                       # replicas, split a request into a prefill on P and
                                       # its decode on D (always, or where cheaper)
         kv_link: infiniband           # nvlink | infiniband | roce | tcp: P -> D KV pulls
+        shadow:                       # candidate policies evaluated beside the running one
+          policies: [equal_cost]      # their decisions are computed, never acted on
+          interval_s: 60              # a twin replay of the recent window this often
+          window_s: 300               # ... of the requests finished in the last window_s
+          max_requests: 2000          # ... at most this many (the latest)
+          min_requests: 50            # fewer in the window: the replay is skipped
+          timeout_s: 120              # a replay running longer is killed (failed)
         replicas:
           - url: http://10.0.0.5:8000
             name: a100-0              # defaults to host:port
@@ -125,6 +132,7 @@ __all__ = [
     "LimitsConfig",
     "PoolConfig",
     "ReplicaConfig",
+    "ShadowConfig",
     "SloConfig",
     "StateBusConfig",
     "check_references",
@@ -171,6 +179,18 @@ class SloConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         return SloTargets.from_ms(self.ttft_ms, self.tpot_ms, self.ttft_per_1k_ms)
 
 
+class ShadowConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Candidate policies a pool evaluates beside its running one (``gateway.shadow``):
+    decisions computed per request, and a twin replay of the recent traffic."""
+
+    policies: list[str]
+    interval_s: float = 60.0
+    window_s: float = 300.0
+    max_requests: int = 2000
+    min_requests: int = 50
+    timeout_s: float = 120.0
+
+
 class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     model: str
     replicas: list[ReplicaConfig] = []
@@ -180,6 +200,7 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     slo: SloConfig | None = None  # per-answer verdicts in isocost_slo_requests_total
     disaggregation: str = DisaggMode.CONDITIONAL.value  # ``DisaggMode``: with P/D roles
     kv_link: str = "tcp"  # the link kind KV hand-offs travel (``core.links``)
+    shadow: ShadowConfig | None = None  # candidate policies evaluated, never acted on
 
 
 class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -349,6 +370,7 @@ def check_references(config: GatewayConfig, catalog: Catalog, source: str = "con
     """Raise IsocostError if ``config`` names an unknown policy, plugin or cost model."""
     names = {p.name for p in config.scheduling.policies} | {config.policy}
     names.update(pool.policy for pool in config.pools if pool.policy)
+    names.update(name for pool in config.pools if pool.shadow for name in pool.shadow.policies)
     for name in sorted(names):
         build_policy(name, config=config.scheduling, source="scheduling")
     for i, pool in enumerate(config.pools):
@@ -432,6 +454,8 @@ def _check(config: GatewayConfig, source: str, secrets: bool) -> None:
             raise bad(f"pools[{i}].disaggregation", f"must be one of {', '.join(modes)}")
         if pool.kv_link not in LINK_KINDS:
             raise bad(f"pools[{i}].kv_link", f"must be one of {', '.join(LINK_KINDS)}")
+        if pool.shadow is not None:
+            _check_shadow(pool.shadow, pool.policy or config.policy, source, f"pools[{i}].shadow")
         for j, replica in enumerate(pool.replicas):
             key = f"pools[{i}].replicas[{j}]"
             _check_replica_fields(replica, source, key, secrets=secrets)
@@ -473,6 +497,27 @@ def _check(config: GatewayConfig, source: str, secrets: bool) -> None:
             value = getattr(api_key, field)
             if value is not None and value <= 0:
                 raise bad(f"{key}.{field}", "must be positive")
+
+
+def _check_shadow(shadow: ShadowConfig, running: str, source: str, key: str) -> None:
+    """ConfigError naming the first bad ``shadow`` field of a pool running ``running``
+    (unknown policy names are ``check_references``')."""
+    if not shadow.policies:
+        raise ConfigError(source, "name at least one candidate policy", key=f"{key}.policies")
+    if running in shadow.policies:
+        raise ConfigError(
+            source,
+            f"{running} is the pool's running policy, not a candidate",
+            key=f"{key}.policies",
+        )
+    if len(set(shadow.policies)) != len(shadow.policies):
+        raise ConfigError(source, "a candidate is listed twice", key=f"{key}.policies")
+    for field in ("interval_s", "window_s", "max_requests", "min_requests", "timeout_s"):
+        value = getattr(shadow, field)
+        if not value > 0 or not math.isfinite(value):
+            raise ConfigError(source, "must be positive", key=f"{key}.{field}")
+    if shadow.min_requests > shadow.max_requests:
+        raise ConfigError(source, "must not exceed max_requests", key=f"{key}.min_requests")
 
 
 def _check_discovery(discovery: DiscoveryConfig, source: str) -> None:

@@ -29,6 +29,7 @@ import secrets
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
@@ -41,8 +42,11 @@ __all__ = [
     "FleetReplica",
     "RecordedRequest",
     "Recorder",
+    "monotonic_epoch_s",
     "recorded_hash_ids",
     "segment_paths",
+    "unix_timestamp_ms",
+    "write_recording",
 ]
 
 log = logging.getLogger("isocost.recording")
@@ -120,6 +124,34 @@ def recorded_hash_ids(
     return ids
 
 
+def monotonic_epoch_s() -> float:
+    """The offset that, added to monotonic seconds, gives Unix seconds (as of now)."""
+    return time.time() - time.monotonic()
+
+
+def unix_timestamp_ms(monotonic_s: float, epoch_s: float) -> float:
+    """A request's ``timestamp``: its monotonic arrival as Unix milliseconds."""
+    return round((monotonic_s + epoch_s) * 1000, 1)
+
+
+def write_recording(
+    directory: Path, requests: Sequence[RecordedRequest], fleet: FleetFile, timeout_s: float
+) -> None:
+    """Write ``requests`` and ``fleet`` as a recording in ``directory``, through the same
+    ``Recorder`` as ``serve --record`` (blocking: call it off the event loop); OSError
+    when the recorder failed or did not finish within ``timeout_s``."""
+    recorder = Recorder(directory, queue_size=max(1, len(requests)))
+    recorder.set_fleet(fleet)
+    recorder.start()
+    for request in requests:
+        recorder.record(request)
+    recorder.stop(timeout_s)
+    if recorder.error is not None:
+        raise OSError(recorder.error)
+    if recorder.recorded != len(requests):
+        raise OSError(f"wrote {recorder.recorded} of {len(requests)} requests")
+
+
 def segment_paths(directory: Path) -> list[Path]:
     """A recording's segments, oldest first."""
     try:
@@ -147,7 +179,7 @@ class Recorder:
         self.max_bytes = max_bytes
         self.queue_size = queue_size
         self.salt = int.from_bytes(secrets.token_bytes(8))  # ids stable in this recording
-        self._epoch_s = time.time() - time.monotonic()  # monotonic -> Unix seconds
+        self._epoch_s = monotonic_epoch_s()
         self.active = False
         self.recorded = 0  # written to a segment
         self.dropped = 0  # refused by a full queue, or pending when the recording stopped
@@ -180,7 +212,7 @@ class Recorder:
     def timestamp_ms(self, monotonic_s: float) -> float:
         """A request's ``timestamp``: Unix milliseconds, so that recordings appended to one
         directory across gateway restarts keep one time line."""
-        return round((monotonic_s + self._epoch_s) * 1000, 1)
+        return unix_timestamp_ms(monotonic_s, self._epoch_s)
 
     def record(self, request: RecordedRequest) -> None:
         """Queue one finished request; never blocks (a full queue drops and counts it)."""

@@ -125,7 +125,7 @@
   // -- rendering ----------------------------------------------------------------------
 
   function render(snapshot) {
-    renderPools(snapshot.pools, snapshot.time_unix_s);
+    renderPools(snapshot.pools, snapshot.time_unix_s, snapshot.shadow || {});
     renderReplicas(snapshot.replicas);
     renderDecisions(snapshot.decisions);
     renderRejections(snapshot.rejections);
@@ -165,13 +165,47 @@
     ];
   }
 
-  function renderPools(pools, now) {
+  // A signed percentage with a true minus sign: -0.31 -> "−31%", 0.12 -> "+12%".
+  function signedPercent(ratio) {
+    if (ratio === null || ratio === undefined) return "–";
+    const percent = Math.round(ratio * 100);
+    return `${percent < 0 ? "\u2212" : "+"}${Math.abs(percent)}%`;
+  }
+
+  // One line per candidate policy of the pool's shadow evaluation: its predicted change
+  // against the running policy, both replayed in the twin on the recent window.
+  function renderShadow(shadow) {
+    if (!shadow) return [];
+    const replay = shadow.replay;
+    const since = replay
+      ? ` (replay of ${fmt(replay.requests)} requests, ${fmt(replay.age_s)} s ago)`
+      : shadow.last_error
+        ? ` (no replay yet: ${shadow.last_error})`
+        : " (no replay yet)";
+    return shadow.candidates.map((c) =>
+      el(
+        "div",
+        {
+          className: "card-line shadow-line",
+          dataset: { policy: c.policy },
+          title: `agrees with the running policy on ${c.agreement === null ? "–" : fmt(c.agreement * 100) + " %"} of ${fmt(c.decisions)} decisions`,
+        },
+        "candidate ",
+        el("b", {}, c.policy),
+        `: P99 TTFT ${signedPercent(c.ttft_p99_change)}, goodput ${signedPercent(c.goodput_change)}`,
+        since,
+      ),
+    );
+  }
+
+  function renderPools(pools, now, shadows) {
     const cards = pools.map((pool) =>
       el(
         "div",
         { className: "card", dataset: { pool: pool.model } },
         el("div", { className: "card-title" }, pool.model),
         el("div", { className: "card-line" }, "policy ", el("b", {}, pool.policy)),
+        ...renderShadow(shadows[pool.model]),
         el("div", { className: "card-line" }, `healthy ${pool.healthy} / ${pool.replicas}`),
         el("div", { className: "card-line" }, "in flight ", el("b", { className: "pool-in-flight" }, fmt(pool.in_flight))),
         el("div", { className: "card-line" }, `gateway queue ${fmt(pool.queue_depth)}`),

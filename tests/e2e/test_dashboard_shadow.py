@@ -1,0 +1,73 @@
+"""The dashboard's shadow lines in headless Chromium: a gateway on round_robin with
+equal_cost as a candidate, two engines (one slowed 4x), real traffic; once a replay has
+run, the pool card shows, under the running policy, the candidate's predicted P99 TTFT
+and goodput change with the replay's size, as ``/admin/snapshot`` has them."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from isocost_procs import Proc
+from playwright.sync_api import sync_playwright
+from shadow_cluster import ADMIN_TOKEN, send_traffic, start_shadowed_gateway, wait_for_shadow
+from test_dashboard import CHROMIUM, CHROMIUM_FLAGS
+
+pytestmark = pytest.mark.skipif(
+    not CHROMIUM.is_file(), reason="needs Debian's chromium at /usr/bin/chromium (make test)"
+)
+REQUESTS = 30
+
+
+@pytest.fixture
+def procs() -> Iterator[list[Proc]]:
+    """The engines and the gateway (as the integration suites' fixture): killed at the end."""
+    started: list[Proc] = []
+    yield started
+    for proc in reversed(started):
+        proc.stop(signal.SIGKILL)
+
+
+def _signed_percent(ratio: float) -> str:
+    percent = round(ratio * 100)
+    return f"{'−' if percent < 0 else '+'}{abs(percent)}%"
+
+
+def test_the_pool_card_shows_each_candidates_predicted_change(
+    tmp_path: Path, procs: list[Proc]
+) -> None:
+    shadow = "{policies: [equal_cost], interval_s: 1, min_requests: 20}"
+    gateway = start_shadowed_gateway(procs, tmp_path, shadow)
+    send_traffic(gateway, REQUESTS)
+    status = wait_for_shadow(
+        gateway, lambda s: (s["replay"] or {}).get("requests") == REQUESTS, timeout_s=120
+    )
+    (candidate,) = status["candidates"]
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch_persistent_context(
+            str(tmp_path / "profile"),
+            executable_path=str(CHROMIUM),
+            headless=True,
+            args=CHROMIUM_FLAGS,
+        )
+        try:
+            page = browser.new_page()
+            page.goto(f"{gateway.url}/dashboard#token={ADMIN_TOKEN}")
+            line = page.wait_for_selector(".card .shadow-line[data-policy='equal_cost']")
+            assert line is not None
+            text = line.inner_text()
+            lines = page.inner_text(".card").splitlines()
+        finally:
+            browser.close()
+    expected = (
+        f"candidate equal_cost: P99 TTFT {_signed_percent(candidate['ttft_p99_change'])}, "
+        f"goodput {_signed_percent(candidate['goodput_change'])} "
+        f"(replay of {REQUESTS} requests, "
+    )
+    assert text.startswith(expected) and text.endswith(" s ago)"), text
+    assert candidate["ttft_p99_change"] < 0  # equal_cost keeps off the slow replica
+    policy_line = next(i for i, ln in enumerate(lines) if ln.startswith("policy "))
+    assert lines[policy_line] == "policy round_robin"
+    assert lines[policy_line + 1] == text  # next to the running policy
