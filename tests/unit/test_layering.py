@@ -71,6 +71,7 @@ ALLOWED: dict[str, set[str]] = {
     # control's decisions on a live fleet; the local actuator runs engines as the demo does.
     "autoscale": {"core", "control", "runtime"},
     "agent": {"core", "files", "openai", "runtime"},
+    "__main__": {"cli"},  # ``python -m isocost``: the command and nothing else
     "cli": {
         "core",
         "prefix",
