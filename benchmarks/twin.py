@@ -125,6 +125,7 @@ def _replay(
         "--policies", policies, "--jobs", "1", "--seed", str(args.seed),
         "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-ttft-per-1k-ms", "0",
         "--slo-tpot-ms", str(args.slo_tpot_ms), "--json", str(out),
+        *(["--fit-prefill"] if args.fit_prefill else []),
     ]  # fmt: skip
     subprocess.run(command, check=True, capture_output=True, timeout=600)
     return {row["policy"]: row for row in json.loads(out.read_text())}
@@ -451,9 +452,16 @@ def main() -> None:
     parser.add_argument(
         "--replay-only", action="store_true", help="vllm: replay the live run kept in --keep."
     )
+    parser.add_argument(
+        "--fit-prefill",
+        action=argparse.BooleanOptionalAction,
+        help="Replays fit prefill overheads too (sim --fit-prefill); default: with vllm.",
+    )
     parser.add_argument("--json", type=Path, help="Write the figures here.")
     parser.add_argument("--keep", type=Path, help="Keep the recordings and logs here.")
     args = parser.parse_args()
+    if args.fit_prefill is None:
+        args.fit_prefill = args.engine == "vllm"
     if args.replay_only and (args.engine != "vllm" or args.keep is None):
         parser.error("--replay-only replays a kept vllm run: with --engine vllm --keep DIR")
     ttft_ms, tpot_ms = _SLOS_MS[args.engine]

@@ -58,6 +58,11 @@ def sim(
     fail_at: list[str] | None = typer.Option(
         None, "--fail", help="With --from-record: NAME@SECONDS, a replica failing then."
     ),
+    fit_prefill: bool = typer.Option(
+        False,
+        "--fit-prefill",
+        help="With --from-record: fit each replica's prefill overhead to its light TTFTs.",
+    ),
     replicas: int = typer.Option(16, "--replicas", help="Identical replicas (no --cluster)."),
     gpu: str = typer.Option("a100-80g", "--gpu", "-g", help="GPU catalog id."),
     model: str = typer.Option("llama-3.1-8b", "--model", "-m", help="Model id or HF folder."),
@@ -140,6 +145,8 @@ def sim(
         fail("--from-record replays its own traffic: not with --config, --trace or --workload")
     if fail_at and (from_record is None or cluster is not None):
         fail("--fail names a recorded replica: with --from-record and without --cluster")
+    if fit_prefill and (from_record is None or cluster is not None):
+        fail("--fit-prefill calibrates the recorded fleet: with --from-record, no --cluster")
     failures = [_failure(text) for text in fail_at or []]
     cat = load_catalog(catalog or [])
     scheduling, default_policies = SchedulingConfig(), "equal_cost,round_robin,least_request"
@@ -189,7 +196,7 @@ def sim(
     elif recording is not None and cluster is None:
         assert from_record is not None
         fleet, members = simulator.recorded_cluster(
-            recording, cat, from_record, failures, settings=overrides
+            recording, cat, from_record, failures, fit_prefill=fit_prefill, settings=overrides
         )
     else:
         if cluster is not None:

@@ -162,10 +162,10 @@ def _a100s(**slowdowns: float) -> list[SimReplica]:
     return [dataclasses.replace(r, replica_id=r.replica_id[:-2]) for r in replicas]
 
 
-def _fitted(directory: Path) -> dict[str, tuple[float, float]]:
+def _fitted(directory: Path, *, fit_prefill: bool = True) -> dict[str, tuple[float, float]]:
     """Per replica, the fitted (slowdown, prefill overhead in ms)."""
     recording = load_recording(str(directory), None)
-    _, fitted = recorded_cluster(recording, Catalog.builtin(), "test")
+    _, fitted = recorded_cluster(recording, Catalog.builtin(), "test", fit_prefill=fit_prefill)
     return {r.replica_id: (r.slowdown, 1000 * r.cost_model.gpu.prefill_overhead_s) for r in fitted}
 
 
@@ -200,3 +200,5 @@ def test_a_prefill_dearer_than_the_gpus_is_fitted_from_light_requests(tmp_path: 
     assert found["dear"][1] == pytest.approx(63.0, rel=0.15)
     assert found["fast"][1] == pytest.approx(3.0, abs=1.0)
     assert [slowdown for slowdown, _ in found.values()] == [pytest.approx(1.0, rel=0.1)] * 2
+    # Not asked: the recorded GPU's overhead stays (the default of sim --from-record).
+    assert [ms for _, ms in _fitted(directory, fit_prefill=False).values()] == [3.0, 3.0]
