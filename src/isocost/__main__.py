@@ -2,4 +2,5 @@
 
 from isocost.cli import main
 
-main()
+if __name__ == "__main__":  # imported (a walk over the package), it runs nothing
+    main()
