@@ -397,7 +397,7 @@ def verdicts(isocost: WayResult, peak: WayResult | None, hpa: WayResult | None) 
         share = isocost.gpu_hours / peak.gpu_hours
         lines += [
             "against static_peak:",
-            aim(f"attainment {gap:+.2f} points below (aim <= 1)", gap <= 1),
+            aim(f"attainment {gap:.2f} points below (aim <= 1)", gap <= 1),
             aim(f"GPU-hours {share:.0%} of its (aim <= 65%)", share <= 0.65),
         ]
     if hpa is not None:
