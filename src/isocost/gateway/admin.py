@@ -13,6 +13,9 @@ Routes (token as ``Authorization: Bearer <token>`` or ``X-Admin-Token``):
 * ``GET  /admin/recording``                      whether traffic is recorded, where, counts
 * ``POST /admin/recording/start``                ``{"dir"?}`` record (default: ``--record``)
 * ``POST /admin/recording/stop``                 write what is queued, then stop
+* ``POST /admin/autoscaler``                     ``isocost autoscale``'s status each interval
+  (desired, ready, pending, draining, forecast); the snapshot shows it with its age,
+  stale after ``_STALE_INTERVALS`` intervals without a newer one
 
 Without a configured admin token the API answers 403; a missing or wrong token, 401.
 """
@@ -55,6 +58,19 @@ class _AddReplica(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 class _StartRecording(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     dir: str | None = None
+
+
+class _AutoscalerStatus(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    desired: int
+    ready: int
+    pending: int
+    draining: int
+    forecast_rps: float
+    interval_s: float
+    dry_run: bool = False
+
+
+_STALE_INTERVALS = 3
 
 
 class _SwitchPolicy(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -159,6 +175,19 @@ def snapshot(gateway: Gateway) -> dict[str, Any]:
         "state_bus": None if bus is None else {"up": bus.up, "peers": len(bus.views.peers)},
         "worker": None if gateway.workers is None else gateway.workers.worker_id,
         "pid": os.getpid(),
+        "autoscaler": _autoscaler(gateway, now),
+    }
+
+
+def _autoscaler(gateway: Gateway, now: float) -> dict[str, Any] | None:
+    """The autoscaler's last status with its age (None: none was ever posted)."""
+    if gateway.autoscaler is None:
+        return None
+    received, status = gateway.autoscaler
+    age = now - received
+    return status | {
+        "age_s": round(age, 3),
+        "stale": age > _STALE_INTERVALS * status["interval_s"],
     }
 
 
@@ -266,6 +295,15 @@ def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
             raise ApiError(400, str(exc), code="unknown_policy", param="policy") from None
         return json_response({"pools": {pool.model: pool.policy for pool in pools}})
 
+    async def post_autoscaler(request: web.Request) -> web.StreamResponse:
+        body = _decode(await request.read(), _AutoscalerStatus)
+        if not body.interval_s > 0:
+            raise ApiError(
+                400, "interval_s must be > 0", code="invalid_request", param="interval_s"
+            )
+        gateway.autoscaler = (time.monotonic(), msgspec.structs.asdict(body))
+        return json_response(gateway.autoscaler[1])
+
     async def get_snapshot(request: web.Request) -> web.StreamResponse:
         return json_response(snapshot(gateway))
 
@@ -300,6 +338,9 @@ def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
     )
     app.router.add_post("/admin/policy", guarded(switch_policy), expect_handler=defer_continue)
     app.router.add_get("/admin/snapshot", guarded(get_snapshot))
+    app.router.add_post(
+        "/admin/autoscaler", guarded(post_autoscaler), expect_handler=defer_continue
+    )
     app.router.add_get("/admin/recording", guarded(recording))
     for path, handler in (("start", start_recording), ("stop", stop_recording)):
         app.router.add_post(
