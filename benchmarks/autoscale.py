@@ -8,9 +8,10 @@ ways:
 * ``static_peak``: the pool's max (64 replicas) all day;
 * ``static_mean``: the replicas the day's mean rate needs, all day;
 * ``hpa``: Kubernetes' HPA formula ``desired = ceil(current x metric / target)`` on
-  queue length per replica (target 0.5; a target of 2 met about half the SLOs on an
-  earlier version of this day), 10% tolerance, the default scale-up limit, 5-minute
-  scale-down stabilization (``control.HpaScaler``);
+  queue length per replica, 10% tolerance, the default scale-up limit, 5-minute
+  scale-down stabilization (``control.HpaScaler``); its target is a user's tuning knob,
+  so it runs at each of ``--hpa-targets`` (rows ``hpa@<target>``, the GPU-hours against
+  attainment frontier) and ``hpa`` is the default target (0.5, settled on seed 0);
 * ``isocost``: ``control.Autoscaler``, given the previous day's measured rates (the same
   diurnal shape, its own bursts and noise) as its seasonal history.
 
@@ -35,8 +36,13 @@ peak within the next 5 minutes), scale events (decisions that changed the fleet)
 requests killed by a scale-in. The header also gives a clairvoyant reference: the
 GPU-hours of a fleet that knows the noiseless rate and starts instantly.
 
+isocost is then held against static-at-peak and against the HPA setting of matching
+attainment: the cheapest target whose attainment is at least isocost's; where none
+reaches it, that is said, and the aims are counted against HPA's best target instead.
+
     .venv/bin/python benchmarks/autoscale.py --json autoscale.json
-    .venv/bin/python benchmarks/autoscale.py --day-s 1800 --ways hpa,isocost   # quick look
+    .venv/bin/python benchmarks/autoscale.py --day-s 1800 --ways hpa,isocost \
+        --hpa-targets 0.5   # quick look
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ import argparse
 import json
 import math
 import multiprocessing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from random import Random
 
@@ -86,7 +92,8 @@ SLO = SloTargets(ttft_s=2.0, tpot_s=0.1, ttft_per_1k_s=0.25)
 COLD_START_S = (120.0, 300.0)
 INTERVAL_S = 15.0
 QUEUE_PER_REPLICA = 2.0  # isocost's guard
-HPA_QUEUE_TARGET = 0.5  # HPA's target per replica (lower scales earlier)
+HPA_QUEUE_TARGET = 0.5  # HPA's default target per replica (lower scales earlier)
+HPA_TARGETS = (0.1, 0.25, 0.5, 1.0, 2.0)
 SCALE_UP_COOLDOWN_S = 60.0
 BURSTS_PER_DAY = 6
 BURST_S = 240.0
@@ -200,9 +207,14 @@ def requests(
     return out
 
 
+def hpa_way(target: float) -> str:
+    return f"hpa@{target:g}"
+
+
 @dataclass(frozen=True, slots=True)
 class WayResult:
     policy: str
+    queue_target: float | None  # HPA's
     gpu_hours: float
     usd: float
     slo_attainment: float
@@ -214,8 +226,10 @@ class WayResult:
     replicas_max: int
 
     def as_dict(self) -> dict[str, object]:
-        return {
-            "policy": self.policy,
+        row: dict[str, object] = {"policy": self.policy}
+        if self.queue_target is not None:
+            row["queue_target"] = self.queue_target
+        return row | {
             "gpu_hours": round(self.gpu_hours, 3),
             "usd": round(self.usd, 2),
             "slo_attainment": round(self.slo_attainment, 5),
@@ -242,16 +256,18 @@ class Day:
 
 
 def run_way(way: str, day: Day) -> WayResult:
+    """``way`` is one of ``WAYS`` but ``hpa``, or ``hpa@<target>``."""
     shape = day.shape
+    hpa_target = float(way.removeprefix("hpa@")) if way.startswith("hpa@") else None
     mean_rps = sum(shape.rate(t) for t in range(int(shape.day_s))) / shape.day_s
     fleet = {"static_mean": math.ceil(mean_rps / day.sustained_rps)}.get(way, MAX_REPLICAS)
     used = day.replicas[:fleet]
     cluster = ClusterConfig(replicas=[ReplicaGroup(gpu=GPU, model=MODEL, tp=TP, count=fleet)])
     controller: SimAutoscaler | None = None
-    if way in ("hpa", "isocost"):
+    if hpa_target is not None or way == "isocost":
         scaler: Scaler = (
-            HpaScaler(GPU, MIN_REPLICAS, MAX_REPLICAS, HPA_QUEUE_TARGET)
-            if way == "hpa"
+            HpaScaler(GPU, MIN_REPLICAS, MAX_REPLICAS, hpa_target)
+            if hpa_target is not None
             else _isocost(day)
         )
         draws = Random(day.seed + 1)
@@ -288,6 +304,7 @@ def run_way(way: str, day: Day) -> WayResult:
         low, high = min(active), max(active)
     return WayResult(
         way,
+        hpa_target,
         gpu_hours,
         usd,
         sum(met) / len(met),
@@ -337,12 +354,86 @@ def _run_forked(way: str) -> WayResult:
     return run_way(way, _DAY)
 
 
+def hpa_targets(text: str) -> tuple[float, ...]:
+    """``--hpa-targets``: positive queue lengths per replica, comma-separated."""
+    try:
+        targets = tuple(sorted({float(t) for t in text.split(",") if t.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of numbers: {text!r}") from None
+    if not targets or min(targets) <= 0:
+        raise argparse.ArgumentTypeError("targets must be > 0, at least one")
+    return targets
+
+
+def matching_hpa(isocost: WayResult, sweep: list[WayResult]) -> WayResult | None:
+    """The cheapest HPA setting whose attainment is at least isocost's (None: none)."""
+    reaching = [r for r in sweep if r.slo_attainment >= isocost.slo_attainment]
+    return min(reaching, key=lambda r: (r.gpu_hours, r.policy)) if reaching else None
+
+
+def frontier(sweep: list[WayResult]) -> set[str]:
+    """The targets no other target beats on both GPU-hours and attainment."""
+    return {
+        r.policy
+        for r in sweep
+        if not any(
+            o.gpu_hours <= r.gpu_hours
+            and o.slo_attainment >= r.slo_attainment
+            and (o.gpu_hours, o.slo_attainment) != (r.gpu_hours, r.slo_attainment)
+            for o in sweep
+        )
+    }
+
+
+def verdicts(
+    isocost: WayResult, peak: WayResult | None, hpa: WayResult | None, matched: bool
+) -> list[str]:
+    """The aims, each with its figures and met / missed; ``hpa`` is the matching HPA
+    setting, or (not ``matched``) the best one."""
+
+    def aim(text: str, met: bool) -> str:
+        return f"  {text}: {'met' if met else 'MISSED'}"
+
+    lines = []
+    if peak is not None:
+        gap = (peak.slo_attainment - isocost.slo_attainment) * 100
+        share = isocost.gpu_hours / peak.gpu_hours
+        lines += [
+            "against static_peak:",
+            aim(f"attainment {gap:.2f} points below (aim <= 1)", gap <= 1),
+            aim(f"GPU-hours {share:.1%} of its (aim <= 65%)", share <= 0.65),
+        ]
+    if hpa is not None:
+        cost = isocost.gpu_hours / hpa.gpu_hours
+        which = "cheapest HPA at >= isocost's" if matched else "the best HPA"
+        lines += [
+            f"against {hpa.policy} ({which} attainment: "
+            f"{hpa.slo_attainment:.1%} vs {isocost.slo_attainment:.1%}):",
+            aim(f"GPU-hours {cost:.2f}x its (aim <= 0.9x)", cost <= 0.9),
+            aim(
+                f"ramp misses {isocost.ramp_misses:,} vs {hpa.ramp_misses:,} (aim <= 1/3)",
+                3 * isocost.ramp_misses <= hpa.ramp_misses,
+            ),
+            aim(
+                f"scale events {isocost.scale_events} vs {hpa.scale_events} (aim fewer)",
+                isocost.scale_events < hpa.scale_events,
+            ),
+        ]
+    return lines
+
+
 def main() -> None:
     global _DAY
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--day-s", type=float, default=3600.0, help="simulated length of the day")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ways", default=",".join(WAYS))
+    parser.add_argument(
+        "--hpa-targets",
+        type=hpa_targets,
+        default=HPA_TARGETS,
+        help="HPA's queue targets per replica to sweep (the default one always runs)",
+    )
     parser.add_argument("--jobs", type=int, default=2, help="ways run in parallel")
     parser.add_argument("--trace", default=str(TRACE / "mooncake_conversation_trace.jsonl"))
     parser.add_argument("--json", dest="json_path", default=None)
@@ -351,6 +442,8 @@ def main() -> None:
     unknown = sorted(set(ways) - set(WAYS))
     if unknown:
         parser.error(f"unknown way {', '.join(unknown)}; valid: {', '.join(WAYS)}")
+    sweep = sorted({*args.hpa_targets, HPA_QUEUE_TARGET}) if "hpa" in ways else []
+    runs = [w for w in ways if w != "hpa"] + [hpa_way(t) for t in sweep]
     group = ReplicaGroup(gpu=GPU, model=MODEL, tp=TP, count=MAX_REPLICAS)
     replicas = resolve_cluster(ClusterConfig(replicas=[group]), Catalog.builtin())
     lengths = [
@@ -375,28 +468,56 @@ def main() -> None:
         f"a clairvoyant fleet without cold starts: "
         f"{clairvoyant_gpu_hours(shape, sustained):,.0f} GPU-h"
     )
-    jobs = max(1, min(args.jobs, len(ways)))
+    jobs = max(1, min(args.jobs, len(runs)))
     if jobs == 1:
-        results = [_run_forked(w) for w in ways]
+        done = {w: _run_forked(w) for w in runs}
     else:
         with multiprocessing.get_context("fork").Pool(jobs) as pool:
-            results = pool.map(_run_forked, ways)
-    table = Table(title="one simulated day, four ways")
+            done = dict(zip(runs, pool.map(_run_forked, runs), strict=True))
+    default = hpa_way(HPA_QUEUE_TARGET)
+    results = [replace(done[default], policy="hpa") if w == "hpa" else done[w] for w in ways] + [
+        done[hpa_way(t)] for t in sweep
+    ]
+    by_policy = {r.policy: r for r in results}
+    swept = [done[hpa_way(t)] for t in sweep]
+    on_frontier = frontier(swept)
+    matched = matching_hpa(by_policy["isocost"], swept) if "isocost" in by_policy else None
+    table = Table(title="one simulated day, four ways (HPA at each target)")
     for column in ("way", "GPU-h", "$", "SLO", "ramp miss", "events", "replicas"):
         table.add_column(column, justify="left" if column == "way" else "right")
     for r in results:
+        mark = " *" if r.policy in on_frontier else ""
         table.add_row(
-            r.policy,
+            r.policy + mark,
             f"{r.gpu_hours:,.0f}",
             f"{r.usd:,.0f}",
             f"{r.slo_attainment:.1%}",
             f"{r.ramp_misses:,}",
             f"{r.scale_events}",
             f"{r.replicas_min}-{r.replicas_max}",
+            end_section=r.policy == ways[-1] and bool(swept),
         )
     console.print(table)
+    if swept:
+        console.print(f"hpa = {default}; * HPA's frontier (no target both cheaper and better)")
+    if "isocost" in by_policy:
+        isocost = by_policy["isocost"]
+        reference = matched
+        if swept and matched is None:
+            reference = max(swept, key=lambda r: (r.slo_attainment, -r.gpu_hours))
+            console.print(
+                f"no HPA target reaches isocost's {isocost.slo_attainment:.1%} attainment "
+                f"(the best, {reference.policy}: {reference.slo_attainment:.1%} at "
+                f"{reference.gpu_hours:,.0f} GPU-h)"
+            )
+        peak = by_policy.get("static_peak")
+        for line in verdicts(isocost, peak, reference, matched is not None):
+            console.print(line)
     if args.json_path:
-        Path(args.json_path).write_text(json.dumps([r.as_dict() for r in results], indent=2) + "\n")
+        rows = [r.as_dict() for r in results]
+        if "isocost" in by_policy and swept:
+            rows[ways.index("isocost")]["matched_hpa"] = matched.policy if matched else None
+        Path(args.json_path).write_text(json.dumps(rows, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -165,6 +165,30 @@ def test_a_load_step_starts_an_engine_and_the_drop_drains_one_with_no_failure(
 def test_bad_config_or_flags_are_one_line_and_exit_2(
     tmp_path: Path, config: str, flags: list[str], message: str
 ) -> None:
+    refused(tmp_path, config, flags, message)
+
+
+@pytest.mark.parametrize(
+    ("plan", "message"),
+    [
+        (None, "No such file"),
+        ("{", "not JSON"),
+        ('{"gpu": "a100-80g"}', "not `isocost plan --json` output"),
+        ("[]", "pools[0]: no plan for a100-80g"),
+    ],
+    ids=["missing", "not-json", "not-a-plan", "no-such-gpu"],
+)
+def test_a_bad_plan_file_is_one_line_and_exit_2(
+    tmp_path: Path, plan: str | None, message: str
+) -> None:
+    path = tmp_path / "plan.json"
+    if plan is not None:
+        path.write_text(plan)
+    refused(tmp_path, AUTOSCALE, ["--actuator", "local", "--plan", str(path)], message)
+
+
+def refused(tmp_path: Path, config: str, flags: list[str], message: str) -> None:
+    """``isocost autoscale`` with these exits 2 with one line naming ``message``."""
     path = tmp_path / "autoscale.yaml"
     path.write_text(config)
     args = ["autoscale", "--gateway", "http://127.0.0.1:9", "--config", str(path), *flags]

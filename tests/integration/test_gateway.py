@@ -329,6 +329,21 @@ def test_admin_snapshot_describes_every_replica(cluster: Cluster) -> None:
     assert isinstance(snap["rejections"], dict)
 
 
+def test_the_autoscalers_status_shows_in_the_snapshot_then_goes_stale(cluster: Cluster) -> None:
+    status = {"desired": 3, "ready": 2, "pending": 1, "draining": 0, "forecast_rps": 4.2}
+    bad = json.dumps(status | {"interval_s": 0}).encode()
+    code, _, answer = http("POST", cluster.gateway.url + "/admin/autoscaler", bad, ADMIN)
+    _assert_error(code, answer, 400, "invalid_request")
+    admin(cluster.gateway, "POST", "/admin/autoscaler", status | {"interval_s": 1.0})
+    shown = admin(cluster.gateway, "GET", "/admin/snapshot")["autoscaler"]
+    assert {k: shown[k] for k in status} == status and shown["dry_run"] is False
+    assert 0 <= shown["age_s"] < 3 and shown["stale"] is False
+    wait_for(
+        lambda: admin(cluster.gateway, "GET", "/admin/snapshot")["autoscaler"]["stale"],
+        what="the status to go stale after 3 intervals",
+    )
+
+
 def test_drain_and_policy_switch(cluster: Cluster) -> None:
     rows = replica_rows(cluster.gateway)
     victim = rows[cluster.urls[0]]["name"]

@@ -2,7 +2,8 @@
 
 ``_admin`` reads the gateway (admin API and ``/metrics``) and drains through it;
 ``_actuators`` start and stop replicas (local engine processes, a command hook, a
-Kubernetes Deployment's scale); ``_loop`` ties them to the unchanged ``control.Autoscaler``.
+Kubernetes Deployment's scale); ``_loop`` ties them to the unchanged ``control.Autoscaler``;
+``_plan`` reads each pool's capacity per replica from ``isocost plan --json``.
 """
 
 from isocost.autoscale._actuators import (
@@ -14,6 +15,7 @@ from isocost.autoscale._actuators import (
 )
 from isocost.autoscale._admin import AdminClient, GatewayError
 from isocost.autoscale._loop import AutoscaleLoop, LoopMetrics, Tick
+from isocost.autoscale._plan import offers_from_plan
 
 __all__ = [
     "Actuator",
@@ -26,4 +28,5 @@ __all__ = [
     "LocalActuator",
     "LoopMetrics",
     "Tick",
+    "offers_from_plan",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
@@ -83,3 +84,6 @@ class AdminClient:
 
     async def remove(self, name: str) -> None:
         await self._call("DELETE", f"/admin/replicas/{name}")
+
+    async def post_status(self, status: Mapping[str, Any]) -> None:
+        await self._call("POST", "/admin/autoscaler", dict(status))

@@ -13,7 +13,10 @@ Every ``interval_s`` one ``tick``:
    measured warm-up lead, fed back to the scaler) and asks the scaler, with ``now`` from
    the injected clock;
 3. applies the decision unless it is a dry run: starts and drains run as tasks of their
-   own, so a slow engine or a long drain never stalls the next decision.
+   own, so a slow engine or a long drain never stalls the next decision;
+4. posts its status to ``/admin/autoscaler`` (desired, ready, pending, draining, the
+   forecast) for the gateway's dashboard; a gateway that refuses it is reported once per
+   tick, the loop goes on.
 
 A scale-in drains its victim through the gateway (no new work), waits until nothing is
 in flight there or ``drain_deadline_s`` has passed, stops it through the actuator, then
@@ -67,6 +70,7 @@ class FleetGateway(Protocol):
     async def drain(self, name: str) -> None: ...
     async def undrain(self, name: str) -> None: ...
     async def remove(self, name: str) -> None: ...
+    async def post_status(self, status: Mapping[str, Any]) -> None: ...
 
 
 class LoopMetrics:
@@ -253,7 +257,29 @@ class AutoscaleLoop:
         if not self.dry_run:
             await self._apply(decision, observation)
         self._report(decision, observation)
+        await self._publish(decision, observation)
         return Tick(decision, observation, self._gpu_hours, self._usd)
+
+    async def _publish(self, decision: ScaleDecision, observation: Observation) -> None:
+        """The tick's figures on the gateway's dashboard (best effort: one try)."""
+        states = [r.state for r in observation.replicas]
+        status = {
+            "desired": sum(decision.targets.values()),
+            "ready": states.count("ready"),
+            "pending": states.count("pending"),
+            "draining": states.count("draining"),
+            "forecast_rps": round(decision.forecast_rps, 4),
+            "interval_s": self.config.interval_s,
+            "dry_run": self.dry_run,
+        }
+        try:
+            await self.gateway.post_status(status)
+        except GatewayError as exc:
+            self.metrics.failures.labels("status").inc()
+            log.warning(
+                "autoscaler status not posted",
+                extra={"event": "autoscale_failure", "action": "status", "error": str(exc)},
+            )
 
     def _report(self, decision: ScaleDecision, observation: Observation) -> None:
         m = self.metrics

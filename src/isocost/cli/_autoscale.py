@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ import typer
 from isocost.cli._app import app, console, fail
 
 _LIVE_ACTUATORS = ("local", "command", "kubernetes")
+_DEFAULT_CAPACITY_RPS = 2.0  # without --plan or --capacity-rps
 
 
 @app.command()
@@ -24,8 +26,11 @@ def autoscale(
     admin_token_env: str = typer.Option(
         "ISOCOST_ADMIN_TOKEN", "--admin-token-env", help="Env var holding the admin token."
     ),
-    capacity_rps: float = typer.Option(
-        2.0, "--capacity-rps", help="Requests/s one replica sustains (isocost plan's figure)."
+    plan_path: Path | None = typer.Option(
+        None, "--plan", help="`isocost plan --json` output: each pool's capacity per replica."
+    ),
+    capacity_rps: float | None = typer.Option(
+        None, "--capacity-rps", help="Requests/s one replica sustains (overrides --plan; 2)."
     ),
     model: str | None = typer.Option(
         None, "--model", help="local: the pool to grow (default: the gateway's only one)."
@@ -66,6 +71,7 @@ def autoscale(
         LocalActuator,
         LoopMetrics,
         Tick,
+        offers_from_plan,
     )
     from isocost.control import Autoscaler, PoolOffer
     from isocost.core.catalog import Catalog
@@ -84,17 +90,27 @@ def autoscale(
         (name in _LIVE_ACTUATORS, f"--actuator {name}: valid: {', '.join(_LIVE_ACTUATORS)}"),
         (name != "command" or bool(scale_command), "--actuator command needs --scale-command"),
         (name != "kubernetes" or bool(deployment), "--actuator kubernetes needs --deployment"),
-        (capacity_rps > 0, "--capacity-rps must be > 0"),
+        (capacity_rps is None or capacity_rps > 0, "--capacity-rps must be > 0"),
         (bool(token), f"--admin-token-env: environment variable {admin_token_env} unset"),
         (metrics_port is None or 0 < metrics_port < 65536, "--metrics-port: 1..65535"),
     ]
     for ok, message in checks:
         if not ok:
             fail(message)
-    catalog = Catalog.builtin()
-    offers = [
-        PoolOffer(p.gpu, 1, catalog.gpu(p.gpu).usd_per_hour, capacity_rps) for p in config.pools
-    ]
+    if plan_path is not None:
+        try:
+            plan_text = plan_path.read_text()
+        except OSError as exc:
+            fail(f"--plan {plan_path}: {exc.strerror}")
+        offers = offers_from_plan(plan_text, f"--plan {plan_path}", config.pools)
+    else:
+        catalog = Catalog.builtin()
+        offers = [
+            PoolOffer(p.gpu, 1, catalog.gpu(p.gpu).usd_per_hour, _DEFAULT_CAPACITY_RPS)
+            for p in config.pools
+        ]
+    if capacity_rps is not None:
+        offers = [dataclasses.replace(o, capacity_rps=capacity_rps) for o in offers]
     configure_logging(log_level)
     metrics = LoopMetrics()
     if metrics_port is not None:

@@ -17,8 +17,10 @@ actuators only apply it (DESIGN §7).
    capacity``), within each pool's max and the GPU and $ budgets, at most once per
    ``scale_up_cooldown_s`` (pool minimums apply at once).
 5. **In**: only when the need over the last ``scale_in_after_s`` (its maximum) stayed below
-   what the fleet minus some replicas supplies, and neither cool-down is running; the
-   dearest are removed first, and never below a pool's min.
+   what the fleet minus some replicas supplies, and so does the forecast over the next two
+   horizons (a replica removed now could be routable again only a lead after it is
+   started again: one the forecast wants back within that is kept, not flapped), and
+   neither cool-down is running; the dearest are removed first, never below a pool's min.
 
 ``HpaScaler`` is the reactive baseline: Kubernetes' ``desired = ceil(current x metric /
 target)`` on queue length per replica, a 10% tolerance, the default scale-up limit (double
@@ -186,7 +188,8 @@ class Autoscaler:
             if now - self._last_up >= cfg.scale_up_cooldown_s:
                 targets = self._grow(targets, need)
         elif targets == active:
-            targets = self._shrink(targets, now, need)
+            ahead = self.forecast.peak(now, 2 * horizon) * (1 + cfg.headroom)
+            targets = self._shrink(targets, now, max(need, ahead))
             reason = "scale-in"
         self._remember_need(now, need)
         decision = plan_changes(now, targets, observation.replicas)
@@ -263,7 +266,8 @@ class Autoscaler:
         return targets
 
     def _shrink(self, targets: dict[str, int], now: float, need: float) -> dict[str, int]:
-        """Remove the dearest replicas the need of the whole scale-in window leaves idle."""
+        """Remove the dearest replicas that neither ``need`` nor the need of the whole
+        scale-in window uses."""
         cfg = self.config
         window = [n for t, n in self._need if t >= now - cfg.scale_in_after_s]
         sustained = bool(self._need) and self._need[0][0] <= now - cfg.scale_in_after_s

@@ -10,10 +10,13 @@ highest demand between now and then. ``DemandForecast`` keeps
 * the trend: the least-squares slope of the last ``trend_window_s`` of rates.
 
 Where the season knows both now and the horizon, the forecast is last season's curve
-scaled to today's level (``level / season(now)``, kept within ``[0.5, 2]``); elsewhere it
-is the level moved along the trend. The season is read as the median over a ``smooth_s``
-window, so that yesterday's random bursts (shorter than half of it) are not predicted
-again today.
+scaled to today's traffic, plus whatever today runs above that now. The scale is the
+median of ``rate / season`` over the trend window (kept within ``[0.5, 2]``), so that a
+burst now (shorter than half the window) is not taken for a day that runs higher and
+multiplied into the whole ramp ahead; the burst is carried as it is instead, an excess
+in requests/s over the scaled curve. Elsewhere the forecast is the level moved along the
+trend. The season is read as the median over a ``smooth_s`` window, so that yesterday's
+random bursts (shorter than half of it) are not predicted again today.
 """
 
 from __future__ import annotations
@@ -81,12 +84,12 @@ class DemandForecast:
         times = [now + horizon_s * i / steps for i in range(steps + 1)]
         season = self._season(now)
         base = self._seasonal(now, season)
-        if base is not None and base > 0:
-            low, high = _SCALE_BOUNDS
-            scale = min(max(self.level / base, low), high)
+        scale = self._scale()
+        if base is not None and scale is not None:
             curve = [self._seasonal(t, season) for t in times]
             if all(c is not None for c in curve):
-                return max(self.level, *(scale * c for c in curve if c is not None))
+                excess = max(self.level - scale * base, 0.0)
+                return max(self.level, *(scale * c + excess for c in curve if c is not None))
         slope = self.slope()
         return max(self.level, self.level + slope * horizon_s, 0.0)
 
@@ -101,6 +104,19 @@ class DemandForecast:
         if var == 0:
             return 0.0
         return sum((t - mean_t) * (r - mean_r) for t, r in points) / var
+
+    def _scale(self) -> float | None:
+        """Today against the past seasons: the median ``rate / season`` over the trend
+        window, within the scale bounds (None where the season knows none of it)."""
+        ratios = [
+            rate / base
+            for t, rate in self._recent
+            if (base := self._seasonal(t, self._season(t))) is not None and base > 0
+        ]
+        if not ratios:
+            return None
+        low, high = _SCALE_BOUNDS
+        return min(max(statistics.median(ratios), low), high)
 
     def _slot(self, t: float) -> int:
         return int((t % self.season_s) // self.bucket_s) % self._slots

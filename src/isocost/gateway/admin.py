@@ -15,6 +15,9 @@ Routes (token as ``Authorization: Bearer <token>`` or ``X-Admin-Token``):
 * ``GET  /admin/recording``                      whether traffic is recorded, where, counts
 * ``POST /admin/recording/start``                ``{"dir"?}`` record (default: ``--record``)
 * ``POST /admin/recording/stop``                 write what is queued, then stop
+* ``POST /admin/autoscaler``                     ``isocost autoscale``'s status each interval
+  (desired, ready, pending, draining, forecast); the snapshot shows it with its age,
+  stale after ``_STALE_INTERVALS`` intervals without a newer one
 
 Without a configured admin token the API answers 403; a missing or wrong token, 401.
 """
@@ -57,6 +60,19 @@ class _AddReplica(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 class _StartRecording(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     dir: str | None = None
+
+
+class _AutoscalerStatus(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    desired: int
+    ready: int
+    pending: int
+    draining: int
+    forecast_rps: float
+    interval_s: float
+    dry_run: bool = False
+
+
+_STALE_INTERVALS = 3
 
 
 class _SwitchPolicy(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -162,6 +178,19 @@ def snapshot(gateway: Gateway) -> dict[str, Any]:
         "state_bus": None if bus is None else {"up": bus.up, "peers": len(bus.views.peers)},
         "worker": None if gateway.workers is None else gateway.workers.worker_id,
         "pid": os.getpid(),
+        "autoscaler": _autoscaler(gateway, now),
+    }
+
+
+def _autoscaler(gateway: Gateway, now: float) -> dict[str, Any] | None:
+    """The autoscaler's last status with its age (None: none was ever posted)."""
+    if gateway.autoscaler is None:
+        return None
+    received, status = gateway.autoscaler
+    age = now - received
+    return status | {
+        "age_s": round(age, 3),
+        "stale": age > _STALE_INTERVALS * status["interval_s"],
     }
 
 
@@ -198,7 +227,11 @@ def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
                 code="invalid_admin_token",
             )
 
-    def guarded(handler: Handler) -> Handler:
+    def guarded(handler: Handler, *, kept: bool = True) -> Handler:
+        """``handler`` behind the admin token; with ``serve --workers`` a change it made is
+        made on every sibling too, and ``kept`` for a restarted one (a status report is
+        relayed, not kept: only its latest matters)."""
+
         async def check(request: web.Request) -> web.StreamResponse:
             check_token(request)
             await send_continue(request)  # Expect: 100-continue only once the token passed
@@ -207,7 +240,8 @@ def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
             if workers is None or request.method == "GET" or response.status >= 300:
                 return response
             body = await request.read()
-            workers.made(request.method, request.path_qs, body)
+            if kept:
+                workers.made(request.method, request.path_qs, body)
             if SIBLING_HEADER not in request.headers:  # the same change on every other worker
                 headers = {k: v for k, v in request.headers.items() if k.lower() in _RELAYED}
                 failed = await workers.fan_out(request.method, request.path_qs, body, headers)
@@ -275,6 +309,15 @@ def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
             )  # fmt: skip
         return json_response(gateway.workers.changes_view())
 
+    async def post_autoscaler(request: web.Request) -> web.StreamResponse:
+        body = _decode(await request.read(), _AutoscalerStatus)
+        if not body.interval_s > 0:
+            raise ApiError(
+                400, "interval_s must be > 0", code="invalid_request", param="interval_s"
+            )
+        gateway.autoscaler = (time.monotonic(), msgspec.structs.asdict(body))
+        return json_response(gateway.autoscaler[1])
+
     async def get_snapshot(request: web.Request) -> web.StreamResponse:
         return json_response(snapshot(gateway))
 
@@ -310,6 +353,9 @@ def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
     app.router.add_post("/admin/policy", guarded(switch_policy), expect_handler=defer_continue)
     app.router.add_get("/admin/snapshot", guarded(get_snapshot))
     app.router.add_get("/admin/changes", guarded(changes))
+    app.router.add_post(
+        "/admin/autoscaler", guarded(post_autoscaler, kept=False), expect_handler=defer_continue
+    )
     app.router.add_get("/admin/recording", guarded(recording))
     for path, handler in (("start", start_recording), ("stop", stop_recording)):
         app.router.add_post(

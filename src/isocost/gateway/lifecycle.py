@@ -28,7 +28,7 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import msgspec
@@ -102,6 +102,8 @@ class Gateway:
         self.rejections: Counter[str] = Counter()
         self.view_divergence: dict[str, float] = {}  # by replica, from the state bus
         self.workers: WorkerGroup | None = None  # one of ``serve --workers``: its siblings
+        # (monotonic time received, status): what ``isocost autoscale`` last posted
+        self.autoscaler: tuple[float, dict[str, Any]] | None = None
         self.router = Router(
             catalog,
             self.metrics,

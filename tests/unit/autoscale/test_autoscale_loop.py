@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ from isocost.autoscale import (
     ActuatorError,
     AutoscaleLoop,
     CommandActuator,
+    GatewayError,
     KubernetesActuator,
 )
 from isocost.control import AutoscaleConfig, Autoscaler, PoolConfig, PoolOffer
@@ -58,6 +59,8 @@ class FakeGateway:
         self.verdicts = {"met": 0, "missed": 0}  # isocost_slo_requests_total
         self.calls: list[tuple[str, str]] = []
         self.finish_per_read = 1  # in-flight requests that end per snapshot read
+        self.statuses: list[dict[str, Any]] = []  # POST /admin/autoscaler
+        self.refuse_status = False
 
     async def snapshot(self) -> dict[str, Any]:
         for row in self.rows.values():
@@ -87,6 +90,11 @@ class FakeGateway:
     async def remove(self, name: str) -> None:
         self.calls.append(("remove", name))
         del self.rows[name]
+
+    async def post_status(self, status: Mapping[str, Any]) -> None:
+        if self.refuse_status:
+            raise GatewayError("POST /admin/autoscaler: HTTP 404")
+        self.statuses.append(dict(status))
 
 
 class FakeActuator:
@@ -188,6 +196,36 @@ def test_a_stop_that_keeps_failing_is_retried_reported_and_undrained() -> None:
         )
         assert failures == 3
         assert clock.slept == [0.5, 1.0]  # the backoff between the attempts
+
+    asyncio.run(scenario())
+
+
+def test_each_tick_posts_its_status_and_a_refusal_does_not_stop_the_loop() -> None:
+    async def scenario() -> None:
+        clock, gateway = Clock(), FakeGateway(["r0"])
+        loop = make_loop(gateway, FakeActuator(gateway), clock)
+        await _ticks(loop, gateway, clock, rps=0, n=1)
+        await _ticks(loop, gateway, clock, rps=10, n=1)  # starts two
+        await loop.settle()
+        tick = await loop.tick()
+        last = gateway.statuses[-1]
+        assert len(gateway.statuses) == 3
+        assert last == {
+            "desired": sum(tick.decision.targets.values()),
+            "ready": 1,
+            "pending": 2,
+            "draining": 0,
+            "forecast_rps": round(tick.decision.forecast_rps, 4),
+            "interval_s": CONFIG.interval_s,
+            "dry_run": False,
+        }
+        assert last["desired"] == 3 and last["forecast_rps"] > 0
+        gateway.refuse_status = True
+        await loop.tick()
+        failures = loop.metrics.registry.get_sample_value(
+            "isocost_autoscale_failures_total", {"action": "status"}
+        )
+        assert failures == 1 and len(gateway.statuses) == 3
 
     asyncio.run(scenario())
 

@@ -96,6 +96,22 @@ def test_the_season_is_scaled_to_todays_level() -> None:
     assert forecast.peak(20 * 60.0, 900.0) == pytest.approx(30.0)
 
 
+def test_a_burst_today_is_carried_as_it_is_not_multiplied_into_the_ramp() -> None:
+    forecast = DemandForecast(3600.0, bucket_s=60)
+    for minute in range(60):
+        forecast.observe(minute * 60.0 - 3600.0, 10.0 if minute < 30 else 50.0)
+    now = 15 * 60.0
+    for _ in range(40):  # ten minutes as yesterday
+        now += 15.0
+        forecast.observe(now, 10.0)
+    for _ in range(2):  # then a burst: twice the rate
+        now += 15.0
+        forecast.observe(now, 20.0)
+    assert forecast.level is not None and forecast.level > 14.0
+    excess = forecast.level - 10.0  # today runs as yesterday, plus the burst
+    assert forecast.peak(now, 600.0) == pytest.approx(50.0 + excess)
+
+
 def test_a_random_burst_yesterday_is_not_predicted_today() -> None:
     forecast = DemandForecast(3600.0, bucket_s=60, smooth_s=600)
     for minute in range(60):
@@ -241,6 +257,22 @@ def test_scale_in_waits_for_sustained_low_demand_and_the_cooldowns() -> None:
     for i, rate in enumerate(rates, start=1):
         last = spiky.decide(_observe(15.0 * i, rate, fleet))
     assert last is not None and last.targets["a"] >= 15
+
+
+def test_scale_in_keeps_what_the_forecast_wants_back_within_two_horizons() -> None:
+    config = _config(season_s=3600.0, scale_in_after_s=60.0, scale_down_cooldown_s=0.0)
+    # yesterday: 5 req/s, then 20 from minute 10; the horizon is 120 s lead + 15 s
+    history = [(m * 60.0 - 3600.0, 5.0 if m < 10 else 20.0) for m in range(60)]
+    flat = [(t, 5.0) for t, _ in history]
+    targets = {}
+    for name, past in (("rise", history), ("flat", flat)):
+        scaler = Autoscaler(config, [PoolOffer("a", 1, 2.0, 1.0)], past)
+        for now in range(15, 451, 15):  # to minute 7.5: the rise is 150 s away
+            decision = scaler.decide(_observe(float(now), 5.0, _fleet("a", 30)))
+        assert decision.reason == "scale-in"
+        targets[name] = decision.targets["a"]
+    assert targets["flat"] == math.ceil(5.0 * 1.2)
+    assert 20.0 * 1.2 <= targets["rise"] < 30  # not drained only to be started again
 
 
 def test_a_scale_up_starts_the_scale_in_cooldown() -> None:

@@ -126,6 +126,7 @@
 
   function render(snapshot) {
     renderPools(snapshot.pools, snapshot.time_unix_s, snapshot.shadow || {});
+    renderAutoscaler(snapshot.autoscaler);
     renderReplicas(snapshot.replicas);
     renderDecisions(snapshot.decisions);
     renderRejections(snapshot.rejections);
@@ -195,6 +196,22 @@
         `: P99 TTFT ${signedPercent(c.ttft_p99_change)}, goodput ${signedPercent(c.goodput_change)}`,
         since,
       ),
+    );
+  }
+
+  // isocost autoscale's last status (POST /admin/autoscaler); stale after 3 intervals.
+  function renderAutoscaler(status) {
+    const line = $("#autoscaler");
+    line.hidden = !status;
+    if (!status) return;
+    line.dataset.stale = String(status.stale);
+    line.replaceChildren(
+      `autoscaler${status.dry_run ? " (dry run)" : ""}: desired `,
+      el("b", {}, fmt(status.desired)),
+      `, ready ${fmt(status.ready)}, pending ${fmt(status.pending)}`,
+      status.draining ? `, draining ${fmt(status.draining)}` : "",
+      `, forecast ${fmt(status.forecast_rps, 1)} req/s, ${fmt(status.age_s)} s ago`,
+      status.stale ? " (stale)" : "",
     );
   }
 
