@@ -14,11 +14,13 @@ on the other. The replica kill comes last in this module.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import re
 import signal
 import subprocess
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -38,6 +40,8 @@ from processes import (
     VLLM_PYTHON,
     IsocostProcess,
     VllmFleet,
+    VllmReplica,
+    free_port,
 )
 from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer
@@ -661,15 +665,80 @@ def test_clients_that_leave_mid_generation_free_vllm(
 # -- a replica killed under load (last: it leaves one replica dead) ----------------------
 
 
-KILL_AFTER_CHUNKS = 5  # of a stream from the victim read by its client, then SIGKILL
-# A warm tiny model makes the victim's 7,200 tokens in ~0.6 s, faster than one scrape of
-# vLLM's /metrics on a busy machine (seen: 1.8 s), so a kill timed by its metrics could
-# land after its streams had ended. Its API server, paused 95% of the time, then sends
-# what was made in bursts (seen: each stream's 600 tokens within 1 s of its first), so
-# the kill is sent right where a client reads the 5th chunk, not from another task (which
-# the burst kept waiting 0.6 s).
-THROTTLE_RUN_S = 0.005
-THROTTLE_PAUSE_S = 0.095
+KILL_AFTER_EVENTS = 100  # SSE events of one victim stream relayed before its death (of 600)
+
+
+class _DyingRelay:
+    """A TCP relay in front of the victim: once it has passed ``KILL_AFTER_EVENTS`` SSE
+    events of one response, it SIGKILLs the victim's vLLM and resets every connection it
+    relays, before the event that crossed the count, and takes no new ones: the victim's
+    death as the gateway sees it, surely mid-stream. Timed from outside (vLLM's metrics,
+    a client's reading), a kill could land after the gateway had every byte of the
+    victim's streams buffered (the tiny model makes them in ~0.6 s): it failed so."""
+
+    def __init__(self, victim: VllmReplica) -> None:
+        self.victim = victim
+        self.loop = asyncio.new_event_loop()
+        self.port = free_port()
+        self.connections: set[asyncio.StreamWriter] = set()
+        self.dead = threading.Event()
+        self.server = asyncio.run_coroutine_threadsafe(
+            asyncio.start_server(self._relay, "127.0.0.1", self.port), self.loop
+        )
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.server.result(timeout=10)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def _relay(self, client_in: asyncio.StreamReader, client: asyncio.StreamWriter) -> None:
+        if self.dead.is_set():
+            client.transport.abort()
+            return
+        try:
+            vllm_in, vllm = await asyncio.open_connection("127.0.0.1", self.victim.port)
+        except OSError:
+            client.transport.abort()
+            return
+        self.connections |= {client, vllm}
+
+        async def forward(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError, ConnectionError):
+                while data := await source.read(65536):
+                    sink.write(data)
+                    await sink.drain()
+            sink.transport.abort()
+
+        async def answer() -> None:
+            events = 0
+            with contextlib.suppress(OSError, ConnectionError):
+                while data := await vllm_in.read(65536):
+                    found = data.count(b"data: ")
+                    if events + found >= KILL_AFTER_EVENTS:
+                        cut = -1
+                        for _ in range(KILL_AFTER_EVENTS - events):
+                            cut = data.index(b"data: ", cut + 1)
+                        client.write(data[:cut])
+                        self._die()
+                        return
+                    events += found
+                    client.write(data)
+                    await client.drain()
+            client.transport.abort()
+
+        await asyncio.gather(forward(client_in, vllm), answer())
+
+    def _die(self) -> None:
+        self.dead.set()
+        self.victim.signal_group(signal.SIGKILL)
+        for writer in self.connections:
+            writer.transport.abort()  # RST: what a crashed host's peers see
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
 
 
 @dataclass
@@ -681,25 +750,46 @@ class _Outcome:
 
 
 def test_a_killed_replica_loses_nothing_and_its_streams_resume(
-    live: Gateway, capsys: pytest.CaptureFixture[str]
+    vllm: VllmFleet, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """24 requests (half streamed, completions and chats) of 600 tokens each; the victim
-    is throttled (see ``THROTTLE_PAUSE_S``) and SIGKILLed once a client has read
-    ``KILL_AFTER_CHUNKS`` chunks of a stream from it, with its streams mid-way.
-    Every stream flowing from it goes
-    on on the survivor: no error, exactly 600 completion tokens in its usage, one id.
-    (The text itself cannot be checked to the token: random weights emit byte tokens that
-    decode to replacement characters, and the continuation's prompt is that text tokenized
-    again.)"""
-    victim = live.fleet.replicas[1]
-    survivor = live.fleet.replicas[0]
+    """24 requests (half streamed, completions and chats) of 600 tokens each through a
+    gateway on round robin whose second replica is reached through ``_DyingRelay``: the
+    victim dies (SIGKILL, its connections reset) with its streams mid-way. Every stream
+    flowing from it goes on on the survivor: no error, exactly 600 completion tokens in
+    its usage, one id. (The text itself cannot be checked to the token: random weights
+    emit byte tokens that decode to replacement characters, and the continuation's prompt
+    is that text tokenized again.)"""
+    victim, survivor = vllm.replicas[1], vllm.replicas[0]
+    relay = _DyingRelay(victim)
+    (tmp_path / "gateway.yaml").write_text(
+        gateway_yaml(vllm.replicas, "round_robin", admin_token=ADMIN_TOKEN).replace(
+            victim.url, relay.url
+        )
+    )
+    process = IsocostProcess(
+        ["serve", "--config", str(tmp_path / "gateway.yaml"), "--port", "0"],
+        "isocost serve",
+        tmp_path / "gateway.log",
+    )
+    live = Gateway(process, vllm)
+    try:
+        wait_for(
+            lambda: all(row["state"] == "healthy" for row in live.rows().values()),
+            60,
+            "both replicas healthy",
+            state=live.rows,
+        )
+        _killed_under_load(live, relay, survivor, capsys)
+    finally:
+        process.stop()
+        relay.close()
+        victim.kill()
+
+
+def _killed_under_load(
+    live: Gateway, relay: _DyingRelay, survivor: VllmReplica, capsys: pytest.CaptureFixture[str]
+) -> None:
     output_tokens = 600  # the continuation's prompt must still fit the 1,024-token context
-
-    victim_streaming = asyncio.Event()  # SIGKILL sent: a client read KILL_AFTER_CHUNKS
-
-    async def reap_the_victim() -> None:
-        await asyncio.wait_for(victim_streaming.wait(), 120)
-        await asyncio.to_thread(victim.kill)  # already sent; waits for its exit
 
     async def one(client: openai.AsyncOpenAI, i: int) -> _Outcome:
         streamed = i % 4 < 2  # S S N N: under round robin each replica gets both kinds
@@ -721,12 +811,7 @@ def test_a_killed_replica_loses_nothing_and_its_streams_resume(
         try:
             answer = raw.parse()
             if isinstance(answer, openai.AsyncStream):
-                chunks = []
-                async for chunk in answer:
-                    chunks.append(chunk)
-                    if outcome.served_by == victim.url and len(chunks) == KILL_AFTER_CHUNKS:
-                        victim.signal_group(signal.SIGKILL)
-                        victim_streaming.set()
+                chunks = [chunk async for chunk in answer]
                 assert len({c.id for c in chunks}) == 1
                 usage = chunks[-1].usage
                 assert usage is not None and usage.completion_tokens == output_tokens
@@ -744,17 +829,15 @@ def test_a_killed_replica_loses_nothing_and_its_streams_resume(
         async with openai.AsyncOpenAI(
             base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=300
         ) as client:
-            with victim.throttled(THROTTLE_RUN_S, THROTTLE_PAUSE_S):
-                killer = asyncio.create_task(reap_the_victim())
-                outcomes = list(await asyncio.gather(*(one(client, i) for i in range(24))))
-                await killer
-            return outcomes
+            return list(await asyncio.gather(*(one(client, i) for i in range(24))))
 
     outcomes = asyncio.run(load())
+    assert relay.dead.is_set(), "the victim never streamed"
     # Headers from the victim mean the answer had started before the kill: its streams
     # resume on the survivor; everything else (queued, or in flight without a first token)
     # completes there. A whole answer may finish on the victim before the kill.
-    started_on_victim = [o for o in outcomes if o.served_by == victim.url]
+    victim_url = relay.url  # the victim as the gateway names it
+    started_on_victim = [o for o in outcomes if o.served_by == victim_url]
     resumed = [o for o in outcomes if o.resumed]
     with capsys.disabled():
         print(
@@ -766,12 +849,12 @@ def test_a_killed_replica_loses_nothing_and_its_streams_resume(
     seen = [e for e in events if e.get("event") in ("stream_resumed", "stream_error", "retry")]
     assert [o for o in outcomes if o.error is not None] == [], seen  # 0 lost, 0 cut
     assert any(o.streamed for o in started_on_victim)
-    assert resumed and all(o.served_by == victim.url for o in resumed), (outcomes, seen)
+    assert resumed and all(o.served_by == victim_url for o in resumed), (outcomes, seen)
     for outcome in resumed:
         assert [(r["from"], r["to"]) for r in outcome.resumed] == [
-            (victim.url.removeprefix("http://"), survivor.url.removeprefix("http://"))
+            (victim_url.removeprefix("http://"), survivor.url.removeprefix("http://"))
         ]
-    wait_for(lambda: live.rows()[victim.url]["state"] == "ejected", 60, "the victim's ejection")
+    wait_for(lambda: live.rows()[victim_url]["state"] == "ejected", 60, "the victim's ejection")
     with live.client(max_retries=0) as client:
         after = [
             _served_by(

@@ -19,10 +19,9 @@ import json
 import os
 import signal
 import subprocess
-import threading
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -125,29 +124,6 @@ class VllmReplica:
     def signal_group(self, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.popen.pid, sig)
-
-    @contextlib.contextmanager
-    def throttled(self, run_s: float, pause_s: float) -> Iterator[None]:
-        """The whole group paused (SIGSTOP) for ``pause_s`` of every ``run_s + pause_s``, as
-        an oversubscribed host: the tiny model's work then lasts long enough for a test to
-        act in the middle of it, whatever this machine's speed. Resumed on the way out."""
-        done = threading.Event()
-
-        def cycle() -> None:
-            while not done.is_set():
-                self.signal_group(signal.SIGSTOP)
-                done.wait(pause_s)
-                self.signal_group(signal.SIGCONT)
-                done.wait(run_s)
-
-        thread = threading.Thread(target=cycle, name=f"throttle-{self.port}", daemon=True)
-        thread.start()
-        try:
-            yield
-        finally:
-            done.set()
-            thread.join()
-            self.signal_group(signal.SIGCONT)
 
     def kill(self) -> None:
         """SIGKILL the whole group at once, as a crashed host would look."""
