@@ -665,16 +665,17 @@ def test_clients_that_leave_mid_generation_free_vllm(
 # -- a replica killed under load (last: it leaves one replica dead) ----------------------
 
 
-KILL_AFTER_EVENTS = 100  # SSE events of one victim stream relayed before its death (of 600)
+KILL_AFTER_EVENTS = 100  # SSE events relayed on one connection before its death (of 600)
 
 
 class _DyingRelay:
     """A TCP relay in front of the victim: once it has passed ``KILL_AFTER_EVENTS`` SSE
-    events of one response, it SIGKILLs the victim's vLLM and resets every connection it
-    relays, before the event that crossed the count, and takes no new ones: the victim's
-    death as the gateway sees it, surely mid-stream. Timed from outside (vLLM's metrics,
-    a client's reading), a kill could land after the gateway had every byte of the
-    victim's streams buffered (the tiny model makes them in ~0.6 s): it failed so."""
+    events on one connection (a stream's: nothing else the gateway asks is SSE), it
+    SIGKILLs the victim's vLLM and resets every connection it relays, before the event
+    that crossed the count, and takes no new ones: the victim's death as the gateway sees
+    it, surely mid-stream. Timed from outside (vLLM's metrics, a client's reading), a kill
+    could land after the gateway had every byte of the victim's streams buffered (the
+    tiny model makes them in ~0.6 s): it failed so."""
 
     def __init__(self, victim: VllmReplica) -> None:
         self.victim = victim
