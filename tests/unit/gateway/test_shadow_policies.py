@@ -6,8 +6,10 @@ overruns (real subprocesses) counted as failed, one with too few requests as ski
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -306,3 +308,46 @@ def test_a_reload_keeps_the_window_and_predictions_of_the_same_candidates() -> N
     assert kept["candidates"][0]["ttft_p99_change"] == -0.5 and kept["replay"]["requests"] == 1
     assert changed["replay"] is None and changed["window_requests"] == 1
     assert changed["replays"] == {"ok": 1, "failed": 0, "skipped": 0}
+
+
+_STAND_IN = """
+import asyncio, sys
+from isocost.gateway.shadow import run_replay
+from isocost.runtime.recording import FleetFile, FleetPool, FleetReplica, RecordedRequest
+
+line = RecordedRequest(timestamp=0.0, input_length=100, output_length=8, hash_ids=[0],
+                       model="m", status=200, replica="r0", output_tokens=8, e2e_ms=50.0)
+fleet = FleetFile(pools=[FleetPool("m", "round_robin", [FleetReplica("r0", "a100-80g", "m")])])
+sleeper = (sys.executable, "-c", "import os, sys, time; "
+           "open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(120)", sys.argv[1])
+asyncio.run(run_replay([line], fleet, "m", ["round_robin"], 300.0, command=sleeper))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(2) is Linux's")
+def test_a_replay_dies_with_its_gateway_even_sigkilled(tmp_path: Path) -> None:
+    """A gateway SIGKILLed mid-replay (here a stand-in process running ``run_replay``)
+    leaves no simulator behind: the kernel kills the replay with it."""
+    pid_file = tmp_path / "replay.pid"
+    gateway = subprocess.Popen([sys.executable, "-c", _STAND_IN, str(pid_file)])
+    try:
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.monotonic() < deadline and gateway.poll() is None, "no replay started"
+            time.sleep(0.05)
+        replay = int(pid_file.read_text())
+    finally:
+        gateway.kill()
+        gateway.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while _alive(replay):
+        assert time.monotonic() < deadline, f"replay {replay} outlived its gateway"
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    """Running, and not a zombie (this test is not its parent: init reaps it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
