@@ -21,6 +21,7 @@ import zmq
 from gateway_harness import gateway_config
 from isocost_procs import Proc, free_port, start_isocost
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from isocost.prefix.hashing import token_block_hashes
@@ -224,24 +225,21 @@ def test_a_gateway_following_the_engine_predicts_every_hit(tmp_path: Path) -> No
         engine.stop()
 
 
-def _metric(proc: Proc, name: str) -> float:
+def _samples(proc: Proc, name: str) -> list[Sample]:
+    """``proc``'s samples of ``name`` from its ``/metrics``."""
     with urllib.request.urlopen(f"{proc.url}/metrics", timeout=10) as response:
         text = response.read().decode()
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name
-    )
+    families = text_string_to_metric_families(text)
+    return [sample for family in families for sample in family.samples if sample.name == name]
+
+
+def _metric(proc: Proc, name: str) -> float:
+    return sum(sample.value for sample in _samples(proc, name))
 
 
 def _predictions(proc: Proc) -> dict[str, float]:
-    with urllib.request.urlopen(f"{proc.url}/metrics", timeout=10) as response:
-        text = response.read().decode()
     counts: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "isocost_prefix_predictions_total":
-                outcome = sample.labels["outcome"]
-                counts[outcome] = counts.get(outcome, 0.0) + sample.value
+    for sample in _samples(proc, "isocost_prefix_predictions_total"):
+        outcome = sample.labels["outcome"]
+        counts[outcome] = counts.get(outcome, 0.0) + sample.value
     return counts
