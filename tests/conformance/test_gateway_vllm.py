@@ -738,8 +738,10 @@ class _DyingRelay:
             writer.transport.abort()  # RST: what a crashed host's peers see
 
     def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.server.result().close)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
+        self.loop.close()
 
 
 @dataclass
