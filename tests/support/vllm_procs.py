@@ -66,6 +66,7 @@ class VllmReplica:
     port: int
     log_path: Path
     events_port: int  # its KV-cache event publisher (ZMQ PUB, bound on every interface)
+    core: int  # the CPU its worker's compute threads are bound to
     popen: subprocess.Popen[bytes] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -74,6 +75,10 @@ class VllmReplica:
             "HF_HUB_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1",
             "VLLM_SERVER_DEV_MODE": "1",
+            # vLLM's "auto" binding puts every replica's worker on the same core (it keeps
+            # the other for "the API server"); two workers then spin on one core and one
+            # starves: one replica answered in 30-60 ms while the other took 1-2.4 s.
+            "VLLM_CPU_OMP_THREADS_BIND": str(self.core),
         }
         command = [
             str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
@@ -154,7 +159,8 @@ class VllmFleet:
             raise
 
     def _launch(self, index: int, port: int, events_port: int) -> VllmReplica:
-        return VllmReplica(port, self.log_dir / f"vllm-{index}.log", events_port)
+        core = index % (os.cpu_count() or 1)
+        return VllmReplica(port, self.log_dir / f"vllm-{index}.log", events_port, core)
 
     @property
     def urls(self) -> list[str]:
@@ -196,11 +202,13 @@ def gateway_yaml(
     kv_events: bool = False,
     tokenizer: bool = False,
     admin_token: str | None = None,
+    prefill_fit: bool = False,
 ) -> str:
     """``isocost serve``'s config over ``replicas``: ``cost_model`` is the model the
     gateway prices the replicas' work with; ``kv_events``: it follows the replicas'
     KV-cache events; ``tokenizer``: it counts prompt tokens with the tiny model's
-    tokenizer (exact counts, as vLLM sees them)."""
+    tokenizer (exact counts, as vLLM sees them); ``prefill_fit``: it fits the replicas'
+    prefill terms to their TTFTs (``calibration: {prefill_fit: true}``)."""
     lines = "\n".join(
         f"      - {{url: {r.url}, cost_model: {cost_model}"
         + (f", kv_events: '{r.kv_events}'}}" if kv_events else "}")
@@ -208,6 +216,7 @@ def gateway_yaml(
     )
     tokenizer_line = f"    tokenizer: {TINY_MODEL}" if tokenizer else ""
     auth = f"auth:\n  admin_token: {admin_token}\n" if admin_token else ""
+    calibration = "calibration: {prefill_fit: true}\n" if prefill_fit else ""
     return f"""
 policy: {policy}
 scrape_interval_ms: 100
@@ -224,4 +233,4 @@ health:
   interval_ms: 200
   timeout_ms: 10000
   open_ms: 500
-{auth}"""
+{auth}{calibration}"""
