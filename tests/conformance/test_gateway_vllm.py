@@ -91,11 +91,12 @@ def _start_gateway(
     cost_model: str = str(TINY_MODEL),
     *,
     kv_events: bool = False,
+    prefill_fit: bool = False,
 ) -> Gateway:
     """``isocost serve`` over ``fleet`` (config and log in ``folder``), fresh state;
     ``cost_model`` is the model the gateway prices the replicas' work with; ``kv_events``:
     it follows the replicas' KV-cache events and tokenizes prompts with the tiny model's
-    tokenizer."""
+    tokenizer; ``prefill_fit``: it fits the replicas' prefill terms to their TTFTs."""
     text = gateway_yaml(
         fleet.replicas,
         policy,
@@ -103,6 +104,7 @@ def _start_gateway(
         kv_events=kv_events,
         tokenizer=kv_events,
         admin_token=ADMIN_TOKEN,
+        prefill_fit=prefill_fit,
     )
     (folder / "gateway.yaml").write_text(text)
     process = IsocostProcess(
@@ -284,6 +286,7 @@ def _run_workload(
     cost_model: str,
     prompts: list[str],
     concurrency: int = 1,
+    prefill_fit: bool = False,
 ) -> _PolicyRun:
     """Send ``prompts`` under ``policy`` through a fresh gateway (an empty prefix index) to
     replicas whose prefix caches were just emptied: one by one for one token each, or
@@ -294,7 +297,7 @@ def _run_workload(
         _reset_prefix_cache(url)
     hits_before = sum(_vllm_counter(u, "vllm:prefix_cache_hits") for u in urls)
     queries_before = sum(_vllm_counter(u, "vllm:prefix_cache_queries") for u in urls)
-    gateway = _start_gateway(folder, fleet, policy, cost_model)
+    gateway = _start_gateway(folder, fleet, policy, cost_model, prefill_fit=prefill_fit)
     served = dict.fromkeys(urls, 0)
     ttfts: list[float] = []
     try:
@@ -313,6 +316,7 @@ def _run_workload(
                     reply = raw.parse()
                     assert reply.usage is not None and reply.usage.completion_tokens == 1
         rows = gateway.rows()
+        (folder / "replicas.json").write_text(json.dumps(rows, indent=1))  # for a post-mortem
     finally:
         gateway.process.stop()
     return _PolicyRun(
@@ -325,16 +329,19 @@ def _run_workload(
     )
 
 
-# (label, policy, the model the gateway prices the replicas with). The tiny model's
-# modelled prefill is microseconds, so equal-cost gains nothing from its cached prefix;
-# priced as an 8B model (the scale where recomputing a prefix costs real GPU time) it does.
+# (label, policy, the model the gateway prices the replicas with, whether it fits their
+# prefill terms to their TTFTs). The tiny model's modelled prefill is microseconds, so
+# equal-cost gains nothing from its cached prefix unless the fit learns what CPU vLLM
+# spends per token; priced as an 8B model (where recomputing a prefix costs real GPU
+# time) it does.
 _COMPARED = [
-    ("round_robin", "round_robin", str(TINY_MODEL)),
-    ("prefix", "prefix", str(TINY_MODEL)),
-    ("sglang_cache_aware", "sglang_cache_aware", str(TINY_MODEL)),
-    ("dynamo_kv", "dynamo_kv", str(TINY_MODEL)),
-    ("equal_cost", "equal_cost", str(TINY_MODEL)),
-    ("equal_cost@8b", "equal_cost", "llama-3.1-8b"),
+    ("round_robin", "round_robin", str(TINY_MODEL), False),
+    ("prefix", "prefix", str(TINY_MODEL), False),
+    ("sglang_cache_aware", "sglang_cache_aware", str(TINY_MODEL), False),
+    ("dynamo_kv", "dynamo_kv", str(TINY_MODEL), False),
+    ("equal_cost", "equal_cost", str(TINY_MODEL), False),
+    ("equal_cost+fit", "equal_cost", str(TINY_MODEL), True),
+    ("equal_cost@8b", "equal_cost", "llama-3.1-8b", False),
 ]
 
 
@@ -362,8 +369,8 @@ def test_prefix_aware_routing_raises_vllm_prefix_cache_hits(
         seen.add((d, position % 2))
 
     runs = {
-        label: _run_workload(tmp_path / label, vllm, policy, cost_model, prompts)
-        for label, policy, cost_model in _COMPARED
+        label: _run_workload(tmp_path / label, vllm, policy, cost_model, prompts, 1, fit)
+        for label, policy, cost_model, fit in _COMPARED
     }
     with capsys.disabled():
         print(f"\nvLLM prefix-cache hits, {len(prompts)} requests over 16 shared documents:")
@@ -393,8 +400,8 @@ def test_prefix_aware_routing_under_concurrency(
     tokenizer = Tokenizer.from_file(str(TINY_MODEL / "tokenizer.json"))
     _, _, prompts = _shared_prefix_workload(tokenizer, 16, 4, seed=9)
     runs = {  # priced as the tiny model only (the 8B pricing is compared one at a time)
-        label: _run_workload(tmp_path / label, vllm, policy, cost_model, prompts, concurrency=8)
-        for label, policy, cost_model in _COMPARED
+        label: _run_workload(tmp_path / label, vllm, policy, cost_model, prompts, 8, fit)
+        for label, policy, cost_model, fit in _COMPARED
         if cost_model == str(TINY_MODEL)
     }
     with capsys.disabled():

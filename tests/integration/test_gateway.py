@@ -421,12 +421,14 @@ def test_metrics_and_logs(cluster: Cluster) -> None:
         "isocost_replica_ttft_prediction_error",
         "isocost_replica_itl_prediction_error",
         "isocost_replica_prefill_duty",
+        'isocost_replica_prefill_term_seconds{pool="llama-3.1-8b"',
         'isocost_rejections_total{reason="invalid_body"}',
     ):
         assert series in text, series
     log = cluster.log.read_text()
     entries = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
     assert any(e.get("event") == "request" and e.get("key") == "team-a" for e in entries)
+    assert all(e["predicted_ttft_ms"] > 0 for e in entries if e.get("event") == "request")
     assert API_KEY not in log and ADMIN_TOKEN not in log and secret_prompt not in log
 
 

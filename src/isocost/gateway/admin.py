@@ -126,6 +126,9 @@ def replica_row(
         "ttft_factor": round(state.ttft_factor, 4) if state else None,
         "itl_factor": round(state.itl_factor, 4) if state else None,
         "ttft_error": round(state.ttft_error, 4) if state else None,
+        "prefill_terms_ms": {k: round(v * 1e3, 4) for k, v in state.prefill_terms_s.items()}
+        if state
+        else None,
         "itl_error": round(state.itl_error, 4) if state else None,
         "prefill_duty": round(state.prefill_duty(now), 4) if state else None,
         "recent_ttft_p50_ms": _p50_ms(replica.recent_ttft_s),

@@ -84,6 +84,7 @@ def _account(gateway: Gateway, request: GatewayRequest, result: ForwardResult) -
             "cached_tokens": result.cached_tokens,
             "predicted_cached_tokens": result.predicted_cached_tokens,
             "ttft_ms": _ms(result.ttft_s),
+            "predicted_ttft_ms": _ms(result.predicted_ttft_s),
             "e2e_ms": round(e2e_s * 1000, 1),
             "key": request.key_name,
             "error": result.error,

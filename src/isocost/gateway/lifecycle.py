@@ -309,6 +309,7 @@ class Gateway:
         config, now = plan.config, time.monotonic()
         health_changed = config.health != self.config.health
         self.config = config
+        self.router.replicas.set_prefill_fit(config.calibration.prefill_fit)
         for model in plan.policies:
             if model not in self.pools:
                 self.pools[model] = Pool(model, plan.policies[model][0])

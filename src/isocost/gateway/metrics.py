@@ -226,6 +226,13 @@ class GatewayMetrics:
             "isocost_replica_itl_factor",
             "Learned observed / predicted inter-token time of the replica.",
         )
+        self.prefill_term = Gauge(
+            "isocost_replica_prefill_term_seconds",
+            "Prefill terms the replica is priced with: seconds per chunk, per 1k tokens, per "
+            "1M attention pairs (fitted with calibration.prefill_fit, else the analytic ones).",
+            ["pool", "replica", "term"],
+            registry=r,
+        )
         self.ttft_error = per_replica(
             "isocost_replica_ttft_prediction_error",
             "Recent mean absolute percentage error of the replica's predicted TTFT (0.1: 10%).",

@@ -257,6 +257,8 @@ class Monitor:
             self.metrics.ttft_factor.labels(*labels).set(state.ttft_factor)
             self.metrics.itl_factor.labels(*labels).set(state.itl_factor)
             self.metrics.ttft_error.labels(*labels).set(state.ttft_error)
+            for term, seconds in state.prefill_terms_s.items():
+                self.metrics.prefill_term.labels(*labels, term).set(seconds)
             self.metrics.itl_error.labels(*labels).set(state.itl_error)
             self.metrics.prefill_duty.labels(*labels).set(state.prefill_duty(now))
 

@@ -130,6 +130,7 @@ class ForwardResult:
     retries: int = 0
     resumes: int = 0  # times its stream went on on another replica
     ttft_s: float | None = None
+    predicted_ttft_s: float | None = None  # what the router predicted for the first attempt
     cached_tokens: int | None = None  # the prefix-cache hit the engine reported
     predicted_cached_tokens: int | None = None  # the hit the router predicted, in its terms
     error: str | None = None
@@ -306,6 +307,8 @@ class Forwarder:
             grant = await self._acquire(request, frozenset(tried), deadline)
             tried.add(grant.replica.name)
             result.replica = grant.replica
+            if result.predicted_ttft_s is None:
+                result.predicted_ttft_s = grant.predicted_ttft_s
             try:
                 attempt = _Attempt(http, request, result, tried, deadline, ledger)
                 return await self._attempt(attempt, upstream_body, grant)

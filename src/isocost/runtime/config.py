@@ -274,6 +274,12 @@ class StateBusConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     max_backoff_ms: float = 2000
 
 
+class CalibrationConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    # Fit each replica's prefill terms (per chunk, per token, per attention pair) to its
+    # TTFTs instead of one TTFT factor (``scheduling.prefillfit``).
+    prefill_fit: bool = False
+
+
 class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     pools: list[PoolConfig] = []
     policy: str = "equal_cost"
@@ -284,6 +290,7 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     auth: AuthConfig = AuthConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
     state_bus: StateBusConfig | None = None
+    calibration: CalibrationConfig = CalibrationConfig()
 
 
 _PATH_RE = re.compile(r"\$((?:\.[A-Za-z_]\w*|\[\d+\])+)")

@@ -184,6 +184,9 @@ class Calibration(SlotArrays):
         self.itl = _Learned()
         super().__init__()
         self.factor_alpha = factor_alpha
+        # False while the prefill terms are fitted instead (``scheduling.prefillfit``): the
+        # TTFT factor stays at 1 and only its prediction error is measured.
+        self.learn_ttft_factor = True
         self._classes: dict[str, int] = {}
         self._class_id = np.zeros(0, dtype=np.int64)  # per slot, its hardware class (``join``)
 
@@ -273,7 +276,7 @@ class Calibration(SlotArrays):
             now - record.dispatch_s,
             record.predicted_ttft_s,
             now,
-            weight=prefill_share,
+            weight=prefill_share if self.learn_ttft_factor else 0.0,
         )
 
     def observe_tokens(

@@ -47,6 +47,7 @@ from isocost.scheduling.duty import PrefillDuty
 from isocost.scheduling.estimate import OutputLengthEstimator
 from isocost.scheduling.predict import IndexArray, Load, RawTimes, SlotKey
 from isocost.scheduling.predict import predict_one as _predict_one
+from isocost.scheduling.prefillfit import PrefillFit, features
 from isocost.scheduling.scrapes import NUMPY_OPS, PYTHON_OPS, Ops, ScrapeMerge
 from isocost.scheduling.slots import SlotArrays, SlotStore
 from isocost.scheduling.timing import FloatArray, StepCoefficients
@@ -62,6 +63,7 @@ class ReplicaState:
 
     __slots__ = (
         "_set",
+        "analytic",
         "awaiting",
         "coefficients",
         "in_flight",
@@ -76,7 +78,8 @@ class ReplicaState:
         self._set = replica_set
         self.spec = spec
         self.slot = slot
-        self.coefficients = coefficients  # its timing, fitted once
+        self.analytic = coefficients  # its timing, fitted once to its cost model
+        self.coefficients = coefficients  # what it is priced with (``set_prefill_fit``)
         self.in_flight: dict[str, InFlight] = {}
         self.awaiting: dict[str, InFlight] = {}  # no first token yet, in dispatch order
         # not streamed and still taken to be waiting, in dispatch order
@@ -108,6 +111,17 @@ class ReplicaState:
     @property
     def ttft_factor(self) -> float:
         return float(self._set.calibration.ttft_factor[self.slot])
+
+    @property
+    def prefill_terms_s(self) -> dict[str, float]:
+        """The prefill terms it is priced with, in seconds per chunk, per 1k tokens and
+        per 1M attention pairs (fitted with ``set_prefill_fit``, else the analytic ones)."""
+        c = self.coefficients
+        return {
+            "chunk": c.prefill_per_chunk_s,
+            "1k_tokens": c.prefill_per_token_s * 1e3,
+            "1m_pairs": c.prefill_per_pair_s * 1e6,
+        }
 
     @property
     def itl_factor(self) -> float:
@@ -230,6 +244,7 @@ class ReplicaSet:
             prior_output_tokens=self.estimator.prior_tokens,
         )
         self.calibration = Calibration(factor_alpha)
+        self.prefill_fit: PrefillFit | None = None  # ``set_prefill_fit``
         self.local = LocalLoad()
         self.duty = PrefillDuty()
         self.slots: SlotStore[ReplicaState] = SlotStore(
@@ -252,6 +267,8 @@ class ReplicaSet:
             spec, coefficients, lambda slot: ReplicaState(self, spec, slot, coefficients)
         )
         self.calibration.join(state.slot, spec.hardware_class)
+        if self.prefill_fit is not None:
+            self._join_fit(self.prefill_fit, state)
         self.prefix.add_replica(state.slot, spec.cost_model.kv_capacity_tokens // self.block_tokens)
         return state
 
@@ -262,6 +279,29 @@ class ReplicaSet:
             del self._requests[request_id]
         self.slots.remove(replica_id, state.slot)
         self.prefix.remove_replica(state.slot)
+        if self.prefill_fit is not None:
+            self.prefill_fit.leave(state.slot)
+
+    def set_prefill_fit(self, on: bool) -> None:
+        """Fit each replica's prefill terms to its TTFTs (``scheduling.prefillfit``) instead
+        of learning one TTFT factor; off: back to the analytic terms and the factor."""
+        if on == (self.prefill_fit is not None):
+            return
+        self.calibration.learn_ttft_factor = not on
+        fit = self.prefill_fit = PrefillFit() if on else None
+        for state in self.slots:
+            if fit is None:
+                self._price(state, state.analytic)
+            else:
+                self._join_fit(fit, state)
+
+    def _join_fit(self, fit: PrefillFit, state: ReplicaState) -> None:
+        fit.join(state.slot, state.spec.hardware_class, state.analytic)
+        self._price(state, fit.coefficients(state.slot, 0.0) or state.analytic)
+
+    def _price(self, state: ReplicaState, coefficients: StepCoefficients) -> None:
+        state.coefficients = coefficients
+        self.slots.coef.set(state.slot, coefficients)
 
     def get(self, replica_id: str) -> ReplicaState:
         return self.slots.get(replica_id)
@@ -325,6 +365,7 @@ class ReplicaSet:
             cached = min(max(matched, request.kv_ready_tokens), request.prompt_tokens)
         if known is None or known.output_tokens != expected:
             known = self.predict_one(slot, now, request.prompt_tokens, cached, expected)
+        queued = self._effective(now, slot, max)[2] if self.prefill_fit is not None else 0.0
         record = InFlight(
             request_id=request.request_id,
             replica_id=replica_id,
@@ -340,6 +381,7 @@ class ReplicaSet:
             max_tokens=request.max_tokens,
             predicted_wait_s=known.wait_s,
             stream=request.stream,
+            queued_prefill_tokens=float(queued),
         )
         self._requests[request.request_id] = record
         state.in_flight[request.request_id] = record
@@ -374,6 +416,8 @@ class ReplicaSet:
             self._stop_awaiting(record)
             self._start(record, now)
         self.calibration.observe_first_token(record, now)
+        if self.prefill_fit is not None:
+            self._fit_prefill(self.prefill_fit, record, now)
         self.local.advance(record, 1, now)
         for listener in self._listeners:
             listener.on_first_token(record, now)
@@ -560,6 +604,18 @@ class ReplicaSet:
         del state.awaiting[record.request_id]
         if head == record.request_id:
             self.calibration.awaiting(state.slot, next(iter(state.awaiting.values()), None))
+
+    def _fit_prefill(self, fit: PrefillFit, record: InFlight, now: float) -> None:
+        """Teach ``record``'s TTFT to the prefill fit; price with what it learnt."""
+        cached = min(record.cached_tokens, max(record.prompt_tokens - 1, 0))
+        x = features(
+            self.slots.state_at(record.slot).analytic,
+            record.queued_prefill_tokens,
+            record.prompt_tokens - cached,
+            cached,
+        )
+        for slot, coefficients in fit.observe(record.slot, x, now - record.dispatch_s, now):
+            self._price(self.slots.state_at(slot), coefficients)
 
     def _step_now(self, slot: int, now: float) -> float:
         """Uncorrected decode step of the slot's current batch (what its streams now see)."""

@@ -15,6 +15,8 @@
     link: infiniband             # P/D KV hand-offs: nvlink | infiniband | roce | tcp
     disaggregation: conditional  # colocated | pd | conditional (default: conditional when
                                  # a replica has a role other than both, else colocated)
+    prefill_fit: false           # the brain fits each replica's prefill terms to its TTFTs
+                                 # (a gateway config's ``calibration.prefill_fit``)
     events:
       - {at_s: 300, replica: slow-0, action: fail}
       - {at_s: 420, replica: slow-0, action: recover}
@@ -112,6 +114,7 @@ class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     max_retries: int = 2
     link: str = "infiniband"
     disaggregation: DisaggregationMode | None = None
+    prefill_fit: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,6 +252,7 @@ def gateway_cluster(
         max_retries=limits.max_retries,
         link=pool.kv_link,
         disaggregation=cast(DisaggregationMode, pool.disaggregation) if split else None,
+        prefill_fit=config.calibration.prefill_fit,
     )
     cluster = with_settings(cluster, source, **settings)
     replicas = resolve_cluster(cluster, catalog)  # one per group, each named <name>-0

@@ -242,6 +242,7 @@ class Simulator:
         self.audit = audit  # asked at each SLO-admission rejection
         self.replaying = False  # a forked replay: settles go to the audit, which ends it
         self.shadow = ReplicaSet(block_tokens=BLOCK_TOKENS)
+        self.shadow.set_prefill_fit(cluster.prefill_fit)
         self.shadow.add_listener(policy)
         self.disaggregation = _disaggregation(cluster, replicas)  # None: plain scheduling
         self.link: Link = link(cluster.link)

@@ -1,0 +1,202 @@
+"""Each replica's prefill terms fitted online to its TTFTs (``calibration.prefill_fit``).
+
+The cost model prices the first token of a request with ``u`` new prompt tokens after
+``c`` cached ones, queued behind ``Q`` prefill tokens, as (``timing``, ``predict``)::
+
+    ttft = a * (ceil(Q / C) + ceil(u / C)) + beta * (Q + u) + gamma * u * (c + u / 2)
+
+(``a`` per chunk of ``C`` tokens, ``beta`` per token, ``gamma`` per attention pair). A
+correction factor scales the three alike, and that cannot price an engine whose costs
+have another shape. CPU vLLM serving the tiny test model: the roofline says 5 ms per chunk
+and 7 ns per token; the engine takes ~20 ms per request and ~0.07 ms per token. A factor
+fitted to that prices a cached prefix at nothing and five queued requests as one, so
+equal-cost herds them onto one replica and ignores its cache.
+
+Here each replica's ``theta = (a, beta, gamma)`` is fitted to the TTFTs it is seen to
+give, by recursive least squares on the three terms' counts (``features``):
+
+* the analytic coefficients are the prior (mean, and a wide spread: ``_SPREAD`` times
+  their size, at least ``_FLOOR`` seconds per unit), so a replica starts as the catalog
+  prices it and the data take over within tens of requests;
+* relative errors are fitted (each observation divided by its TTFT), as a MAPE is
+  judged, so a long queue's second does not drown a cached request's millisecond; a
+  residual beyond ``_CLIP`` (a stall the terms do not explain: a GC pause, a compile) is
+  clipped, so one cannot drag the fit;
+* forgetting (``_FORGET``, about ``ERROR_WINDOW`` observations) follows a replica that
+  changes, and the covariance is capped at the prior's, so a term that traffic does not
+  exercise drifts back to uncertain rather than exploding;
+* bounds keep it physical: every term >= ``_LOWEST`` of the roofline's (a replica cannot
+  beat the roofline by much) and >= 0.
+
+Pooled by hardware class, as the factors are (``calibration``): a class fit learns from
+every member's observations; a replica joins with the class's figures, and its own fit
+weighs ``w = n / (n + PRIOR_SAMPLES)`` (``n`` its observations, fading with
+``FRESHNESS_TAU_S``) against the class's, so identical replicas are priced alike from the
+first observation and one that stopped getting traffic drifts back to its class.
+
+Pure arithmetic on a few floats per observation; no I/O, so the gateway and the
+simulator share it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import numpy.typing as npt
+
+from isocost.scheduling.calibration import ERROR_WINDOW, FRESHNESS_TAU_S, PRIOR_SAMPLES
+from isocost.scheduling.timing import StepCoefficients
+
+__all__ = ["PrefillFit", "features"]
+
+Vector = npt.NDArray[np.float64]
+
+_UNITS = np.array([1.0, 1e-3, 1e-6])  # theta per chunk, per 1k tokens, per 1M pairs
+_SPREAD = 10.0  # prior standard deviation, in multiples of the analytic term
+_FLOOR = np.array([0.05, 0.1, 0.1])  # ... and at least this (s per chunk / 1k / 1M)
+_NOISE = 0.2  # relative TTFT noise the prior is weighed against
+_FORGET = 1.0 - 1.0 / ERROR_WINDOW
+_CLIP = 2.0  # largest relative residual one observation may teach
+_LOWEST = 0.1  # bound: each term at least this share of the roofline's
+_BROADCAST = 0.02  # a class estimate that moved this much (relative) is given to its members
+
+
+def features(
+    coefficients: StepCoefficients, queued_tokens: float, new_tokens: float, cached_tokens: float
+) -> Vector:
+    """The counts the prefill terms multiply (chunks, 1k tokens, 1M attention pairs) for a
+    first token behind ``queued_tokens``, with ``new_tokens`` computed after ``cached_tokens``."""
+    chunk = float(max(coefficients.prefill_chunk_tokens, 1))
+    queued, new = max(queued_tokens, 0.0), max(new_tokens, 0.0)
+    chunks = math.ceil(queued / chunk) + math.ceil(new / chunk)
+    pairs = new * (max(cached_tokens, 0.0) + new / 2.0)
+    return np.asarray(np.array([chunks, queued + new, pairs]) * _UNITS, dtype=np.float64)
+
+
+def _theta(coefficients: StepCoefficients) -> Vector:
+    """The analytic terms in the fit's units."""
+    terms = (
+        coefficients.prefill_per_chunk_s,
+        coefficients.prefill_per_token_s,
+        coefficients.prefill_per_pair_s,
+    )
+    return np.asarray(np.array(terms) / _UNITS, dtype=np.float64)
+
+
+@dataclasses.dataclass
+class _Fit:
+    """One recursive least-squares estimate: ``theta`` and its (scaled) covariance."""
+
+    theta: Vector
+    cov: Vector  # 3 x 3
+    prior_cov: Vector  # the cap on cov's diagonal
+    lowest: Vector
+
+    @classmethod
+    def start(cls, theta: Vector, analytic: Vector) -> _Fit:
+        spread = np.maximum(_SPREAD * analytic, _FLOOR)
+        prior = np.diag((spread / _NOISE) ** 2)
+        return cls(theta.copy(), prior.copy(), prior, _LOWEST * analytic)
+
+    def learn(self, x: Vector, observed_s: float) -> None:
+        z = x / observed_s  # relative: the fit minimises relative errors
+        residual = min(max(1.0 - float(z @ self.theta), -_CLIP), _CLIP)
+        pz = self.cov @ z
+        gain = pz / (_FORGET + float(z @ pz))
+        self.theta = np.maximum(self.theta + gain * residual, self.lowest)
+        cov = (self.cov - np.outer(gain, pz)) / _FORGET
+        # Cap the variances at the prior's: terms traffic does not exercise stay uncertain
+        # instead of growing without bound under forgetting.
+        scale = np.sqrt(np.minimum(np.diag(self.prior_cov) / np.maximum(np.diag(cov), 1e-300), 1.0))
+        self.cov = cov * np.outer(scale, scale)
+
+
+@dataclasses.dataclass
+class _Member:
+    class_id: int
+    analytic: StepCoefficients
+    own: _Fit
+    samples: float = 0.0
+    seen_s: float = -math.inf
+
+
+class PrefillFit:
+    """The fitted prefill terms of every replica slot (module docstring)."""
+
+    def __init__(self) -> None:
+        self._classes: dict[str, int] = {}
+        self._class_fits: list[_Fit] = []
+        self._given: list[Vector] = []  # per class: the estimate its members were last given
+        self._members: dict[int, _Member] = {}  # by slot
+
+    def join(self, slot: int, hardware_class: str, analytic: StepCoefficients) -> None:
+        """``slot`` holds a new replica of ``hardware_class`` priced ``analytic``: it
+        starts from its class's fit (a new class from the analytic terms)."""
+        base = _theta(analytic)
+        class_id = self._classes.get(hardware_class)
+        if class_id is None:
+            class_id = self._classes[hardware_class] = len(self._class_fits)
+            self._class_fits.append(_Fit.start(base, base))
+            self._given.append(base.copy())
+        start = self._class_fits[class_id].theta
+        self._members[slot] = _Member(class_id, analytic, _Fit.start(start, base))
+
+    def leave(self, slot: int) -> None:
+        self._members.pop(slot, None)
+
+    def observe(
+        self, slot: int, x: Vector, observed_s: float, now: float
+    ) -> list[tuple[int, StepCoefficients]]:
+        """A first token came ``observed_s`` after dispatch to ``slot`` with term counts
+        ``x`` (``features``): learn, and return the (slot, coefficients) to price with now
+        (this slot's; every member's of its class when the class estimate moved)."""
+        member = self._members.get(slot)
+        if member is None or observed_s <= 0.0 or not math.isfinite(observed_s):
+            return []
+        member.own.learn(x, observed_s)
+        class_fit = self._class_fits[member.class_id]
+        class_fit.learn(x, observed_s)
+        member.samples = self._evidence(member, now) + 1.0
+        member.seen_s = now
+        given = self._given[member.class_id]
+        moved = np.abs(class_fit.theta - given) > _BROADCAST * np.maximum(given, 1e-12)
+        if not moved.any():
+            return [(slot, self._priced(member, now))]
+        self._given[member.class_id] = class_fit.theta.copy()
+        return [
+            (s, self._priced(m, now))
+            for s, m in self._members.items()
+            if m.class_id == member.class_id
+        ]
+
+    def coefficients(self, slot: int, now: float) -> StepCoefficients | None:
+        """The coefficients ``slot`` is priced with at ``now`` (None: not a member)."""
+        member = self._members.get(slot)
+        return None if member is None else self._priced(member, now)
+
+    def terms(self, slot: int, now: float) -> tuple[float, float, float] | None:
+        """``slot``'s fitted (s per chunk, s per token, s per attention pair)."""
+        priced = self.coefficients(slot, now)
+        if priced is None:
+            return None
+        return (priced.prefill_per_chunk_s, priced.prefill_per_token_s, priced.prefill_per_pair_s)
+
+    def _evidence(self, member: _Member, now: float) -> float:
+        return member.samples * math.exp(-max(now - member.seen_s, 0.0) / FRESHNESS_TAU_S)
+
+    def _priced(self, member: _Member, now: float) -> StepCoefficients:
+        evidence = self._evidence(member, now)
+        weight = evidence / (evidence + PRIOR_SAMPLES)
+        pooled = self._class_fits[member.class_id].theta
+        theta = (pooled + weight * (member.own.theta - pooled)) * _UNITS
+        # No floor: the fitted per-chunk term is what a small chunk costs (the roofline's
+        # memory-bound floor would put back the shape the fit replaced).
+        return dataclasses.replace(
+            member.analytic,
+            prefill_per_chunk_s=float(theta[0]),
+            prefill_per_token_s=float(theta[1]),
+            prefill_per_pair_s=float(theta[2]),
+            prefill_floor_s=0.0,
+        )

@@ -1,0 +1,138 @@
+"""The prefill fit: each replica's prefill terms learned from its TTFTs (``prefillfit``)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from conftest import MODEL, Factory, cost_model
+
+from isocost.scheduling.contract import ReplicaSpec, RequestView
+from isocost.scheduling.prefillfit import PrefillFit, features
+from isocost.scheduling.state import ReplicaSet
+from isocost.scheduling.timing import StepCoefficients
+
+# An engine whose costs have another shape than the roofline's (CPU vLLM of a tiny model
+# is like this): 60 ms per chunk whatever its size, 0.02 ms per token, no attention term
+# (the roofline of an 8B model on an A100: 5 ms per chunk, 0.1 ms per token).
+PER_CHUNK_S, PER_TOKEN_S = 0.060, 0.02e-3
+ANALYTIC = StepCoefficients.fit(cost_model("a100-80g"))
+CHUNK = ANALYTIC.prefill_chunk_tokens
+
+
+def _engine_ttft_s(queued: float, new: float) -> float:
+    chunks = math.ceil(queued / CHUNK) + math.ceil(new / CHUNK)
+    return PER_CHUNK_S * chunks + PER_TOKEN_S * (queued + new)
+
+
+def _teach(fit: PrefillFit, slot: int, count: int, rng: random.Random, t0: float = 0.0) -> None:
+    """``count`` first tokens of mixed requests (cached or not, queued or not), 10% noise."""
+    for i in range(count):
+        queued = rng.choice([0.0, 0.0, 600.0, 3000.0])
+        cached = rng.choice([0.0, 512.0])
+        new = 620.0 - cached
+        observed = _engine_ttft_s(queued, new) * rng.lognormvariate(0.0, 0.1)
+        fit.observe(slot, features(ANALYTIC, queued, new, cached), observed, t0 + i)
+
+
+def test_the_fit_learns_terms_of_another_shape_and_shrugs_off_a_stall() -> None:
+    fit = PrefillFit()
+    fit.join(0, "cpu", ANALYTIC)
+    assert fit.terms(0, 0.0) == pytest.approx(
+        (ANALYTIC.prefill_per_chunk_s, ANALYTIC.prefill_per_token_s, ANALYTIC.prefill_per_pair_s)
+    )
+    shapes = [(0.0, 620.0, 0.0), (0.0, 108.0, 512.0), (1240.0, 620.0, 0.0), (3000.0, 108.0, 512.0)]
+
+    def worst_error(now: float) -> float:
+        priced = fit.coefficients(0, now)
+        assert priced is not None
+        return max(
+            abs(_predicted_s(priced, q, n, c) / _engine_ttft_s(q, n) - 1.0) for q, n, c in shapes
+        )
+
+    assert worst_error(0.0) > 0.5  # the roofline is far off this engine
+    _teach(fit, 0, 40, random.Random(1))
+    assert worst_error(40.0) < 0.1
+    terms = fit.terms(0, 40.0)
+    assert terms is not None and terms[1] == pytest.approx(PER_TOKEN_S, rel=0.15)
+    # One 3-s stall (a pause the terms do not explain) moves the predictions little.
+    fit.observe(0, features(ANALYTIC, 0.0, 620.0, 0.0), 3.0, 41.0)
+    assert worst_error(41.0) < 0.25
+
+
+def _predicted_s(c: StepCoefficients, queued: float, new: float, cached: float) -> float:
+    """The TTFT ``predict`` gives with ``c``, no KV wait."""
+    return c.prefill_s(queued, 0.0) + c.prefill_s(new, cached)
+
+
+def test_terms_stay_physical_however_fast_the_observations() -> None:
+    fit = PrefillFit()
+    fit.join(0, "a100", ANALYTIC)
+    x = features(ANALYTIC, 0.0, 4096.0, 0.0)
+    for i in range(100):  # 1,000x faster than the roofline allows
+        fit.observe(0, x, 1e-3 * float(x @ [ANALYTIC.prefill_per_chunk_s, 0, 0]), float(i))
+    terms = fit.terms(0, 100.0)
+    assert terms is not None
+    lowest = (ANALYTIC.prefill_per_chunk_s, ANALYTIC.prefill_per_token_s, 0.0)
+    assert all(t >= 0.1 * low * (1 - 1e-9) for t, low in zip(terms, lowest, strict=True))
+
+
+def test_a_replica_starts_from_its_class_and_an_idle_one_is_priced_as_it() -> None:
+    fit = PrefillFit()
+    fit.join(0, "cpu", ANALYTIC)
+    fit.join(1, "cpu", ANALYTIC)
+    _teach(fit, 0, 40, random.Random(2))
+    learned, idle = fit.terms(0, 40.0), fit.terms(1, 40.0)
+    assert learned is not None and idle is not None
+    # Slot 1 saw nothing: it is priced as its class, which learnt from slot 0.
+    assert idle[1] == pytest.approx(PER_TOKEN_S, rel=0.2)
+    fit.join(2, "cpu", ANALYTIC)  # added to the warm pool
+    joined = fit.terms(2, 40.0)
+    assert joined is not None and joined[1] == pytest.approx(idle[1], rel=1e-9)
+    fit.join(3, "other", ANALYTIC)  # another class starts from the analytic terms
+    assert fit.terms(3, 40.0) == pytest.approx(fit.terms(3, 0.0))
+    assert fit.terms(3, 40.0)[1] == pytest.approx(ANALYTIC.prefill_per_token_s)  # type: ignore[index]
+
+
+def _serve(replicas: ReplicaSet, name: str, prompt: int, now: float) -> float:
+    """Dispatch ``name`` to r0 and answer its first token as the engine would: the
+    predicted TTFT it was dispatched with."""
+    replicas.on_dispatch(RequestView(name, MODEL, prompt, max_tokens=8), "r0", now)
+    record = replicas.get("r0").in_flight[name]
+    queued = record.queued_prefill_tokens
+    observed = _engine_ttft_s(queued, prompt - record.cached_tokens)
+    replicas.on_first_token(name, now + observed)
+    replicas.on_complete(name, now + observed + 0.01, output_tokens=8)
+    return record.predicted_ttft_s
+
+
+def test_a_replica_set_with_the_fit_prices_what_the_engine_does(make_replicas: Factory) -> None:
+    replicas = make_replicas(["a100-80g"])
+    replicas.set_prefill_fit(True)
+    first = _serve(replicas, "q0", 620, 0.0)
+    assert first == pytest.approx(ANALYTIC.prefill_s(620, 0))  # the analytic prior at first
+    for i in range(1, 30):
+        _serve(replicas, f"q{i}", 300 + 20 * i, float(i))
+    predicted = _serve(replicas, "last", 620, 100.0)
+    assert predicted == pytest.approx(_engine_ttft_s(0.0, 620.0), rel=0.1)
+    assert replicas.get("r0").ttft_factor == 1.0  # the terms learnt it, not a factor
+    # A queue ahead is priced by its tokens: four requests of 620 behind the fourth.
+    for i in range(4):
+        replicas.on_dispatch(RequestView(f"w{i}", MODEL, 620, max_tokens=8), "r0", 200.0)
+    behind = replicas.predict_one(replicas.get("r0").slot, 200.0, 620, 0, 8).ttft_s
+    assert behind == pytest.approx(_engine_ttft_s(4 * 620.0, 620.0), rel=0.15)
+    # Off again: the analytic terms and the factor.
+    replicas.set_prefill_fit(False)
+    assert replicas.get("r0").coefficients == ANALYTIC
+
+
+def test_a_replica_added_after_the_fit_started_joins_it() -> None:
+    replicas = ReplicaSet()
+    replicas.set_prefill_fit(True)
+    replicas.add(ReplicaSpec("r0", MODEL, cost_model("a100-80g")))
+    for i in range(30):
+        _serve(replicas, f"q{i}", 620, float(i))
+    replicas.add(ReplicaSpec("r1", MODEL, cost_model("a100-80g")))
+    learned = replicas.get("r0").prefill_terms_s["1k_tokens"]
+    assert replicas.get("r1").prefill_terms_s["1k_tokens"] == pytest.approx(learned, rel=0.05)
