@@ -181,7 +181,9 @@ class InFlight:
     # predicted prefill end (``predicted_start_s``) or a scrape that showed it running.
     started_s: float | None = None
     predicted_start_s: float | None = None  # not streamed: dispatch + corrected predicted TTFT
-    queued_prefill_tokens: float = 0.0  # prefill queued ahead at dispatch (for the prefill fit)
+    # What was queued ahead of it at dispatch, for the prefill fit: tokens and requests.
+    queued_prefill_tokens: float = 0.0
+    queued_requests: float = 0.0
 
     @property
     def remaining_tokens(self) -> int:

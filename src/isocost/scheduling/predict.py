@@ -4,9 +4,10 @@ For a request with ``n`` prompt tokens of which ``c`` are cached on a replica, a
 expected output tokens, given the replica's effective load (``Load``) and fitted timing
 coefficients (``timing``)::
 
-    wait      = T_pre(Q, 0) + kv_wait            Q = queued (uncached) prefill tokens
+    wait      = T_pre(Q, 0) + r * W + kv_wait    Q = queued (uncached) prefill tokens
+                                               W = queued requests, r = per request
     kv_wait   = max(kv_used + n - kv_cap, 0) * mean_remaining_s / K
-    prefill   = T_pre(n - c, c)
+    prefill   = T_pre(n - c, c) + r
     ttft      = ttft_factor * (wait + prefill)
     step      = T_step(b + 1, K + n + m / 2)     b running sequences over K context tokens
     stall     = 1 / (1 - min(rho, 0.9))          rho = the replica's prefill duty
@@ -161,16 +162,25 @@ class RawTimes:
 
 def predict_one(
     coef: StepCoefficients,
-    load: tuple[float, float, float, float, float, float, float],
+    load: tuple[float, float, float, float, float, float, float, float],
     prompt_tokens: float,
     cached_tokens: float,
     output_tokens: float,
 ) -> RawTimes:
-    """The module formulas for one replica; ``load`` is (running, context, queued prefill,
-    remaining decode, KV used, KV capacity, prefill duty) as in ``Load``."""
+    """The module formulas for one replica; ``load`` is (waiting, running, context, queued
+    prefill, remaining decode, KV used, KV capacity, prefill duty) as in ``Load``."""
     n, m = float(prompt_tokens), float(output_tokens)
     wait, pre, step, base_step, stall = _times(
-        coef.prefill_s, coef.decode_step_s, max, min, _if, *load, n, float(cached_tokens), m
+        coef.prefill_s,
+        coef.decode_step_s,
+        max,
+        min,
+        _if,
+        coef.prefill_per_request_s,
+        *load,
+        n,
+        float(cached_tokens),
+        m,
     )
     # float(): the load may hold numpy scalars, and a decision must stay JSON-encodable
     return RawTimes(float(wait), float(pre), float(step), float(base_step), float(stall), m)
@@ -202,6 +212,8 @@ def predict(
         np.maximum,
         np.minimum,
         np.where,
+        coef.per_request_s[key],
+        load.waiting,
         load.running,
         load.context_tokens,
         load.queued_prefill_tokens,
@@ -259,6 +271,8 @@ def _times(
     maximum: _Fn,
     minimum: _Fn,
     where: _Fn,
+    per_request: Any,
+    waiting: Any,
     running: Any,
     context: Any,
     queued_prefill: Any,
@@ -276,8 +290,8 @@ def _times(
     mean_remaining_s = remaining_decode / maximum(b, 1.0) * base_step
     shortfall = maximum(kv_used + n - kv_capacity, 0.0)
     kv_wait = where(k > 0, shortfall * mean_remaining_s / maximum(k, 1.0), 0.0)
-    wait = pre(queued_prefill, 0.0) + kv_wait
+    wait = pre(queued_prefill, 0.0) + per_request * waiting + kv_wait
     cached = minimum(cached_tokens, max(n - 1.0, 0.0))  # the last token is always computed
-    prefill = pre(n - cached, cached)
+    prefill = pre(n - cached, cached) + per_request
     stall = 1.0 / (1.0 - minimum(prefill_duty, _MAX_DUTY))
     return wait, prefill, step(b + 1.0, k + n + m / 2.0), base_step, stall

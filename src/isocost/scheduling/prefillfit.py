@@ -1,27 +1,31 @@
 """Each replica's prefill terms fitted online to its TTFTs (``calibration.prefill_fit``).
 
 The cost model prices the first token of a request with ``u`` new prompt tokens after
-``c`` cached ones, queued behind ``Q`` prefill tokens, as (``timing``, ``predict``)::
+``c`` cached ones, queued behind ``W`` requests of ``Q`` prefill tokens, as (``timing``,
+``predict``)::
 
     ttft = a * (ceil(Q / C) + ceil(u / C)) + beta * (Q + u) + gamma * u * (c + u / 2)
+           + r * (W + 1)
 
-(``a`` per chunk of ``C`` tokens, ``beta`` per token, ``gamma`` per attention pair). A
-correction factor scales the three alike, and that cannot price an engine whose costs
-have another shape. CPU vLLM serving the tiny test model: the roofline says 5 ms per chunk
+(``a`` per chunk of ``C`` tokens, ``beta`` per token, ``gamma`` per attention pair, ``r``
+per request: 0 in the roofline, where requests queued together share a chunk). A
+correction factor scales them alike, and that cannot price an engine whose costs have
+another shape. CPU vLLM serving the tiny test model: the roofline says 5 ms per chunk
 and 7 ns per token; the engine takes ~20 ms per request and ~0.07 ms per token. A factor
 fitted to that prices a cached prefix at nothing and five queued requests as one, so
 equal-cost herds them onto one replica and ignores its cache.
 
-Here each replica's ``theta = (a, beta, gamma)`` is fitted to the TTFTs it is seen to
-give, by recursive least squares on the three terms' counts (``features``):
+Here each replica's ``theta = (a, beta, gamma, r)`` is fitted to the TTFTs it is seen to
+give, by recursive least squares on the terms' counts (``features``):
 
 * the analytic coefficients are the prior (mean, and a wide spread: ``_SPREAD`` times
   their size, at least ``_FLOOR`` seconds per unit), so a replica starts as the catalog
   prices it and the data take over within tens of requests;
 * relative errors are fitted (each observation divided by its TTFT), as a MAPE is
-  judged, so a long queue's second does not drown a cached request's millisecond; a
-  residual beyond ``_CLIP`` (a stall the terms do not explain: a GC pause, a compile) is
-  clipped, so one cannot drag the fit;
+  judged, so a long queue's second does not drown a cached request's millisecond; an
+  observation more than ``_CLIP`` times off the prediction, either way (a stall the terms
+  do not explain: a GC pause, a compile), teaches only as much as one ``_CLIP`` times
+  off, so stalls cannot drag the fit up;
 * forgetting (``_FORGET``, about ``ERROR_WINDOW`` observations) follows a replica that
   changes, and the covariance is capped at the prior's, so a term that traffic does not
   exercise drifts back to uncertain rather than exploding;
@@ -53,26 +57,33 @@ __all__ = ["PrefillFit", "features"]
 
 Vector = npt.NDArray[np.float64]
 
-_UNITS = np.array([1.0, 1e-3, 1e-6])  # theta per chunk, per 1k tokens, per 1M pairs
+_UNITS = np.array([1.0, 1e-3, 1e-6, 1.0])  # theta per chunk, 1k tokens, 1M pairs, request
 _SPREAD = 10.0  # prior standard deviation, in multiples of the analytic term
-_FLOOR = np.array([0.05, 0.1, 0.1])  # ... and at least this (s per chunk / 1k / 1M)
+_FLOOR = np.array([0.05, 0.1, 0.1, 0.05])  # ... and at least this (s per unit)
 _NOISE = 0.2  # relative TTFT noise the prior is weighed against
 _FORGET = 1.0 - 1.0 / ERROR_WINDOW
-_CLIP = 2.0  # largest relative residual one observation may teach
+_CLIP = 2.0  # an observation is taught as at most this many times off the prediction
 _LOWEST = 0.1  # bound: each term at least this share of the roofline's
 _BROADCAST = 0.02  # a class estimate that moved this much (relative) is given to its members
 
 
 def features(
-    coefficients: StepCoefficients, queued_tokens: float, new_tokens: float, cached_tokens: float
+    coefficients: StepCoefficients,
+    queued_requests: float,
+    queued_tokens: float,
+    new_tokens: float,
+    cached_tokens: float,
 ) -> Vector:
-    """The counts the prefill terms multiply (chunks, 1k tokens, 1M attention pairs) for a
-    first token behind ``queued_tokens``, with ``new_tokens`` computed after ``cached_tokens``."""
+    """The counts the prefill terms multiply (chunks, 1k tokens, 1M attention pairs,
+    requests) for a first token behind ``queued_requests`` holding ``queued_tokens``, with
+    ``new_tokens`` computed after ``cached_tokens``."""
     chunk = float(max(coefficients.prefill_chunk_tokens, 1))
     queued, new = max(queued_tokens, 0.0), max(new_tokens, 0.0)
     chunks = math.ceil(queued / chunk) + math.ceil(new / chunk)
     pairs = new * (max(cached_tokens, 0.0) + new / 2.0)
-    return np.asarray(np.array([chunks, queued + new, pairs]) * _UNITS, dtype=np.float64)
+    requests = max(queued_requests, 0.0) + 1.0
+    counts = np.array([chunks, queued + new, pairs, requests])
+    return np.asarray(counts * _UNITS, dtype=np.float64)
 
 
 def _theta(coefficients: StepCoefficients) -> Vector:
@@ -81,6 +92,7 @@ def _theta(coefficients: StepCoefficients) -> Vector:
         coefficients.prefill_per_chunk_s,
         coefficients.prefill_per_token_s,
         coefficients.prefill_per_pair_s,
+        coefficients.prefill_per_request_s,
     )
     return np.asarray(np.array(terms) / _UNITS, dtype=np.float64)
 
@@ -90,7 +102,7 @@ class _Fit:
     """One recursive least-squares estimate: ``theta`` and its (scaled) covariance."""
 
     theta: Vector
-    cov: Vector  # 3 x 3
+    cov: Vector  # 4 x 4
     prior_cov: Vector  # the cap on cov's diagonal
     lowest: Vector
 
@@ -101,8 +113,10 @@ class _Fit:
         return cls(theta.copy(), prior.copy(), prior, _LOWEST * analytic)
 
     def learn(self, x: Vector, observed_s: float) -> None:
-        z = x / observed_s  # relative: the fit minimises relative errors
-        residual = min(max(1.0 - float(z @ self.theta), -_CLIP), _CLIP)
+        predicted = float(x @ self.theta)
+        taught = min(max(observed_s, predicted / _CLIP), predicted * _CLIP) or observed_s
+        z = x / taught  # relative: the fit minimises relative errors
+        residual = 1.0 - float(z @ self.theta)
         pz = self.cov @ z
         gain = pz / (_FORGET + float(z @ pz))
         self.theta = np.maximum(self.theta + gain * residual, self.lowest)
@@ -176,12 +190,17 @@ class PrefillFit:
         member = self._members.get(slot)
         return None if member is None else self._priced(member, now)
 
-    def terms(self, slot: int, now: float) -> tuple[float, float, float] | None:
-        """``slot``'s fitted (s per chunk, s per token, s per attention pair)."""
+    def terms(self, slot: int, now: float) -> tuple[float, float, float, float] | None:
+        """``slot``'s fitted (s per chunk, per token, per attention pair, per request)."""
         priced = self.coefficients(slot, now)
         if priced is None:
             return None
-        return (priced.prefill_per_chunk_s, priced.prefill_per_token_s, priced.prefill_per_pair_s)
+        return (
+            priced.prefill_per_chunk_s,
+            priced.prefill_per_token_s,
+            priced.prefill_per_pair_s,
+            priced.prefill_per_request_s,
+        )
 
     def _evidence(self, member: _Member, now: float) -> float:
         return member.samples * math.exp(-max(now - member.seen_s, 0.0) / FRESHNESS_TAU_S)
@@ -198,5 +217,6 @@ class PrefillFit:
             prefill_per_chunk_s=float(theta[0]),
             prefill_per_token_s=float(theta[1]),
             prefill_per_pair_s=float(theta[2]),
+            prefill_per_request_s=float(theta[3]),
             prefill_floor_s=0.0,
         )

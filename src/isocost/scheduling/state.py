@@ -114,13 +114,15 @@ class ReplicaState:
 
     @property
     def prefill_terms_s(self) -> dict[str, float]:
-        """The prefill terms it is priced with, in seconds per chunk, per 1k tokens and
-        per 1M attention pairs (fitted with ``set_prefill_fit``, else the analytic ones)."""
+        """The prefill terms it is priced with, in seconds per chunk, per 1k tokens, per
+        1M attention pairs and per request (fitted with ``set_prefill_fit``, else the
+        analytic ones)."""
         c = self.coefficients
         return {
             "chunk": c.prefill_per_chunk_s,
             "1k_tokens": c.prefill_per_token_s * 1e3,
             "1m_pairs": c.prefill_per_pair_s * 1e6,
+            "request": c.prefill_per_request_s,
         }
 
     @property
@@ -365,7 +367,9 @@ class ReplicaSet:
             cached = min(max(matched, request.kv_ready_tokens), request.prompt_tokens)
         if known is None or known.output_tokens != expected:
             known = self.predict_one(slot, now, request.prompt_tokens, cached, expected)
-        queued = self._effective(now, slot, max)[2] if self.prefill_fit is not None else 0.0
+        waiting, _, queued, *_ = (
+            self._effective(now, slot, max) if self.prefill_fit is not None else (0.0, 0.0, 0.0)
+        )
         record = InFlight(
             request_id=request.request_id,
             replica_id=replica_id,
@@ -382,6 +386,7 @@ class ReplicaSet:
             predicted_wait_s=known.wait_s,
             stream=request.stream,
             queued_prefill_tokens=float(queued),
+            queued_requests=float(waiting),
         )
         self._requests[request.request_id] = record
         state.in_flight[request.request_id] = record
@@ -536,10 +541,10 @@ class ReplicaSet:
     ) -> RawTimes:
         """Uncorrected predicted times of one request on the replica in ``slot`` at ``now``
         (``predict`` for one replica, in Python floats: no numpy overhead per call)."""
-        _, running, queued, context, remaining, kv_used, kv_capacity, duty = self._effective(
+        waiting, running, queued, context, remaining, kv_used, kv_capacity, duty = self._effective(
             now, slot, max
         )
-        load = (running, context, queued, remaining, kv_used, kv_capacity, duty)
+        load = (waiting, running, context, queued, remaining, kv_used, kv_capacity, duty)
         coefficients = self.slots.state_at(slot).coefficients
         return _predict_one(coefficients, load, prompt_tokens, cached_tokens, output_tokens)
 
@@ -610,6 +615,7 @@ class ReplicaSet:
         cached = min(record.cached_tokens, max(record.prompt_tokens - 1, 0))
         x = features(
             self.slots.state_at(record.slot).analytic,
+            record.queued_requests,
             record.queued_prefill_tokens,
             record.prompt_tokens - cached,
             cached,

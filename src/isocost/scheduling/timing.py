@@ -13,7 +13,9 @@ the replica joins, to a handful of coefficients fitted at sample points of the r
 
   (``a`` fixed cost per chunk, ``beta`` per token, ``gamma`` per attention pair, the pair
   term summing exactly over chunks; ``floor`` the memory-bound time of a tiny chunk,
-  which reads all weights however few tokens it computes);
+  which reads all weights however few tokens it computes), plus ``r`` per request
+  (``prefill_per_request_s``: 0 in the roofline; ``scheduling.prefillfit`` learns it where
+  an engine spends time per request, and ``predict`` charges it for each queued one);
 * one decode step of ``b`` sequences holding ``K`` context tokens::
 
       T_step(b, K) = max(m0 + mk * K + mb * b,  c0 + cb * b)
@@ -67,6 +69,7 @@ class StepCoefficients:
     decode_per_seq_memory_s: float  # mb
     decode_compute_fixed_s: float  # c0
     decode_per_seq_compute_s: float  # cb
+    prefill_per_request_s: float = 0.0  # r
 
     @classmethod
     def fit(cls, cost_model: CostModel) -> StepCoefficients:
@@ -141,10 +144,11 @@ class CoefficientArrays:
     per_seq_memory_s: FloatArray
     compute_fixed_s: FloatArray
     per_seq_compute_s: FloatArray
+    per_request_s: FloatArray
 
     @classmethod
     def zeros(cls, size: int) -> CoefficientArrays:
-        return cls(*(np.zeros(size) for _ in range(10)))
+        return cls(*(np.zeros(size) for _ in range(11)))
 
     def grown(self, size: int) -> CoefficientArrays:
         def grow(a: FloatArray) -> FloatArray:
@@ -163,6 +167,7 @@ class CoefficientArrays:
             grow(self.per_seq_memory_s),
             grow(self.compute_fixed_s),
             grow(self.per_seq_compute_s),
+            grow(self.per_request_s),
         )
 
     def set(self, slot: int, c: StepCoefficients) -> None:
@@ -176,6 +181,7 @@ class CoefficientArrays:
         self.per_seq_memory_s[slot] = c.decode_per_seq_memory_s
         self.compute_fixed_s[slot] = c.decode_compute_fixed_s
         self.per_seq_compute_s[slot] = c.decode_per_seq_compute_s
+        self.per_request_s[slot] = c.prefill_per_request_s
 
 
 def prefill_s(
