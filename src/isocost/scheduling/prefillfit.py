@@ -16,21 +16,23 @@ fitted to that prices a cached prefix at nothing and five queued requests as one
 equal-cost herds them onto one replica and ignores its cache.
 
 Here each replica's ``theta = (a, beta, gamma, r)`` is fitted to the TTFTs it is seen to
-give, by recursive least squares on the terms' counts (``features``):
+give, on the terms' counts (``features``):
 
-* the analytic coefficients are the prior (mean, and a wide spread: ``_SPREAD`` times
-  their size, at least ``_FLOOR`` seconds per unit), so a replica starts as the catalog
-  prices it and the data take over within tens of requests;
+* a ridge regression: the analytic terms are the prior, its spread ``_SPREAD`` times
+  their size (at least ``_FLOOR`` seconds per unit), weighing as much as ``_PRIOR_WEIGHT`` observations
+  for ever, so a replica starts as the catalog prices it, the data take over within tens
+  of requests, and terms the traffic cannot tell apart (a chunk and a request, when every
+  request is one chunk) stay near the prior instead of drifting apart on noise;
 * relative errors are fitted (each observation divided by its TTFT), as a MAPE is
   judged, so a long queue's second does not drown a cached request's millisecond; an
   observation more than ``_CLIP`` times off the prediction, either way (a stall the terms
   do not explain: a GC pause, a compile), teaches only as much as one ``_CLIP`` times
   off, so stalls cannot drag the fit up;
-* forgetting (``_FORGET``, about ``ERROR_WINDOW`` observations) follows a replica that
-  changes, and the covariance is capped at the prior's, so a term that traffic does not
-  exercise drifts back to uncertain rather than exploding;
-* bounds keep it physical: every term >= ``_LOWEST`` of the roofline's (a replica cannot
-  beat the roofline by much) and >= 0.
+* forgetting (``_FORGET``, over about ``ERROR_WINDOW`` observations) follows a replica
+  that changes;
+* bounds keep the prices physical: every term priced at least ``_LOWEST`` of the
+  roofline's (a replica cannot beat the roofline by much) and at least 0 (the fit itself
+  is left unbounded, so that a bound never skews what it learns next).
 
 Pooled by hardware class, as the factors are (``calibration``): a class fit learns from
 every member's observations; a replica joins with the class's figures, and its own fit
@@ -58,9 +60,9 @@ __all__ = ["PrefillFit", "features"]
 Vector = npt.NDArray[np.float64]
 
 _UNITS = np.array([1.0, 1e-3, 1e-6, 1.0])  # theta per chunk, 1k tokens, 1M pairs, request
-_SPREAD = 10.0  # prior standard deviation, in multiples of the analytic term
+_PRIOR_WEIGHT = 5.0  # the prior weighs as much as this many observations, always
+_SPREAD = 4.0  # its spread: this many times the analytic term ...
 _FLOOR = np.array([0.05, 0.1, 0.1, 0.05])  # ... and at least this (s per unit)
-_NOISE = 0.2  # relative TTFT noise the prior is weighed against
 _FORGET = 1.0 - 1.0 / ERROR_WINDOW
 _CLIP = 2.0  # an observation is taught as at most this many times off the prediction
 _LOWEST = 0.1  # bound: each term at least this share of the roofline's
@@ -99,32 +101,33 @@ def _theta(coefficients: StepCoefficients) -> Vector:
 
 @dataclasses.dataclass
 class _Fit:
-    """One recursive least-squares estimate: ``theta`` and its (scaled) covariance."""
+    """One exponentially weighted ridge regression, in information form: ``info`` and
+    ``vector`` sum the observations (each weighing ``_FORGET`` less with every new one)
+    and a prior worth ``_PRIOR_WEIGHT`` observations that never fades; ``theta`` solves
+    ``info @ theta = vector``."""
 
+    info: Vector  # 4 x 4
+    vector: Vector
+    prior_info: Vector
+    prior_vector: Vector
     theta: Vector
-    cov: Vector  # 4 x 4
-    prior_cov: Vector  # the cap on cov's diagonal
-    lowest: Vector
 
     @classmethod
-    def start(cls, theta: Vector, analytic: Vector) -> _Fit:
-        spread = np.maximum(_SPREAD * analytic, _FLOOR)
-        prior = np.diag((spread / _NOISE) ** 2)
-        return cls(theta.copy(), prior.copy(), prior, _LOWEST * analytic)
+    def start(cls, center: Vector, analytic: Vector) -> _Fit:
+        """A fit at ``center`` whose prior has the spread of the ``analytic`` terms."""
+        scale = np.maximum(_SPREAD * analytic, _FLOOR)
+        prior_info = np.diag(_PRIOR_WEIGHT / scale**2)
+        prior_vector = prior_info @ center
+        return cls(prior_info.copy(), prior_vector.copy(), prior_info, prior_vector, center.copy())
 
     def learn(self, x: Vector, observed_s: float) -> None:
         predicted = float(x @ self.theta)
         taught = min(max(observed_s, predicted / _CLIP), predicted * _CLIP) or observed_s
-        z = x / taught  # relative: the fit minimises relative errors
-        residual = 1.0 - float(z @ self.theta)
-        pz = self.cov @ z
-        gain = pz / (_FORGET + float(z @ pz))
-        self.theta = np.maximum(self.theta + gain * residual, self.lowest)
-        cov = (self.cov - np.outer(gain, pz)) / _FORGET
-        # Cap the variances at the prior's: terms traffic does not exercise stay uncertain
-        # instead of growing without bound under forgetting.
-        scale = np.sqrt(np.minimum(np.diag(self.prior_cov) / np.maximum(np.diag(cov), 1e-300), 1.0))
-        self.cov = cov * np.outer(scale, scale)
+        z = x / taught  # relative: the fit minimises relative errors (z @ theta = 1)
+        keep = 1.0 - _FORGET
+        self.info = _FORGET * self.info + np.outer(z, z) + keep * self.prior_info
+        self.vector = _FORGET * self.vector + z + keep * self.prior_vector
+        self.theta = np.asarray(np.linalg.solve(self.info, self.vector), dtype=np.float64)
 
 
 @dataclasses.dataclass
@@ -132,6 +135,7 @@ class _Member:
     class_id: int
     analytic: StepCoefficients
     own: _Fit
+    lowest: Vector  # the least each term is priced at
     samples: float = 0.0
     seen_s: float = -math.inf
 
@@ -155,7 +159,8 @@ class PrefillFit:
             self._class_fits.append(_Fit.start(base, base))
             self._given.append(base.copy())
         start = self._class_fits[class_id].theta
-        self._members[slot] = _Member(class_id, analytic, _Fit.start(start, base))
+        own = _Fit.start(start, base)
+        self._members[slot] = _Member(class_id, analytic, own, np.maximum(_LOWEST * base, 0.0))
 
     def leave(self, slot: int) -> None:
         self._members.pop(slot, None)
@@ -209,7 +214,7 @@ class PrefillFit:
         evidence = self._evidence(member, now)
         weight = evidence / (evidence + PRIOR_SAMPLES)
         pooled = self._class_fits[member.class_id].theta
-        theta = (pooled + weight * (member.own.theta - pooled)) * _UNITS
+        theta = np.maximum(pooled + weight * (member.own.theta - pooled), member.lowest) * _UNITS
         # No floor: the fitted per-chunk term is what a small chunk costs (the roofline's
         # memory-bound floor would put back the shape the fit replaced).
         return dataclasses.replace(
