@@ -19,10 +19,11 @@ Here each replica's ``theta = (a, beta, gamma, r)`` is fitted to the TTFTs it is
 give, on the terms' counts (``features``):
 
 * a ridge regression: the analytic terms are the prior, its spread ``_SPREAD`` times
-  their size (at least ``_FLOOR`` seconds per unit), weighing as much as ``_PRIOR_WEIGHT`` observations
-  for ever, so a replica starts as the catalog prices it, the data take over within tens
-  of requests, and terms the traffic cannot tell apart (a chunk and a request, when every
-  request is one chunk) stay near the prior instead of drifting apart on noise;
+  their size (at least ``_FLOOR`` seconds per unit), weighing as much as
+  ``_PRIOR_WEIGHT`` observations for ever, so a replica starts as the catalog prices it,
+  the data take over within tens of requests, and terms the traffic cannot tell apart (a
+  chunk and a request, when every request is one chunk) stay near the prior instead of
+  drifting apart on noise;
 * relative errors are fitted (each observation divided by its TTFT), as a MAPE is
   judged, so a long queue's second does not drown a cached request's millisecond; an
   observation more than ``_CLIP`` times off the prediction, either way (a stall the terms
