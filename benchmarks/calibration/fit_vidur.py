@@ -233,12 +233,15 @@ def fit_set(profiles: Iterable[Profile], gpu: GpuSpec) -> FitSet:
     return FitSet(*(np.array(column, dtype=float) for column in zip(*rows, strict=True)))
 
 
-def fit_parameters(points: FitSet, gpu: GpuSpec) -> tuple[float, ...]:
+def fit_parameters(
+    points: FitSet, gpu: GpuSpec, fitted_count: int = len(PARAMETERS)
+) -> tuple[float, ...]:
     """The parameters of least objective (in ``PARAMETERS``' units): from each of
     ``STARTS``, a pattern search that moves one parameter at a time by its step while
     that lowers the objective, halving the steps when no move does. Parameters stay on
-    multiples of their resolution (kept as integers), so the result is deterministic."""
-    catalog = (gpu.mfu_prefill, gpu.mbu_decode)
+    multiples of their resolution (kept as integers), so the result is deterministic.
+    Only the first ``fitted_count`` parameters move; the rest keep ``gpu``'s values."""
+    catalog = [getattr(gpu, p.field) / p.to_spec for p in PARAMETERS]
     low = [round(p.low / p.resolution) for p in PARAMETERS]
     high = [round(p.high / p.resolution) for p in PARAMETERS]
 
@@ -247,14 +250,14 @@ def fit_parameters(points: FitSet, gpu: GpuSpec) -> tuple[float, ...]:
 
     best: tuple[float, list[int]] | None = None
     for start in STARTS:
-        values = [catalog[i] if v is None else v for i, v in enumerate(start)]
+        values = [catalog[i] if v is None or i >= fitted_count else v for i, v in enumerate(start)]
         ticks = [round(v / p.resolution) for v, p in zip(values, PARAMETERS, strict=True)]
         current = score(ticks)
         for level in range(COARSEST_LEVEL, -1, -1):
             step, moved = 2**level, True
             while moved:
                 moved = False
-                for i in range(len(PARAMETERS)):
+                for i in range(fitted_count):
                     for direction in (-step, step):
                         while low[i] <= ticks[i] + direction <= high[i]:
                             trial = [*ticks[:i], ticks[i] + direction, *ticks[i + 1 :]]
@@ -309,13 +312,17 @@ class GpuResult:
         )
 
 
-def evaluate(profiles: Sequence[Profile], gpu: GpuSpec) -> GpuResult:
-    """Fit ``gpu``'s factors on the non-held-out profiles and report every case, with
-    errors recomputed through ``CostModel`` at the catalog's and at the fitted factors."""
+def evaluate(
+    profiles: Sequence[Profile], gpu: GpuSpec, fitted_count: int = len(PARAMETERS)
+) -> GpuResult:
+    """Fit ``gpu``'s first ``fitted_count`` parameters on the non-held-out profiles and
+    report every case, with errors recomputed through ``CostModel`` at the catalog's and
+    at the fitted parameters."""
     fitted_on = [p for p in profiles if p.model != HELD_OUT]
     if not fitted_on:
         raise ValueError(f"{gpu.id}: no profiled model to fit on")
-    fitted = with_parameters(gpu, fit_parameters(fit_set(fitted_on, gpu), gpu))
+    values = fit_parameters(fit_set(fitted_on, gpu), gpu, fitted_count)
+    fitted = with_parameters(gpu, values)
     errors: dict[tuple[str, int, str], tuple[list[float], list[float]]] = defaultdict(
         lambda: ([], [])
     )
@@ -334,15 +341,40 @@ def evaluate(profiles: Sequence[Profile], gpu: GpuSpec) -> GpuResult:
     return GpuResult(gpu, fitted, cases)
 
 
-def run(data: Path) -> tuple[list[GpuResult], list[str]]:
+def run(data: Path, fitted_count: int = len(PARAMETERS)) -> tuple[list[GpuResult], list[str]]:
     profiles, notes = load_profiles(data)
     catalog = {g.id: g for g in BUILTIN_GPUS}
     results = []
     for device, gpu_id in sorted(GPU_IDS.items()):
         mine = [p for p in profiles if p.device == device]
         if mine:
-            results.append(evaluate(mine, catalog[gpu_id]))
+            results.append(evaluate(mine, catalog[gpu_id], fitted_count))
     return results, notes
+
+
+def ablation(data: Path) -> list[tuple[str, list[GpuResult]]]:
+    """The fit with the parameters added one at a time (the factors alone, then each
+    shape term in ``PARAMETERS``' order): what each term buys, fitted and held out."""
+    return [
+        (PARAMETERS[count - 1].field if count > 2 else "mfu, mbu", run(data, count)[0])
+        for count in range(2, len(PARAMETERS) + 1)
+    ]
+
+
+def ablation_table(rows: Sequence[tuple[str, Sequence[GpuResult]]]) -> str:
+    """Mean |error| % of all cases, fitted models / held-out model, per GPU."""
+    gpus = [r.gpu.id for r in rows[0][1]]
+    lines = [
+        "what each term buys: mean |error| % of all cases, fitted models / held out",
+        f"{'fitted (cumulative)':<26}" + "".join(f"{g:>18}" for g in gpus),
+    ]
+    for label, results in rows:
+        cells = "".join(
+            f"{f'{r.mean_error_pct(False, True):.1f} / {r.mean_error_pct(True, True):.1f}':>18}"
+            for r in results
+        )
+        lines.append(f"{('+ ' if label != 'mfu, mbu' else '') + label:<26}{cells}")
+    return "\n".join(lines)
 
 
 def table(result: GpuResult) -> str:
@@ -376,11 +408,29 @@ def table(result: GpuResult) -> str:
     return "\n".join(lines)
 
 
-def as_json(results: Sequence[GpuResult], notes: Sequence[str], data: Path) -> str:
+def as_json(
+    results: Sequence[GpuResult],
+    notes: Sequence[str],
+    data: Path,
+    rows: Sequence[tuple[str, Sequence[GpuResult]]] = (),
+) -> str:
     def r(x: float) -> float:
         return round(x, 4)
 
     doc = {
+        "ablation": [
+            {
+                "fitted_up_to": label,
+                **{
+                    res.gpu.id: {
+                        "fitted_models_all_fitted": r(res.mean_error_pct(False, True)),
+                        "held_out_all_fitted": r(res.mean_error_pct(True, True)),
+                    }
+                    for res in found
+                },
+            }
+            for label, found in rows
+        ],
         "source": "github.com/microsoft/vidur data/profiling/compute (MIT)",
         "data": data.name,
         "held_out": HELD_OUT,
@@ -486,8 +536,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(table(result))
     print()
     print("* above 10% at the fitted parameters. See benchmarks/calibration/README.md.")
+    rows = ablation(args.data)
+    print()
+    print(ablation_table(rows))
     if args.json:
-        args.json.write_text(as_json(results, notes, args.data))
+        args.json.write_text(as_json(results, notes, args.data, rows))
     if args.catalog_out:
         args.catalog_out.write_text(as_catalog_yaml(results, args.data))
     return 0

@@ -135,3 +135,17 @@ def test_json_is_deterministic_and_bad_data_is_one_line(
     assert fit.main(["--data", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all(line.startswith("error: ") for line in err)
+
+
+def test_each_shape_term_lowers_the_fitted_error_and_the_last_row_is_the_fit(
+    fit: ModuleType, results: list[Any]
+) -> None:
+    rows = fit.ablation(fit.DEFAULT_DATA)
+    assert [label for label, _ in rows] == ["mfu, mbu"] + [p.field for p in fit.PARAMETERS[2:]]
+    for gpu in range(len(results)):
+        errors = [found[gpu].mean_error_pct(False, True) for _, found in rows]
+        assert errors == sorted(errors, reverse=True), errors
+        assert rows[-1][1][gpu].fitted == results[gpu].fitted
+        first = rows[0][1][gpu].fitted
+        assert (first.kernel_s_per_layer, first.gemm_half_rate_tokens) == (0.0, 0.0)
+    assert max(len(line) for line in fit.ablation_table(rows).splitlines()) <= 80
