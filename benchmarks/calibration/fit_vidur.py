@@ -10,19 +10,25 @@ all-reduces, the embedding and LM head, and without host overheads: none of thos
 in these files (Vidur's attention profiles are Git-LFS objects not stored here).
 
 The cost model is compared on exactly that: the roofline part of ``CostModel`` (the
-larger of its compute and memory time, ``decode_lines``) for a model of the same shape
-with no embedding or LM head, at zero context. Steps of up to ``max_num_seqs`` tokens are
-decode steps (one token per sequence, memory-bound: ``mbu_decode`` governs them); larger
-ones are prefill chunks (compute-bound: ``mfu_prefill``). Per GPU both factors are fitted
-by grid search to the least mean |error| over the fitted cases (model x tp x phase, each
-case weighing the same), on every profiled model except Llama-2-7B, which is held out and
-only evaluated. Host overheads (``step_overhead_s``, ``prefill_overhead_s``) cannot be
-identified from GPU kernel times and are left as they are. Run:
+larger of its compute and memory time, ``decode_lines``) plus its per-layer kernel time
+(``layer_kernels_time_s``) for a model of the same shape with no embedding or LM head, at
+zero context. Steps of up to ``max_num_seqs`` tokens are decode steps, larger ones
+prefill chunks. Per GPU five ``GpuSpec`` parameters are fitted by a deterministic pattern
+search to the least mean |error| over the fitted cases (model x tp x phase, each case
+weighing the same), on every profiled model except Llama-2-7B, which is held out and only
+evaluated: the efficiency factors ``mfu_prefill`` and ``mbu_decode`` and the shape terms
+``kernel_s_per_layer``, ``gemm_half_rate_tokens`` and ``elementwise_io_per_layer``
+(``isocost.core.hardware`` says what each one is). Host overheads (``step_overhead_s``,
+``prefill_overhead_s``) cannot be identified from GPU kernel times and are left as they
+are. Run:
 
     .venv/bin/python benchmarks/calibration/fit_vidur.py [--data DIR] [--json OUT]
+        [--catalog-out YAML]
 
 ``--data`` is a folder laid out like Vidur's ``data/profiling/compute``
 (``<gpu>/<org>/<model>/mlp.csv``); the default is the excerpt committed next to this file.
+``--catalog-out`` writes the fitted GPUs as a catalog file under their own ids
+(``a100-80g-vidur``, ``h100-80g-vidur``): opt-in, the built-in catalog is not changed.
 """
 
 from __future__ import annotations
@@ -74,8 +80,7 @@ LAYER_OPS = (
 SHAPE_COLUMNS = ("n_head", "n_kv_head", "n_embd", "n_expanded_embd", "use_gated_mlp")
 KEY_COLUMNS = ("num_tokens", "num_tensor_parallel_workers")
 DECODE_MAX_TOKENS = EngineLimits().max_num_seqs
-COARSE_GRID = np.round(np.arange(0.05, 1.0001, 0.01), 4)
-FINE_STEP = 0.001
+FITTED_SUFFIX = "-vidur"  # the fitted GPUs' catalog ids: a100-80g-vidur, h100-80g-vidur
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,19 +103,67 @@ class Profile:
 
 
 @dataclass(frozen=True, slots=True)
+class Parameter:
+    """One fitted ``GpuSpec`` field, searched on multiples of ``resolution`` within
+    ``[low, high]``; ``to_spec`` converts the searched unit to the field's (us -> s)."""
+
+    field: str
+    resolution: float
+    low: float
+    high: float
+    to_spec: float = 1.0
+
+
+# The two efficiency factors and the three shape terms (GpuSpec's docstring says why each).
+PARAMETERS = (
+    Parameter("mfu_prefill", 0.001, 0.05, 1.0),
+    Parameter("mbu_decode", 0.001, 0.05, 1.0),
+    Parameter("kernel_s_per_layer", 0.1, 0.0, 500.0, to_spec=1e-6),  # searched in us
+    Parameter("gemm_half_rate_tokens", 1.0, 0.0, 1024.0),
+    Parameter("elementwise_io_per_layer", 0.1, 0.0, 100.0),
+)
+# Pattern search: steps of resolution * 2**level, from COARSEST_LEVEL down to 0, from each
+# start (mfu, mbu, kernel us, n_1/2 tokens, hidden vectors); the best end point wins. The
+# objective is flat with shallow local minima, so one start is not enough.
+COARSEST_LEVEL = 7
+STARTS = (
+    (None, None, 0.0, 0.0, 0.0),  # None: the catalog's factor
+    *((0.7, 0.8, k, n, e) for k in (20.0, 50.0) for n in (50.0, 150.0) for e in (5.0, 15.0)),
+)
+
+
+@dataclass(frozen=True, slots=True)
 class FitSet:
-    """The fitted points of one GPU with the model's roofline at factors 1.0, and each
-    point's weight in the objective: ``1 / points of its case / cases``."""
+    """The fitted points of one GPU as the terms of the cost model's step time, each at
+    unit factor so that any parameters are a rescaling, and each point's weight in the
+    objective: ``1 / points of its case / cases``. A point's modelled time is::
+
+        max(gemm_s_per_token * (n + n_half) / mfu, memory_s / mbu)
+            + layers * kernel_s + elementwise_s * io / mbu
+    """
 
     measured_s: np.ndarray
-    compute_s: np.ndarray  # compute time at mfu_prefill = 1
-    memory_s: np.ndarray  # memory time at mbu_decode = 1
+    tokens: np.ndarray
+    gemm_s_per_token: np.ndarray  # weight FLOPs of one token at mfu_prefill = 1
+    memory_s: np.ndarray  # weight reads at mbu_decode = 1
+    layers: np.ndarray
+    elementwise_s: np.ndarray  # one hidden vector per token per layer at mbu_decode = 1
     weight: np.ndarray
 
-    def objective(self, mfu: float, mbus: np.ndarray) -> np.ndarray:
-        """Mean over cases of each case's mean |error| %, one per ``mbus`` value."""
-        modelled = np.maximum(self.compute_s / mfu, self.memory_s / mbus[:, None])
-        return np.asarray(np.abs(modelled / self.measured_s - 1.0) @ self.weight * 100.0)
+    def modelled_s(self, values: Sequence[float]) -> np.ndarray:
+        """Each point's step time at ``values`` (in ``PARAMETERS``' order and units)."""
+        mfu, mbu, kernel_us, n_half, io = values
+        compute = self.gemm_s_per_token * (self.tokens + n_half) / mfu
+        return (
+            np.maximum(compute, self.memory_s / mbu)
+            + self.layers * kernel_us * 1e-6
+            + self.elementwise_s * io / mbu
+        )
+
+    def objective(self, values: Sequence[float]) -> float:
+        """Mean over cases of each case's mean |error| %."""
+        error = np.abs(self.modelled_s(values) / self.measured_s - 1.0)
+        return float(error @ self.weight * 100.0)
 
 
 def phase_of(tokens: int) -> str:
@@ -158,45 +211,78 @@ def _layer_stack(model: str, row: dict[str, str]) -> ModelSpec:
 
 
 def fit_set(profiles: Iterable[Profile], gpu: GpuSpec) -> FitSet:
-    """The points of ``profiles`` priced by ``CostModel`` at unit factors, so that any
-    factors are a rescaling: the model's rates are ``t * F * mfu`` and ``t * BW * mbu``."""
-    unit = replace(gpu, mfu_prefill=1.0, mbu_decode=1.0)
-    cases: dict[tuple[str, int, str], list[tuple[float, float, float]]] = defaultdict(list)
+    """The points of ``profiles`` priced by ``CostModel`` at unit factors and unit shape
+    terms one at a time, so that the search rescales terms instead of calling it."""
+    unit = replace(
+        gpu, mfu_prefill=1.0, mbu_decode=1.0, kernel_s_per_layer=0.0,
+        gemm_half_rate_tokens=0.0, elementwise_io_per_layer=0.0,
+    )  # fmt: skip
+    one_vector = replace(unit, elementwise_io_per_layer=1.0)
+    cases: dict[tuple[str, int, str], list[tuple[float, ...]]] = defaultdict(list)
     for profile in profiles:
         for point in profile.points:
-            lines = CostModel(profile.spec, unit, point.tp).decode_lines(point.tokens)
-            key = (profile.model, point.tp, phase_of(point.tokens))
-            cases[key].append((point.measured_s, lines.compute_s, lines.memory_s))
+            n = point.tokens
+            lines = CostModel(profile.spec, unit, point.tp).decode_lines(n)
+            elementwise = CostModel(profile.spec, one_vector, point.tp).layer_kernels_time_s(n)
+            key = (profile.model, point.tp, phase_of(n))
+            cases[key].append(
+                (point.measured_s, n, lines.compute_s / n, lines.memory_s,
+                 profile.spec.num_layers, elementwise)
+            )  # fmt: skip
     rows = [(*v, 1.0 / len(vs) / len(cases)) for _, vs in sorted(cases.items()) for v in vs]
-    measured, compute, memory, weight = (np.array(column) for column in zip(*rows, strict=True))
-    return FitSet(measured, compute, memory, weight)
+    return FitSet(*(np.array(column, dtype=float) for column in zip(*rows, strict=True)))
 
 
-def fit_factors(points: FitSet) -> tuple[float, float]:
-    """``(mfu_prefill, mbu_decode)`` of least objective: a coarse grid, then a fine one
-    around its best (ties go to the lower factors, so the result is deterministic)."""
+def fit_parameters(
+    points: FitSet, gpu: GpuSpec, fitted_count: int = len(PARAMETERS)
+) -> tuple[float, ...]:
+    """The parameters of least objective (in ``PARAMETERS``' units): from each of
+    ``STARTS``, a pattern search that moves one parameter at a time by its step while
+    that lowers the objective, halving the steps when no move does. Parameters stay on
+    multiples of their resolution (kept as integers), so the result is deterministic.
+    Only the first ``fitted_count`` parameters move; the rest keep ``gpu``'s values."""
+    catalog = [getattr(gpu, p.field) / p.to_spec for p in PARAMETERS]
+    low = [round(p.low / p.resolution) for p in PARAMETERS]
+    high = [round(p.high / p.resolution) for p in PARAMETERS]
 
-    def best(mfus: np.ndarray, mbus: np.ndarray) -> tuple[float, float]:
-        scores = [
-            (float(score), float(mfu), float(mbu))
-            for mfu in mfus
-            for score, mbu in zip(points.objective(mfu, mbus), mbus, strict=True)
-        ]
-        _, mfu, mbu = min(scores)
-        return mfu, mbu
+    def score(ticks: Sequence[int]) -> float:
+        return points.objective([t * p.resolution for t, p in zip(ticks, PARAMETERS, strict=True)])
 
-    def around(x: float) -> np.ndarray:
-        grid = np.arange(x - 0.01, x + 0.01 + FINE_STEP / 2, FINE_STEP)
-        return np.round(grid[(grid > 0) & (grid <= 1.0)], 4)
+    best: tuple[float, list[int]] | None = None
+    for start in STARTS:
+        values = [catalog[i] if v is None or i >= fitted_count else v for i, v in enumerate(start)]
+        ticks = [round(v / p.resolution) for v, p in zip(values, PARAMETERS, strict=True)]
+        current = score(ticks)
+        for level in range(COARSEST_LEVEL, -1, -1):
+            step, moved = 2**level, True
+            while moved:
+                moved = False
+                for i in range(fitted_count):
+                    for direction in (-step, step):
+                        while low[i] <= ticks[i] + direction <= high[i]:
+                            trial = [*ticks[:i], ticks[i] + direction, *ticks[i + 1 :]]
+                            trial_score = score(trial)
+                            if trial_score >= current:
+                                break
+                            ticks, current, moved = trial, trial_score, True
+        if best is None or current < best[0]:
+            best = (current, ticks)
+    assert best is not None
+    return tuple(t * p.resolution for t, p in zip(best[1], PARAMETERS, strict=True))
 
-    mfu, mbu = best(COARSE_GRID, COARSE_GRID)
-    return best(around(mfu), around(mbu))
+
+def with_parameters(gpu: GpuSpec, values: Sequence[float]) -> GpuSpec:
+    """``gpu`` with the fitted ``values`` (in ``PARAMETERS``' units)."""
+    fields = {p.field: round(v, 6) * p.to_spec for p, v in zip(PARAMETERS, values, strict=True)}
+    return replace(gpu, **fields)
 
 
 def modelled_step_s(profile: Profile, gpu: GpuSpec, point: Point) -> float:
-    """The cost model's roofline for one point at ``gpu``'s own factors."""
-    lines = CostModel(profile.spec, gpu, point.tp).decode_lines(point.tokens)
-    return max(lines.compute_s, lines.memory_s)
+    """The cost model's GPU time for one point at ``gpu``'s own factors and shape terms:
+    the roofline plus the per-layer kernels, without all-reduces or host overheads."""
+    cost = CostModel(profile.spec, gpu, point.tp)
+    lines = cost.decode_lines(point.tokens)
+    return max(lines.compute_s, lines.memory_s) + cost.layer_kernels_time_s(point.tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,14 +312,17 @@ class GpuResult:
         )
 
 
-def evaluate(profiles: Sequence[Profile], gpu: GpuSpec) -> GpuResult:
-    """Fit ``gpu``'s factors on the non-held-out profiles and report every case, with
-    errors recomputed through ``CostModel`` at the catalog's and at the fitted factors."""
+def evaluate(
+    profiles: Sequence[Profile], gpu: GpuSpec, fitted_count: int = len(PARAMETERS)
+) -> GpuResult:
+    """Fit ``gpu``'s first ``fitted_count`` parameters on the non-held-out profiles and
+    report every case, with errors recomputed through ``CostModel`` at the catalog's and
+    at the fitted parameters."""
     fitted_on = [p for p in profiles if p.model != HELD_OUT]
     if not fitted_on:
         raise ValueError(f"{gpu.id}: no profiled model to fit on")
-    mfu, mbu = fit_factors(fit_set(fitted_on, gpu))
-    fitted = replace(gpu, mfu_prefill=mfu, mbu_decode=mbu)
+    values = fit_parameters(fit_set(fitted_on, gpu), gpu, fitted_count)
+    fitted = with_parameters(gpu, values)
     errors: dict[tuple[str, int, str], tuple[list[float], list[float]]] = defaultdict(
         lambda: ([], [])
     )
@@ -252,15 +341,40 @@ def evaluate(profiles: Sequence[Profile], gpu: GpuSpec) -> GpuResult:
     return GpuResult(gpu, fitted, cases)
 
 
-def run(data: Path) -> tuple[list[GpuResult], list[str]]:
+def run(data: Path, fitted_count: int = len(PARAMETERS)) -> tuple[list[GpuResult], list[str]]:
     profiles, notes = load_profiles(data)
     catalog = {g.id: g for g in BUILTIN_GPUS}
     results = []
     for device, gpu_id in sorted(GPU_IDS.items()):
         mine = [p for p in profiles if p.device == device]
         if mine:
-            results.append(evaluate(mine, catalog[gpu_id]))
+            results.append(evaluate(mine, catalog[gpu_id], fitted_count))
     return results, notes
+
+
+def ablation(data: Path) -> list[tuple[str, list[GpuResult]]]:
+    """The fit with the parameters added one at a time (the factors alone, then each
+    shape term in ``PARAMETERS``' order): what each term buys, fitted and held out."""
+    return [
+        (PARAMETERS[count - 1].field if count > 2 else "mfu, mbu", run(data, count)[0])
+        for count in range(2, len(PARAMETERS) + 1)
+    ]
+
+
+def ablation_table(rows: Sequence[tuple[str, Sequence[GpuResult]]]) -> str:
+    """Mean |error| % of all cases, fitted models / held-out model, per GPU."""
+    gpus = [r.gpu.id for r in rows[0][1]]
+    lines = [
+        "what each term buys: mean |error| % of all cases, fitted models / held out",
+        f"{'fitted (cumulative)':<26}" + "".join(f"{g:>18}" for g in gpus),
+    ]
+    for label, results in rows:
+        cells = "".join(
+            f"{f'{r.mean_error_pct(False, True):.1f} / {r.mean_error_pct(True, True):.1f}':>18}"
+            for r in results
+        )
+        lines.append(f"{('+ ' if label != 'mfu, mbu' else '') + label:<26}{cells}")
+    return "\n".join(lines)
 
 
 def table(result: GpuResult) -> str:
@@ -269,6 +383,11 @@ def table(result: GpuResult) -> str:
     lines = [
         f"{gpu.id}: mfu_prefill {gpu.mfu_prefill:.3f} -> {fitted.mfu_prefill:.3f}, "
         f"mbu_decode {gpu.mbu_decode:.3f} -> {fitted.mbu_decode:.3f}",
+        f"  kernel time per layer {gpu.kernel_s_per_layer * 1e6:.1f} -> "
+        f"{fitted.kernel_s_per_layer * 1e6:.1f} us, GEMM half-rate tokens "
+        f"{gpu.gemm_half_rate_tokens:.0f} -> {fitted.gemm_half_rate_tokens:.0f},",
+        f"  elementwise io per layer {gpu.elementwise_io_per_layer:.1f} -> "
+        f"{fitted.elementwise_io_per_layer:.1f} hidden vectors",
         f"{'model':<26} {'tp':>2} {'phase':<7} {'points':>6} {'catalog |err| %':>15} "
         f"{'fitted |err| %':>14}",
     ]
@@ -289,11 +408,29 @@ def table(result: GpuResult) -> str:
     return "\n".join(lines)
 
 
-def as_json(results: Sequence[GpuResult], notes: Sequence[str], data: Path) -> str:
+def as_json(
+    results: Sequence[GpuResult],
+    notes: Sequence[str],
+    data: Path,
+    rows: Sequence[tuple[str, Sequence[GpuResult]]] = (),
+) -> str:
     def r(x: float) -> float:
         return round(x, 4)
 
     doc = {
+        "ablation": [
+            {
+                "fitted_up_to": label,
+                **{
+                    res.gpu.id: {
+                        "fitted_models_all_fitted": r(res.mean_error_pct(False, True)),
+                        "held_out_all_fitted": r(res.mean_error_pct(True, True)),
+                    }
+                    for res in found
+                },
+            }
+            for label, found in rows
+        ],
         "source": "github.com/microsoft/vidur data/profiling/compute (MIT)",
         "data": data.name,
         "held_out": HELD_OUT,
@@ -302,11 +439,9 @@ def as_json(results: Sequence[GpuResult], notes: Sequence[str], data: Path) -> s
         "gpus": [
             {
                 "gpu": res.gpu.id,
-                "catalog": {"mfu_prefill": res.gpu.mfu_prefill, "mbu_decode": res.gpu.mbu_decode},
-                "fitted": {
-                    "mfu_prefill": res.fitted.mfu_prefill,
-                    "mbu_decode": res.fitted.mbu_decode,
-                },
+                "catalog": {p.field: getattr(res.gpu, p.field) for p in PARAMETERS},
+                "fitted": {p.field: getattr(res.fitted, p.field) for p in PARAMETERS},
+                "fitted_catalog_id": res.gpu.id + FITTED_SUFFIX,
                 "mean_error_pct": {
                     f"{'held_out' if h else 'fitted_models'}_{ph or 'all'}_"
                     f"{'fitted' if f else 'catalog'}": r(res.mean_error_pct(h, f, ph))
@@ -333,6 +468,46 @@ def as_json(results: Sequence[GpuResult], notes: Sequence[str], data: Path) -> s
     return json.dumps(doc, indent=2, sort_keys=True) + "\n"
 
 
+def as_catalog_yaml(results: Sequence[GpuResult], data: Path) -> str:
+    """The fitted GPUs as a user catalog (``isocost ... --catalog FILE``), each under its
+    own id (``FITTED_SUFFIX``) so that the built-in GPU stays what it was."""
+    lines = [
+        "# GPUs fitted to Vidur's public per-layer kernel timings (MIT, microsoft/vidur",
+        "# data/profiling/compute) by benchmarks/calibration/fit_vidur.py, Llama-2-7B held",
+        f"# out, data folder {data.name}. Opt-in: --catalog FILE, then GPU a100-80g-vidur",
+        "# or h100-80g-vidur. Only the GEMM and elementwise kernels are fitted: attention,",
+        "# all-reduces and host overheads keep the built-in GPU's figures.",
+        "gpus:",
+    ]
+    for res in results:
+        g = res.fitted
+        fields: dict[str, object] = {
+            "id": g.id + FITTED_SUFFIX,
+            "name": f"{g.name}, fitted to Vidur profiles",
+            "memory_gib": g.memory_bytes / 1024**3,
+            "hbm_bandwidth_gb_s": g.hbm_bandwidth_bytes_per_s / 1e9,
+            "bf16_tflops": g.bf16_flops / 1e12,
+            "fp8_tflops": None if g.fp8_flops is None else g.fp8_flops / 1e12,
+            "interconnect": g.interconnect.kind,
+            "interconnect_gb_s": g.interconnect.bandwidth_bytes_per_s / 1e9,
+            "interconnect_latency_us": round(g.interconnect.latency_s * 1e6, 6),
+            "usd_per_hour": g.usd_per_hour,
+            "max_gpus_per_node": g.max_gpus_per_node,
+            "mfu_prefill": g.mfu_prefill,
+            "mbu_decode": g.mbu_decode,
+            "step_overhead_ms": round(g.step_overhead_s * 1e3, 6),
+            "prefill_overhead_ms": round(g.prefill_overhead_s * 1e3, 6),
+            "kernel_us_per_layer": round(g.kernel_s_per_layer * 1e6, 6),
+            "gemm_half_rate_tokens": g.gemm_half_rate_tokens,
+            "elementwise_io_per_layer": g.elementwise_io_per_layer,
+        }
+        for i, (key, value) in enumerate(fields.items()):
+            if value is not None:
+                text = f'"{value}"' if isinstance(value, str) else repr(value)
+                lines.append(f"{'  - ' if i == 0 else '    '}{key}: {text}")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -342,6 +517,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="folder laid out like Vidur's data/profiling/compute",
     )
     parser.add_argument("--json", type=Path, help="write the results here as JSON")
+    parser.add_argument(
+        "--catalog-out", type=Path, help="write the fitted GPUs here as a catalog YAML"
+    )
     args = parser.parse_args(argv)  # fmt: skip
     if not args.data.is_dir():
         print(f"error: --data {args.data} is not a folder", file=sys.stderr)
@@ -357,12 +535,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print()
         print(table(result))
     print()
-    print("* above 10% at the fitted factors: beyond what this roofline's shape can fit.")
-    print("  It has no fixed time per kernel, which dominates small per-GPU shards")
-    print("  (decode at tp 4-8), and no knee: steps of ~96-256 tokens run well below")
-    print("  both peaks. See benchmarks/calibration/README.md.")
+    print("* above 10% at the fitted parameters. See benchmarks/calibration/README.md.")
+    rows = ablation(args.data)
+    print()
+    print(ablation_table(rows))
     if args.json:
-        args.json.write_text(as_json(results, notes, args.data))
+        args.json.write_text(as_json(results, notes, args.data, rows))
+    if args.catalog_out:
+        args.catalog_out.write_text(as_catalog_yaml(results, args.data))
     return 0
 
 

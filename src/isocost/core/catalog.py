@@ -12,6 +12,10 @@ names the file and the key path::
         interconnect: nvlink       # nvlink | pcie
         interconnect_gb_s: 448
         usd_per_hour: 3.0
+        # optional efficiency factors and shape terms (GpuSpec), e.g. fitted ones from
+        # benchmarks/calibration/fitted-gpus.yaml:
+        # mfu_prefill, mbu_decode, step_overhead_ms, prefill_overhead_ms,
+        # kernel_us_per_layer, gemm_half_rate_tokens, elementwise_io_per_layer (all >= 0)
     models:
       - id: my-13b
         num_layers: 40
@@ -102,6 +106,9 @@ class _GpuEntry(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     mbu_decode: float = 0.72
     step_overhead_ms: float = 2.0
     prefill_overhead_ms: float = 3.0
+    kernel_us_per_layer: float = 0.0
+    gemm_half_rate_tokens: float = 0.0
+    elementwise_io_per_layer: float = 0.0
 
     def to_spec(self) -> GpuSpec:
         return GpuSpec(
@@ -122,6 +129,9 @@ class _GpuEntry(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
             mbu_decode=self.mbu_decode,
             step_overhead_s=self.step_overhead_ms / 1000,
             prefill_overhead_s=self.prefill_overhead_ms / 1000,
+            kernel_s_per_layer=self.kernel_us_per_layer * 1e-6,
+            gemm_half_rate_tokens=self.gemm_half_rate_tokens,
+            elementwise_io_per_layer=self.elementwise_io_per_layer,
         )
 
 
@@ -173,6 +183,9 @@ def parse_catalog_yaml(text: str, source: str) -> _CatalogFile:
         for key in ("memory_gib", "hbm_bandwidth_gb_s", "bf16_tflops"):
             if getattr(gpu, key) <= 0:
                 raise ConfigError(source, "must be positive", key=f"gpus[{i}].{key}")
+        for key in ("kernel_us_per_layer", "gemm_half_rate_tokens", "elementwise_io_per_layer"):
+            if getattr(gpu, key) < 0:
+                raise ConfigError(source, "must be >= 0", key=f"gpus[{i}].{key}")
         if gpu.interconnect not in ("nvlink", "pcie"):
             raise ConfigError(source, "must be nvlink or pcie", key=f"gpus[{i}].interconnect")
     for i, model in enumerate(parsed.models):

@@ -11,12 +11,16 @@ plus the tensor-parallel all-reduces and a fixed host overhead.
 * A step that runs ``n`` new prefill tokens (attending to ``c`` cached ones) and ``b`` decode
   sequences over ``K`` context tokens costs::
 
-      flops  = 2 * P_active * (n + b) + a * (n * (c + n/2) + K)     a = attention FLOPs/pair
+      flops  = 2 * P_active * (n + b + n_half) + a * (n * (c + n/2) + K)   a = FLOPs/pair
       bytes  = W_read(b + n) + kv_tok * (K + c + n)
-      T      = max(flops / (t * F * mfu), bytes / (t * BW * mbu)) + tp_comm + overheads
+      T      = max(flops / (t * F * mfu), bytes / (t * BW * mbu)) + layers + tp_comm
+               + overheads
+      layers = L * (k_layer + (n + b) * e * H * 2 B / (BW * mbu))
 
   so prefill (``b = 0``) is compute-bound and decode (``n = 0``) memory-bound, and a mixed
-  chunked-prefill step falls out of the same formula.
+  chunked-prefill step falls out of the same formula. ``n_half``, ``k_layer`` and ``e``
+  are the GPU's optional shape terms (``GpuSpec``: ``gemm_half_rate_tokens``,
+  ``kernel_s_per_layer``, ``elementwise_io_per_layer``), 0 in the built-in catalog.
 * ``tp_comm``: two ring all-reduces per layer of the step's hidden states:
   ``2 * L * (latency + 2 * (t-1)/t * tokens * H * 2 B / link_bandwidth)``.
 
@@ -190,6 +194,9 @@ class CostModel:
         "_comm_bytes_per_token",
         "_comm_fixed_s",
         "_compute_rate",
+        "_gemm_pad_flops",
+        "_layers_fixed_s",
+        "_layers_s_per_token",
         "_memory_rate",
         "gpu",
         "kv_bytes_per_token",
@@ -238,6 +245,16 @@ class CostModel:
         self._compute_rate = t * gpu.compute_flops(self.weight_bytes_per_param) * gpu.mfu_prefill
         self._memory_rate = t * gpu.hbm_bandwidth_bytes_per_s * gpu.mbu_decode
         self._attn_flops_per_pair = model.attention_flops_per_token_pair()
+        self._gemm_pad_flops = 2.0 * model.active_params * gpu.gemm_half_rate_tokens
+        # every GPU of the group runs every layer's kernels on the whole hidden state
+        self._layers_fixed_s = model.num_layers * gpu.kernel_s_per_layer
+        self._layers_s_per_token = (
+            model.num_layers
+            * gpu.elementwise_io_per_layer
+            * model.hidden_size
+            * _ACTIVATION_BYTES
+            / (gpu.hbm_bandwidth_bytes_per_s * gpu.mbu_decode)
+        )
         if t == 1:
             self._comm_fixed_s = 0.0
             self._comm_bytes_per_token = 0.0
@@ -312,28 +329,34 @@ class CostModel:
         n, c = prefill_tokens, prefill_cached_tokens
         attention_pairs = n * (c + n / 2) + decode_context_tokens
         flops = (
-            2.0 * self.model.active_params * tokens + self._attn_flops_per_pair * attention_pairs
+            2.0 * self.model.active_params * tokens
+            + self._gemm_pad_flops
+            + self._attn_flops_per_pair * attention_pairs
         )
         weight_read = self.weights_bytes * self.model.expected_weight_fraction_read(tokens)
         kv_read = self.kv_bytes_per_token * (decode_context_tokens + (c + n if n else 0))
         roofline = max(flops / self._compute_rate, (weight_read + kv_read) / self._memory_rate)
         overhead = self.gpu.step_overhead_s + (self.gpu.prefill_overhead_s if n else 0.0)
-        return roofline + self.tp_comm_time_s(tokens) + overhead
+        return roofline + self.layer_kernels_time_s(tokens) + self.tp_comm_time_s(tokens) + overhead
 
     def decode_lines(self, batch_size: int) -> DecodeLines:
         """``step_time_s(0, 0, batch_size, C)`` as lines in ``C`` (see ``DecodeLines``),
         from the same terms: weights and per-token KV on the memory side, weight FLOPs and
-        attention pairs on the compute side, all-reduces and step overhead fixed."""
+        attention pairs on the compute side, per-layer kernels, all-reduces and step
+        overhead fixed."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         weight_read = self.weights_bytes * self.model.expected_weight_fraction_read(batch_size)
+        weight_flops = 2.0 * self.model.active_params * batch_size + self._gemm_pad_flops
         return DecodeLines(
             batch_size=batch_size,
-            compute_s=2.0 * self.model.active_params * batch_size / self._compute_rate,
+            compute_s=weight_flops / self._compute_rate,
             compute_s_per_token=self._attn_flops_per_pair / self._compute_rate,
             memory_s=weight_read / self._memory_rate,
             memory_s_per_token=self.kv_bytes_per_token / self._memory_rate,
-            fixed_s=self.gpu.step_overhead_s + self.tp_comm_time_s(batch_size),
+            fixed_s=self.gpu.step_overhead_s
+            + self.tp_comm_time_s(batch_size)
+            + self.layer_kernels_time_s(batch_size),
         )
 
     def prefill_time_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
@@ -350,6 +373,12 @@ class CostModel:
     def decode_step_time_s(self, batch_size: int, total_context_tokens: int) -> float:
         """One decode step for ``batch_size`` sequences holding ``total_context_tokens``."""
         return self.step_time_s(decode_seqs=batch_size, decode_context_tokens=total_context_tokens)
+
+    def layer_kernels_time_s(self, tokens: int) -> float:
+        """GPU time outside the roofline of one step carrying ``tokens``: each layer's
+        fixed kernel cost and its unsharded elementwise traffic (0 for the built-in GPUs,
+        whose shape terms are 0)."""
+        return self._layers_fixed_s + self._layers_s_per_token * tokens
 
     def tp_comm_time_s(self, tokens: int) -> float:
         """All-reduce time of one step carrying ``tokens`` hidden states (0 without TP)."""

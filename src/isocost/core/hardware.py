@@ -17,6 +17,25 @@ Efficiency factors turn peaks into what an engine achieves:
   1-3 ms for vLLM V1 with CUDA graphs.
 * ``prefill_overhead_s``: fixed cost added to each prefill chunk.
 
+Three optional shape terms (all 0 in the built-in catalog, which leaves its step times as
+the plain roofline) describe what a roofline of whole-step FLOPs and bytes misses when a
+step is really ~9 separate kernels per layer, fitted to measured kernel times by
+``benchmarks/calibration/fit_vidur.py``:
+
+* ``kernel_s_per_layer``: fixed GPU time of one layer's kernels per step (launch, ramp-up
+  and tail of each kernel, a few us each). Every GPU of a tensor-parallel group runs every
+  layer's kernels, so it scales with the layer count and does not shrink with ``t``; it is
+  what keeps small shards (tp 8, small batches) well short of the bandwidth peak.
+* ``gemm_half_rate_tokens``: the token count at which the weight GEMMs reach half their
+  large-batch rate (Hockney's n_1/2): a step of ``n`` tokens pays weight FLOPs as if it had
+  ``n + gemm_half_rate_tokens``, so its GEMM rate is ``mfu * n / (n + n_1/2)``. This is
+  the knee: steps of ~100-250 tokens run well below both peaks, since a GEMM with few
+  rows fills neither the tensor cores nor the memory pipe.
+* ``elementwise_io_per_layer``: hidden-state vectors each token reads and writes per layer
+  in the elementwise kernels (norms, residual adds) that run separately from the GEMMs
+  and, unsharded, on every GPU of a tensor-parallel group. Memory-bound at ``mbu_decode``
+  and serial to the GEMMs, it is why prefill at tp 8 falls short of the GEMMs' MFU.
+
 These are the starting point; the gateway corrects them online per replica from observed
 TTFT and inter-token latency (learned correction factors), and ``isocost plan --explain``
 shows each one next to the figure it drives.
@@ -59,6 +78,9 @@ class GpuSpec:
     mbu_decode: float = 0.72
     step_overhead_s: float = 0.002
     prefill_overhead_s: float = 0.003
+    kernel_s_per_layer: float = 0.0
+    gemm_half_rate_tokens: float = 0.0
+    elementwise_io_per_layer: float = 0.0
 
     def with_price(self, usd_per_hour: float) -> GpuSpec:
         return replace(self, usd_per_hour=usd_per_hour)

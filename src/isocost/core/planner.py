@@ -381,6 +381,24 @@ def _does_not_fit_message(req: PlanRequest, options: list[TpOption]) -> str:
     )
 
 
+def _chunks(tokens: int, chunk: int) -> list[int]:
+    """The chunk sizes of a prefill of ``tokens`` (chunked prefill)."""
+    return [min(chunk, tokens - done) for done in range(0, tokens, chunk)]
+
+
+def _layer_kernels_note(cost: CostModel, steps: list[int]) -> str:
+    """The GPU's shape terms over ``steps`` (tokens of each), or nothing where they are 0
+    (every built-in GPU)."""
+    note = ""
+    n_half = cost.gpu.gemm_half_rate_tokens
+    if n_half:
+        note += f" (each step's GEMMs at n + {n_half:g} tokens)"
+    total = sum(cost.layer_kernels_time_s(tokens) for tokens in steps)
+    if total:
+        note += f" + {total * 1e3:,.2f} ms per-layer kernels ({cost.model.num_layers} layers)"
+    return note
+
+
 def explain(result: PlanResult) -> list[tuple[str, str, str]]:
     """Each headline figure of ``result`` as (name, value, derivation) for ``--explain``."""
     req, rec = result.request, result.recommended
@@ -458,14 +476,18 @@ def explain(result: PlanResult) -> list[tuple[str, str, str]]:
             f"{req.prompt_tokens:,} prompt tokens: max(2 x P_active x n + attention FLOPs over "
             f"TP x {gpu.compute_flops(cost.weight_bytes_per_param) / 1e12:,.0f} TFLOP/s x MFU "
             f"{gpu.mfu_prefill:g}, weight+KV bytes over bandwidth) + "
-            f"{gpu.prefill_overhead_s * 1e3:g} ms",
+            f"{gpu.prefill_overhead_s * 1e3:g} ms"
+            + _layer_kernels_note(
+                cost, _chunks(req.prompt_tokens, cost.limits.max_num_batched_tokens)
+            ),
         ),
         (
             "decode step",
             f"{rec.decode_step_s * 1e3:,.1f} ms",
             f"batch {max(rec.batch_size, 1)}: (weights + KV read) / (TP x "
             f"{gpu.hbm_bandwidth_bytes_per_s / 1e9:,.0f} GB/s x MBU {gpu.mbu_decode:g}) + "
-            f"all-reduce + {gpu.step_overhead_s * 1e3:g} ms overhead",
+            f"all-reduce + {gpu.step_overhead_s * 1e3:g} ms overhead"
+            + _layer_kernels_note(cost, [max(rec.batch_size, 1)]),
         ),
         ("TTFT", f"{rec.ttft_s * 1e3:,.1f} ms", "prefill + M/D/1 wait for the prefill slot"),
         (

@@ -75,6 +75,29 @@ prices:
     assert CATALOG.gpu("a100-80g").usd_per_hour != 1.25  # the built-in stays untouched
 
 
+def test_user_gpu_carries_efficiency_factors_and_shape_terms() -> None:
+    text = """
+gpus:
+  - id: a100-fitted
+    memory_gib: 80
+    hbm_bandwidth_gb_s: 2039
+    bf16_tflops: 312
+    usd_per_hour: 1.6
+    mfu_prefill: 0.7
+    mbu_decode: 0.75
+    kernel_us_per_layer: 40
+    gemm_half_rate_tokens: 64
+    elementwise_io_per_layer: 10
+"""
+    gpu = CATALOG.merged(text, "mine.yaml").gpu("a100-fitted")
+    assert (gpu.mfu_prefill, gpu.mbu_decode) == (0.7, 0.75)
+    assert gpu.kernel_s_per_layer == pytest.approx(40e-6)
+    assert (gpu.gemm_half_rate_tokens, gpu.elementwise_io_per_layer) == (64, 10)
+    plain = CATALOG.merged(text.split("    mfu_prefill")[0], "mine.yaml").gpu("a100-fitted")
+    assert (plain.kernel_s_per_layer, plain.gemm_half_rate_tokens) == (0.0, 0.0)
+    assert plain.elementwise_io_per_layer == 0.0
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
@@ -86,6 +109,9 @@ prices:
         ("gpus: [\n", r"mine\.yaml: not valid YAML"),
         ("gpus:\n  - id: x\n    memory_gib: -1\n    hbm_bandwidth_gb_s: 1\n    bf16_tflops: 1\n"
          "    usd_per_hour: 1\n", r"mine\.yaml: gpus\[0\]\.memory_gib"),
+        ("gpus:\n  - id: x\n    memory_gib: 1\n    hbm_bandwidth_gb_s: 1\n    bf16_tflops: 1\n"
+         "    usd_per_hour: 1\n    kernel_us_per_layer: -5\n",
+         r"mine\.yaml: gpus\[0\]\.kernel_us_per_layer"),
     ],
 )  # fmt: skip
 def test_malformed_catalog_names_file_and_key(text: str, expected: str) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from isocost.core.catalog import Catalog
@@ -90,3 +92,97 @@ def test_moe_decode_reads_fewer_weights_at_batch_one() -> None:
 def test_unknown_dtype_is_named() -> None:
     with pytest.raises(UnknownEntryError, match="dtype 'fp4'"):
         cost("llama-2-7b", "a100-80g", weight_dtype="fp4")
+
+
+# Step times of the built-in catalog computed by the cost model before the GPU shape terms
+# existed (commit 9e25e0f), as float.hex: step_time_s(2048), step_time_s(512, 1024, 16,
+# 8000), step_time_s(0, 0, 32, 65536), decode_lines(64).step_time_s(100_000). The shape
+# terms default to 0, which must leave every one of them bit-for-bit as it was.
+BEFORE_SHAPE_TERMS = {
+    ("llama-3.1-8b", "a100-80g", 1): (
+        "0x1.c87ca4491e964p-3", "0x1.f887a91011c23p-5",
+        "0x1.33def459f2772p-6", "0x1.6648c7b107e70p-6",
+    ),
+    ("llama-3.1-70b", "h100-80g", 4): (
+        "0x1.83a4682385c87p-3", "0x1.b5790beb69745p-5",
+        "0x1.510f3f14be69ep-6", "0x1.695dd767cfeb3p-6",
+    ),
+    ("mixtral-8x7b", "l40s-48g", 2): (
+        "0x1.e1ae2545bd268p-3", "0x1.723c5eb60a568p-4",
+        "0x1.5282e05621ccfp-4", "0x1.6390c06ae1813p-4",
+    ),
+    ("deepseek-v3", "h200-141g", 8): (
+        "0x1.6d981f779229fp-5", "0x1.18fb452e8687bp-5",
+        "0x1.3a6e82b3396dep-6", "0x1.9acb707ebc6a6p-6",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("model", "gpu", "tp"), sorted(BEFORE_SHAPE_TERMS))
+def test_builtin_step_times_are_unchanged_by_the_shape_terms(model: str, gpu: str, tp: int) -> None:
+    c = cost(model, gpu, tp)
+    spec = c.gpu
+    assert (spec.kernel_s_per_layer, spec.gemm_half_rate_tokens) == (0.0, 0.0)
+    assert spec.elementwise_io_per_layer == 0.0
+    now = (
+        c.step_time_s(2048),
+        c.step_time_s(512, 1024, 16, 8000),
+        c.step_time_s(0, 0, 32, 65536),
+        c.decode_lines(64).step_time_s(100_000),
+    )
+    assert tuple(v.hex() for v in now) == BEFORE_SHAPE_TERMS[(model, gpu, tp)]
+
+
+def shaped(model: str, gpu: str, tp: int, **terms: float) -> tuple[CostModel, CostModel]:
+    """The cost model of a built-in GPU and of the same GPU with shape ``terms``."""
+    plain = cost(model, gpu, tp)
+    return plain, CostModel(plain.model, replace(plain.gpu, **terms), tp)
+
+
+@pytest.mark.parametrize("tp", [1, 8])
+def test_kernel_time_per_layer_scales_with_layers_not_tensor_parallel(tp: int) -> None:
+    for model in ("llama-3.1-8b", "llama-3.1-70b"):  # 32 and 80 layers
+        plain, with_kernels = shaped(model, "h100-80g", tp, kernel_s_per_layer=40e-6)
+        layers = plain.model.num_layers
+        for step in ((2048, 0, 0, 0), (0, 0, 16, 16_000)):
+            added = with_kernels.step_time_s(*step) - plain.step_time_s(*step)
+            assert added == pytest.approx(layers * 40e-6, rel=1e-9)
+
+
+def test_gemm_half_rate_tokens_price_weight_flops_as_n_plus_n_half() -> None:
+    plain, padded = shaped("llama-3.1-8b", "a100-80g", 1, gemm_half_rate_tokens=64)
+    # a decode batch's compute line is the weight GEMMs at batch + 64, attention unchanged
+    assert padded.decode_lines(8).compute_s == pytest.approx(plain.decode_lines(72).compute_s)
+    assert padded.decode_lines(8).compute_s_per_token == plain.decode_lines(8).compute_s_per_token
+    # batch-1 decode stays memory-bound; a large prefill chunk barely moves (64 / 4096)
+    assert padded.step_time_s(0, 0, 1, 4096) == plain.step_time_s(0, 0, 1, 4096)
+    assert padded.step_time_s(4096) / plain.step_time_s(4096) < 1 + 64 / 4096
+    # at the knee (~200 tokens) the step is slower than either plain roofline side
+    assert padded.step_time_s(0, 0, 200, 0) > 1.2 * plain.step_time_s(0, 0, 200, 0)
+
+
+@pytest.mark.parametrize("tp", [1, 4])
+def test_elementwise_io_is_unsharded_memory_traffic_per_token(tp: int) -> None:
+    plain, shaped_ = shaped("llama-3.1-70b", "h100-80g", tp, elementwise_io_per_layer=10)
+    m, gpu = plain.model, plain.gpu
+    per_token = (
+        m.num_layers * 10 * m.hidden_size * 2 / (gpu.hbm_bandwidth_bytes_per_s * gpu.mbu_decode)
+    )
+    for tokens in (1, 4096):
+        added = shaped_.step_time_s(tokens) - plain.step_time_s(tokens)
+        assert added == pytest.approx(per_token * tokens, rel=1e-9)
+
+
+@pytest.mark.parametrize("batch", [1, 16, 200, 256])
+def test_decode_lines_agree_with_step_time_under_shape_terms(batch: int) -> None:
+    _, c = shaped(
+        "llama-3.1-8b", "h100-80g", 2,
+        kernel_s_per_layer=38e-6, gemm_half_rate_tokens=120, elementwise_io_per_layer=10,
+    )  # fmt: skip
+    lines = c.decode_lines(batch)
+    for context in (0, batch * 512, batch * 8192):
+        direct = c.step_time_s(decode_seqs=batch, decode_context_tokens=context)
+        assert lines.step_time_s(context) == pytest.approx(direct, rel=1e-12)
+    steps = 50
+    summed = sum(lines.step_time_s(1000 + i * batch) for i in range(steps))
+    assert lines.run_time_s(1000, steps) == pytest.approx(summed, rel=1e-9)

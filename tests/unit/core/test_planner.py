@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from isocost.core.catalog import Catalog
@@ -84,6 +86,17 @@ def test_explain_covers_each_headline_figure() -> None:
     names = {name for name, _, _ in rows}
     assert {"weights", "KV per token", "KV pool", "max concurrency", "decode step"} <= names
     assert all(value and derivation for _, value, derivation in rows)
+
+
+def test_explain_names_the_shape_terms_only_where_the_gpu_has_them() -> None:
+    gpu = replace(CATALOG.gpu("h100-80g"), kernel_s_per_layer=40e-6, gemm_half_rate_tokens=64)
+    model = CATALOG.model("llama-3.1-8b")
+    shaped = {name: why for name, _, why in explain(plan(PlanRequest(model, gpu)))}
+    plain = {name: why for name, _, why in explain(plan(request("llama-3.1-8b", "h100-80g")))}
+    for row in ("prefill", "decode step"):
+        assert "per-layer kernels (32 layers)" in shaped[row]
+        assert "n + 64 tokens" in shaped[row]
+        assert "per-layer" not in plain[row] and "GEMMs at" not in plain[row]
 
 
 @pytest.mark.parametrize(
