@@ -1,5 +1,5 @@
 """The dashboard's shadow lines in headless Chromium: a gateway on round_robin with
-equal_cost as a candidate, two engines (one slowed 4x), real traffic; once a replay has
+equal_cost as a candidate, two engines (one slowed 8x), real traffic; once a replay has
 run, the pool card shows, under the running policy, the candidate's predicted P99 TTFT
 and goodput change with the replay's size, as ``/admin/snapshot`` has them."""
 
