@@ -5,13 +5,12 @@ and goodput change with the replay's size, as ``/admin/snapshot`` has them."""
 
 from __future__ import annotations
 
-import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from isocost_procs import Proc
 from playwright.sync_api import sync_playwright
+from process_fixtures import procs
 from shadow_cluster import ADMIN_TOKEN, send_traffic, start_shadowed_gateway, wait_for_shadow
 from test_dashboard import CHROMIUM, CHROMIUM_FLAGS
 
@@ -19,15 +18,7 @@ pytestmark = pytest.mark.skipif(
     not CHROMIUM.is_file(), reason="needs Debian's chromium at /usr/bin/chromium (make test)"
 )
 REQUESTS = 30
-
-
-@pytest.fixture
-def procs() -> Iterator[list[Proc]]:
-    """The engines and the gateway (as the integration suites' fixture): killed at the end."""
-    started: list[Proc] = []
-    yield started
-    for proc in reversed(started):
-        proc.stop(signal.SIGKILL)
+__all__ = ["procs"]  # the fixture, imported
 
 
 def _signed_percent(ratio: float) -> str:

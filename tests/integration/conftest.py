@@ -2,17 +2,6 @@
 
 from __future__ import annotations
 
-import signal
-from collections.abc import Iterator
+from process_fixtures import procs
 
-import pytest
-from isocost_procs import Proc
-
-
-@pytest.fixture
-def procs() -> Iterator[list[Proc]]:
-    """Processes a test starts (append them); SIGKILLed, newest first, when it ends."""
-    started: list[Proc] = []
-    yield started
-    for proc in reversed(started):
-        proc.stop(signal.SIGKILL)
+__all__ = ["procs"]
