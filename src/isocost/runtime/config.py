@@ -275,8 +275,8 @@ class StateBusConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 
 class CalibrationConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    # Fit each replica's prefill terms (per chunk, per token, per attention pair) to its
-    # TTFTs instead of one TTFT factor (``scheduling.prefillfit``).
+    # Fit each replica's prefill terms (per chunk, token, attention pair and request) to
+    # its TTFTs instead of one TTFT factor (``scheduling.prefillfit``).
     prefill_fit: bool = False
 
 
