@@ -232,6 +232,13 @@
     $("#pools").replaceChildren(...cards);
   }
 
+  // The prefill terms a replica is priced with (fitted with calibration.prefill_fit):
+  // ms per request, per chunk and per 1k tokens.
+  function prefillTerms(terms) {
+    if (!terms) return "–";
+    return [terms.request, terms.chunk, terms["1k_tokens"]].map((v) => fmt(v, 1)).join(" / ");
+  }
+
   const REPLICA_COLUMNS = [
     ["name", (r) => r.name],
     ["gpu", (r) => (r.tensor_parallel > 1 ? `${r.gpu} ×${r.tensor_parallel}` : r.gpu)],
@@ -245,6 +252,7 @@
     ["ttft-error", (r) => (r.ttft_error === null ? "–" : `${fmt(r.ttft_error * 100)} %`)],
     ["itl-error", (r) => (r.itl_error === null ? "–" : `${fmt(r.itl_error * 100)} %`)],
     ["prefill-duty", (r) => (r.prefill_duty === null ? "–" : `${fmt(r.prefill_duty * 100)} %`)],
+    ["prefill-terms", (r) => prefillTerms(r.prefill_terms_ms)],
     ["ttft", (r) => fmt(r.recent_ttft_p50_ms)],
     ["itl", (r) => fmt(r.recent_itl_p50_ms, 1)],
     ["last-ttft", (r) => fmt(r.last_ttft_ms)],
