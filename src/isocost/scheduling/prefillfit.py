@@ -196,18 +196,6 @@ class PrefillFit:
         member = self._members.get(slot)
         return None if member is None else self._priced(member, now)
 
-    def terms(self, slot: int, now: float) -> tuple[float, float, float, float] | None:
-        """``slot``'s fitted (s per chunk, per token, per attention pair, per request)."""
-        priced = self.coefficients(slot, now)
-        if priced is None:
-            return None
-        return (
-            priced.prefill_per_chunk_s,
-            priced.prefill_per_token_s,
-            priced.prefill_per_pair_s,
-            priced.prefill_per_request_s,
-        )
-
     def _evidence(self, member: _Member, now: float) -> float:
         return member.samples * math.exp(-max(now - member.seen_s, 0.0) / FRESHNESS_TAU_S)
 

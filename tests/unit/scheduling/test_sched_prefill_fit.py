@@ -22,6 +22,18 @@ ANALYTIC = StepCoefficients.fit(cost_model("a100-80g"))
 CHUNK = ANALYTIC.prefill_chunk_tokens
 
 
+def _terms(fit: PrefillFit, slot: int, now: float) -> tuple[float, float, float, float]:
+    """``slot``'s priced (s per chunk, per token, per attention pair, per request)."""
+    c = fit.coefficients(slot, now)
+    assert c is not None
+    return (
+        c.prefill_per_chunk_s,
+        c.prefill_per_token_s,
+        c.prefill_per_pair_s,
+        c.prefill_per_request_s,
+    )
+
+
 def _engine_ttft_s(waiting: float, queued: float, new: float) -> float:
     """Behind ``waiting`` requests of ``queued`` tokens, ``new`` tokens to compute."""
     chunks = math.ceil(queued / CHUNK) + math.ceil(new / CHUNK)
@@ -42,7 +54,7 @@ def _teach(fit: PrefillFit, slot: int, count: int, rng: random.Random) -> None:
 def test_the_fit_learns_terms_of_another_shape_and_shrugs_off_a_stall() -> None:
     fit = PrefillFit()
     fit.join(0, "cpu", ANALYTIC)
-    assert fit.terms(0, 0.0) == pytest.approx(
+    assert _terms(fit, 0, 0.0) == pytest.approx(
         (
             ANALYTIC.prefill_per_chunk_s,
             ANALYTIC.prefill_per_token_s,
@@ -83,8 +95,7 @@ def test_terms_stay_physical_however_fast_the_observations() -> None:
     x = features(ANALYTIC, 0.0, 0.0, 4096.0, 0.0)
     for i in range(100):  # 1,000x faster than the roofline allows
         fit.observe(0, x, 1e-3 * ANALYTIC.prefill_s(4096, 0), float(i))
-    terms = fit.terms(0, 100.0)
-    assert terms is not None
+    terms = _terms(fit, 0, 100.0)
     lowest = (ANALYTIC.prefill_per_chunk_s, ANALYTIC.prefill_per_token_s, 0.0, 0.0)
     assert all(t >= 0.1 * low * (1 - 1e-9) for t, low in zip(terms, lowest, strict=True))
 
@@ -94,16 +105,15 @@ def test_a_replica_starts_from_its_class_and_an_idle_one_is_priced_as_it() -> No
     fit.join(0, "cpu", ANALYTIC)
     fit.join(1, "cpu", ANALYTIC)
     _teach(fit, 0, 100, random.Random(2))
-    learned, idle = fit.terms(0, 100.0), fit.terms(1, 100.0)
-    assert learned is not None and idle is not None
+    learned, idle = _terms(fit, 0, 100.0), _terms(fit, 1, 100.0)
     # Slot 1 saw nothing: it is priced as its class, which learnt what slot 0 did.
     assert idle == pytest.approx(learned, rel=0.05)
     assert idle[0] > 1.5 * ANALYTIC.prefill_per_chunk_s and idle[3] > 0.01
     fit.join(2, "cpu", ANALYTIC)  # added to the warm pool
-    assert fit.terms(2, 100.0) == pytest.approx(idle, rel=1e-9)
+    assert _terms(fit, 2, 100.0) == pytest.approx(idle, rel=1e-9)
     fit.join(3, "other", ANALYTIC)  # another class starts from the analytic terms
-    assert fit.terms(3, 100.0) == pytest.approx(fit.terms(3, 0.0))
-    assert fit.terms(3, 100.0)[1] == pytest.approx(ANALYTIC.prefill_per_token_s)  # type: ignore[index]
+    assert _terms(fit, 3, 100.0) == pytest.approx(_terms(fit, 3, 0.0))
+    assert _terms(fit, 3, 100.0)[1] == pytest.approx(ANALYTIC.prefill_per_token_s)
 
 
 def _serve(replicas: ReplicaSet, names: list[str], prompt: int, now: float) -> float:
