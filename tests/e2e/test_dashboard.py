@@ -131,12 +131,13 @@ def test_dashboard_shows_replicas_and_live_numbers(live: Live, browser: BrowserC
         "#replicas td.prefill-duty", "cells => cells.map(c => c.textContent)"
     )
     assert len(duties) == len(LAYOUT) and all(re.fullmatch(r"\d+ %", d) for d in duties), duties
-    # ... and the prefill terms it is priced with (ms per request / chunk / 1k tokens).
+    # ... and the prefill terms it is priced with (ms per request / chunk / 1k tokens /
+    # running sequence).
     terms = page.eval_on_selector_all(
         "#replicas td.prefill-terms", "cells => cells.map(c => c.textContent)"
     )
     number = r"[\d,]+(\.\d)?"
-    shape = rf"{number} / {number} / {number}"
+    shape = rf"{number} / {number} / {number} / {number}"
     assert len(terms) == len(LAYOUT) and all(re.fullmatch(shape, t) for t in terms), terms
     # Decisions carry each plugin's score; the policy is the one configured.
     page.wait_for_selector("#decisions tbody tr td.scores div")

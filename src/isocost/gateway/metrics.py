@@ -229,8 +229,8 @@ class GatewayMetrics:
         self.prefill_term = Gauge(
             "isocost_replica_prefill_term_seconds",
             "Prefill terms the replica is priced with: seconds per chunk, per 1k tokens, per "
-            "1M attention pairs, per request (fitted with calibration.prefill_fit, else the "
-            "analytic ones).",
+            "1M attention pairs, per request, per sequence decoding there (fitted with "
+            "calibration.prefill_fit, else the analytic ones).",
             ["pool", "replica", "term"],
             registry=r,
         )

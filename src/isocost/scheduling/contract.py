@@ -181,9 +181,11 @@ class InFlight:
     # predicted prefill end (``predicted_start_s``) or a scrape that showed it running.
     started_s: float | None = None
     predicted_start_s: float | None = None  # not streamed: dispatch + corrected predicted TTFT
-    # What was queued ahead of it at dispatch, for the prefill fit: tokens and requests.
+    # What was there at dispatch, for the prefill fit: tokens and requests queued ahead,
+    # and sequences decoding.
     queued_prefill_tokens: float = 0.0
     queued_requests: float = 0.0
+    running_sequences: float = 0.0
 
     @property
     def remaining_tokens(self) -> int:

@@ -7,7 +7,7 @@ coefficients (``timing``)::
     wait      = T_pre(Q, 0) + r * W + kv_wait    Q = queued (uncached) prefill tokens
                                                W = queued requests, r = per request
     kv_wait   = max(kv_used + n - kv_cap, 0) * mean_remaining_s / K
-    prefill   = T_pre(n - c, c) + r
+    prefill   = T_pre(n - c, c) + r + s * b       s = per running sequence (``timing``)
     ttft      = ttft_factor * (wait + prefill)
     step      = T_step(b + 1, K + n + m / 2)     b running sequences over K context tokens
     stall     = 1 / (1 - min(rho, 0.9))          rho = the replica's prefill duty
@@ -177,6 +177,7 @@ def predict_one(
         min,
         _if,
         coef.prefill_per_request_s,
+        coef.prefill_per_running_s,
         *load,
         n,
         float(cached_tokens),
@@ -213,6 +214,7 @@ def predict(
         np.minimum,
         np.where,
         coef.per_request_s[key],
+        coef.per_running_s[key],
         load.waiting,
         load.running,
         load.context_tokens,
@@ -272,6 +274,7 @@ def _times(
     minimum: _Fn,
     where: _Fn,
     per_request: Any,
+    per_running: Any,
     waiting: Any,
     running: Any,
     context: Any,
@@ -292,6 +295,6 @@ def _times(
     kv_wait = where(k > 0, shortfall * mean_remaining_s / maximum(k, 1.0), 0.0)
     wait = pre(queued_prefill, 0.0) + per_request * waiting + kv_wait
     cached = minimum(cached_tokens, max(n - 1.0, 0.0))  # the last token is always computed
-    prefill = pre(n - cached, cached) + per_request
+    prefill = pre(n - cached, cached) + per_request + per_running * b
     stall = 1.0 / (1.0 - minimum(prefill_duty, _MAX_DUTY))
     return wait, prefill, step(b + 1.0, k + n + m / 2.0), base_step, stall

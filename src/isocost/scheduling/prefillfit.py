@@ -1,21 +1,25 @@
 """Each replica's prefill terms fitted online to its TTFTs (``calibration.prefill_fit``).
 
 The cost model prices the first token of a request with ``u`` new prompt tokens after
-``c`` cached ones, queued behind ``W`` requests of ``Q`` prefill tokens, as (``timing``,
-``predict``)::
+``c`` cached ones, queued behind ``W`` requests of ``Q`` prefill tokens, joining ``b``
+sequences that decode there, as (``timing``, ``predict``)::
 
     ttft = a * (ceil(Q / C) + ceil(u / C)) + beta * (Q + u) + gamma * u * (c + u / 2)
-           + r * (W + 1)
+           + r * (W + 1) + s * b
 
 (``a`` per chunk of ``C`` tokens, ``beta`` per token, ``gamma`` per attention pair, ``r``
-per request: 0 in the roofline, where requests queued together share a chunk). A
+per request: 0 in the roofline, where requests queued together share a chunk; ``s`` per
+running sequence: 0 in the roofline, where the decode tokens ride in the chunk). A
 correction factor scales them alike, and that cannot price an engine whose costs have
 another shape. CPU vLLM serving the tiny test model: the roofline says 5 ms per chunk
-and 7 ns per token; the engine takes ~20 ms per request and ~0.07 ms per token. A factor
-fitted to that prices a cached prefix at nothing and five queued requests as one, so
-equal-cost herds them onto one replica and ignores its cache.
+and 7 ns per token; the engine takes ~20 ms per request and ~0.07 ms per token, and a
+first token there waits ~10 ms longer for each stream already decoding (two CPU replicas
+at 8 concurrent streams: median TTFT 37 ms with none, 73-77 ms with one to three, for a
+prompt not cached). A factor fitted to that prices a cached prefix at nothing and five
+queued or streaming requests as one, so equal-cost herds them onto one replica and
+ignores its cache.
 
-Here each replica's ``theta = (a, beta, gamma, r)`` is fitted to the TTFTs it is seen to
+Here each replica's ``theta = (a, beta, gamma, r, s)`` is fitted to the TTFTs it is seen to
 give, on the terms' counts (``features``):
 
 * a ridge regression: the analytic terms are the prior, its spread ``_SPREAD`` times
@@ -60,10 +64,11 @@ __all__ = ["PrefillFit", "features"]
 
 Vector = npt.NDArray[np.float64]
 
-_UNITS = np.array([1.0, 1e-3, 1e-6, 1.0])  # theta per chunk, 1k tokens, 1M pairs, request
+# theta per chunk, 1k tokens, 1M pairs, request, running sequence
+_UNITS = np.array([1.0, 1e-3, 1e-6, 1.0, 1.0])
 _PRIOR_WEIGHT = 5.0  # the prior weighs as much as this many observations, always
 _SPREAD = 4.0  # its spread: this many times the analytic term ...
-_FLOOR = np.array([0.05, 0.1, 0.1, 0.05])  # ... and at least this (s per unit)
+_FLOOR = np.array([0.05, 0.1, 0.1, 0.05, 0.05])  # ... and at least this (s per unit)
 _FORGET = 1.0 - 1.0 / ERROR_WINDOW
 _CLIP = 2.0  # an observation is taught as at most this many times off the prediction
 _LOWEST = 0.1  # bound: each term at least this share of the roofline's
@@ -76,16 +81,18 @@ def features(
     queued_tokens: float,
     new_tokens: float,
     cached_tokens: float,
+    running: float,
 ) -> Vector:
     """The counts the prefill terms multiply (chunks, 1k tokens, 1M attention pairs,
-    requests) for a first token behind ``queued_requests`` holding ``queued_tokens``, with
-    ``new_tokens`` computed after ``cached_tokens``."""
+    requests, running sequences) for a first token behind ``queued_requests`` holding
+    ``queued_tokens``, with ``new_tokens`` computed after ``cached_tokens``, beside
+    ``running`` sequences decoding."""
     chunk = float(max(coefficients.prefill_chunk_tokens, 1))
     queued, new = max(queued_tokens, 0.0), max(new_tokens, 0.0)
     chunks = math.ceil(queued / chunk) + math.ceil(new / chunk)
     pairs = new * (max(cached_tokens, 0.0) + new / 2.0)
     requests = max(queued_requests, 0.0) + 1.0
-    counts = np.array([chunks, queued + new, pairs, requests])
+    counts = np.array([chunks, queued + new, pairs, requests, max(running, 0.0)])
     return np.asarray(counts * _UNITS, dtype=np.float64)
 
 
@@ -96,6 +103,7 @@ def _theta(coefficients: StepCoefficients) -> Vector:
         coefficients.prefill_per_token_s,
         coefficients.prefill_per_pair_s,
         coefficients.prefill_per_request_s,
+        coefficients.prefill_per_running_s,
     )
     return np.asarray(np.array(terms) / _UNITS, dtype=np.float64)
 
@@ -107,7 +115,7 @@ class _Fit:
     and a prior worth ``_PRIOR_WEIGHT`` observations that never fades; ``theta`` solves
     ``info @ theta = vector``."""
 
-    info: Vector  # 4 x 4
+    info: Vector  # 5 x 5
     vector: Vector
     prior_info: Vector
     prior_vector: Vector
@@ -212,5 +220,6 @@ class PrefillFit:
             prefill_per_token_s=float(theta[1]),
             prefill_per_pair_s=float(theta[2]),
             prefill_per_request_s=float(theta[3]),
+            prefill_per_running_s=float(theta[4]),
             prefill_floor_s=0.0,
         )

@@ -115,14 +115,15 @@ class ReplicaState:
     @property
     def prefill_terms_s(self) -> dict[str, float]:
         """The prefill terms it is priced with, in seconds per chunk, per 1k tokens, per
-        1M attention pairs and per request (fitted with ``set_prefill_fit``, else the
-        analytic ones)."""
+        1M attention pairs, per request and per running sequence (fitted with
+        ``set_prefill_fit``, else the analytic ones)."""
         c = self.coefficients
         return {
             "chunk": c.prefill_per_chunk_s,
             "1k_tokens": c.prefill_per_token_s * 1e3,
             "1m_pairs": c.prefill_per_pair_s * 1e6,
             "request": c.prefill_per_request_s,
+            "running": c.prefill_per_running_s,
         }
 
     @property
@@ -367,7 +368,7 @@ class ReplicaSet:
             cached = min(max(matched, request.kv_ready_tokens), request.prompt_tokens)
         if known is None or known.output_tokens != expected:
             known = self.predict_one(slot, now, request.prompt_tokens, cached, expected)
-        waiting, _, queued, *_ = (
+        waiting, running, queued, *_ = (
             self._effective(now, slot, max) if self.prefill_fit is not None else (0.0, 0.0, 0.0)
         )
         record = InFlight(
@@ -387,6 +388,7 @@ class ReplicaSet:
             stream=request.stream,
             queued_prefill_tokens=float(queued),
             queued_requests=float(waiting),
+            running_sequences=float(running),
         )
         self._requests[request.request_id] = record
         state.in_flight[request.request_id] = record
@@ -619,6 +621,7 @@ class ReplicaSet:
             record.queued_prefill_tokens,
             record.prompt_tokens - cached,
             cached,
+            record.running_sequences,
         )
         for slot, coefficients in fit.observe(record.slot, x, now - record.dispatch_s, now):
             self._price(self.slots.state_at(slot), coefficients)

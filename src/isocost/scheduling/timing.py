@@ -15,7 +15,11 @@ the replica joins, to a handful of coefficients fitted at sample points of the r
   term summing exactly over chunks; ``floor`` the memory-bound time of a tiny chunk,
   which reads all weights however few tokens it computes), plus ``r`` per request
   (``prefill_per_request_s``: 0 in the roofline; ``scheduling.prefillfit`` learns it where
-  an engine spends time per request, and ``predict`` charges it for each queued one);
+  an engine spends time per request, and ``predict`` charges it for each queued one), plus
+  ``s`` per sequence already decoding there (``prefill_per_running_s``: the first token
+  comes out of a step that also decodes every running sequence; 0 in the roofline, where
+  a compute-bound prefill chunk carries a few decode tokens for free, but an engine with a
+  host cost per sequence and step, CPU vLLM, pays it, and ``prefillfit`` learns it);
 * one decode step of ``b`` sequences holding ``K`` context tokens::
 
       T_step(b, K) = max(m0 + mk * K + mb * b,  c0 + cb * b)
@@ -70,6 +74,7 @@ class StepCoefficients:
     decode_compute_fixed_s: float  # c0
     decode_per_seq_compute_s: float  # cb
     prefill_per_request_s: float = 0.0  # r
+    prefill_per_running_s: float = 0.0  # s
 
     @classmethod
     def fit(cls, cost_model: CostModel) -> StepCoefficients:
@@ -145,10 +150,11 @@ class CoefficientArrays:
     compute_fixed_s: FloatArray
     per_seq_compute_s: FloatArray
     per_request_s: FloatArray
+    per_running_s: FloatArray
 
     @classmethod
     def zeros(cls, size: int) -> CoefficientArrays:
-        return cls(*(np.zeros(size) for _ in range(11)))
+        return cls(*(np.zeros(size) for _ in range(12)))
 
     def grown(self, size: int) -> CoefficientArrays:
         def grow(a: FloatArray) -> FloatArray:
@@ -168,6 +174,7 @@ class CoefficientArrays:
             grow(self.compute_fixed_s),
             grow(self.per_seq_compute_s),
             grow(self.per_request_s),
+            grow(self.per_running_s),
         )
 
     def set(self, slot: int, c: StepCoefficients) -> None:
@@ -182,6 +189,7 @@ class CoefficientArrays:
         self.compute_fixed_s[slot] = c.decode_compute_fixed_s
         self.per_seq_compute_s[slot] = c.decode_per_seq_compute_s
         self.per_request_s[slot] = c.prefill_per_request_s
+        self.per_running_s[slot] = c.prefill_per_running_s
 
 
 def prefill_s(

@@ -233,10 +233,11 @@
   }
 
   // The prefill terms a replica is priced with (fitted with calibration.prefill_fit):
-  // ms per request, per chunk and per 1k tokens.
+  // ms per request, per chunk, per 1k tokens and per sequence decoding beside it.
   function prefillTerms(terms) {
     if (!terms) return "–";
-    return [terms.request, terms.chunk, terms["1k_tokens"]].map((v) => fmt(v, 1)).join(" / ");
+    const shown = [terms.request, terms.chunk, terms["1k_tokens"], terms.running];
+    return shown.map((v) => fmt(v, 1)).join(" / ");
   }
 
   const REPLICA_COLUMNS = [
