@@ -331,9 +331,9 @@ def _run_workload(
 
 # (label, policy, the model the gateway prices the replicas with, whether it fits their
 # prefill terms to their TTFTs). The tiny model's modelled prefill is microseconds, so
-# equal-cost gains nothing from its cached prefix unless the fit learns what CPU vLLM
-# spends per token; priced as an 8B model (where recomputing a prefix costs real GPU
-# time) it does.
+# equal-cost's own cost gains little from a cached prefix (it keeps one where the cost gap
+# is within its TTFT prediction error, ``max_prefix_slack``); priced as an 8B model (where
+# recomputing a prefix costs real GPU time) the cost itself does.
 _COMPARED = [
     ("round_robin", "round_robin", str(TINY_MODEL), False),
     ("prefix", "prefix", str(TINY_MODEL), False),

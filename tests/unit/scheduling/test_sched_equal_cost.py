@@ -165,3 +165,53 @@ def test_cached_prefix_attracts_the_request(make_replicas: Factory) -> None:
     )
     assert decision.replica_id == "r2"
     assert decision.cached_tokens == 199 * 16
+
+
+def _prefix_blind() -> Policy:
+    config = parse_scheduling_yaml(
+        """
+plugins:
+  - {name: blind-cost, type: equal-cost-scorer, parameters: {max_prefix_slack: 0}}
+policies:
+  - {name: blind, scorers: [{plugin: blind-cost}]}
+""",
+        "test",
+    )
+    return build_policy("blind", config=config)
+
+
+def _holder_a_little_busier(make_replicas: Factory, ttft_off: float) -> ReplicaSet:
+    """Two A100s: r1 holds the prompt's prefix and streams two long replies (about 10%
+    dearer than idle r0 even so); r1's last TTFTs came ``ttft_off`` times what it
+    predicted."""
+    replicas = make_replicas(["a100-80g", "a100-80g"], factor_alpha=0.0)
+    blocks = tuple(range(1, 21))  # 20 blocks of 16 tokens
+    for i in range(10):
+        name = f"warm{i}"
+        replicas.on_dispatch(RequestView(name, MODEL, 400, block_hashes=blocks), "r1", 0.0)
+        predicted = replicas.get("r1").in_flight[name].predicted_ttft_s
+        replicas.on_first_token(name, predicted * ttft_off)
+        replicas.on_complete(name, 1.0, output_tokens=10)
+    for i in range(2):
+        _running(replicas, "r1", f"busy{i}", prompt=4000, generated=10)
+    return replicas
+
+
+def _asked(replicas: ReplicaSet, policy: Policy) -> str | None:
+    request = RequestView("q", MODEL, 400, block_hashes=tuple(range(1, 21)), max_tokens=64)
+    return policy.schedule(request, replicas, 2.0).replica_id
+
+
+def test_a_cached_prefix_wins_a_cost_gap_smaller_than_the_prediction_error(
+    make_replicas: Factory,
+) -> None:
+    # Priced exactly (TTFTs as predicted): the idle replica is cheaper, and wins.
+    exact = _holder_a_little_busier(make_replicas, ttft_off=1.0)
+    assert exact.get("r1").ttft_error < 0.01
+    assert _asked(exact, build_policy("equal_cost")) == "r0"
+    # TTFTs 2x what was predicted (error 50%): a gap that small says nothing, and the
+    # replica that holds the prefix keeps it; blind to the error, equal-cost moves it.
+    unsure = _holder_a_little_busier(make_replicas, ttft_off=2.0)
+    assert unsure.get("r1").ttft_error > 0.4
+    assert _asked(unsure, build_policy("equal_cost")) == "r1"
+    assert _asked(unsure, _prefix_blind()) == "r0"

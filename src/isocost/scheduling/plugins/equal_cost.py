@@ -39,6 +39,18 @@ rendezvous hash of the key are preferred; a preferred replica that is not overlo
 has its cost divided by ``1 + affinity_slack``: it wins unless some replica is cheaper by
 more than that slack. Its cached prefix usually makes it cheapest anyway.
 
+Prefix within the prediction's error: the replicas holding the request's longest cached
+prefix (when some candidate holds less) that are not overloaded have their cost divided
+by ``1 + min(e_r, max_prefix_slack)``, ``e_r`` their recent TTFT prediction error (MAPE,
+``Calibration.ttft_error``). Why: a cost gap smaller than the prediction's own error says
+nothing, while the cached prefix is a certain saving: prefill the cluster need not do
+again, KV not held twice, and the document's later requests kept where it is cached.
+The more the model errs (the queue model: ~40% in the simulator under load; CPU vLLM:
+40-100%), the larger the gap a holder may have and still keep its prefix. Measured
+(README, "On equal terms" and "Put isocost in front of vLLM"): capacity at SLO +8% on
+A100 + L20 and +2.5% with two slowed replicas, -2.5% on a homogeneous fleet; vLLM prefix
+hits 51-56% against 44-53% without it (the prefix-aware policies: 62.4%).
+
 Exploration: a replica sent nothing for ``FRESHNESS_TAU_S`` (``Calibration.stale``) has
 its cost divided by ``1 + explore_slack``, so that one request goes there when it costs at
 most that much more than the best, and its factors are measured again instead of frozen at
@@ -52,7 +64,8 @@ ties by a stable hash.
 Parameters (range, default): ``lambda_delay`` (0..10, 1.0); ``gpu_price_weight`` mu
 (0..10, 1.0); ``busy_wait_s`` (> 0, 1.0); ``affinity_replicas`` (0..8, 2; 0 disables
 affinity); ``affinity_slack`` (0..10, 0.25); ``overload_queue_fraction`` (0..1, 0.5);
-``overload_kv_usage`` (0..1, 0.95); ``explore_slack`` (0..10, 0.5; 0 disables exploration).
+``overload_kv_usage`` (0..1, 0.95); ``explore_slack`` (0..10, 0.5; 0 disables exploration);
+``max_prefix_slack`` (0..10, 1.0; 0 disables the prefix preference).
 """
 
 from __future__ import annotations
@@ -61,9 +74,11 @@ from typing import ClassVar
 
 import msgspec
 import numpy as np
+import numpy.typing as npt
 
 from isocost.scheduling.interface import Context
 from isocost.scheduling.plugins._base import PluginKind, rendezvous, session_hash
+from isocost.scheduling.slots import BoolArray
 from isocost.scheduling.timing import FloatArray, prefill_s
 
 TYPE = "equal-cost-scorer"
@@ -78,6 +93,7 @@ class Params(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     overload_queue_fraction: float = 0.5
     overload_kv_usage: float = 0.95
     explore_slack: float = 0.5
+    max_prefix_slack: float = 1.0
 
 
 def _check(p: Params) -> None:
@@ -90,6 +106,7 @@ def _check(p: Params) -> None:
         ("overload_queue_fraction", 0.0 <= p.overload_queue_fraction <= 1.0, "0..1"),
         ("overload_kv_usage", 0.0 <= p.overload_kv_usage <= 1.0, "0..1"),
         ("explore_slack", 0.0 <= p.explore_slack <= 10.0, "0..10"),
+        ("max_prefix_slack", 0.0 <= p.max_prefix_slack <= 10.0, "0..10"),
     )
     for name, ok, valid in checks:
         if not ok:
@@ -139,6 +156,8 @@ class EqualCostScorer:
         cost = self.cost_s(ctx)
         if ctx.request.session_key is not None and p.affinity_replicas > 0:
             cost = self._apply_affinity(ctx, cost)
+        if p.max_prefix_slack > 0.0:
+            cost = self._apply_prefix_slack(ctx, cost)
         if p.explore_slack > 0.0:
             stale = ctx.replicas.calibration.stale(ctx.now, ctx.key)
             if stale.any() and not stale.all():
@@ -149,13 +168,30 @@ class EqualCostScorer:
         return np.asarray(best / cost, dtype=np.float64)
 
     def _apply_affinity(self, ctx: Context, cost: FloatArray) -> FloatArray:
-        p, slots, idx, load = self.params, ctx.replicas.slots, ctx.idx, ctx.load
+        p, slots, idx = self.params, ctx.replicas.slots, ctx.idx
         weights = rendezvous(slots.salt[ctx.key], session_hash(ctx))
         k = min(p.affinity_replicas, idx.size)
         preferred = np.argpartition(weights, idx.size - k)[idx.size - k :]
-        fine = (
-            load.waiting[preferred] < p.overload_queue_fraction * slots.max_queue[idx[preferred]]
-        ) & (load.kv_usage[preferred] < p.overload_kv_usage)
         adjusted = cost.copy()
-        adjusted[preferred[fine]] /= 1.0 + p.affinity_slack
+        adjusted[preferred[self._not_overloaded(ctx, preferred)]] /= 1.0 + p.affinity_slack
         return adjusted
+
+    def _apply_prefix_slack(self, ctx: Context, cost: FloatArray) -> FloatArray:
+        cached = ctx.cached_blocks
+        longest = float(cached.max())
+        if longest <= 0.0 or float(cached.min()) >= longest:
+            return cost
+        holders = np.flatnonzero(cached >= longest)
+        holders = holders[self._not_overloaded(ctx, holders)]
+        error = ctx.replicas.calibration.ttft_error[ctx.key][holders]
+        adjusted = cost.copy()
+        adjusted[holders] /= 1.0 + np.minimum(error, self.params.max_prefix_slack)
+        return adjusted
+
+    def _not_overloaded(self, ctx: Context, positions: npt.NDArray[np.intp]) -> BoolArray:
+        """Which of the candidates at ``positions`` may be preferred: queue under
+        ``overload_queue_fraction`` of its bound and KV usage under ``overload_kv_usage``."""
+        p, load, slots = self.params, ctx.load, ctx.replicas.slots
+        bound = p.overload_queue_fraction * slots.max_queue[ctx.idx[positions]]
+        fine = (load.waiting[positions] < bound) & (load.kv_usage[positions] < p.overload_kv_usage)
+        return np.asarray(fine, dtype=np.bool_)
