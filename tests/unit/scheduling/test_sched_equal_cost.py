@@ -167,11 +167,11 @@ def test_cached_prefix_attracts_the_request(make_replicas: Factory) -> None:
     assert decision.cached_tokens == 199 * 16
 
 
-def _prefix_blind() -> Policy:
+def _error_blind() -> Policy:
     config = parse_scheduling_yaml(
         """
 plugins:
-  - {name: blind-cost, type: equal-cost-scorer, parameters: {max_prefix_slack: 0}}
+  - {name: blind-cost, type: equal-cost-scorer, parameters: {max_error_slack: 0}}
 policies:
   - {name: blind, scorers: [{plugin: blind-cost}]}
 """,
@@ -214,4 +214,42 @@ def test_a_cached_prefix_wins_a_cost_gap_smaller_than_the_prediction_error(
     unsure = _holder_a_little_busier(make_replicas, ttft_off=2.0)
     assert unsure.get("r1").ttft_error > 0.4
     assert _asked(unsure, build_policy("equal_cost")) == "r1"
-    assert _asked(unsure, _prefix_blind()) == "r0"
+    assert _asked(unsure, _error_blind()) == "r0"
+
+
+def _queue_or_streams(make_replicas: Factory, ttft_off: float, streams: int) -> ReplicaSet:
+    """Two A100s whose last TTFTs came ``ttft_off`` times what they predicted: r0 has one
+    request queued (400 tokens), r1 none but ``streams`` long replies streaming."""
+    replicas = make_replicas(["a100-80g", "a100-80g"], factor_alpha=0.0)
+    for replica in ("r0", "r1"):
+        for i in range(10):
+            name = f"{replica}-warm{i}"
+            replicas.on_dispatch(RequestView(name, MODEL, 400), replica, 0.0)
+            predicted = replicas.get(replica).in_flight[name].predicted_ttft_s
+            replicas.on_first_token(name, predicted * ttft_off)
+            replicas.on_complete(name, 1.0, output_tokens=10)
+    replicas.on_dispatch(RequestView("queued", MODEL, 400), "r0", 2.0)
+    for i in range(streams):
+        _running(replicas, "r1", f"busy{i}", prompt=4000, generated=10)
+    return replicas
+
+
+def test_the_shorter_queue_wins_a_cost_gap_smaller_than_the_prediction_error(
+    make_replicas: Factory,
+) -> None:
+    def asked(replicas: ReplicaSet, policy: Policy) -> str | None:
+        return policy.schedule(
+            RequestView("q", MODEL, 400, max_tokens=64), replicas, 2.0
+        ).replica_id
+
+    # Priced exactly: two streams on r1 cost more than one request queued on r0.
+    assert (
+        asked(_queue_or_streams(make_replicas, 1.0, streams=2), build_policy("equal_cost")) == "r0"
+    )
+    # Error 50%: the gap (~20%) says nothing, and the replica with no queue wins ...
+    unsure = _queue_or_streams(make_replicas, 2.0, streams=2)
+    assert asked(unsure, build_policy("equal_cost")) == "r1"
+    assert asked(unsure, _error_blind()) == "r0"
+    # ... but not a gap larger than the error: three streams cost ~75% more.
+    busier = _queue_or_streams(make_replicas, 2.0, streams=3)
+    assert asked(busier, build_policy("equal_cost")) == "r0"

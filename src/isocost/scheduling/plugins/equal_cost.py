@@ -39,17 +39,18 @@ rendezvous hash of the key are preferred; a preferred replica that is not overlo
 has its cost divided by ``1 + affinity_slack``: it wins unless some replica is cheaper by
 more than that slack. Its cached prefix usually makes it cheapest anyway.
 
-Prefix within the prediction's error: the replicas holding the request's longest cached
-prefix (when some candidate holds less) that are not overloaded have their cost divided
-by ``1 + min(e_r, max_prefix_slack)``, ``e_r`` their recent TTFT prediction error (MAPE,
-``Calibration.ttft_error``). Why: a cost gap smaller than the prediction's own error says
-nothing, while the cached prefix is a certain saving: prefill the cluster need not do
-again, KV not held twice, and the document's later requests kept where it is cached.
-The more the model errs (the queue model: ~40% in the simulator under load; CPU vLLM:
-40-100%), the larger the gap a holder may have and still keep its prefix. Measured
-(README, "On equal terms" and "Put isocost in front of vLLM"): capacity at SLO +8% on
-A100 + L20 and +2.5% with two slowed replicas, -2.5% on a homogeneous fleet; vLLM prefix
-hits 51-56% against 44-53% without it (the prefix-aware policies: 62.4%).
+Within the prediction's error, what is certain: the candidates holding the request's
+longest cached prefix (when some candidate holds less), and those with the fewest queued
+requests (when some have more), each have their cost divided by
+``1 + min(e_r, max_error_slack)`` if not overloaded, ``e_r`` their recent TTFT prediction
+error (MAPE, ``Calibration.ttft_error``); one that is both is divided twice. Why: a cost
+gap smaller than the prediction's own error says nothing, while a cached prefix is a
+certain saving (prefill the cluster need not do again, KV not held twice, the document's
+next requests kept where it is), and a short queue is a certain head start (llm-d's
+queue scorer, fewest waiting, is what carries long prompts at SLO best, README "On equal
+terms"). The more the model errs (the queue model: ~40% in the simulator under load; CPU
+vLLM: 40-100%), the larger the gap these may close. Measured there: capacity at SLO +5%
+to +14% on the long-prompt fleets.
 
 Exploration: a replica sent nothing for ``FRESHNESS_TAU_S`` (``Calibration.stale``) has
 its cost divided by ``1 + explore_slack``, so that one request goes there when it costs at
@@ -65,7 +66,7 @@ Parameters (range, default): ``lambda_delay`` (0..10, 1.0); ``gpu_price_weight``
 (0..10, 1.0); ``busy_wait_s`` (> 0, 1.0); ``affinity_replicas`` (0..8, 2; 0 disables
 affinity); ``affinity_slack`` (0..10, 0.25); ``overload_queue_fraction`` (0..1, 0.5);
 ``overload_kv_usage`` (0..1, 0.95); ``explore_slack`` (0..10, 0.5; 0 disables exploration);
-``max_prefix_slack`` (0..10, 1.0; 0 disables the prefix preference).
+``max_error_slack`` (0..10, 1.0; 0 disables the preferences within the error).
 """
 
 from __future__ import annotations
@@ -74,7 +75,6 @@ from typing import ClassVar
 
 import msgspec
 import numpy as np
-import numpy.typing as npt
 
 from isocost.scheduling.interface import Context
 from isocost.scheduling.plugins._base import PluginKind, rendezvous, session_hash
@@ -93,7 +93,7 @@ class Params(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     overload_queue_fraction: float = 0.5
     overload_kv_usage: float = 0.95
     explore_slack: float = 0.5
-    max_prefix_slack: float = 1.0
+    max_error_slack: float = 1.0
 
 
 def _check(p: Params) -> None:
@@ -106,7 +106,7 @@ def _check(p: Params) -> None:
         ("overload_queue_fraction", 0.0 <= p.overload_queue_fraction <= 1.0, "0..1"),
         ("overload_kv_usage", 0.0 <= p.overload_kv_usage <= 1.0, "0..1"),
         ("explore_slack", 0.0 <= p.explore_slack <= 10.0, "0..10"),
-        ("max_prefix_slack", 0.0 <= p.max_prefix_slack <= 10.0, "0..10"),
+        ("max_error_slack", 0.0 <= p.max_error_slack <= 10.0, "0..10"),
     )
     for name, ok, valid in checks:
         if not ok:
@@ -156,8 +156,8 @@ class EqualCostScorer:
         cost = self.cost_s(ctx)
         if ctx.request.session_key is not None and p.affinity_replicas > 0:
             cost = self._apply_affinity(ctx, cost)
-        if p.max_prefix_slack > 0.0:
-            cost = self._apply_prefix_slack(ctx, cost)
+        if p.max_error_slack > 0.0:
+            cost = self._apply_error_slack(ctx, cost)
         if p.explore_slack > 0.0:
             stale = ctx.replicas.calibration.stale(ctx.now, ctx.key)
             if stale.any() and not stale.all():
@@ -173,25 +173,26 @@ class EqualCostScorer:
         k = min(p.affinity_replicas, idx.size)
         preferred = np.argpartition(weights, idx.size - k)[idx.size - k :]
         adjusted = cost.copy()
-        adjusted[preferred[self._not_overloaded(ctx, preferred)]] /= 1.0 + p.affinity_slack
+        adjusted[preferred[self._not_overloaded(ctx)[preferred]]] /= 1.0 + p.affinity_slack
         return adjusted
 
-    def _apply_prefix_slack(self, ctx: Context, cost: FloatArray) -> FloatArray:
-        cached = ctx.cached_blocks
-        longest = float(cached.max())
-        if longest <= 0.0 or float(cached.min()) >= longest:
-            return cost
-        holders = np.flatnonzero(cached >= longest)
-        holders = holders[self._not_overloaded(ctx, holders)]
-        error = ctx.replicas.calibration.ttft_error[ctx.key][holders]
-        adjusted = cost.copy()
-        adjusted[holders] /= 1.0 + np.minimum(error, self.params.max_prefix_slack)
-        return adjusted
+    def _apply_error_slack(self, ctx: Context, cost: FloatArray) -> FloatArray:
+        cached, waiting = ctx.cached_blocks, ctx.load.waiting
+        error = ctx.replicas.calibration.ttft_error[ctx.key]
+        slack = 1.0 + np.minimum(error, self.params.max_error_slack)
+        fine = self._not_overloaded(ctx)
+        adjusted = cost
+        longest, least = float(cached.max()), float(waiting.min())
+        if longest > 0.0 and float(cached.min()) < longest:  # some hold less of the prefix
+            adjusted = np.where((cached >= longest) & fine, adjusted / slack, adjusted)
+        if float(waiting.max()) > least:  # some have more queued
+            adjusted = np.where((waiting <= least) & fine, adjusted / slack, adjusted)
+        return np.asarray(adjusted, dtype=np.float64)
 
-    def _not_overloaded(self, ctx: Context, positions: npt.NDArray[np.intp]) -> BoolArray:
-        """Which of the candidates at ``positions`` may be preferred: queue under
-        ``overload_queue_fraction`` of its bound and KV usage under ``overload_kv_usage``."""
-        p, load, slots = self.params, ctx.load, ctx.replicas.slots
-        bound = p.overload_queue_fraction * slots.max_queue[ctx.idx[positions]]
-        fine = (load.waiting[positions] < bound) & (load.kv_usage[positions] < p.overload_kv_usage)
+    def _not_overloaded(self, ctx: Context) -> BoolArray:
+        """Which candidates may be preferred: queue under ``overload_queue_fraction`` of
+        its bound and KV usage under ``overload_kv_usage``."""
+        p, load = self.params, ctx.load
+        bound = p.overload_queue_fraction * ctx.replicas.slots.max_queue[ctx.idx]
+        fine = (load.waiting < bound) & (load.kv_usage < p.overload_kv_usage)
         return np.asarray(fine, dtype=np.bool_)
