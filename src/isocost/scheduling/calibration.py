@@ -5,8 +5,9 @@ inter-token time (1.0 = the cost model is right; 2.0 = this replica is twice as 
 its spec), learned as geometric EWMAs (in log space, so an outlier cannot make a replica
 look slower than its twin). A TTFT observation weighs by the prefill's share of its
 prediction (time queued says more about the queue model than about the replica); a
-stream's inter-token time is compared with its decode steps plus the prefills of the
-requests that started streaming meanwhile (each prefill stalls every running stream).
+stream's inter-token time, over windows of ``ITL_WINDOW_TOKENS`` tokens, is compared with
+its decode steps plus the prefills of the requests that started streaming meanwhile (each
+prefill stalls every running stream).
 Waiting is evidence too: ``ttft_factor_at`` raises a replica's TTFT factor to (elapsed /
 predicted) of its oldest request still awaiting a first token, so a replica that slowed
 down is priced before it answers. A request not streamed shows no first token: it is
@@ -56,13 +57,16 @@ from isocost.scheduling.predict import SlotKey
 from isocost.scheduling.slots import BoolArray, SlotArrays
 from isocost.scheduling.timing import FloatArray, StepCoefficients
 
-__all__ = ["ERROR_WINDOW", "FRESHNESS_TAU_S", "PRIOR_SAMPLES", "Calibration"]
+__all__ = ["ERROR_WINDOW", "FRESHNESS_TAU_S", "ITL_WINDOW_TOKENS", "PRIOR_SAMPLES", "Calibration"]
 
 _FACTOR_MIN, _FACTOR_MAX = 0.05, 20.0  # bounds of one observed/predicted ratio
 PRIOR_SAMPLES = 2.0  # observations after which a replica's own deviation weighs half
 FRESHNESS_TAU_S = 300.0  # how fast a replica's own evidence fades once it gets none
 ERROR_WINDOW = 50  # observations the prediction-error EWMA spans, about
 _ERROR_ALPHA = 2.0 / (ERROR_WINDOW + 1)
+# A stream's tokens taught as one ITL observation: enough to span a burst, few enough that
+# a 256-token reply teaches 16 times.
+ITL_WINDOW_TOKENS = 16
 # (slot, now) -> the uncorrected decode step of the slot's current batch
 StepNow = Callable[[int, float], float]
 
@@ -288,11 +292,35 @@ class Calibration(SlotArrays):
         step_now: StepNow,
     ) -> None:
         """``num_tokens`` more tokens of the streaming ``record`` came at ``now``, before
-        it advances: learn the ITL factor (``coefficients``: its replica's timing)."""
-        if record.last_token_s is not None and now > record.last_token_s:
-            step = step_now(record.slot, now)
-            predicted = num_tokens * step + self._prefill_stall_s(record, coefficients)
-            self._learn(self.itl, record.slot, now - record.last_token_s, predicted, now)
+        it advances: once its stream has shown ``ITL_WINDOW_TOKENS`` since the last
+        lesson, learn the ITL factor from them as one observation (``coefficients``: its
+        replica's timing). Why not every chunk: a server that sends tokens in bursts (an
+        API server starved of CPU, a proxy that buffers) makes one gap ~0 and the next
+        long, and learnt gap by gap those are a factor clipped at its floor, then its
+        ceiling; two identical CPU vLLM replicas learnt 0.09 and 0.59 so, and equal-cost
+        sent 52 of 64 requests to the first. A window's seconds are what its tokens took,
+        however they were bunched."""
+        if record.last_token_s is None:
+            return
+        step = step_now(record.slot, now)
+        record.itl_window_s += max(now - record.last_token_s, 0.0)
+        record.itl_window_predicted_s += num_tokens * step + self._prefill_stall_s(
+            record, coefficients
+        )
+        record.itl_window_tokens += num_tokens
+        if record.itl_window_tokens >= ITL_WINDOW_TOKENS:
+            self._learn_window(record, now)
+
+    def _learn_window(self, record: InFlight, now: float) -> None:
+        """Teach the ITL factor ``record``'s tokens since its last lesson, and start anew.
+        Tokens that all came within ``_FACTOR_MIN`` of their predicted time were sent
+        together, not made that fast (a whole 8-token reply in one burst, on CPU vLLM):
+        they say nothing of the replica's speed and teach nothing."""
+        observed, predicted = record.itl_window_s, record.itl_window_predicted_s
+        if record.itl_window_tokens > 0 and observed > _FACTOR_MIN * predicted:
+            self._learn(self.itl, record.slot, observed, predicted, now)
+        record.itl_window_s = record.itl_window_predicted_s = 0.0
+        record.itl_window_tokens = 0
 
     def observe_completion(
         self,
@@ -313,7 +341,8 @@ class Calibration(SlotArrays):
                 return  # it ended before it was even taken to start
             first_token_s = record.predicted_start_s
         elif record.last_token_s != first_token_s:
-            return  # streamed with progress hooks: observe_tokens learnt from them
+            self._learn_window(record, now)  # streamed with progress hooks: their last window
+            return
         if generated > 1:
             # The mean inter-token time since the first token.
             step = (record.predicted_step_s + step_now(slot, now)) / 2.0

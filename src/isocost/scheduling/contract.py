@@ -186,6 +186,11 @@ class InFlight:
     queued_prefill_tokens: float = 0.0
     queued_requests: float = 0.0
     running_sequences: float = 0.0
+    # Its stream's tokens since the ITL factor last learnt from it: seconds observed,
+    # seconds predicted, tokens (``Calibration.observe_tokens`` teaches them as one).
+    itl_window_s: float = 0.0
+    itl_window_predicted_s: float = 0.0
+    itl_window_tokens: int = 0
 
     @property
     def remaining_tokens(self) -> int:

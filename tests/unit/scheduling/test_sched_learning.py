@@ -195,3 +195,26 @@ def test_equal_cost_measures_again_a_replica_it_has_not_used_for_long(
     blind = build_policy("equal_cost_noexplore", config=NO_EXPLORE)
     q2 = RequestView("q2", MODEL, 1000, max_tokens=128)
     assert blind.schedule(q2, replicas, later).replica_id == "r1"
+
+
+def test_tokens_sent_in_bursts_teach_the_itl_factor_what_they_took(
+    make_replicas: Factory,
+) -> None:
+    """An engine 3x slower than its model between tokens whose server sends them in
+    bursts: four tokens at a time, each in its own chunk at the same instant (a starved
+    API server). Learnt gap by gap, three of four gaps are 0 and the fourth holds four
+    tokens' time; learnt by window, the factor is what the tokens took."""
+    replicas = make_replicas(["a100-80g", "a100-80g"], factor_alpha=0.2)
+    now = 0.0
+    for i in range(20):
+        name = f"s{i}"
+        _dispatch(replicas, name, "r0", now, prompt=200)
+        now += 0.05
+        replicas.on_first_token(name, now)
+        step = replicas.get("r0").in_flight[name].predicted_step_s
+        for _ in range(16):  # 64 tokens in bursts of four
+            now += 4 * 3.0 * step
+            for _ in range(4):
+                replicas.on_tokens(name, 1, now)
+        replicas.on_complete(name, now, output_tokens=65)
+    assert 2.6 < replicas.calibration.itl_factor[0] < 3.4
