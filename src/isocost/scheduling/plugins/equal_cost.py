@@ -49,8 +49,8 @@ certain saving (prefill the cluster need not do again, KV not held twice, the do
 next requests kept where it is), and a short queue is a certain head start (llm-d's
 queue scorer, fewest waiting, is what carries long prompts at SLO best, README "On equal
 terms"). The more the model errs (the queue model: ~40% in the simulator under load; CPU
-vLLM: 40-100%), the larger the gap these may close. Measured there: capacity at SLO +5%
-to +14% on the long-prompt fleets.
+vLLM: 40-140%), the larger the gap these may close. Measured there: capacity at SLO +5%
+to +16% on the long-prompt fleets.
 
 Exploration: a replica sent nothing for ``FRESHNESS_TAU_S`` (``Calibration.stale``) has
 its cost divided by ``1 + explore_slack``, so that one request goes there when it costs at
