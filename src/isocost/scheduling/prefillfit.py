@@ -13,9 +13,9 @@ running sequence: 0 in the roofline, where the decode tokens ride in the chunk).
 correction factor scales them alike, and that cannot price an engine whose costs have
 another shape. CPU vLLM serving the tiny test model: the roofline says 5 ms per chunk
 and 7 ns per token; the engine takes ~20 ms per request and ~0.07 ms per token, and a
-first token there waits ~10 ms longer for each stream already decoding (two CPU replicas
-at 8 concurrent streams: median TTFT 37 ms with none, 73-77 ms with one to three, for a
-prompt not cached). A factor fitted to that prices a cached prefix at nothing and five
+first token there waits longer the more requests are in flight beside it (two CPU
+replicas at 8 concurrent streams, an uncached prompt: median TTFT 37 ms with no other
+request in flight there, 73-77 ms with one to three). A factor fitted to that prices a cached prefix at nothing and five
 queued or streaming requests as one, so equal-cost herds them onto one replica and
 ignores its cache.
 
