@@ -15,9 +15,9 @@ another shape. CPU vLLM serving the tiny test model: the roofline says 5 ms per 
 and 7 ns per token; the engine takes ~20 ms per request and ~0.07 ms per token, and a
 first token there waits longer the more requests are in flight beside it (two CPU
 replicas at 8 concurrent streams, an uncached prompt: median TTFT 37 ms with no other
-request in flight there, 73-77 ms with one to three). A factor fitted to that prices a cached prefix at nothing and five
-queued or streaming requests as one, so equal-cost herds them onto one replica and
-ignores its cache.
+request in flight there, 73-77 ms with one to three). A factor fitted to that prices a
+cached prefix at nothing and five queued or streaming requests as one, so equal-cost
+herds them onto one replica and ignores its cache.
 
 Here each replica's ``theta = (a, beta, gamma, r, s)`` is fitted to the TTFTs it is seen to
 give, on the terms' counts (``features``):

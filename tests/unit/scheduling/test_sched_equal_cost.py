@@ -107,20 +107,23 @@ def test_slow_replica_learned_factor_lowers_its_share(make_replicas: Factory) ->
     assert share_learned < 0.25  # less than a fair quarter
 
 
-# One preferred replica per session, so that "home" is unambiguous.
-_ONE_HOME = parse_scheduling_yaml(
-    """
+def _equal_cost_with(parameters: str) -> Policy:
+    """equal_cost alone with its scorer's ``parameters`` (YAML flow mapping entries)."""
+    config = parse_scheduling_yaml(
+        f"""
 plugins:
-  - {name: sticky-cost, type: equal-cost-scorer, parameters: {affinity_replicas: 1}}
+  - {{name: cost, type: equal-cost-scorer, parameters: {{{parameters}}}}}
 policies:
-  - {name: sticky, scorers: [{plugin: sticky-cost}]}
+  - {{name: tuned, scorers: [{{plugin: cost}}]}}
 """,
-    "test",
-)
+        "test",
+    )
+    return build_policy("tuned", config=config)
 
 
 def _sticky() -> Policy:
-    return build_policy("sticky", config=_ONE_HOME)
+    """One preferred replica per session, so that "home" is unambiguous."""
+    return _equal_cost_with("affinity_replicas: 1")
 
 
 def _preferred(make_replicas: Factory, session: str) -> str:
@@ -168,16 +171,21 @@ def test_cached_prefix_attracts_the_request(make_replicas: Factory) -> None:
 
 
 def _error_blind() -> Policy:
-    config = parse_scheduling_yaml(
-        """
-plugins:
-  - {name: blind-cost, type: equal-cost-scorer, parameters: {max_error_slack: 0}}
-policies:
-  - {name: blind, scorers: [{plugin: blind-cost}]}
-""",
-        "test",
-    )
-    return build_policy("blind", config=config)
+    return _equal_cost_with("max_error_slack: 0")
+
+
+def _answer_off(
+    replicas: ReplicaSet, replica: str, ttft_off: float, block_hashes: tuple[int, ...] = ()
+) -> None:
+    """Ten 400-token requests on ``replica`` whose first tokens come ``ttft_off`` times
+    what was predicted (its TTFT error: ``|1 - ttft_off| / ttft_off``)."""
+    for i in range(10):
+        name = f"{replica}-warm{i}"
+        request = RequestView(name, MODEL, 400, block_hashes=block_hashes)
+        replicas.on_dispatch(request, replica, 0.0)
+        predicted = replicas.get(replica).in_flight[name].predicted_ttft_s
+        replicas.on_first_token(name, predicted * ttft_off)
+        replicas.on_complete(name, 1.0, output_tokens=10)
 
 
 def _holder_a_little_busier(make_replicas: Factory, ttft_off: float) -> ReplicaSet:
@@ -185,13 +193,7 @@ def _holder_a_little_busier(make_replicas: Factory, ttft_off: float) -> ReplicaS
     dearer than idle r0 even so); r1's last TTFTs came ``ttft_off`` times what it
     predicted."""
     replicas = make_replicas(["a100-80g", "a100-80g"], factor_alpha=0.0)
-    blocks = tuple(range(1, 21))  # 20 blocks of 16 tokens
-    for i in range(10):
-        name = f"warm{i}"
-        replicas.on_dispatch(RequestView(name, MODEL, 400, block_hashes=blocks), "r1", 0.0)
-        predicted = replicas.get("r1").in_flight[name].predicted_ttft_s
-        replicas.on_first_token(name, predicted * ttft_off)
-        replicas.on_complete(name, 1.0, output_tokens=10)
+    _answer_off(replicas, "r1", ttft_off, block_hashes=tuple(range(1, 21)))  # 20 blocks
     for i in range(2):
         _running(replicas, "r1", f"busy{i}", prompt=4000, generated=10)
     return replicas
@@ -222,12 +224,7 @@ def _queue_or_streams(make_replicas: Factory, ttft_off: float, streams: int) -> 
     request queued (400 tokens), r1 none but ``streams`` long replies streaming."""
     replicas = make_replicas(["a100-80g", "a100-80g"], factor_alpha=0.0)
     for replica in ("r0", "r1"):
-        for i in range(10):
-            name = f"{replica}-warm{i}"
-            replicas.on_dispatch(RequestView(name, MODEL, 400), replica, 0.0)
-            predicted = replicas.get(replica).in_flight[name].predicted_ttft_s
-            replicas.on_first_token(name, predicted * ttft_off)
-            replicas.on_complete(name, 1.0, output_tokens=10)
+        _answer_off(replicas, replica, ttft_off)
     replicas.on_dispatch(RequestView("queued", MODEL, 400), "r0", 2.0)
     for i in range(streams):
         _running(replicas, "r1", f"busy{i}", prompt=4000, generated=10)

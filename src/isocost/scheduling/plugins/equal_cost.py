@@ -178,16 +178,20 @@ class EqualCostScorer:
 
     def _apply_error_slack(self, ctx: Context, cost: FloatArray) -> FloatArray:
         cached, waiting = ctx.cached_blocks, ctx.load.waiting
+        longest, least = float(cached.max()), float(waiting.min())
+        preferred = []
+        if longest > 0.0 and float(cached.min()) < longest:  # some hold less of the prefix
+            preferred.append(cached >= longest)
+        if float(waiting.max()) > least:  # some have more queued
+            preferred.append(waiting <= least)
+        if not preferred:
+            return cost
         error = ctx.replicas.calibration.ttft_error[ctx.key]
         slack = 1.0 + np.minimum(error, self.params.max_error_slack)
         fine = self._not_overloaded(ctx)
-        adjusted = cost
-        longest, least = float(cached.max()), float(waiting.min())
-        if longest > 0.0 and float(cached.min()) < longest:  # some hold less of the prefix
-            adjusted = np.where((cached >= longest) & fine, adjusted / slack, adjusted)
-        if float(waiting.max()) > least:  # some have more queued
-            adjusted = np.where((waiting <= least) & fine, adjusted / slack, adjusted)
-        return np.asarray(adjusted, dtype=np.float64)
+        for certain in preferred:  # one that is both is divided twice
+            cost = np.where(certain & fine, cost / slack, cost)
+        return np.asarray(cost, dtype=np.float64)
 
     def _not_overloaded(self, ctx: Context) -> BoolArray:
         """Which candidates may be preferred: queue under ``overload_queue_fraction`` of
