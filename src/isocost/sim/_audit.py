@@ -40,7 +40,10 @@ admitted requests that missed (every other arrival that did not complete within 
 SLOs: late, expired in the queue, or failed); precision = true / rejections; recall =
 true / (true + admitted that missed), the share of SLO misses that admission turned away;
 false rejections as a share of all arrivals. Harm further away (a later arrival placed
-elsewhere because of it) is not counted.
+elsewhere because of it) is not counted. By reason (``by_reason``): the checks the
+counterfactual replica was predicted to fail (``ttft``, ``tpot``, ``victims``, or several
+joined by ``+``), with how many such rejections were true and how many false, so that a
+rule that refuses too much shows by name.
 """
 
 from __future__ import annotations
@@ -69,10 +72,22 @@ from isocost.scheduling.framework import MAX_TPOT_VICTIMS
 if TYPE_CHECKING:
     from isocost.sim._core import SimRecord, Simulator
 
-__all__ = ["AdmissionAudit", "AdmissionAuditor", "ForcedAdmission", "audit_table"]
+__all__ = ["AdmissionAudit", "AdmissionAuditor", "ForcedAdmission", "ReasonCount", "audit_table"]
 
-_HEAD = struct.Struct("<ddI")  # a replay's answer: its TTFT, E2E (nan: not completed) and
+# a replay's answer: its TTFT, E2E (nan: not completed), the checks its replica was
+# predicted to fail (bits of ``_CHECKS``) and
+_HEAD = struct.Struct("<ddBI")
 _BESIDE = struct.Struct("<q?")  # that many (request id, met its SLOs) of those beside it
+_CHECKS = ("ttft", "tpot", "victims")  # SLO admission's checks, in the order of their bits
+
+
+@dataclass(frozen=True, slots=True)
+class ReasonCount:
+    """Audited rejections whose counterfactual replica failed the checks ``reason``."""
+
+    reason: str
+    rejections: int
+    false_rejections: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +101,7 @@ class AdmissionAudit:
     false_rejections: int
     admitted_missed: int
     replay_wall_s: float
+    by_reason: tuple[ReasonCount, ...] = ()  # most rejections first
 
     @property
     def precision(self) -> float | None:
@@ -111,6 +127,10 @@ class AdmissionAudit:
             "precision": self.precision,
             "recall": self.recall,
             "false_rejection_share": self.false_rejection_share,
+            "by_reason": {
+                c.reason: {"rejections": c.rejections, "false_rejections": c.false_rejections}
+                for c in self.by_reason
+            },
         }
 
 
@@ -124,6 +144,9 @@ class AdmissionAuditor:
         self.replay_wall_s = 0.0
         # per audited request id: (request id, met its SLOs in the replay) of those beside it
         self.beside: dict[int, tuple[tuple[int, bool], ...]] = {}
+        # per audited request id: the checks its counterfactual replica was predicted to fail
+        self.reason: dict[int, str] = {}
+        self._failed_checks = 0  # in a replay: those of the request it admits (bits)
         self._pipe: int | None = None  # in a replay: where its answer goes
         self._watched: list[SimRecord] = []  # in a replay: the request, then those beside it
         self._unsettled: set[int] = set()  # in a replay: ``id`` of the watched still out
@@ -145,7 +168,7 @@ class AdmissionAuditor:
             self._pipe = write_end
             simulator.on_progress = None
             simulator.replaying = True
-            decision = _counterfactual_admission(simulator, record, view)
+            decision, self._failed_checks = _counterfactual_admission(simulator, record, view)
             assert decision.replica_id is not None
             self._watched = [record, *simulator.in_flight_on(decision.replica_id)]
             self._unsettled = {id(r) for r in self._watched}
@@ -156,10 +179,12 @@ class AdmissionAuditor:
         os.waitpid(pid, 0)
         if len(data) < _HEAD.size:
             raise RuntimeError(f"the admission replay of request {view.request_id} failed")
-        ttft_s, e2e_s, _ = _HEAD.unpack_from(data)
+        ttft_s, e2e_s, failed, _ = _HEAD.unpack_from(data)
         record.counterfactual = (ttft_s, e2e_s)
+        request_id = record.request.request_id
+        self.reason[request_id] = "+".join(c for i, c in enumerate(_CHECKS) if failed >> i & 1)
         beside = _BESIDE.iter_unpack(data[_HEAD.size :])
-        self.beside[record.request.request_id] = tuple((rid, met) for rid, met in beside)
+        self.beside[request_id] = tuple((rid, met) for rid, met in beside)
         self.replays += 1
         self.replay_wall_s += time.perf_counter() - started
         return None
@@ -172,7 +197,7 @@ class AdmissionAuditor:
             return
         assert self._pipe is not None
         replayed, *beside = self._watched
-        answer = _HEAD.pack(*_seen(replayed), len(beside)) + b"".join(
+        answer = _HEAD.pack(*_seen(replayed), self._failed_checks, len(beside)) + b"".join(
             _BESIDE.pack(r.request.request_id, self._met(r, _seen(r))) for r in beside
         )
         os.write(self._pipe, answer)
@@ -186,16 +211,22 @@ class AdmissionAuditor:
         """The run's audit, from its records once it ended."""
         met = {r.request.request_id: self._met(r, _seen(r)) for r in records}
         rejections = true_rejections = true_for_others = admitted_missed = 0
+        by_reason: dict[str, list[int]] = {}  # reason -> [rejections, false ones]
         for record in records:
+            request_id = record.request.request_id
             if record.counterfactual is None:
-                admitted_missed += not met[record.request.request_id]
+                admitted_missed += not met[request_id]
                 continue
             rejections += 1
+            count = by_reason.setdefault(self.reason[request_id], [0, 0])
+            count[0] += 1
             if not self._met(record, record.counterfactual):
                 true_rejections += 1
-            elif any(met[rid] and not ok for rid, ok in self.beside[record.request.request_id]):
+            elif any(met[rid] and not ok for rid, ok in self.beside[request_id]):
                 true_rejections += 1
                 true_for_others += 1
+            else:
+                count[1] += 1
         return AdmissionAudit(
             arrivals=len(records),
             rejections=rejections,
@@ -204,6 +235,10 @@ class AdmissionAuditor:
             false_rejections=rejections - true_rejections,
             admitted_missed=admitted_missed,
             replay_wall_s=self.replay_wall_s,
+            by_reason=tuple(
+                ReasonCount(reason, n, false)
+                for reason, (n, false) in sorted(by_reason.items(), key=lambda kv: -kv[1][0])
+            ),
         )
 
     def _met(self, record: SimRecord, times: tuple[float, float]) -> bool:
@@ -228,7 +263,7 @@ class ForcedAdmission:
     ) -> Decision | None:
         if record.request.request_id != self.request_id:
             return None
-        return _counterfactual_admission(simulator, record, view)
+        return _counterfactual_admission(simulator, record, view)[0]
 
     def settled(self, record: SimRecord) -> None:
         raise AssertionError("a forced admission replays nothing")
@@ -239,8 +274,9 @@ class ForcedAdmission:
 
 def _counterfactual_admission(
     simulator: Simulator, record: SimRecord, view: RequestView
-) -> Decision:
-    """The ADMIT decision to the candidate closest to meeting the SLO (module docstring).
+) -> tuple[Decision, int]:
+    """The ADMIT decision to the candidate closest to meeting the SLO (module docstring),
+    and the checks that candidate was predicted to fail (bits of ``_CHECKS``).
 
     The candidates are found by the policy's own first stages, without running its
     scorers and picker, which may keep state (a round-robin cursor, the random stream)
@@ -250,16 +286,17 @@ def _counterfactual_admission(
     ctx = policy.candidates(view, shadow, now, exclude=record.failed_on, rng=Random(0))
     assert not isinstance(ctx, Decision), "SLO admission rejected a request with no candidate"
     prediction = ctx.prediction
-    ratios = []
+    ratios = np.zeros((len(_CHECKS), ctx.idx.size))  # a check that does not apply: 0
     if view.deadline_s is not None:
-        ratios.append(prediction.ttft_s / max(view.deadline_s - now, 1e-12))
+        ratios[0] = prediction.ttft_s / max(view.deadline_s - now, 1e-12)
     if view.tpot_target_s is not None:
-        ratios += [prediction.tpot_s / view.tpot_target_s,
-                   ctx.tpot_victims(view.tpot_target_s) / MAX_TPOT_VICTIMS]  # fmt: skip
+        ratios[1] = prediction.tpot_s / view.tpot_target_s
+        ratios[2] = ctx.tpot_victims(view.tpot_target_s) / MAX_TPOT_VICTIMS
     worst = np.max(ratios, axis=0)
     position = int(np.lexsort((prediction.ttft_s, worst))[0])
+    failed = sum(1 << i for i in range(len(_CHECKS)) if ratios[i, position] > 1.0)
     slot = int(ctx.idx[position])
-    return Decision(
+    decision = Decision(
         Outcome.ADMIT,
         policy.name,
         replica_id=str(shadow.slots.ids[slot]),
@@ -270,6 +307,7 @@ def _counterfactual_admission(
         cached_tokens=min(ctx.cached_blocks_at(position) * shadow.block_tokens, view.prompt_tokens),
         raw_times=prediction.raw_at(position),
     )
+    return decision, failed
 
 
 def _seen(record: SimRecord) -> tuple[float, float]:
@@ -313,7 +351,32 @@ def audit_table(runs: Sequence[tuple[str, float | None, AdmissionAudit]]) -> Gro
             f"{100 * audit.false_rejection_share:.1f}",
         )
     cost = f"{replays:.0f} replays took {replay_s:.1f} s"
-    return Group(table, Text(f"{_LEGEND}\n{cost}"))
+    reasons = Text("failed: the checks its closest replica was predicted to fail")
+    return Group(table, Text(f"{_LEGEND}\n{cost}"), _reason_table(runs, sweep), reasons)
+
+
+def _reason_table(runs: Sequence[tuple[str, float | None, AdmissionAudit]], sweep: bool) -> Table:
+    """Per run, its rejections by the checks the closest replica was predicted to fail."""
+    table = Table(
+        title="rejections by failed check",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        padding=(0, 1, 0, 0),
+        show_edge=False,
+    )
+    for header in ("policy", "rate", "failed", "rej", "false"):
+        if header != "rate" or sweep:
+            table.add_column(header, justify="left" if header in ("policy", "failed") else "right")
+    for policy, rate, audit in runs:
+        for count in audit.by_reason:
+            table.add_row(
+                policy,
+                *([f"{rate:g}" if rate is not None else ""] if sweep else []),
+                count.reason,
+                str(count.rejections),
+                str(count.false_rejections),
+            )
+    return table
 
 
 _LEGEND = (

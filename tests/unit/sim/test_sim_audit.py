@@ -90,6 +90,8 @@ def test_replicas_faster_than_predicted_make_false_rejections_the_audit_counts()
     assert audit.true_rejections - audit.true_for_others == len(rejected) - len(would_meet)
     assert audit.precision is not None and audit.precision < 0.5
     assert audit.false_rejection_share == pytest.approx(len(would_meet) / 60)
+    assert sum(c.rejections for c in audit.by_reason) == audit.rejections
+    assert sum(c.false_rejections for c in audit.by_reason) == audit.false_rejections
 
 
 def test_rejections_are_all_right_where_replicas_are_slower_than_predicted() -> None:
@@ -109,6 +111,7 @@ def test_prompts_no_replica_can_prefill_in_time_are_true_rejections() -> None:
     assert [r.request.request_id for r in records if r.rejected] == [1, 3, 5, 7, 9]
     assert audit.true_rejections == audit.rejections == 5 and audit.admitted_missed == 0
     assert (audit.precision, audit.recall) == (1.0, 1.0)
+    assert all("ttft" in c.reason.split("+") for c in audit.by_reason)  # too long to prefill
 
 
 def test_a_rejection_that_keeps_the_streams_beside_it_on_target_is_true() -> None:
@@ -125,6 +128,9 @@ def test_a_rejection_that_keeps_the_streams_beside_it_on_target_is_true() -> Non
         assert _met(record, record.counterfactual or (math.nan, math.nan), slo)
         assert any(not met for _, met in auditor.beside[record.request.request_id])
     assert audit.false_rejections == 0
+    assert [(c.reason, c.false_rejections) for c in audit.by_reason] == [
+        ("victims", 0)
+    ]  # its own TTFT and TPOT were predicted fine: refused for the streams alone
 
 
 def _seen(record: SimRecord) -> tuple[float, float]:
