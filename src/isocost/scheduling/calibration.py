@@ -5,13 +5,13 @@ inter-token time (1.0 = the cost model is right; 2.0 = this replica is twice as 
 its spec), learned as geometric EWMAs (in log space, so an outlier cannot make a replica
 look slower than its twin), each observation counted as at most 2x off the current
 estimate (``_LOG_SURPRISE``). Why the clip: in the simulator (engines on the very cost
-model), 24% of short prompts sent to an idle replica answered 0.1-1 s late, each because
-a long prompt sent just after it joined its step and filled the chunk; those ratios of
+model), 24% of short prompts sent with nothing queued ahead answered 0.1-1 s late, as
+a long prompt sent just after one joined its step and filled the chunk; those ratios of
 2-20x held the TTFT factors at 1.1-2.3 where the model was right, and admission refused
 requests it predicted late that the replay showed on time. Clipped, the audit's false
-rejections at the homogeneous Mooncake fleet's 90% point fell from 3.5% to 2.3% of
-arrivals, while a steady slowdown is still learned (at most 2x per observation, then
-as before). A TTFT observation weighs by the prefill's share of its
+rejections on 16 x A100 at 8.46 req/s (the Mooncake trace's 90% point before) fell from
+3.5% to 2.3% of arrivals, while a steady slowdown is still learned (at most 2x per
+observation, then as before). A TTFT observation weighs by the prefill's share of its
 prediction (time queued says more about the queue model than about the replica); a
 stream's inter-token time, over windows of ``ITL_WINDOW_TOKENS`` tokens, is compared with
 its decode steps plus the prefills of the requests that started streaming meanwhile (each
@@ -142,15 +142,17 @@ class _Learned(SlotArrays):
     ) -> None:
         if predicted_s <= 0.0 or observed_s < 0.0:
             return
+        factor = self._effective(slot, class_id)
         if observed_s > 0.0:  # the error of the prediction made with the factor so far
-            corrected = predicted_s * self._effective(slot, class_id)
+            corrected = predicted_s * factor
             errors = self.errors[slot] = self.errors[slot] + 1.0
             step = max(_ERROR_ALPHA, 1.0 / errors)
             self.error[slot] += step * (abs(corrected - observed_s) / observed_s - self.error[slot])
-        # In log space (geometric EWMAs): factors multiply, and one observation 20x off (a
-        # stall the model did not foresee) moves a factor by 20**alpha, not by +19*alpha.
+        # In log space (geometric EWMAs), each ratio clipped to 2x either side of the
+        # factor: one observation 20x off (a stall the model did not foresee) moves a
+        # factor by 2**alpha, not by 20**alpha, nor by +19*alpha as an arithmetic EWMA.
         x = math.log(min(max(observed_s / predicted_s, _FACTOR_MIN), _FACTOR_MAX))
-        estimate = math.log(self._effective(slot, class_id))
+        estimate = math.log(factor)
         x = min(max(x, estimate - _LOG_SURPRISE), estimate + _LOG_SURPRISE)
         step = alpha * min(max(weight, 0.0), 1.0)
         if step <= 0.0:
