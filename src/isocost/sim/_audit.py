@@ -340,7 +340,7 @@ def audit_table(runs: Sequence[tuple[str, float | None, AdmissionAudit]]) -> Gro
         replay_s += audit.replay_wall_s
         table.add_row(
             policy,
-            *([f"{rate:g}" if rate is not None else ""] if sweep else []),
+            *_rate_cell(rate, sweep),
             str(audit.rejections),
             str(audit.true_rejections),
             str(audit.true_for_others),
@@ -371,7 +371,7 @@ def _reason_table(runs: Sequence[tuple[str, float | None, AdmissionAudit]], swee
         for count in audit.by_reason:
             table.add_row(
                 policy,
-                *([f"{rate:g}" if rate is not None else ""] if sweep else []),
+                *_rate_cell(rate, sweep),
                 count.reason,
                 str(count.rejections),
                 str(count.false_rejections),
@@ -384,6 +384,11 @@ _LEGEND = (
     "running beside it miss one; false: neither; recall: the share of SLO misses\n"
     "that admission turned away"
 )
+
+
+def _rate_cell(rate: float | None, sweep: bool) -> list[str]:
+    """The rate column's cell, in sweeps only."""
+    return [f"{rate:g}" if rate is not None else ""] if sweep else []
 
 
 def _share(value: float | None) -> str:
