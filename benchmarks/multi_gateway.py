@@ -1,9 +1,10 @@
 """Several gateways over one cluster: one gateway, three unshared, three sharing the bus.
 
-Starts a real Redis (Debian's ``redis-server``) and one `isocost engine` process serving
-``--replicas`` simulated A100 replicas, the last one slowed (``--slowdown``), then, in one
-run and against that same cluster, replays the same synthetic workload (``isocost bench``,
-shared-prefix, Poisson arrivals, the same seed) through:
+Starts a real Redis (Debian's ``redis-server``), then, in one run, replays the same
+synthetic workload (``isocost bench``, shared-prefix, Poisson arrivals, the same seed),
+each time against a fresh `isocost engine` process serving ``--replicas`` simulated A100
+replicas, the last one slowed (``--slowdown``), so that no scenario finds the prefixes an
+earlier one left cached, through:
 
 * ``one``: one `isocost serve`;
 * ``unshared``: three gateways, each seeing only its own dispatches (and the scrapes);
@@ -238,20 +239,24 @@ def main() -> None:
         redis, bus_url = _start_redis(tmp)
         specs = ["--replica-spec", "gpu=a100-80g"] * (args.replicas - 1)
         specs += ["--replica-spec", f"gpu=a100-80g,slowdown={args.slowdown}"]
-        engine, engines = _start(
-            ["engine", "--port", "0", "--model", MODEL, "--output-dist", "max", *specs],
-            "isocost engine",
-            count=args.replicas,
-        )
         try:
             results = {}
             for name, count, shared in SCENARIOS:
                 console.print(f"{name}: {count} gateway(s)" + (", state bus" if shared else ""))
-                results[name] = _scenario(name, count, shared, engines, bus_url, args, tmp)
+                # a fresh cluster each: no scenario finds the prefixes an earlier one cached
+                engine, engines = _start(
+                    ["engine", "--port", "0", "--model", MODEL, "--output-dist", "max", *specs],
+                    "isocost engine",
+                    count=args.replicas,
+                )
+                try:
+                    results[name] = _scenario(name, count, shared, engines, bus_url, args, tmp)
+                finally:
+                    engine.terminate()
+                    engine.wait(timeout=20)
         finally:
-            for proc in (engine, redis):
-                proc.terminate()
-                proc.wait(timeout=20)
+            redis.terminate()
+            redis.wait(timeout=20)
     console.print(_table(results))
     one, shared = results["one"], results["shared"]
     if one["ttft_p99_s"] and one["goodput_rps"]:

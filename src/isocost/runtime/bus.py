@@ -149,7 +149,7 @@ class _Peer:
     seq: int
     seen_s: float
     requests: set[str] = field(default_factory=set)  # its in-flight ids applied here
-    in_flight: dict[str, int] | None = None  # its latest heartbeat's view
+    gaps: dict[str, float] | None = None  # per replica, view divergence at its heartbeat
 
 
 class PeerViews:
@@ -191,7 +191,8 @@ class PeerViews:
     def _apply_event(self, gateway: str, peer: _Peer, event: Event) -> None:
         sink = self.sink
         if isinstance(event, Heartbeat):
-            peer.in_flight = event.in_flight
+            own = in_flight_view(sink.replicas)
+            peer.gaps = {r: float(abs(n - event.in_flight.get(r, 0))) for r, n in own.items()}
             return
         request_id = f"{gateway}/{event.request_id}"  # unique across gateways
         if isinstance(event, Dispatch):
@@ -236,22 +237,26 @@ class PeerViews:
 
     def divergence(self) -> dict[str, float]:
         """Per replica, the largest gap between this gateway's in-flight count and a
-        peer's latest heartbeat (0 with no peer)."""
-        own = in_flight_view(self.sink.replicas)
-        worst = dict.fromkeys(own, 0.0)
+        peer's heartbeat, each taken as that heartbeat was applied (0 with no peer).
+
+        Then every event the peer sent before its heartbeat has been applied here, so the
+        gap is what is in transit or lost. Measured against a heartbeat kept from earlier
+        it would count how far this view moved since (up to ``heartbeat_ms`` of traffic):
+        p99 2-3 requests for three gateways at 8-15 req/s, against 0-1 taken this way."""
+        worst = dict.fromkeys(in_flight_view(self.sink.replicas), 0.0)
         for peer in self.peers.values():
-            if peer.in_flight is None:  # no heartbeat since it joined or resynced
+            if peer.gaps is None:  # no heartbeat since it joined or resynced
                 continue
-            for replica, count in own.items():
-                gap = abs(count - peer.in_flight.get(replica, 0))
-                worst[replica] = max(worst[replica], float(gap))
+            for replica, gap in peer.gaps.items():
+                if replica in worst:
+                    worst[replica] = max(worst[replica], gap)
         return worst
 
     def _forget(self, peer: _Peer) -> None:
         for request_id in peer.requests:
             self.sink.foreign_end(request_id, ok=False, output_tokens=None)
         peer.requests.clear()
-        peer.in_flight = None
+        peer.gaps = None
 
 
 class StateBus:

@@ -129,6 +129,24 @@ def test_divergence_is_the_widest_gap_to_a_peer_heartbeat() -> None:
     assert views.divergence() == {REPLICA: 3.0}
 
 
+def test_divergence_is_taken_as_each_heartbeat_lands() -> None:
+    """A view that moved since a peer's heartbeat is no divergence: the gap is taken
+    where the heartbeat sits in its peer's stream, after the events sent before it."""
+    target = router()
+    views = PeerViews("me", target, TIMEOUT_S)
+    views.apply(batch("a", 1, dispatch("r1"), dispatch("r2"), Heartbeat({REPLICA: 2})), 0.0)
+    views.apply(batch("b", 1, Heartbeat({REPLICA: 2})), now=0.0)
+    assert views.divergence() == {REPLICA: 0.0}
+    # a's requests end before its next heartbeat: both views now hold none
+    views.apply(batch("a", 2, Complete("r1", 9), Complete("r2", 9)), now=0.1)
+    assert views.divergence() == {REPLICA: 0.0}
+    # an event behind the heartbeat in its batch was not in the sender's count
+    views.apply(batch("a", 3, Heartbeat({REPLICA: 0}), dispatch("r3")), now=0.2)
+    assert views.divergence() == {REPLICA: 0.0}
+    views.apply(batch("b", 2, Heartbeat({REPLICA: 0})), now=0.3)  # b has not seen r3
+    assert views.divergence() == {REPLICA: 1.0}
+
+
 def test_batches_survive_the_wire() -> None:
     events = (dispatch("r1"), FirstToken("r1"), Tokens("r1", 4), Complete("r1", 9))
     sent = batch("a", 3, *events, Heartbeat({"x": 2}))
