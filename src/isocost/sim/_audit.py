@@ -6,8 +6,9 @@ its TTFT deadline and TPOT target, and the requests running there keep their TPO
 once its prefill joins them. ``isocost sim --audit-admission`` checks each such rejection
 against what would have happened: at the moment of the rejection the simulator forks; the
 child admits the request instead and runs on, everything else as it was, until the
-request and every request then in flight on its replica ("beside it") settle, and hands
-back how they fared through a pipe; the parent rejects it as before and goes on. (The
+request, every request then in flight on its replica ("beside it") and every request that
+arrived anywhere while it ran ("after it") settle, and hands back how they fared through
+a pipe; the parent rejects it as before and goes on. (The
 queue's own expiries, full queue and timeouts are not admission decisions and are not
 audited.)
 
@@ -39,8 +40,17 @@ protected others, as SLO admission's TPOT check means to); false rejections: nei
 admitted requests that missed (every other arrival that did not complete within both
 SLOs: late, expired in the queue, or failed); precision = true / rejections; recall =
 true / (true + admitted that missed), the share of SLO misses that admission turned away;
-false rejections as a share of all arrivals. Harm further away (a later arrival placed
-elsewhere because of it) is not counted. By reason (``by_reason``): the checks the
+false rejections as a share of all arrivals.
+
+The requests after it, in balance (``later_lost``, ``later_saved``): over the rejections
+whose request would have met its SLOs (``would_meet``), how many of the requests after
+it met their SLOs in the run and would have missed them, and the other way round. One
+request admitted moves later decisions (a placement, a tie), and those differences go
+either way, so no single rejection is judged by them; their balance per rejection
+(``later_net_cost``) says what such rejections protect on average: the TPOT rule guards
+the streams admitted after it too (each prefill admitted is one more stall for every
+stream there), which the requests beside it do not show. Harm after the request settled
+(a queue it left longer) is not counted. By reason (``by_reason``): the checks the
 counterfactual replica was predicted to fail (``ttft``, ``tpot``, ``victims``, or several
 joined by ``+``), with how many such rejections were true and how many false, so that a
 rule that refuses too much shows by name.
@@ -51,6 +61,7 @@ from __future__ import annotations
 import gc
 import math
 import os
+import statistics
 import struct
 import time
 from collections.abc import Sequence
@@ -76,8 +87,8 @@ __all__ = ["AdmissionAudit", "AdmissionAuditor", "ForcedAdmission", "ReasonCount
 
 # a replay's answer: its TTFT, E2E (nan: not completed), the checks its replica was
 # predicted to fail (bits of ``_CHECKS``) and
-_HEAD = struct.Struct("<ddBI")
-_BESIDE = struct.Struct("<q?")  # that many (request id, met its SLOs) of those beside it
+_HEAD = struct.Struct("<ddBII")
+_OTHER = struct.Struct("<q?")  # that many (request id, met its SLOs) beside it, then after
 _CHECKS = ("ttft", "tpot", "victims")  # SLO admission's checks, in the order of their bits
 
 
@@ -102,6 +113,9 @@ class AdmissionAudit:
     admitted_missed: int
     replay_wall_s: float
     by_reason: tuple[ReasonCount, ...] = ()  # most rejections first
+    later_lost: int = 0  # after the rejections that would have met: met, would miss
+    later_saved: int = 0  # the other way round
+    later_net_se: float | None = None  # standard error of ``later_net_cost``
 
     @property
     def precision(self) -> float | None:
@@ -116,6 +130,18 @@ class AdmissionAudit:
     def false_rejection_share(self) -> float:
         return self.false_rejections / self.arrivals if self.arrivals else 0.0
 
+    @property
+    def would_meet(self) -> int:
+        """Rejections whose request, admitted, would have met its SLOs."""
+        return self.rejections - self.true_rejections + self.true_for_others
+
+    @property
+    def later_net_cost(self) -> float | None:
+        """SLOs the requests after such a rejection would have lost, net, per rejection."""
+        if not self.would_meet:
+            return None
+        return (self.later_lost - self.later_saved) / self.would_meet
+
     def json_fields(self) -> dict[str, Any]:
         """The deterministic figures, as ``--json`` has them."""
         return {
@@ -127,6 +153,11 @@ class AdmissionAudit:
             "precision": self.precision,
             "recall": self.recall,
             "false_rejection_share": self.false_rejection_share,
+            "would_meet": self.would_meet,
+            "later_lost": self.later_lost,
+            "later_saved": self.later_saved,
+            "later_net_cost": self.later_net_cost,
+            "later_net_se": self.later_net_se,
             "by_reason": {
                 c.reason: {"rejections": c.rejections, "false_rejections": c.false_rejections}
                 for c in self.by_reason
@@ -142,14 +173,19 @@ class AdmissionAuditor:
         self.slo = slo
         self.replays = 0
         self.replay_wall_s = 0.0
-        # per audited request id: (request id, met its SLOs in the replay) of those beside it
+        # per audited request id: (request id, met its SLOs in the replay) of those beside
+        # it, and of those after it
         self.beside: dict[int, tuple[tuple[int, bool], ...]] = {}
+        self.after: dict[int, tuple[tuple[int, bool], ...]] = {}
         # per audited request id: the checks its counterfactual replica was predicted to fail
         self.reason: dict[int, str] = {}
         self._failed_checks = 0  # in a replay: those of the request it admits (bits)
         self._pipe: int | None = None  # in a replay: where its answer goes
-        self._watched: list[SimRecord] = []  # in a replay: the request, then those beside it
+        self._watched: list[SimRecord] = []  # in a replay: the request, beside, after
+        self._beside = 0  # in a replay: how many of the watched are beside it
         self._unsettled: set[int] = set()  # in a replay: ``id`` of the watched still out
+        self._simulator: Simulator | None = None  # in a replay: the one it runs in
+        self._rejected_s = 0.0  # in a replay: when the run rejected the request
 
     def admit_instead(
         self, simulator: Simulator, record: SimRecord, view: RequestView
@@ -171,7 +207,9 @@ class AdmissionAuditor:
             decision, self._failed_checks = _counterfactual_admission(simulator, record, view)
             assert decision.replica_id is not None
             self._watched = [record, *simulator.in_flight_on(decision.replica_id)]
+            self._beside = len(self._watched) - 1
             self._unsettled = {id(r) for r in self._watched}
+            self._simulator, self._rejected_s = simulator, simulator.now
             return decision
         os.close(write_end)
         with os.fdopen(read_end, "rb") as pipe:
@@ -179,29 +217,44 @@ class AdmissionAuditor:
         os.waitpid(pid, 0)
         if len(data) < _HEAD.size:
             raise RuntimeError(f"the admission replay of request {view.request_id} failed")
-        ttft_s, e2e_s, failed, _ = _HEAD.unpack_from(data)
+        ttft_s, e2e_s, failed, beside, _ = _HEAD.unpack_from(data)
         record.counterfactual = (ttft_s, e2e_s)
         request_id = record.request.request_id
         self.reason[request_id] = "+".join(c for i, c in enumerate(_CHECKS) if failed >> i & 1)
-        beside = _BESIDE.iter_unpack(data[_HEAD.size :])
-        self.beside[request_id] = tuple((rid, met) for rid, met in beside)
+        others = tuple((rid, met) for rid, met in _OTHER.iter_unpack(data[_HEAD.size :]))
+        self.beside[request_id], self.after[request_id] = others[:beside], others[beside:]
         self.replays += 1
         self.replay_wall_s += time.perf_counter() - started
         return None
 
     def settled(self, record: SimRecord) -> None:
-        """In a replay: once the request and those beside it settled, hand back how they
-        fared and end."""
+        """In a replay: once the request, those beside it and those after it settled,
+        hand back how they fared and end. Those after it are known when it settles."""
         self._unsettled.discard(id(record))
+        if record is self._watched[0]:
+            self._watch_arrivals()
         if self._unsettled:
             return
         assert self._pipe is not None
-        replayed, *beside = self._watched
-        answer = _HEAD.pack(*_seen(replayed), self._failed_checks, len(beside)) + b"".join(
-            _BESIDE.pack(r.request.request_id, self._met(r, _seen(r))) for r in beside
+        replayed, *others = self._watched
+        counts = (self._beside, len(others) - self._beside)
+        answer = _HEAD.pack(*_seen(replayed), self._failed_checks, *counts) + b"".join(
+            _OTHER.pack(r.request.request_id, self._met(r, _seen(r))) for r in others
         )
         os.write(self._pipe, answer)
         os._exit(0)
+
+    def _watch_arrivals(self) -> None:
+        """Watch the requests that arrived between the rejection and now (the replayed
+        request settled), settled already or not."""
+        assert self._simulator is not None
+        start, end = self._rejected_s, self._simulator.now
+        watched = {id(r) for r in self._watched}
+        for other in self._simulator.records:
+            if start < other.request.arrival_s <= end and id(other) not in watched:
+                self._watched.append(other)
+                if not other.settled:
+                    self._unsettled.add(id(other))
 
     def abandon(self) -> None:
         """In a replay whose run ended (or raised) before its requests settled."""
@@ -211,6 +264,7 @@ class AdmissionAuditor:
         """The run's audit, from its records once it ended."""
         met = {r.request.request_id: self._met(r, _seen(r)) for r in records}
         rejections = true_rejections = true_for_others = admitted_missed = 0
+        later: list[tuple[int, int]] = []  # (lost, saved) after each that would meet
         by_reason: dict[str, list[int]] = {}  # reason -> [rejections, false ones]
         for record in records:
             request_id = record.request.request_id
@@ -222,7 +276,11 @@ class AdmissionAuditor:
             count[0] += 1
             if not self._met(record, record.counterfactual):
                 true_rejections += 1
-            elif any(met[rid] and not ok for rid, ok in self.beside[request_id]):
+                continue
+            after = self.after[request_id]
+            lost = sum(met[rid] and not ok for rid, ok in after)
+            later.append((lost, sum(ok and not met[rid] for rid, ok in after)))
+            if any(met[rid] and not ok for rid, ok in self.beside[request_id]):
                 true_rejections += 1
                 true_for_others += 1
             else:
@@ -239,6 +297,9 @@ class AdmissionAuditor:
                 ReasonCount(reason, n, false)
                 for reason, (n, false) in sorted(by_reason.items(), key=lambda kv: -kv[1][0])
             ),
+            later_lost=sum(lost for lost, _ in later),
+            later_saved=sum(saved for _, saved in later),
+            later_net_se=_standard_error([lost - saved for lost, saved in later]),
         )
 
     def _met(self, record: SimRecord, times: tuple[float, float]) -> bool:
@@ -310,6 +371,13 @@ def _counterfactual_admission(
     return decision, failed
 
 
+def _standard_error(values: Sequence[int]) -> float | None:
+    """Of the mean of ``values``; None under two."""
+    if len(values) < 2:
+        return None
+    return statistics.stdev(values) / math.sqrt(len(values))
+
+
 def _seen(record: SimRecord) -> tuple[float, float]:
     """TTFT and E2E as the gateway saw them (nan: not completed)."""
     if record.finished_s is None or record.first_token_s is None:
@@ -352,7 +420,45 @@ def audit_table(runs: Sequence[tuple[str, float | None, AdmissionAudit]]) -> Gro
         )
     cost = f"{replays:.0f} replays took {replay_s:.1f} s"
     reasons = Text("failed: the checks its closest replica was predicted to fail")
-    return Group(table, Text(f"{_LEGEND}\n{cost}"), _reason_table(runs, sweep), reasons)
+    later = Text(
+        "would meet: rejections whose request would have met its SLOs; after them,\n"
+        "the requests arriving while it would have run: met in the run and missed in\n"
+        "the replay (lost), or the other way round (saved); net: lost - saved, each\n"
+        "(± its standard error)"
+    )
+    return Group(
+        table,
+        Text(f"{_LEGEND}\n{cost}"),
+        _reason_table(runs, sweep),
+        reasons,
+        _later_table(runs, sweep),
+        later,
+    )
+
+
+def _later_table(runs: Sequence[tuple[str, float | None, AdmissionAudit]], sweep: bool) -> Table:
+    """Per run, what the rejections that would have met saved the requests after them."""
+    table = Table(
+        title="after the rejections that would meet",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        padding=(0, 1, 0, 0),
+        show_edge=False,
+    )
+    for header in ("policy", "rate", "would meet", "lost", "saved", "net"):
+        if header != "rate" or sweep:
+            table.add_column(header, justify="left" if header == "policy" else "right")
+    for policy, rate, audit in runs:
+        net, se = audit.later_net_cost, audit.later_net_se
+        table.add_row(
+            policy,
+            *_rate_cell(rate, sweep),
+            str(audit.would_meet),
+            str(audit.later_lost),
+            str(audit.later_saved),
+            "-" if net is None else f"{net:.2f}" + ("" if se is None else f" ±{se:.2f}"),
+        )
+    return table
 
 
 def _reason_table(runs: Sequence[tuple[str, float | None, AdmissionAudit]], sweep: bool) -> Table:

@@ -90,6 +90,11 @@ def test_replicas_faster_than_predicted_make_false_rejections_the_audit_counts()
     assert audit.true_rejections - audit.true_for_others == len(rejected) - len(would_meet)
     assert audit.precision is not None and audit.precision < 0.5
     assert audit.false_rejection_share == pytest.approx(len(would_meet) / 60)
+    # In a burst each one admitted delays those arriving behind it: the balance shows it.
+    assert audit.would_meet == len(would_meet)
+    assert audit.later_lost > audit.later_saved >= 0
+    assert audit.later_net_cost == (audit.later_lost - audit.later_saved) / len(would_meet)
+    assert audit.later_net_se is not None and 0 < audit.later_net_se < audit.later_net_cost
     assert sum(c.rejections for c in audit.by_reason) == audit.rejections
     assert sum(c.false_rejections for c in audit.by_reason) == audit.false_rejections
 
@@ -145,7 +150,7 @@ def _seen(record: SimRecord) -> tuple[float, float]:
 def test_a_forked_replay_is_a_rerun_that_admits_the_request() -> None:
     """Every audited rejection's TTFT and E2E equal, to the bit, those of an independent
     run admitting just that request, on a cluster with scrapes, sessions and a failure;
-    so do the outcomes of the requests beside it."""
+    so do the outcomes of the requests beside it and after it."""
     cluster = ClusterConfig(
         replicas=[
             ReplicaGroup(gpu="a100-80g", model="llama-3.1-8b", name="a", count=2, slowdown=0.6),
@@ -167,6 +172,7 @@ def test_a_forked_replay_is_a_rerun_that_admits_the_request() -> None:
     audited = [r for r in records if r.counterfactual is not None]
     assert audit.rejections == len(audited) >= 3
     assert sum(len(auditor.beside[r.request.request_id]) for r in audited) >= 3
+    assert sum(len(auditor.after[r.request.request_id]) for r in audited) >= 3
     for record in audited:
         rerun = _run(cluster, requests, ForcedAdmission(record.request.request_id))
         forced = rerun[records.index(record)]
@@ -174,7 +180,8 @@ def test_a_forked_replay_is_a_rerun_that_admits_the_request() -> None:
         assert _seen(forced) == record.counterfactual
         assert not math.isnan(record.counterfactual[0])
         by_id = {r.request.request_id: r for r in rerun}
-        for other, met in auditor.beside[record.request.request_id]:
+        request_id = record.request.request_id
+        for other, met in auditor.beside[request_id] + auditor.after[request_id]:
             assert _met(by_id[other], _seen(by_id[other])) == met
 
 
