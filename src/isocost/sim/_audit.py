@@ -86,9 +86,10 @@ if TYPE_CHECKING:
 __all__ = ["AdmissionAudit", "AdmissionAuditor", "ForcedAdmission", "ReasonCount", "audit_table"]
 
 # a replay's answer: its TTFT, E2E (nan: not completed), the checks its replica was
-# predicted to fail (bits of ``_CHECKS``) and
+# predicted to fail (bits of ``_CHECKS``), and how many of the others are beside it and
+# after it; then, one for each of those, in that order:
 _HEAD = struct.Struct("<ddBII")
-_OTHER = struct.Struct("<q?")  # that many (request id, met its SLOs) beside it, then after
+_OTHER = struct.Struct("<q?")  # (request id, met its SLOs in the replay)
 _CHECKS = ("ttft", "tpot", "victims")  # SLO admission's checks, in the order of their bits
 
 
@@ -279,7 +280,8 @@ class AdmissionAuditor:
                 continue
             after = self.after[request_id]
             lost = sum(met[rid] and not ok for rid, ok in after)
-            later.append((lost, sum(ok and not met[rid] for rid, ok in after)))
+            saved = sum(ok and not met[rid] for rid, ok in after)
+            later.append((lost, saved))
             if any(met[rid] and not ok for rid, ok in self.beside[request_id]):
                 true_rejections += 1
                 true_for_others += 1
