@@ -440,16 +440,8 @@ def audit_table(runs: Sequence[tuple[str, float | None, AdmissionAudit]]) -> Gro
 
 def _later_table(runs: Sequence[tuple[str, float | None, AdmissionAudit]], sweep: bool) -> Table:
     """Per run, what the rejections that would have met saved the requests after them."""
-    table = Table(
-        title="after the rejections that would meet",
-        title_justify="left",
-        box=box.SIMPLE_HEAD,
-        padding=(0, 1, 0, 0),
-        show_edge=False,
-    )
-    for header in ("policy", "rate", "would meet", "lost", "saved", "net"):
-        if header != "rate" or sweep:
-            table.add_column(header, justify="left" if header == "policy" else "right")
+    headers = ("policy", "rate", "would meet", "lost", "saved", "net")
+    table = _small_table("after the rejections that would meet", headers, ("policy",), sweep)
     for policy, rate, audit in runs:
         net, se = audit.later_net_cost, audit.later_net_se
         table.add_row(
@@ -465,16 +457,8 @@ def _later_table(runs: Sequence[tuple[str, float | None, AdmissionAudit]], sweep
 
 def _reason_table(runs: Sequence[tuple[str, float | None, AdmissionAudit]], sweep: bool) -> Table:
     """Per run, its rejections by the checks the closest replica was predicted to fail."""
-    table = Table(
-        title="rejections by failed check",
-        title_justify="left",
-        box=box.SIMPLE_HEAD,
-        padding=(0, 1, 0, 0),
-        show_edge=False,
-    )
-    for header in ("policy", "rate", "failed", "rej", "false"):
-        if header != "rate" or sweep:
-            table.add_column(header, justify="left" if header in ("policy", "failed") else "right")
+    headers = ("policy", "rate", "failed", "rej", "false")
+    table = _small_table("rejections by failed check", headers, ("policy", "failed"), sweep)
     for policy, rate, audit in runs:
         for count in audit.by_reason:
             table.add_row(
@@ -492,6 +476,22 @@ _LEGEND = (
     "running beside it miss one; false: neither; recall: the share of SLO misses\n"
     "that admission turned away"
 )
+
+
+def _small_table(title: str, headers: Sequence[str], left: Sequence[str], sweep: bool) -> Table:
+    """A table under the audit's, with its ``headers`` (``left`` aligned left, the rest
+    right; the rate column in sweeps only)."""
+    table = Table(
+        title=title,
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        padding=(0, 1, 0, 0),
+        show_edge=False,
+    )
+    for header in headers:
+        if header != "rate" or sweep:
+            table.add_column(header, justify="left" if header in left else "right")
+    return table
 
 
 def _rate_cell(rate: float | None, sweep: bool) -> list[str]:
