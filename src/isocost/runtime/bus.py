@@ -242,7 +242,7 @@ class PeerViews:
         Then every event the peer sent before its heartbeat has been applied here, so the
         gap is what is in transit or lost. Measured against a heartbeat kept from earlier
         it would count how far this view moved since (up to ``heartbeat_ms`` of traffic):
-        p99 2-3 requests for three gateways at 8-15 req/s, against 0-1 taken this way."""
+        p99 2-3 requests for three gateways at 8-20 req/s, against 0-1 taken this way."""
         worst = dict.fromkeys(in_flight_view(self.sink.replicas), 0.0)
         for peer in self.peers.values():
             if peer.gaps is None:  # no heartbeat since it joined or resynced
