@@ -86,9 +86,9 @@ if TYPE_CHECKING:
 __all__ = ["AdmissionAudit", "AdmissionAuditor", "ForcedAdmission", "ReasonCount", "audit_table"]
 
 # a replay's answer: its TTFT, E2E (nan: not completed), the checks its replica was
-# predicted to fail (bits of ``_CHECKS``), and how many of the others are beside it and
-# after it; then, one for each of those, in that order:
-_HEAD = struct.Struct("<ddBII")
+# predicted to fail (bits of ``_CHECKS``), and how many of the others are beside it; then,
+# one for each of those beside it, then one for each after it:
+_HEAD = struct.Struct("<ddBI")
 _OTHER = struct.Struct("<q?")  # (request id, met its SLOs in the replay)
 _CHECKS = ("ttft", "tpot", "victims")  # SLO admission's checks, in the order of their bits
 
@@ -218,7 +218,7 @@ class AdmissionAuditor:
         os.waitpid(pid, 0)
         if len(data) < _HEAD.size:
             raise RuntimeError(f"the admission replay of request {view.request_id} failed")
-        ttft_s, e2e_s, failed, beside, _ = _HEAD.unpack_from(data)
+        ttft_s, e2e_s, failed, beside = _HEAD.unpack_from(data)
         record.counterfactual = (ttft_s, e2e_s)
         request_id = record.request.request_id
         self.reason[request_id] = "+".join(c for i, c in enumerate(_CHECKS) if failed >> i & 1)
@@ -238,8 +238,7 @@ class AdmissionAuditor:
             return
         assert self._pipe is not None
         replayed, *others = self._watched
-        counts = (self._beside, len(others) - self._beside)
-        answer = _HEAD.pack(*_seen(replayed), self._failed_checks, *counts) + b"".join(
+        answer = _HEAD.pack(*_seen(replayed), self._failed_checks, self._beside) + b"".join(
             _OTHER.pack(r.request.request_id, self._met(r, _seen(r))) for r in others
         )
         os.write(self._pipe, answer)
