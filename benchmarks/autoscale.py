@@ -13,7 +13,9 @@ ways:
   so it runs at each of ``--hpa-targets`` (rows ``hpa@<target>``, the GPU-hours against
   attainment frontier) and ``hpa`` is the default target (0.5, settled on seed 0);
 * ``isocost``: ``control.Autoscaler``, given the previous day's measured rates (the same
-  diurnal shape, its own bursts and noise) as its seasonal history.
+  diurnal shape, its own bursts and noise) as its seasonal history; each scale event
+  moves at least 30% of the fleet (``scale_step``), and ``--isocost-target`` /
+  ``--isocost-headroom`` are its own knobs (attainment target 0.98, headroom 0.2).
 
 Traffic: a diurnal curve (``trough + (peak - trough) x ((1 - cos) / 2)^2``: a long night,
 a daytime peak) from the rate 16 replicas serve to the rate 64 serve with 20% headroom,
@@ -43,6 +45,8 @@ reaches it, that is said, and the aims are counted against HPA's best target ins
     .venv/bin/python benchmarks/autoscale.py --json autoscale.json
     .venv/bin/python benchmarks/autoscale.py --day-s 1800 --ways hpa,isocost \
         --hpa-targets 0.5   # quick look
+    .venv/bin/python benchmarks/autoscale.py --ways isocost --isocost-target 0.6 \
+        --isocost-headroom 0   # isocost, leaner: its own knobs
 """
 
 from __future__ import annotations
@@ -104,6 +108,7 @@ RAMP_RISE = 0.05  # of the peak rate
 ATTAINMENT_TARGET = 0.98  # isocost's guard and capacity learning, over 45 s
 SCALE_IN_AFTER_S = 180.0  # the compressed day's 3 hours
 SCALE_DOWN_COOLDOWN_S = 60.0
+SCALE_STEP = 0.3  # each scale event moves at least 30% of the fleet
 MAX_PROMPT_TOKENS = 32_768  # longer ones miss the TTFT target even on an idle replica
 PROBE_S = 400.0
 SUSTAINED_SHARE = 0.98
@@ -253,6 +258,8 @@ class Day:
     sustained_rps: float  # measured: sizes the traffic and static_mean
     history: list[tuple[float, float]]
     seed: int
+    isocost_target: float = ATTAINMENT_TARGET  # isocost's attainment target ...
+    isocost_headroom: float = HEADROOM  # ... and headroom: a user's knobs
 
 
 def run_way(way: str, day: Day) -> WayResult:
@@ -323,14 +330,15 @@ def _isocost(day: Day) -> Autoscaler:
             PoolConfig(gpu=GPU, min=MIN_REPLICAS, max=MAX_REPLICAS, cold_start_s=COLD_START_S[1])
         ],
         interval_s=INTERVAL_S,
-        headroom=HEADROOM,
+        headroom=day.isocost_headroom,
         max_gpus=MAX_REPLICAS * TP,
         season_s=day.shape.day_s,
         queue_per_replica=QUEUE_PER_REPLICA,
-        attainment_target=ATTAINMENT_TARGET,
+        attainment_target=day.isocost_target,
         scale_up_cooldown_s=SCALE_UP_COOLDOWN_S,
         scale_down_cooldown_s=SCALE_DOWN_COOLDOWN_S,
         scale_in_after_s=SCALE_IN_AFTER_S,
+        scale_step=SCALE_STEP,
     )
     price = replica_usd_per_hour(day.replicas[0])
     return Autoscaler(config, [PoolOffer(GPU, TP, price, day.planned_rps)], day.history)
@@ -363,6 +371,29 @@ def hpa_targets(text: str) -> tuple[float, ...]:
     if not targets or min(targets) <= 0:
         raise argparse.ArgumentTypeError("targets must be > 0, at least one")
     return targets
+
+
+def share(text: str) -> float:
+    """``--isocost-target``: a share in (0, 1]."""
+    value = _number(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1]: {text}")
+    return value
+
+
+def headroom(text: str) -> float:
+    """``--isocost-headroom``: a share of capacity in [0, 10)."""
+    value = _number(text)
+    if not 0 <= value < 10:
+        raise argparse.ArgumentTypeError(f"must be in [0, 10): {text}")
+    return value
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
 
 
 def matching_hpa(isocost: WayResult, sweep: list[WayResult]) -> WayResult | None:
@@ -434,6 +465,15 @@ def main() -> None:
         default=HPA_TARGETS,
         help="HPA's queue targets per replica to sweep (the default one always runs)",
     )
+    parser.add_argument(
+        "--isocost-target",
+        type=share,
+        default=ATTAINMENT_TARGET,
+        help="isocost's attainment target (its guard, and what capacity is learnt at)",
+    )
+    parser.add_argument(
+        "--isocost-headroom", type=headroom, default=HEADROOM, help="isocost's headroom"
+    )
     parser.add_argument("--jobs", type=int, default=2, help="ways run in parallel")
     parser.add_argument("--trace", default=str(TRACE / "mooncake_conversation_trace.jsonl"))
     parser.add_argument("--json", dest="json_path", default=None)
@@ -459,7 +499,17 @@ def main() -> None:
     shape = traffic(args.day_s, sustained, rng)
     work = requests(arrivals(shape, rng), lengths, rng)
     history = previous_day(args.day_s, sustained, args.seed)
-    _DAY = Day(replicas, work, shape, planned, sustained, history, args.seed)
+    _DAY = Day(
+        replicas,
+        work,
+        shape,
+        planned,
+        sustained,
+        history,
+        args.seed,
+        args.isocost_target,
+        args.isocost_headroom,
+    )
     console = Console(width=80)
     console.print(
         f"{len(work):,} requests over {args.day_s:,.0f} s ({shape.trough_rps:.2f}-"

@@ -15,6 +15,7 @@
     guard_window_s: 45           # ... growing for this long scales up at once
     attainment_target: 0.9       # reactive guard: recent SLO attainment below this
     drain_deadline_s: 600        # a draining replica is stopped by then, idle or not
+    scale_step: 0                # least share of the fleet one scale event adds or removes
     pools:
       - {gpu: a100-80g, min: 16, max: 64, cold_start_s: 180}
 """
@@ -54,6 +55,7 @@ class AutoscaleConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     guard_window_s: float = 45.0
     attainment_target: float = 0.9
     drain_deadline_s: float = 600.0
+    scale_step: float = 0.0
 
 
 def parse_autoscale_config(raw: object, source: str) -> AutoscaleConfig:
@@ -82,6 +84,7 @@ def parse_autoscale_config(raw: object, source: str) -> AutoscaleConfig:
         ("queue_per_replica", config.queue_per_replica > 0, "must be > 0"),
         ("attainment_target", 0 < config.attainment_target <= 1, "must be in (0, 1]"),
         ("drain_deadline_s", config.drain_deadline_s > 0, "must be > 0"),
+        ("scale_step", 0 <= config.scale_step < 1, "must be in [0, 1)"),
     ]
     for key in ("scale_up_cooldown_s", "scale_down_cooldown_s", "scale_in_after_s"):
         problems.append((key, getattr(config, key) >= 0, "must be >= 0"))

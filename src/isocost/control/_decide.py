@@ -15,12 +15,14 @@ actuators only apply it (DESIGN §7).
    within one lead.
 4. **Up**: replicas are added cheapest $ per unit of goodput first (``usd_per_hour /
    capacity``), within each pool's max and the GPU and $ budgets, at most once per
-   ``scale_up_cooldown_s`` (pool minimums apply at once).
+   ``scale_up_cooldown_s`` (pool minimums apply at once), and at least ``scale_step`` of
+   the active fleet at a time: fewer, larger scale events.
 5. **In**: only when the need over the last ``scale_in_after_s`` (its maximum) stayed below
    what the fleet minus some replicas supplies, and so does the forecast over the next two
    horizons (a replica removed now could be routable again only a lead after it is
    started again: one the forecast wants back within that is kept, not flapped), and
-   neither cool-down is running; the dearest are removed first, never below a pool's min.
+   neither cool-down is running; the dearest are removed first, never below a pool's min,
+   and only once ``scale_step`` of the fleet can go (or what is left above the minimums).
 
 ``HpaScaler`` is the reactive baseline: Kubernetes' ``desired = ceil(current x metric /
 target)`` on queue length per replica, a 10% tolerance, the default scale-up limit (double
@@ -186,10 +188,10 @@ class Autoscaler:
             reason = "bounds"
         if need > self._supply(targets):
             if now - self._last_up >= cfg.scale_up_cooldown_s:
-                targets = self._grow(targets, need)
+                targets = self._grow(targets, need, self._least_step(active))
         elif targets == active:
             ahead = self.forecast.peak(now, 2 * horizon) * (1 + cfg.headroom)
-            targets = self._shrink(targets, now, max(need, ahead))
+            targets = self._shrink(targets, now, max(need, ahead), self._least_step(active))
             reason = "scale-in"
         self._remember_need(now, need)
         decision = plan_changes(now, targets, observation.replicas)
@@ -255,19 +257,31 @@ class Autoscaler:
         """Cheapest $ per unit of goodput first."""
         return sorted(self.offers, key=lambda o: (o.usd_per_hour / self.capacity.rps(o.gpu), o.gpu))
 
-    def _grow(self, targets: dict[str, int], need: float) -> dict[str, int]:
+    def _least_step(self, active: Mapping[str, int]) -> int:
+        """The fewest replicas one scale event moves (``scale_step`` of the fleet)."""
+        return max(1, math.ceil(self.config.scale_step * sum(active.values()) - 1e-9))
+
+    def _grow(self, targets: dict[str, int], need: float, least: int) -> dict[str, int]:
         limits = {p.gpu: p.max for p in self.config.pools}
+        added = 0
         for offer in self._by_value():
-            while self._supply(targets) < need and targets[offer.gpu] < limits[offer.gpu]:
+            while targets[offer.gpu] < limits[offer.gpu] and (
+                added < least or self._supply(targets) < need
+            ):
                 targets[offer.gpu] += 1
+                added += 1
                 if not self._within_budget(targets):
                     targets[offer.gpu] -= 1
+                    added -= 1
                     break
         return targets
 
-    def _shrink(self, targets: dict[str, int], now: float, need: float) -> dict[str, int]:
+    def _shrink(
+        self, targets: dict[str, int], now: float, need: float, least: int
+    ) -> dict[str, int]:
         """Remove the dearest replicas that neither ``need`` nor the need of the whole
-        scale-in window uses."""
+        scale-in window uses, once at least ``least`` of them can go (or all that are
+        above the pools' minimums)."""
         cfg = self.config
         window = [n for t, n in self._need if t >= now - cfg.scale_in_after_s]
         sustained = bool(self._need) and self._need[0][0] <= now - cfg.scale_in_after_s
@@ -278,13 +292,16 @@ class Autoscaler:
             return targets
         peak = max([need, *window])
         floors = {p.gpu: p.min for p in cfg.pools}
+        shrunk = dict(targets)
         for offer in reversed(self._by_value()):
-            while targets[offer.gpu] > floors[offer.gpu]:
-                targets[offer.gpu] -= 1
-                if self._supply(targets) < peak:
-                    targets[offer.gpu] += 1
+            while shrunk[offer.gpu] > floors[offer.gpu]:
+                shrunk[offer.gpu] -= 1
+                if self._supply(shrunk) < peak:
+                    shrunk[offer.gpu] += 1
                     break
-        return targets
+        removed = sum(targets.values()) - sum(shrunk.values())
+        at_floors = shrunk == floors
+        return shrunk if removed >= least or at_floors else targets
 
     def _remember_need(self, now: float, need: float) -> None:
         self._need.append((now, need))

@@ -283,6 +283,42 @@ def test_a_scale_up_starts_the_scale_in_cooldown() -> None:
     assert not decision.drain
 
 
+def test_a_scale_up_adds_at_least_the_step() -> None:
+    # 10 ready, 10.8 req/s needed (9 x 1.2): one replica covers it, the step asks for 3
+    fine = _scaler(capacity=1.0).decide(_observe(15.0, 9.0, _fleet("a", 10)))
+    assert fine.start == {"a": 1}
+    stepped = _scaler(_config(scale_step=0.3), capacity=1.0)
+    assert stepped.decide(_observe(15.0, 9.0, _fleet("a", 10))).start == {"a": 3}
+    # a need beyond the step is met whole (28.8: 19 more), and the pool's max caps it
+    big = _scaler(_config(scale_step=0.3), capacity=1.0)
+    assert big.decide(_observe(15.0, 24.0, _fleet("a", 10))).start == {"a": 19}
+    capped = _scaler(_config(scale_step=0.3), capacity=1.0)
+    assert capped.decide(_observe(15.0, 33.0, _fleet("a", 39))).start == {"a": 1}
+
+
+def _sizes_at_a_steady_rate(config: AutoscaleConfig, ready: int, rate: float) -> list[int]:
+    """The fleet after each of 11 decisions at a steady ``rate``."""
+    scaler = _scaler(config, capacity=1.0)
+    sizes = []
+    for i in range(1, 12):
+        ready = scaler.decide(_observe(15.0 * i, rate, _fleet("a", ready))).targets["a"]
+        sizes.append(ready)
+    return sizes
+
+
+def test_a_scale_in_waits_until_the_step_can_go() -> None:
+    settings = {"scale_in_after_s": 30.0, "scale_down_cooldown_s": 0.0}
+    stepped = _config(**settings, scale_step=0.3)
+    # 20 ready, 17 needed (14 x 1.2 = 16.8): 3 spare, under the step (6): held
+    assert _sizes_at_a_steady_rate(stepped, 20, 14.0) == [20] * 11
+    assert _sizes_at_a_steady_rate(_config(**settings), 20, 14.0)[-1] == 17  # no step
+    # 12 needed (9.47 x 1.2 = 11.4): 8 can go, more than the step, in one event
+    sizes = _sizes_at_a_steady_rate(stepped, 20, 142 / 15)
+    assert sizes[-1] == 12 and len(set(sizes)) == 2
+    # near the pool's minimum (2) what is left above it goes, even if under the step
+    assert _sizes_at_a_steady_rate(_config(**settings, scale_step=0.5), 3, 0.0)[-1] == 2
+
+
 # -- HPA baseline ---------------------------------------------------------------------
 
 
@@ -337,6 +373,10 @@ def test_a_pool_that_grows_takes_back_its_draining_replicas_first() -> None:
         ),
         ({"pools": [{"gpu": "a", "max": 2}], "max_gpus": 8, "colour": 1}, "unknown field"),
         ({"pools": [], "max_gpus": 8}, "at least one GPU pool"),
+        (
+            {"pools": [{"gpu": "a", "max": 2}], "max_gpus": 8, "scale_step": 1.5},
+            "scale_step: must be in [0, 1)",
+        ),
     ],
 )
 def test_bad_config_is_one_line_naming_the_key(raw: dict[str, object], message: str) -> None:
