@@ -66,12 +66,13 @@ from isocost.control import (
     AutoscaleConfig,
     Autoscaler,
     HpaScaler,
-    PoolConfig,
     PoolOffer,
     Scaler,
+    parse_autoscale_config,
     planned_capacity_rps,
 )
 from isocost.core.catalog import Catalog
+from isocost.core.errors import ConfigError
 from isocost.core.slo import SloTargets
 from isocost.files import load_trace
 from isocost.scheduling.policies import build_policy
@@ -258,8 +259,7 @@ class Day:
     sustained_rps: float  # measured: sizes the traffic and static_mean
     history: list[tuple[float, float]]
     seed: int
-    isocost_target: float = ATTAINMENT_TARGET  # isocost's attainment target ...
-    isocost_headroom: float = HEADROOM  # ... and headroom: a user's knobs
+    isocost: AutoscaleConfig
 
 
 def run_way(way: str, day: Day) -> WayResult:
@@ -324,24 +324,30 @@ def run_way(way: str, day: Day) -> WayResult:
     )
 
 
-def _isocost(day: Day) -> Autoscaler:
-    config = AutoscaleConfig(
-        pools=[
-            PoolConfig(gpu=GPU, min=MIN_REPLICAS, max=MAX_REPLICAS, cold_start_s=COLD_START_S[1])
+def isocost_config(day_s: float, target: float, headroom: float) -> AutoscaleConfig:
+    """isocost's settings, with the user's knobs checked as a config file's would be
+    (ConfigError: one line)."""
+    raw = {
+        "pools": [
+            {"gpu": GPU, "min": MIN_REPLICAS, "max": MAX_REPLICAS, "cold_start_s": COLD_START_S[1]}
         ],
-        interval_s=INTERVAL_S,
-        headroom=day.isocost_headroom,
-        max_gpus=MAX_REPLICAS * TP,
-        season_s=day.shape.day_s,
-        queue_per_replica=QUEUE_PER_REPLICA,
-        attainment_target=day.isocost_target,
-        scale_up_cooldown_s=SCALE_UP_COOLDOWN_S,
-        scale_down_cooldown_s=SCALE_DOWN_COOLDOWN_S,
-        scale_in_after_s=SCALE_IN_AFTER_S,
-        scale_step=SCALE_STEP,
-    )
+        "interval_s": INTERVAL_S,
+        "headroom": headroom,
+        "max_gpus": MAX_REPLICAS * TP,
+        "season_s": day_s,
+        "queue_per_replica": QUEUE_PER_REPLICA,
+        "attainment_target": target,
+        "scale_up_cooldown_s": SCALE_UP_COOLDOWN_S,
+        "scale_down_cooldown_s": SCALE_DOWN_COOLDOWN_S,
+        "scale_in_after_s": SCALE_IN_AFTER_S,
+        "scale_step": SCALE_STEP,
+    }
+    return parse_autoscale_config(raw, "--isocost-target/--isocost-headroom")
+
+
+def _isocost(day: Day) -> Autoscaler:
     price = replica_usd_per_hour(day.replicas[0])
-    return Autoscaler(config, [PoolOffer(GPU, TP, price, day.planned_rps)], day.history)
+    return Autoscaler(day.isocost, [PoolOffer(GPU, TP, price, day.planned_rps)], day.history)
 
 
 def previous_day(day_s: float, capacity_rps: float, seed: int) -> list[tuple[float, float]]:
@@ -371,29 +377,6 @@ def hpa_targets(text: str) -> tuple[float, ...]:
     if not targets or min(targets) <= 0:
         raise argparse.ArgumentTypeError("targets must be > 0, at least one")
     return targets
-
-
-def share(text: str) -> float:
-    """``--isocost-target``: a share in (0, 1]."""
-    value = _number(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1]: {text}")
-    return value
-
-
-def headroom(text: str) -> float:
-    """``--isocost-headroom``: a share of capacity in [0, 10)."""
-    value = _number(text)
-    if not 0 <= value < 10:
-        raise argparse.ArgumentTypeError(f"must be in [0, 10): {text}")
-    return value
-
-
-def _number(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
 
 
 def matching_hpa(isocost: WayResult, sweep: list[WayResult]) -> WayResult | None:
@@ -467,17 +450,21 @@ def main() -> None:
     )
     parser.add_argument(
         "--isocost-target",
-        type=share,
+        type=float,
         default=ATTAINMENT_TARGET,
         help="isocost's attainment target (its guard, and what capacity is learnt at)",
     )
     parser.add_argument(
-        "--isocost-headroom", type=headroom, default=HEADROOM, help="isocost's headroom"
+        "--isocost-headroom", type=float, default=HEADROOM, help="isocost's headroom"
     )
     parser.add_argument("--jobs", type=int, default=2, help="ways run in parallel")
     parser.add_argument("--trace", default=str(TRACE / "mooncake_conversation_trace.jsonl"))
     parser.add_argument("--json", dest="json_path", default=None)
     args = parser.parse_args()
+    try:
+        isocost = isocost_config(args.day_s, args.isocost_target, args.isocost_headroom)
+    except ConfigError as error:
+        parser.error(str(error))
     ways = [w.strip() for w in args.ways.split(",") if w.strip()]
     unknown = sorted(set(ways) - set(WAYS))
     if unknown:
@@ -507,8 +494,7 @@ def main() -> None:
         sustained,
         history,
         args.seed,
-        args.isocost_target,
-        args.isocost_headroom,
+        isocost,
     )
     console = Console(width=80)
     console.print(
