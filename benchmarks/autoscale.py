@@ -15,7 +15,13 @@ ways:
 * ``isocost``: ``control.Autoscaler``, given the previous day's measured rates (the same
   diurnal shape, its own bursts and noise) as its seasonal history; each scale event
   moves at least 30% of the fleet (``scale_step``), and ``--isocost-target`` /
-  ``--isocost-headroom`` are its own knobs (attainment target 0.98, headroom 0.2).
+  ``--isocost-headroom`` / ``--isocost-step`` are its own knobs (attainment target 0.98,
+  headroom 0.2, step 0.3).
+
+And a reference, not a fifth way: ``isocost_oracle``, the same autoscaler with a perfect
+forecast (today's noiseless rate, bursts included, over each horizon), so that what
+forecasting error costs shows apart from what the decisions themselves cost (lead,
+cool-downs, scale-in hysteresis, cold starts, the learned capacity).
 
 Traffic: a diurnal curve (``trough + (peak - trough) x ((1 - cos) / 2)^2``: a long night,
 a daytime peak) from the rate 16 replicas serve to the rate 64 serve with 20% headroom,
@@ -88,7 +94,7 @@ from isocost.sim import (
 )
 from isocost.workload import WorkloadRequest, segments_for_blocks
 
-WAYS = ("static_peak", "static_mean", "hpa", "isocost")
+WAYS = ("static_peak", "static_mean", "hpa", "isocost", "isocost_oracle")
 TRACE = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces"
 MODEL, GPU, TP = "llama-3.1-70b", "a100-80g", 4
 MIN_REPLICAS, MAX_REPLICAS = 16, 64
@@ -213,6 +219,25 @@ def requests(
     return out
 
 
+@dataclass(slots=True)
+class NoiselessForecast:
+    """A perfect forecast for ``isocost_oracle``: the day's noiseless rate."""
+
+    shape: Traffic
+    now: float = 0.0
+
+    def observe(self, now: float, rate_rps: float) -> None:
+        self.now = now
+
+    def peak(self, now: float, horizon_s: float) -> float:
+        seconds = max(1, math.ceil(horizon_s))
+        return max(self.shape.rate(now + horizon_s * i / seconds) for i in range(seconds + 1))
+
+    def slope(self) -> float:
+        rise = self.shape.rate(self.now) - self.shape.rate(self.now - INTERVAL_S)
+        return rise / INTERVAL_S
+
+
 def hpa_way(target: float) -> str:
     return f"hpa@{target:g}"
 
@@ -271,11 +296,11 @@ def run_way(way: str, day: Day) -> WayResult:
     used = day.replicas[:fleet]
     cluster = ClusterConfig(replicas=[ReplicaGroup(gpu=GPU, model=MODEL, tp=TP, count=fleet)])
     controller: SimAutoscaler | None = None
-    if hpa_target is not None or way == "isocost":
+    if hpa_target is not None or way.startswith("isocost"):
         scaler: Scaler = (
             HpaScaler(GPU, MIN_REPLICAS, MAX_REPLICAS, hpa_target)
             if hpa_target is not None
-            else _isocost(day)
+            else _isocost(day, oracle=way == "isocost_oracle")
         )
         draws = Random(day.seed + 1)
         controller = SimAutoscaler(
@@ -324,7 +349,7 @@ def run_way(way: str, day: Day) -> WayResult:
     )
 
 
-def isocost_config(day_s: float, target: float, headroom: float) -> AutoscaleConfig:
+def isocost_config(day_s: float, target: float, headroom: float, step: float) -> AutoscaleConfig:
     """isocost's settings, with the user's knobs checked as a config file's would be
     (ConfigError: one line)."""
     raw = {
@@ -340,14 +365,17 @@ def isocost_config(day_s: float, target: float, headroom: float) -> AutoscaleCon
         "scale_up_cooldown_s": SCALE_UP_COOLDOWN_S,
         "scale_down_cooldown_s": SCALE_DOWN_COOLDOWN_S,
         "scale_in_after_s": SCALE_IN_AFTER_S,
-        "scale_step": SCALE_STEP,
+        "scale_step": step,
     }
-    return parse_autoscale_config(raw, "--isocost-target/--isocost-headroom")
+    return parse_autoscale_config(raw, "--isocost-target/--isocost-headroom/--isocost-step")
 
 
-def _isocost(day: Day) -> Autoscaler:
+def _isocost(day: Day, *, oracle: bool) -> Autoscaler:
     price = replica_usd_per_hour(day.replicas[0])
-    return Autoscaler(day.isocost, [PoolOffer(GPU, TP, price, day.planned_rps)], day.history)
+    offers = [PoolOffer(GPU, TP, price, day.planned_rps)]
+    if oracle:
+        return Autoscaler(day.isocost, offers, forecast=NoiselessForecast(day.shape))
+    return Autoscaler(day.isocost, offers, day.history)
 
 
 def previous_day(day_s: float, capacity_rps: float, seed: int) -> list[tuple[float, float]]:
@@ -457,12 +485,20 @@ def main() -> None:
     parser.add_argument(
         "--isocost-headroom", type=float, default=HEADROOM, help="isocost's headroom"
     )
+    parser.add_argument(
+        "--isocost-step",
+        type=float,
+        default=SCALE_STEP,
+        help="isocost's scale_step: the least share of the fleet one scale event moves",
+    )
     parser.add_argument("--jobs", type=int, default=2, help="ways run in parallel")
     parser.add_argument("--trace", default=str(TRACE / "mooncake_conversation_trace.jsonl"))
     parser.add_argument("--json", dest="json_path", default=None)
     args = parser.parse_args()
     try:
-        isocost = isocost_config(args.day_s, args.isocost_target, args.isocost_headroom)
+        isocost = isocost_config(
+            args.day_s, args.isocost_target, args.isocost_headroom, args.isocost_step
+        )
     except ConfigError as error:
         parser.error(str(error))
     ways = [w.strip() for w in args.ways.split(",") if w.strip()]
@@ -518,7 +554,7 @@ def main() -> None:
     swept = [done[hpa_way(t)] for t in sweep]
     on_frontier = frontier(swept)
     matched = matching_hpa(by_policy["isocost"], swept) if "isocost" in by_policy else None
-    table = Table(title="one simulated day, four ways (HPA at each target)")
+    table = Table(title="one simulated day, four ways (HPA at each target) + oracle")
     for column in ("way", "GPU-h", "$", "SLO", "ramp miss", "events", "replicas"):
         table.add_column(column, justify="left" if column == "way" else "right")
     for r in results:

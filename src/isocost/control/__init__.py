@@ -22,7 +22,7 @@ from isocost.control._decide import (
     plan_changes,
 )
 from isocost.control._estimates import CapacityEstimate, WarmupLead, planned_capacity_rps
-from isocost.control._forecast import DemandForecast
+from isocost.control._forecast import DemandForecast, Forecast
 
 __all__ = [
     "ACTUATORS",
@@ -30,6 +30,7 @@ __all__ = [
     "Autoscaler",
     "CapacityEstimate",
     "DemandForecast",
+    "Forecast",
     "HpaScaler",
     "Observation",
     "PoolConfig",

@@ -44,7 +44,7 @@ from typing import Literal, Protocol
 
 from isocost.control._config import AutoscaleConfig
 from isocost.control._estimates import CapacityEstimate, WarmupLead
-from isocost.control._forecast import DemandForecast
+from isocost.control._forecast import DemandForecast, Forecast
 
 __all__ = [
     "Autoscaler",
@@ -132,14 +132,17 @@ class Autoscaler:
         config: AutoscaleConfig,
         offers: Sequence[PoolOffer],
         history: Sequence[tuple[float, float]] = (),
+        forecast: Forecast | None = None,
     ) -> None:
+        """``history``: earlier (time, rate) measurements, fed to the forecast first;
+        ``forecast``: another forecast than ``DemandForecast`` over the config's season."""
         by_gpu = {o.gpu: o for o in offers}
         missing = [p.gpu for p in config.pools if p.gpu not in by_gpu]
         if missing:
             raise ValueError(f"no replica offer for pool {', '.join(missing)}")
         self.config = config
         self.offers = [by_gpu[p.gpu] for p in config.pools]
-        self.forecast = DemandForecast(config.season_s)
+        self.forecast = DemandForecast(config.season_s) if forecast is None else forecast
         for at_s, rate in history:
             self.forecast.observe(at_s, rate)
         self.lead = WarmupLead({p.gpu: p.cold_start_s for p in config.pools})

@@ -24,12 +24,25 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from typing import Protocol
 
-__all__ = ["DemandForecast"]
+__all__ = ["DemandForecast", "Forecast"]
 
 _LEVEL_ALPHA = 0.3  # EWMA weight of the newest rate
 _SEASON_ALPHA = 0.5  # weight of the newest season in each slot
 _SCALE_BOUNDS = (0.5, 2.0)
+
+
+class Forecast(Protocol):
+    """What the autoscaler asks of a forecast (``DemandForecast`` is isocost's; another
+    can stand in, such as a benchmark's noiseless rate, to measure what forecasting
+    costs)."""
+
+    def observe(self, now: float, rate_rps: float) -> None: ...
+
+    def peak(self, now: float, horizon_s: float) -> float: ...
+
+    def slope(self) -> float: ...
 
 
 class DemandForecast:

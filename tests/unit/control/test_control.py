@@ -182,6 +182,32 @@ def test_desired_is_forecast_over_capacity_times_headroom() -> None:
     assert decision.start == {"a": 16} and decision.reason == "forecast"
 
 
+class _KnownPeak:
+    """A forecast that knows the peak ahead (what a benchmark's oracle stands in for)."""
+
+    def __init__(self, peak: float) -> None:
+        self.peak_rps = peak
+        self.observed: list[tuple[float, float]] = []
+
+    def observe(self, now: float, rate_rps: float) -> None:
+        self.observed.append((now, rate_rps))
+
+    def peak(self, now: float, horizon_s: float) -> float:
+        return self.peak_rps
+
+    def slope(self) -> float:
+        return 0.0
+
+
+def test_another_forecast_stands_in_for_the_seasonal_one() -> None:
+    forecast = _KnownPeak(50.0)
+    scaler = Autoscaler(_config(), [PoolOffer("a", 1, 2.0, 2.0)], [(-15.0, 4.0)], forecast)
+    decision = scaler.decide(_observe(15.0, 10.0, _fleet("a", 2)))
+    assert decision.forecast_rps == 50.0  # not today's 10 req/s
+    assert decision.targets == {"a": math.ceil(50.0 * 1.2 / 2.0)}
+    assert forecast.observed == [(-15.0, 4.0), (15.0, 10.0)]  # the history fed in first
+
+
 def test_pending_replicas_count_so_a_ramp_is_not_ordered_twice() -> None:
     scaler = _scaler(capacity=2.0)
     decision = scaler.decide(_observe(15.0, 30.0, _fleet("a", 2, pending=16)))
