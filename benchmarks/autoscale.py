@@ -37,12 +37,13 @@ Requests carry no deadline (no SLO admission): overload shows as queueing, the s
 HPA scales on.
 
 Reported per way: GPU-hours and $ over the day (a replica counts from its start, cold
-start included, to its stop), SLO attainment (share of all requests that completed
-within both targets), ramp misses (requests that missed the SLO among those arriving in
-a ramp-up window: a minute from which the noiseless rate rises by at least 5% of the
-peak within the next 5 minutes), scale events (decisions that changed the fleet), and
-requests killed by a scale-in. The header also gives a clairvoyant reference: the
-GPU-hours of a fleet that knows the noiseless rate and starts instantly.
+start included, to its stop), the GPU-hours of those cold starts, SLO attainment (share
+of all requests that completed within both targets), ramp misses (requests that missed
+the SLO among those arriving in a ramp-up window: a minute from which the noiseless rate
+rises by at least 5% of the peak within the next 5 minutes), scale events (decisions
+that changed the fleet), and requests killed by a scale-in. The header also gives a
+clairvoyant reference: the GPU-hours of a fleet that knows the noiseless rate and starts
+instantly.
 
 isocost is then held against static-at-peak and against the HPA setting of matching
 attainment: the cheapest target whose attainment is at least isocost's; where none
@@ -247,6 +248,7 @@ class WayResult:
     policy: str
     queue_target: float | None  # HPA's
     gpu_hours: float
+    cold_gpu_hours: float  # of gpu_hours: replicas started, not yet serving
     usd: float
     slo_attainment: float
     ramp_misses: int
@@ -262,6 +264,7 @@ class WayResult:
             row["queue_target"] = self.queue_target
         return row | {
             "gpu_hours": round(self.gpu_hours, 3),
+            "cold_start_gpu_hours": round(self.cold_gpu_hours, 3),
             "usd": round(self.usd, 2),
             "slo_attainment": round(self.slo_attainment, 5),
             "ramp_misses": self.ramp_misses,
@@ -327,10 +330,10 @@ def run_way(way: str, day: Day) -> WayResult:
     if controller is None:
         gpu_hours = fleet * TP * shape.day_s / 3600
         usd = fleet * replica_usd_per_hour(used[0]) * shape.day_s / 3600
-        events, killed, low, high = 0, 0, fleet, fleet
+        cold, events, killed, low, high = 0.0, 0, 0, fleet, fleet
     else:
         usage = controller.usage(shape.day_s)
-        gpu_hours, usd = usage.gpu_hours, usage.usd
+        gpu_hours, usd, cold = usage.gpu_hours, usage.usd, usage.cold_gpu_hours
         events, killed = usage.scale_events, usage.killed
         active = [s.ready + s.pending for s in controller.timeline]
         low, high = min(active), max(active)
@@ -338,6 +341,7 @@ def run_way(way: str, day: Day) -> WayResult:
         way,
         hpa_target,
         gpu_hours,
+        cold,
         usd,
         sum(met) / len(met),
         ramp.count(False),
@@ -555,13 +559,14 @@ def main() -> None:
     on_frontier = frontier(swept)
     matched = matching_hpa(by_policy["isocost"], swept) if "isocost" in by_policy else None
     table = Table(title="one simulated day, four ways (HPA at each target) + oracle")
-    for column in ("way", "GPU-h", "$", "SLO", "ramp miss", "events", "replicas"):
+    for column in ("way", "GPU-h", "cold", "$", "SLO", "ramp miss", "events", "replicas"):
         table.add_column(column, justify="left" if column == "way" else "right")
     for r in results:
         mark = " *" if r.policy in on_frontier else ""
         table.add_row(
             r.policy + mark,
             f"{r.gpu_hours:,.0f}",
+            f"{r.cold_gpu_hours:,.0f}",
             f"{r.usd:,.0f}",
             f"{r.slo_attainment:.1%}",
             f"{r.ramp_misses:,}",

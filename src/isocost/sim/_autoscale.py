@@ -90,6 +90,7 @@ class FleetUsage:
     usd: float
     scale_events: int  # decisions that started, undrained or drained replicas
     killed: int  # requests in flight on a replica stopped at its drain deadline
+    cold_gpu_hours: float = 0.0  # of gpu_hours: replicas started and not yet routable
 
 
 @dataclass(slots=True)
@@ -138,6 +139,7 @@ class SimAutoscaler:
                 self._slots[replica.replica_id] = slot
         self._window = _Window()
         self._usage_s: list[tuple[float, float, SimReplica]] = []  # (from, to, replica)
+        self._cold_s: list[tuple[float, float, SimReplica]] = []  # start to routable
         self.decisions: list[ScaleDecision] = []
         self.timeline: list[FleetSample] = []
         self.killed = 0
@@ -162,6 +164,7 @@ class SimAutoscaler:
     def ready(self, replica_id: str, now: float) -> None:
         slot = self._slots[replica_id]
         slot.state = "ready"
+        self._cold_s.append((slot.started_s, now, slot.replica))
         self.scaler.replica_ready(slot.gpu, now - slot.started_s)
 
     def tick(self, simulator: Simulator) -> None:
@@ -226,6 +229,7 @@ class SimAutoscaler:
         for replica_id in decision.drain:
             slot = self._slots[replica_id]
             if slot.state == "pending":
+                self._cold_s.append((slot.started_s, now, slot.replica))
                 self._stop(simulator, slot, now)
             else:
                 slot.state, slot.draining_since_s = "draining", now
@@ -237,7 +241,8 @@ class SimAutoscaler:
         slot.state = None
 
     def usage(self, until_s: float) -> FleetUsage:
-        """GPU-hours and $ of every replica's time on, up to ``until_s``."""
+        """GPU-hours and $ of every replica's time on, up to ``until_s``, and how many of
+        those GPU-hours were cold starts."""
         spans = [*self._usage_s]
         spans += [
             (s.on_since_s, until_s, s.replica) for s in self._slots.values() if s.state is not None
@@ -247,7 +252,17 @@ class SimAutoscaler:
             held = max(0.0, min(stop, until_s) - start)
             gpu_s += held * replica.cost_model.tensor_parallel
             usd_s += held * replica_usd_per_hour(replica)
-        return FleetUsage(gpu_s / 3600, usd_s / 3600, len(self.decisions), self.killed)
+        cold = [*self._cold_s]
+        cold += [
+            (s.started_s, until_s, s.replica) for s in self._slots.values() if s.state == "pending"
+        ]
+        cold_gpu_s = sum(
+            max(0.0, min(stop, until_s) - start) * replica.cost_model.tensor_parallel
+            for start, stop, replica in cold
+        )
+        return FleetUsage(
+            gpu_s / 3600, usd_s / 3600, len(self.decisions), self.killed, cold_gpu_s / 3600
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -397,7 +397,8 @@ def sim_command(
     for run in output.runs:
         if run.fleet is not None:
             console.print(
-                f"autoscaled {run.summary.policy}: {run.fleet.gpu_hours:,.2f} GPU-h, "
+                f"autoscaled {run.summary.policy}: {run.fleet.gpu_hours:,.2f} GPU-h "
+                f"({run.fleet.cold_gpu_hours:,.2f} in cold starts), "
                 f"${run.fleet.usd:,.2f}, {run.fleet.scale_events} scale events, "
                 f"{run.fleet.killed} killed",
                 highlight=False,

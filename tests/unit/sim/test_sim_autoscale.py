@@ -109,6 +109,8 @@ def test_starts_pay_the_cold_start_and_a_scale_in_kills_nothing() -> None:
     stops = max(s.at_s for s in controller.timeline if s.draining) + 15.0
     assert usage.gpu_hours == pytest.approx((240.0 + 3 * (stops - 15.0)) / 3600)
     assert usage.usd == pytest.approx(usage.gpu_hours * Catalog.builtin().gpu(GPU).usd_per_hour)
+    assert usage.cold_gpu_hours == pytest.approx(3 * COLD_START_S / 3600)  # 3 starts, 1 GPU
+    assert controller.usage(45.0).cold_gpu_hours == pytest.approx(3 * 30.0 / 3600)
     # drained replicas served work before they stopped: requests really went there
     served = {r.replica_id for r in result.records}
     assert len(served) == 4
@@ -119,7 +121,9 @@ def test_a_start_cancelled_while_pending_never_serves() -> None:
     result, controller = _run(scaler, _requests(1.0, 200.0))
     assert scaler.leads == []
     assert {r.replica_id for r in result.records} == {f"{MODEL}-{GPU}-tp1-0"}
-    assert controller.usage(200.0).gpu_hours == pytest.approx((200.0 + 2 * 15.0) / 3600)
+    usage = controller.usage(200.0)
+    assert usage.gpu_hours == pytest.approx((200.0 + 2 * 15.0) / 3600)
+    assert usage.cold_gpu_hours == pytest.approx(2 * 15.0 / 3600)  # cold until cancelled
 
 
 def test_the_autoscaler_follows_a_load_step_and_back_deterministically() -> None:
