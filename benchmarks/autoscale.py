@@ -558,7 +558,7 @@ def main() -> None:
     swept = [done[hpa_way(t)] for t in sweep]
     on_frontier = frontier(swept)
     matched = matching_hpa(by_policy["isocost"], swept) if "isocost" in by_policy else None
-    table = Table(title="one simulated day, four ways (HPA at each target) + oracle")
+    table = Table(title="one simulated day, way by way (HPA at each target)")
     for column in ("way", "GPU-h", "cold", "$", "SLO", "ramp miss", "events", "replicas"):
         table.add_column(column, justify="left" if column == "way" else "right")
     for r in results:

@@ -90,7 +90,7 @@ class FleetUsage:
     usd: float
     scale_events: int  # decisions that started, undrained or drained replicas
     killed: int  # requests in flight on a replica stopped at its drain deadline
-    cold_gpu_hours: float = 0.0  # of gpu_hours: replicas started and not yet routable
+    cold_gpu_hours: float  # of gpu_hours: replicas started and not yet routable
 
 
 @dataclass(slots=True)
