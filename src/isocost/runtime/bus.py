@@ -361,7 +361,8 @@ class StateBus:
                 self._went_down(f"{type(exc).__name__}: {exc}")
             finally:
                 with contextlib.suppress(RedisError, OSError):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                    # untyped before redis 8.2, typed since: either passes mypy
+                    await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]
             await asyncio.sleep(backoff_s)
             backoff_s = min(backoff_s * 2, self.config.max_backoff_ms / 1000)
 
