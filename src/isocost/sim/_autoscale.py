@@ -243,26 +243,31 @@ class SimAutoscaler:
     def usage(self, until_s: float) -> FleetUsage:
         """GPU-hours and $ of every replica's time on, up to ``until_s``, and how many of
         those GPU-hours were cold starts."""
-        spans = [*self._usage_s]
-        spans += [
+        on = [*self._usage_s]
+        on += [
             (s.on_since_s, until_s, s.replica) for s in self._slots.values() if s.state is not None
         ]
-        gpu_s = usd_s = 0.0
-        for start, stop, replica in spans:
-            held = max(0.0, min(stop, until_s) - start)
-            gpu_s += held * replica.cost_model.tensor_parallel
-            usd_s += held * replica_usd_per_hour(replica)
         cold = [*self._cold_s]
         cold += [
             (s.started_s, until_s, s.replica) for s in self._slots.values() if s.state == "pending"
         ]
-        cold_gpu_s = sum(
-            max(0.0, min(stop, until_s) - start) * replica.cost_model.tensor_parallel
-            for start, stop, replica in cold
-        )
+        held = _held_s(on, until_s)
+        usd_s = sum(seconds * replica_usd_per_hour(replica) for seconds, replica in held)
+        cold_gpu_s = _gpu_s(_held_s(cold, until_s))
         return FleetUsage(
-            gpu_s / 3600, usd_s / 3600, len(self.decisions), self.killed, cold_gpu_s / 3600
+            _gpu_s(held) / 3600, usd_s / 3600, len(self.decisions), self.killed, cold_gpu_s / 3600
         )
+
+
+def _held_s(
+    spans: list[tuple[float, float, SimReplica]], until_s: float
+) -> list[tuple[float, SimReplica]]:
+    """Each (from, to, replica) span's seconds up to ``until_s``."""
+    return [(max(0.0, min(stop, until_s) - start), replica) for start, stop, replica in spans]
+
+
+def _gpu_s(held: list[tuple[float, SimReplica]]) -> float:
+    return sum(seconds * replica.cost_model.tensor_parallel for seconds, replica in held)
 
 
 @dataclass(frozen=True, slots=True)
