@@ -201,6 +201,40 @@ def test_a_whole_stream_is_relayed_and_counts_as_a_success(rig: Rig) -> None:
     assert rig.request_log("whole-1")[0]["status"] == 200
 
 
+@pytest.mark.parametrize("resume", ["on", "off"])
+def test_a_chat_streams_first_token_is_its_first_text_not_its_opening(
+    tmp_path: Path, resume: str
+) -> None:
+    """An upstream that opens a chat stream with the assistant role at once and makes its
+    first token 0.5 s later: the gateway's TTFT is the first token's (as its clients time
+    it), and the opening is no token. With ``resume`` on, the stream goes through the
+    resume ledger; off, through the plain relay."""
+    rig = start_rig(tmp_path, 1, pool_fields=f"    resume: {resume}")
+    try:
+        (upstream,) = rig.upstreams
+        set_mode(upstream.url, completion="ok", stream_tokens=4, opening_s=0.5)
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": 8,
+            "stream": True,
+        }
+        headers = {**AUTH, "X-Request-Id": f"opening-{resume}"}
+        request = urllib.request.Request(
+            rig.url + "/v1/chat/completions", data=json.dumps(body).encode(), headers=headers
+        )
+        with urllib.request.urlopen(request, timeout=30) as response:
+            payloads = sse_payloads(response.read())
+        assert payloads[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert payloads[-1] == "[DONE]"
+        wait_for(lambda: bool(rig.request_log(f"opening-{resume}")), what="the log line")
+        (line,) = rig.request_log(f"opening-{resume}")
+        assert line["status"] == 200 and line["output_tokens"] == 4, line
+        assert line["ttft_ms"] >= 500, line
+    finally:
+        rig.close()
+
+
 # -- replicas that answer wrong are ejected, their requests retried (item 13) --------------
 
 BAD_REPLICAS = {

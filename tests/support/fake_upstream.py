@@ -26,6 +26,9 @@ Mode keys (``POST /_fake/mode`` merges them into the current mode):
 * ``stream_tokens``, ``token_bytes``, ``token_delay_s``: an ``ok`` stream of that many
   tokens of that size, that far apart (0 tokens: the two tokens ``hel``, ``lo``); the
   stream faults above come after the first token and its delay;
+* ``opening_s``: a chat stream opens with the assistant role (no text) at once, and its
+  first token comes this much later (vLLM sends the opening with the first token; some
+  OpenAI-compatible servers and proxies at once); None (the default): no opening;
 * ``completion_tokens``: what a whole answer's ``usage`` says it generated (2);
 * ``model``: the model ``/v1/models`` lists (``fake-model``).
 
@@ -75,6 +78,7 @@ DEFAULT_MODE: dict[str, Any] = {
     "stream_tokens": 0,
     "token_bytes": 1,
     "token_delay_s": 0.0,
+    "opening_s": None,
     "completion_tokens": 2,
     "model": "fake-model",
 }
@@ -151,6 +155,11 @@ def _app() -> web.Application:
             return web.json_response(_answer(chat, "hello", body, mode["completion_tokens"]))
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
+        if chat and mode["opening_s"] is not None:
+            opening = _chunk(chat, "", None)
+            opening["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+            await response.write(f"data: {json.dumps(opening)}\n\n".encode())
+            await asyncio.sleep(float(mode["opening_s"]))
         count = int(mode["stream_tokens"])
         words = ["x" * int(mode["token_bytes"])] * count if count else ["hel", "lo"]
         for at, word in enumerate(words):

@@ -1,13 +1,14 @@
 """Reply formatting of ``isocost engine``: OpenAI response objects, whole or streamed.
 
 A whole answer is one JSON object; a stream is SSE chunks of ``stream_interval`` tokens
-(chat streams open with the assistant role), a last chunk with the ``finish_reason``, the
-usage chunk when ``stream_options.include_usage`` asked for it, and ``[DONE]``; with
-vLLM's ``continuous_usage_stats`` as well, every chunk carries the usage so far. The text
-is filler (``filler_text``, from ``filler_start``): what is modelled is how many tokens
-come, and when. A client
-that stops reading is taken for gone once a write has waited ``write_timeout_s``: its
-connection is dropped and its request aborted, so it cannot hold a batch slot forever.
+(a chat stream opens with the assistant role once the first token is made, as vLLM's
+does), a last chunk with the ``finish_reason``, the usage chunk when
+``stream_options.include_usage`` asked for it, and ``[DONE]``; with vLLM's
+``continuous_usage_stats`` as well, every chunk carries the usage so far. The text is
+filler (``filler_text``, from ``filler_start``): what is modelled is how many tokens come,
+and when. A client that stops reading is taken for gone once a write has waited
+``write_timeout_s``: its connection is dropped and its request aborted, so it cannot hold
+a batch slot forever.
 """
 
 from __future__ import annotations
@@ -174,10 +175,6 @@ async def _write_stream(
     def so_far(tokens: int) -> Usage | None:
         return reply.usage(tokens) if generation.continuous_usage else None
 
-    if reply.chat:
-        await response.write(
-            sse.event(reply.chunk("", None, include_usage, role=True, usage=so_far(0)))
-        )
     state, sent = waiter.state, 0
     interval = replica.options.stream_interval
     while True:
@@ -185,6 +182,11 @@ async def _write_stream(
         if replica.closing:
             return  # shutdown: the stream ends without [DONE], the request is aborted
         produced = state.num_output_tokens
+        if reply.chat and sent == 0 and (produced or state.finished_s is not None):
+            # vLLM opens a chat stream with the assistant role once the first token is made
+            await response.write(
+                sse.event(reply.chunk("", None, include_usage, role=True, usage=so_far(0)))
+            )
         if produced > sent:
             text = reply.text(sent, produced - sent)
             chunk = reply.chunk(text, None, include_usage, usage=so_far(produced))

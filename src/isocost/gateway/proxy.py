@@ -68,7 +68,7 @@ from isocost.openai import sse
 from isocost.openai.continuation import not_resumable
 from isocost.openai.errors import ApiError
 from isocost.openai.requests import KV_TRANSFER_MS_HEADER
-from isocost.openai.usage import answer_usage
+from isocost.openai.usage import answer_usage, stream_event
 
 __all__ = ["ClientGone", "ForwardResult", "ForwardSettings", "Forwarder"]
 
@@ -199,6 +199,7 @@ class _StreamReader:
         self.max_line_bytes = max_line_bytes
         self.ledger = ledger
         self.events = 0  # data events, [DONE] not counted
+        self.generated = 0  # of them, those that carried generated output (tokens)
         self.usage_tokens: int | None = None
         self._cached_tokens: int | None = None
         self.done = False
@@ -208,10 +209,11 @@ class _StreamReader:
 
     @property
     def tokens(self) -> int:
-        """This upstream's completion tokens: counted exactly when it said, else events."""
+        """This upstream's completion tokens: counted exactly when it said, else the
+        events that carried generated output."""
         if self.ledger is not None:
             return self.ledger.segment_tokens
-        return self.events if self.usage_tokens is None else self.usage_tokens
+        return self.generated if self.usage_tokens is None else self.usage_tokens
 
     @property
     def cached_tokens(self) -> int | None:
@@ -247,12 +249,14 @@ class _StreamReader:
                     break
                 relayed += line
             elif payload is not None:
+                generated_before = self.ledger.generated_events
                 try:
                     event = self.ledger.relay(payload)
                 except SegmentError as exc:
                     self.broken = str(exc)
                     break
                 self.events += 1
+                self.generated += self.ledger.generated_events - generated_before
                 if event is not None:
                     relayed += b"data: " + event + b"\n\n"
         if self.ledger is None and relayed and not self.done:
@@ -263,11 +267,13 @@ class _StreamReader:
         """Count one relayed event (its usage, if it carries one); False when it is no
         JSON object (the stream is broken there)."""
         try:
-            usage = answer_usage(payload)
+            event = stream_event(payload)
         except msgspec.DecodeError:
             self.broken = "event is not a JSON object"
             return False
         self.events += 1
+        self.generated += event.generated
+        usage = event.usage
         if usage is not None:
             self.usage_tokens = usage.completion_tokens
             self._cached_tokens = usage.cached_tokens
@@ -684,11 +690,6 @@ class Forwarder:
         )
         reader = _StreamReader(self.settings.max_response_bytes, ledger)
         block = await self._first_events(upstream, reader, request)
-        now = time.monotonic()
-        result.ttft_s = ttft_s = now - request.arrived_at
-        grant.replica.recent_ttft_s.append(ttft_s)
-        self.router.metrics.ttft.labels(grant.replica.name).observe(ttft_s)
-
         response = web.StreamResponse(status=upstream.status, headers=headers)
         response.content_type = upstream.content_type or "text/event-stream"
         response.headers["Cache-Control"] = "no-cache"
@@ -697,7 +698,7 @@ class Forwarder:
         try:
             await self._send(http, response.prepare(http))
             while True:
-                broken = await self._pump(http, response, request, segment)
+                broken = await self._pump(http, response, request, result, segment)
                 if broken is None:
                     if segment is first:  # a resumed stream's hit was the first replica's
                         self._check_prefix_hit(grant, reader.cached_tokens, result)
@@ -732,21 +733,34 @@ class Forwarder:
         http: web.Request,
         response: web.StreamResponse,
         request: GatewayRequest,
+        result: ForwardResult,
         segment: _Segment,
     ) -> _Break | None:
         """Relay one upstream's events to the end of its stream (None) or until it breaks;
-        its grant is released either way, its connection closed when broken."""
+        its grant is released either way, its connection closed when broken. The stream's
+        first token (``result.ttft_s``) and its gaps are timed by the events that carried
+        generated output, not by a chat stream's opening (vLLM sends it with the first
+        token, other servers at once) nor its finish."""
         upstream, grant, reader, block = segment
         replica = grant.replica
         itl = self.router.metrics.itl.labels(replica.name)
-        last_at = time.monotonic()
+        last_at = time.monotonic()  # when the latest chunk came
+        token_at: float | None = None  # when the latest generated output came
         counted = 0
         broken: _Break | None = None
         try:
             while True:
-                if reader.events > counted:
-                    self.router.on_tokens(grant, reader.events - counted, last_at)
-                    counted = reader.events
+                if reader.generated > counted:
+                    self.router.on_tokens(grant, reader.generated - counted, last_at)
+                    counted = reader.generated
+                    if token_at is not None:
+                        itl.observe(last_at - token_at)
+                        replica.recent_itl_s.append(last_at - token_at)
+                    elif result.ttft_s is None:
+                        result.ttft_s = ttft_s = last_at - request.arrived_at
+                        replica.recent_ttft_s.append(ttft_s)
+                        self.router.metrics.ttft.labels(replica.name).observe(ttft_s)
+                    token_at = last_at
                 await self._send(http, response.write(block))
                 if reader.done:
                     break
@@ -764,10 +778,7 @@ class Forwarder:
                 except _TooLarge:
                     broken = _Break(self._too_large(request).message, resumable=False)
                     return broken
-                now = time.monotonic()
-                itl.observe(now - last_at)
-                replica.recent_itl_s.append(now - last_at)
-                last_at = now
+                last_at = time.monotonic()
             replica.breaker.record_success(time.monotonic())
             return None
         finally:

@@ -25,7 +25,7 @@ import msgspec
 
 from isocost.openai import sse
 from isocost.openai.continuation import continuation, with_usage_stats
-from isocost.openai.usage import cached_prompt_tokens
+from isocost.openai.usage import cached_prompt_tokens, choice_generated
 
 __all__ = ["SegmentError", "StreamLedger"]
 
@@ -52,6 +52,7 @@ class StreamLedger:
         self.text: list[str] = []
         self.offset = 0  # completion tokens of the replicas before this one
         self.segment_tokens = 0  # this replica's completion tokens so far
+        self.generated_events = 0  # relayed events that carried generated output, all replicas
         self.prompt_tokens: int | None = None  # as the first replica counted them
         self.cached_tokens: int | None = None  # the first replica's prefix-cache hit
         self.finish_reason: str | None = None
@@ -120,6 +121,8 @@ class StreamLedger:
         counted = isinstance(usage, dict)
         for choice in choices:
             self._read(choice, counted)
+        if any(choice_generated(choice) for choice in choices):  # each an object (_read)
+            self.generated_events += 1
         if "usage" in event:
             if self.client_continuous and counted:
                 event["usage"] = self._usage()

@@ -13,7 +13,19 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["PromptTokensDetails", "Usage", "answer_usage", "cached_prompt_tokens"]
+__all__ = [
+    "PromptTokensDetails",
+    "StreamEvent",
+    "Usage",
+    "answer_usage",
+    "cached_prompt_tokens",
+    "choice_generated",
+    "stream_event",
+]
+
+# The chat delta fields that carry generated output; a delta with none of them is the
+# stream's opening (the assistant role) or its finish.
+_GENERATED_DELTA_KEYS = ("content", "reasoning_content", "reasoning", "tool_calls")
 
 
 class PromptTokensDetails(msgspec.Struct, frozen=True):
@@ -44,6 +56,37 @@ class _WithUsage(msgspec.Struct):
 
 
 _decoder = msgspec.json.Decoder(_WithUsage)
+
+
+class StreamEvent(msgspec.Struct):
+    """What the gateway reads of one stream event: its usage, if any, and its choices."""
+
+    usage: Usage | None = None
+    choices: Any = None
+
+    @property
+    def generated(self) -> bool:
+        """It carries generated output: text, reasoning or a tool call. A chat stream's
+        opening (the assistant role, no text), a finish and the usage chunk do not: the
+        first token is the first event that does, as clients time it."""
+        choices = self.choices if isinstance(self.choices, list) else ()
+        return any(isinstance(choice, dict) and choice_generated(choice) for choice in choices)
+
+
+def choice_generated(choice: dict[str, Any]) -> bool:
+    """One stream choice carries generated output (``StreamEvent.generated``)."""
+    delta = choice.get("delta")
+    if isinstance(delta, dict):
+        return any(delta.get(key) for key in _GENERATED_DELTA_KEYS)
+    return bool(choice.get("text"))
+
+
+_event_decoder = msgspec.json.Decoder(StreamEvent)
+
+
+def stream_event(payload: bytes | bytearray) -> StreamEvent:
+    """One stream event's payload, read; msgspec.DecodeError when it is not a JSON object."""
+    return _event_decoder.decode(payload)
 
 
 def answer_usage(body: bytes | bytearray) -> Usage | None:

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import msgspec
 import pytest
@@ -13,7 +14,7 @@ import pytest
 from isocost.openai import sse
 from isocost.openai.errors import ApiError, error_response
 from isocost.openai.requests import ChatRequest, CompletionRequest, RequestError, decode_body
-from isocost.openai.usage import Usage, answer_usage
+from isocost.openai.usage import Usage, answer_usage, stream_event
 
 
 @pytest.mark.parametrize(
@@ -77,3 +78,28 @@ def test_usage_from_an_answer_or_an_event_and_the_check_of_either() -> None:
     for not_an_object in (b"not json", b'{"choices": [', b"[1]", b"<html></html>"):
         with pytest.raises(msgspec.DecodeError):
             answer_usage(not_an_object)
+
+
+@pytest.mark.parametrize(
+    ("choices", "generated"),
+    [
+        ([{"delta": {"role": "assistant", "content": ""}}], False),  # a chat stream's opening
+        ([{"delta": {}, "finish_reason": "stop"}], False),  # its finish
+        ([], False),  # the usage chunk
+        (None, False),
+        ([{"delta": {"content": "hel"}}], True),
+        ([{"delta": {"reasoning_content": "so"}}], True),
+        ([{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{"}}]}}], True),
+        ([{"text": "lo", "finish_reason": None}], True),  # a completion's
+        ([{"text": "", "finish_reason": "length"}], False),
+        (["not a choice", {"delta": {"content": "x"}}], True),
+    ],
+)
+def test_a_stream_event_carries_generated_output_or_not(choices: Any, generated: bool) -> None:
+    event = stream_event(
+        json.dumps({"choices": choices, "usage": {"completion_tokens": 2}}).encode()
+    )
+    assert event.generated is generated
+    assert event.usage == Usage(completion_tokens=2)
+    with pytest.raises(msgspec.DecodeError):
+        stream_event(b"[1]")
