@@ -178,6 +178,33 @@ def test_chat_stream_ends_with_a_usage_chunk_and_done(engine: Engine) -> None:
     assert usage.completion_tokens == len(TOKENS.encode(text)) == 12
 
 
+def test_a_chat_stream_opens_with_its_first_token_as_vllms_does(engine: Engine) -> None:
+    """vLLM sends a chat stream's opening (the assistant role, no text) once the first
+    token is made, right before it: a gateway or client that times the first event sees
+    the TTFT. A long prompt's prefill sets the two apart if the opening went out before."""
+    url, prompt = engine.urls[0], " ".join(f"w{i}" for i in range(12_000))
+    before = _metrics(url)
+    stream = _client(url).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=2, stream=True
+    )
+    with stream:
+        chunks = iter(stream)
+        opening = next(chunks)
+        opened_at = time.monotonic()
+        first = next(chunks)
+        first_at = time.monotonic()
+        list(chunks)
+    assert opening.choices[0].delta.role == "assistant" and not opening.choices[0].delta.content
+    assert first.choices[0].delta.content
+    after = _metrics(url)
+    assert after["vllm:time_to_first_token_seconds_count"] == (
+        before["vllm:time_to_first_token_seconds_count"] + 1
+    )
+    ttft_s = after["vllm:time_to_first_token_seconds_sum"]
+    ttft_s -= before["vllm:time_to_first_token_seconds_sum"]
+    assert ttft_s > 0.03 and first_at - opened_at < ttft_s / 4, (first_at - opened_at, ttft_s)
+
+
 def test_chat_non_stream_and_completion_stream(engine: Engine) -> None:
     client = _client(engine.urls[0])
     chat = client.chat.completions.create(
