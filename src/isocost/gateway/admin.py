@@ -166,6 +166,7 @@ def snapshot(gateway: Gateway) -> dict[str, Any]:
                 "healthy": sum(row["state"] == "healthy" for row in members),
                 "in_flight": sum(row["in_flight"] for row in members),
                 "queue_depth": gateway.router.queue_depth(pool.model),
+                "queue_held": gateway.router.queue_held(pool.model),
                 "slo": None if pool.slo is None else _targets_ms(pool.slo),
                 "slo_verdicts": {v: pool.verdicts[v] for v in ("met", "missed", "failed")},
             }

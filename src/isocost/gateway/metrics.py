@@ -91,6 +91,14 @@ class GatewayMetrics:
         self.queue_depth = Gauge(
             "isocost_queue_depth", "Requests waiting in the gateway queue.", ["pool"], registry=r
         )
+        self.queue_held = Gauge(
+            "isocost_queue_held",
+            "Of the requests waiting, those held by SLO admission: they would meet their"
+            " deadline, but no replica can take them yet without pushing the streams there"
+            " past the TPOT target.",
+            ["pool"],
+            registry=r,
+        )
         self.rejections = Counter(
             "isocost_rejections", "Requests refused, by reason.", ["reason"], registry=r
         )

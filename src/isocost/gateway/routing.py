@@ -19,6 +19,11 @@ and one ``Policy`` per pool; it never scores replicas itself. For each attempt i
   queue refuses the least urgent request (429 ``queue_full``). The dispatcher binds the
   request (``on_dispatch``) inside the wake and resolves the waiting attempt's future with
   its ``Grant``; a client that leaves cancels that future, which leaves the queue at once.
+  A request that SLO admission holds (QUEUE with ``held``: it would meet its deadline,
+  but no replica can take it yet without pushing the streams there past the TPOT
+  target) waits the same way, apart from the queue proper, and is scheduled again at
+  every wake: it leaves admitted, or refused (429 ``deadline``) once no replica can meet
+  its deadline any more.
 * REJECT: ``no_replica`` 404, ``unavailable``/``shed`` 503, ``deadline``/``queue_full``
   429, with ``Retry-After`` from the decision's ``retry_after_s``.
 
@@ -493,8 +498,7 @@ class Router:
         limit = dispatcher.submit(waiter, view, now, exclude | request.pool.prefill_only)
         if limit is None:  # bound or refused at once
             return waiter.result()
-        gauge = self.metrics.queue_depth.labels(request.pool.model)
-        gauge.set(len(dispatcher))
+        self._show_depth(request.pool.model, dispatcher)
         timer = loop.call_at(loop.time() + (limit - self.clock()), dispatcher.time_out, attempt_id)
         try:
             return await waiter
@@ -506,7 +510,11 @@ class Router:
         finally:
             timer.cancel()
             dispatcher.cancel(attempt_id)
-            gauge.set(len(dispatcher))
+            self._show_depth(request.pool.model, dispatcher)
+
+    def _show_depth(self, pool: str, dispatcher: Dispatcher[_Waiter]) -> None:
+        self.metrics.queue_depth.labels(pool).set(len(dispatcher))
+        self.metrics.queue_held.labels(pool).set(len(dispatcher.held))
 
     def _dispatcher(self, pool: str) -> Dispatcher[_Waiter]:
         dispatcher = self._dispatchers.get(pool)
@@ -581,10 +589,16 @@ class Router:
         dispatcher = self._dispatchers.get(pool)
         if dispatcher:
             dispatcher.wake(self.clock())
+            self._show_depth(pool, dispatcher)
 
     def queue_depth(self, pool: str) -> int:
         dispatcher = self._dispatchers.get(pool)
         return len(dispatcher) if dispatcher else 0
+
+    def queue_held(self, pool: str) -> int:
+        """Of ``queue_depth``, the requests held by SLO admission."""
+        dispatcher = self._dispatchers.get(pool)
+        return len(dispatcher.held) if dispatcher else 0
 
     def wake_all(self) -> None:
         """Give queued requests a chance after fresh load figures (scrapes) arrive."""

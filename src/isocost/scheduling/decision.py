@@ -5,7 +5,9 @@ Outcomes (``Outcome``) and how the gateway answers them:
 * ``ADMIT``: send the request to ``replica_id`` now, then call ``ReplicaSet.on_dispatch``.
 * ``QUEUE``: every eligible replica is at its queue cap; hold the request in the bounded
   queue of a ``dispatch.Dispatcher``, which schedules it again when a replica frees (late
-  binding).
+  binding). With ``held``, SLO admission holds it instead: it would still meet its
+  deadline somewhere, but no replica can take it now without pushing the streams there
+  (or its own) past the TPOT target; the dispatcher schedules it again at every wake.
 * ``REJECT``: answer now; ``reason`` (``RejectReason``) says why and ``retry_after_s`` when
   to retry. Suggested HTTP mapping: ``NO_REPLICA`` 404 (no replica serves the model),
   ``UNAVAILABLE`` and ``SHED`` 503, ``DEADLINE`` and ``QUEUE_FULL`` 429, all with
@@ -84,3 +86,4 @@ class Decision:
     cached_tokens: int = 0  # predicted prefix-cache hit on the chosen replica
     explanation: Explanation | None = None
     raw_times: RawTimes | None = None  # the chosen replica's, uncorrected (for on_dispatch)
+    held: bool = False  # QUEUE by SLO admission (it fits the deadline, not the TPOT checks)

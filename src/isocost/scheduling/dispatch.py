@@ -14,12 +14,21 @@ The discipline, for one pool of replicas:
   bounded ``RequestQueue`` below. A parked request may wait until its deadline or
   ``queue_timeout_s`` after its arrival, whichever is first: ``submit`` returns that time,
   the host arms a timer for it and calls ``time_out`` when it fires (``QUEUE_TIMEOUT``).
+* Held requests (a QUEUE decision with ``held``: SLO admission found that it would meet
+  its deadline somewhere, but that no replica can take it now without pushing running
+  streams, or its own, past the TPOT target) wait apart, in a second bounded
+  ``RequestQueue``, until their deadline or ``queue_timeout_s`` as above. Why apart: they
+  wait for the streams on some replica to end, not for a free slot, so one of them
+  still waiting says nothing about the requests behind it.
 * ``wake``: a replica freed capacity (a completion, a first token, a replica back, fresh
-  load figures); the host calls ``wake(now)``. Requests whose deadline has passed leave
-  (``DEADLINE``), then the most urgent request is scheduled again. ADMIT or REJECT: it
-  leaves the queue and the turn passes to the next one, so a freed burst of capacity drains
-  the queue in order. QUEUE: every replica is still full, so it keeps its place (it is not
-  re-sequenced, and later arrivals do not pass it) and the wake ends.
+  load figures); the host calls ``wake(now)``. First every held request is scheduled
+  again, most urgent first: ADMIT or REJECT (no replica can meet its deadline any more)
+  settles it, QUEUE keeps it held. Then requests whose deadline has passed leave
+  (``DEADLINE``), and the most urgent queued request is scheduled again. ADMIT or
+  REJECT: it leaves the queue and the turn passes to the next one, so a freed burst of
+  capacity drains the queue in order. QUEUE: every replica is still full, so it keeps its
+  place (it is not re-sequenced, and later arrivals do not pass it) and the wake ends; a
+  queued request that is held instead moves to the held ones.
 * ``cancel``: the client went away; the request leaves without an answer.
 * Eviction: a full queue refuses the least urgent of the newcomer and the queued requests
   (``QUEUE_FULL``).
@@ -134,6 +143,11 @@ class RequestQueue:
         """Drop a queued request (its client went away, or it leaves the queue)."""
         return self._discard(request_id)
 
+    def ordered(self) -> list[RequestView]:
+        """Every queued request, most urgent first (a snapshot: O(n log n))."""
+        live = [(key, r) for key, r in self._heap if self._live.get(r.request_id) == key]
+        return [r for _, r in sorted(live, key=lambda entry: entry[0])]
+
     def expire(self, now: float) -> list[RequestView]:
         """Remove and return every request whose deadline has passed."""
         expired: list[RequestView] = []
@@ -187,11 +201,12 @@ class Dispatcher(Generic[T]):
         reject: Callable[[T, RequestView, RejectReason, Decision | None], None],
     ) -> None:
         self.queue = RequestQueue(max_size)
+        self.held = RequestQueue(max_size)  # held by SLO admission (module docstring)
         self.queue_timeout_s = queue_timeout_s
         self._schedule = schedule
         self._bind = bind
         self._reject = reject
-        self._waiting: dict[str, _Waiting[T]] = {}  # by request id, while queued
+        self._waiting: dict[str, _Waiting[T]] = {}  # by request id, while queued or held
 
     @property
     def max_size(self) -> int:
@@ -200,40 +215,41 @@ class Dispatcher(Generic[T]):
     @max_size.setter
     def max_size(self, value: int) -> None:
         self.queue.max_size = value
+        self.held.max_size = value
 
     def __len__(self) -> int:
-        return len(self.queue)
+        return len(self.queue) + len(self.held)
 
     def __contains__(self, request_id: object) -> bool:
-        return request_id in self.queue
+        return request_id in self.queue or request_id in self.held
 
     def submit(
         self, ticket: T, request: RequestView, now: float, exclude: Collection[str] = ()
     ) -> float | None:
         """Schedule ``request`` now: bound or rejected through the callbacks (None), or
-        queued: then the time at which the host must call ``time_out`` for it."""
+        queued or held: then the time at which the host must call ``time_out`` for it."""
         decision = self._schedule(request, exclude, now)
         if decision.outcome is not Outcome.QUEUE:
             self._settle(ticket, request, decision, now)
             return None
-        pushed = self.queue.push(request)
-        if pushed.rejected is not None:
-            evicted = self._waiting.pop(pushed.rejected.request_id, None)
-            if evicted is None:  # the newcomer itself
-                self._reject(ticket, request, RejectReason.QUEUE_FULL, None)
-            else:
-                self._reject(evicted.ticket, evicted.request, RejectReason.QUEUE_FULL, None)
-        if not pushed.queued:
+        if not self._park(ticket, request, exclude, decision.held):
             return None
-        self._waiting[request.request_id] = _Waiting(ticket, request, exclude)
         limit = request.arrival_s + self.queue_timeout_s
         if request.deadline_s is not None:
             limit = min(limit, request.deadline_s)
         return max(limit, now)
 
     def wake(self, now: float) -> None:
-        """Capacity freed: the most urgent request tries again, then the next, until one
-        still finds every replica full (it keeps its place) or the queue is empty."""
+        """Capacity freed: every held request tries again, then the most urgent queued
+        request, then the next, until one still finds every replica full (it keeps its
+        place) or the queue is empty."""
+        for held in self.held.ordered():
+            entry = self._waiting[held.request_id]
+            decision = self._schedule(held, entry.exclude, now)
+            if decision.outcome is not Outcome.QUEUE:
+                self.held.cancel(held.request_id)
+                del self._waiting[held.request_id]
+                self._settle(entry.ticket, held, decision, now)
         queue = self.queue
         while len(queue):
             for late in queue.expire(now):
@@ -244,34 +260,53 @@ class Dispatcher(Generic[T]):
                 return
             entry = self._waiting[request.request_id]
             decision = self._schedule(request, entry.exclude, now)
-            if decision.outcome is Outcome.QUEUE:
+            if decision.outcome is Outcome.QUEUE and not decision.held:
                 return
             queue.cancel(request.request_id)
             del self._waiting[request.request_id]
-            self._settle(entry.ticket, request, decision, now)
+            if decision.outcome is Outcome.QUEUE:  # held now: it waits for streams to end
+                self._park(entry.ticket, request, entry.exclude, held=True)
+            else:
+                self._settle(entry.ticket, request, decision, now)
 
     def time_out(self, request_id: str) -> None:
-        """The time ``submit`` returned for ``request_id`` has come: if it still waits, it
-        is rejected (``QUEUE_TIMEOUT``)."""
+        """The time ``submit`` returned for ``request_id`` has come: if it still waits
+        (queued or held), it is rejected (``QUEUE_TIMEOUT``)."""
         entry = self._waiting.pop(request_id, None)
         if entry is not None:
-            self.queue.cancel(request_id)
+            if not self.held.cancel(request_id):
+                self.queue.cancel(request_id)
             self._reject(entry.ticket, entry.request, RejectReason.QUEUE_TIMEOUT, None)
 
     def cancel(self, request_id: str) -> bool:
         """The client went away: drop its request if it still waits (no callback)."""
         if self._waiting.pop(request_id, None) is None:
             return False
-        return self.queue.cancel(request_id)
+        return self.held.cancel(request_id) or self.queue.cancel(request_id)
 
     def clear(self) -> list[T]:
-        """Remove every waiting request, most urgent first, and hand back their tickets
-        (the pool is gone; the host answers them)."""
+        """Remove every waiting request, held ones first, each most urgent first, and hand
+        back their tickets (the pool is gone; the host answers them)."""
         tickets: list[T] = []
-        while (request := self.queue.peek()) is not None:
-            self.queue.cancel(request.request_id)
-            tickets.append(self._waiting.pop(request.request_id).ticket)
+        for waiting in (self.held, self.queue):
+            while (request := waiting.peek()) is not None:
+                waiting.cancel(request.request_id)
+                tickets.append(self._waiting.pop(request.request_id).ticket)
         return tickets
+
+    def _park(self, ticket: T, request: RequestView, exclude: Collection[str], held: bool) -> bool:
+        """Queue (or hold) ``request``; whether it waits now (a full queue refuses the
+        least urgent of it and those waiting there)."""
+        pushed = (self.held if held else self.queue).push(request)
+        if pushed.rejected is not None:
+            evicted = self._waiting.pop(pushed.rejected.request_id, None)
+            if evicted is None:  # the newcomer itself
+                self._reject(ticket, request, RejectReason.QUEUE_FULL, None)
+            else:
+                self._reject(evicted.ticket, evicted.request, RejectReason.QUEUE_FULL, None)
+        if pushed.queued:
+            self._waiting[request.request_id] = _Waiting(ticket, request, exclude)
+        return pushed.queued
 
     def _settle(self, ticket: T, request: RequestView, decision: Decision, now: float) -> None:
         if decision.outcome is Outcome.ADMIT:

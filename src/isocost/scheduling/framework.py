@@ -18,8 +18,12 @@ eligible, so that reading is a view rather than a copy):
    deadline, whose predicted inter-token time exceeds its TPOT target, or where its
    prefill is expected to push more than ``MAX_TPOT_VICTIMS`` of the streams already
    running there past that target (``scheduling.predict``: a stall ruins a short reply,
-   not a long one), are dropped; none left: REJECT ``deadline`` with ``retry_after_s`` = the least
-   predicted wait among them (the time their queued work needs to clear).
+   not a long one), are dropped. None left: if some candidate would still meet the
+   deadline and ``admission.hold`` is on, QUEUE with ``held`` (the dispatcher schedules
+   it again at every wake, as streams end and the stall it would cause shrinks, until
+   it is admitted or no candidate can meet the deadline any more); otherwise REJECT
+   ``deadline`` with ``retry_after_s`` = the least predicted wait among them (the time
+   their queued work needs to clear).
 4. Scorers (plugins) return one score per candidate; the engine clamps each to [0, 1]
    (NaN counts as 0) and sums them with the profile's weights.
 5. The picker (plugin) chooses one candidate from the totals.
@@ -74,14 +78,18 @@ class AdmissionSettings:
     """Admission knobs of a policy (see ``scheduling.dispatch`` for the late-binding queue).
 
     ``slo``: drop candidates predicted to miss the deadline, reject when none is left.
-    ``min_available_fraction`` (0..1): shed all traffic for a model while fewer of its
-    replicas than this fraction are healthy and not draining. ``retry_after_s`` (> 0):
+    ``hold`` (with ``slo``): a request refused only for the TPOT checks while some
+    candidate would meet its deadline is held and scheduled again as replicas free,
+    instead of rejected (module docstring, stage 3). ``min_available_fraction``
+    (0..1): shed all traffic for a model while fewer of its replicas than this fraction
+    are healthy and not draining. ``retry_after_s`` (> 0):
     the Retry-After for unavailable/shed, and the floor for deadline rejections.
     """
 
     slo: bool = False
     min_available_fraction: float = 0.0
     retry_after_s: float = 1.0
+    hold: bool = True
 
 
 class Policy:
@@ -244,14 +252,17 @@ class Policy:
         if not self.admission.slo or (request.deadline_s is None and request.tpot_target_s is None):
             return None
         prediction = ctx.prediction
-        meets = np.ones(ctx.idx.size, dtype=bool)
+        on_time = np.ones(ctx.idx.size, dtype=bool)
         if request.deadline_s is not None:
-            meets &= prediction.ttft_s <= request.deadline_s - ctx.now
+            on_time = prediction.ttft_s <= request.deadline_s - ctx.now
+        meets = on_time
         if request.tpot_target_s is not None:
-            meets &= prediction.tpot_s <= request.tpot_target_s
+            meets = on_time & (prediction.tpot_s <= request.tpot_target_s)
             if not request.decode_only:
                 meets &= ctx.tpot_victims(request.tpot_target_s) <= MAX_TPOT_VICTIMS
         if not meets.any():
+            if self.admission.hold and request.deadline_s is not None and on_time.any():
+                return Decision(Outcome.QUEUE, self.name, route_class=ctx.route_class, held=True)
             retry = max(float(prediction.wait_s.min()), self.admission.retry_after_s)
             return self._reject(RejectReason.DEADLINE, ctx.route_class, retry)
         ctx.narrow(meets)

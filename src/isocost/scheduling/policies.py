@@ -86,6 +86,7 @@ class AdmissionDecl(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     slo: bool = False
     min_available_fraction: float = 0.0
     retry_after_s: float = 1.0
+    hold: bool = True
 
 
 class PolicyProfile(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -246,7 +247,7 @@ def build_policy(
         filters=filters,
         scorers=scorers,
         picker=picker,
-        admission=AdmissionSettings(a.slo, a.min_available_fraction, a.retry_after_s),
+        admission=AdmissionSettings(a.slo, a.min_available_fraction, a.retry_after_s, a.hold),
         routes=RouteTable.of(config.routes),
         rng=rng,
     )

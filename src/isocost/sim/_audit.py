@@ -10,7 +10,11 @@ request, every request then in flight on its replica ("beside it") and every req
 arrived anywhere while it ran ("after it") settle, and hands back how they fared through
 a pipe; the parent rejects it as before and goes on. (The
 queue's own expiries, full queue and timeouts are not admission decisions and are not
-audited.)
+audited.) A request SLO admission holds (``scheduling.dispatch``) is replayed the moment
+it is held first, as if refused then: admitted later after all, it is no rejection and
+the replay is dropped; refused later (at a wake, or when its time ran out), it counts as a
+rejection with that replay, the question being whether admitting it when it asked would
+have served it.
 
 The counterfactual replica: among the candidates the policy's pipeline left before SLO
 admission (eligible, under their queue cap, past the filters), the one predicted closest

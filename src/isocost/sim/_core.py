@@ -112,6 +112,7 @@ class SimRecord:
     failed_on: tuple[str, ...] = ()  # replicas whose attempt broke: retries avoid them
     hashes: tuple[int, ...] | None = None  # the prompt's block hashes, once computed
     counterfactual: tuple[float, float] | None = None  # audited rejection: TTFT, E2E admitted
+    held_s: float | None = None  # when SLO admission held it first (``dispatch``)
     disaggregated: bool = False  # the last attempt was split into prefill and decode legs
     prefill_replica_id: str | None = None  # its prefill replica, when split
     transfer_s: float = 0.0  # its KV transfer, when split
@@ -160,7 +161,8 @@ class _SimulatedReplica:
 
 
 class AdmissionHook(Protocol):
-    """What the simulator asks at each SLO-admission rejection (``sim._audit``)."""
+    """What the simulator asks at each SLO-admission rejection, and when SLO admission
+    holds a request for the first time (``sim._audit``)."""
 
     def admit_instead(
         self, simulator: Simulator, record: SimRecord, view: RequestView
@@ -239,7 +241,7 @@ class Simulator:
         self.max_retries = cluster.max_retries
         self.sample_interval_s = sample_interval_s
         self.on_progress = on_progress
-        self.audit = audit  # asked at each SLO-admission rejection
+        self.audit = audit  # asked at each SLO-admission rejection and first hold
         self.replaying = False  # a forked replay: settles go to the audit, which ends it
         self.shadow = ReplicaSet(block_tokens=BLOCK_TOKENS)
         self.shadow.set_prefill_fit(cluster.prefill_fit)
@@ -270,6 +272,7 @@ class Simulator:
         self._num_events = 0
         self._unsettled = len(self.records)
         self._attempts: dict[str, SimRecord] = {}  # live attempt id -> record
+        self._waiting: dict[str, SimRecord] = {}  # attempt id -> record, while scheduled
         self._sessions: dict[str, list[SimRecord]] = {}  # turns held behind their previous
         self._session_busy: set[str] = set()
         self._samples_s: list[float] = []
@@ -416,11 +419,25 @@ class Simulator:
     def _try_schedule(self, record: SimRecord) -> None:
         """Schedule a new attempt of ``record``: dispatch, reject, or queue it."""
         view = self._view(record)
+        self._waiting[view.request_id] = record
         limit = self.dispatcher.submit(record, view, self._now, record.failed_on)
         if limit is not None:
             self._push(limit, HOOK, (_TIMEOUT, view.request_id, 0))
 
     def _schedule(self, view: RequestView, exclude: Collection[str], now: float) -> Decision:
+        decision = self._decide(view, exclude, now)
+        if not decision.held:
+            return decision
+        record = self._waiting[view.request_id]
+        if record.held_s is None:
+            record.held_s = now
+        if self.audit is not None and record.counterfactual is None:
+            admitted = self.audit.admit_instead(self, record, view)  # as if refused now
+            if admitted is not None:  # the audit's replay admits it instead
+                return admitted
+        return decision
+
+    def _decide(self, view: RequestView, exclude: Collection[str], now: float) -> Decision:
         if self.disaggregation is None:
             return self.policy.schedule(view, self.shadow, now, exclude=exclude)
         pair = choose_pair(
@@ -439,6 +456,8 @@ class Simulator:
         """An ADMIT: dispatch, the request reaches the replica later."""
         replica_id = decision.replica_id
         assert replica_id is not None
+        del self._waiting[view.request_id]
+        record.counterfactual = None  # held, then admitted after all: no rejection
         pair = self._pairs.pop(view.request_id, None)
         if pair is not None and pair.disaggregated and pair.decision is decision:
             self._bind_split(record, pair, now)
@@ -480,11 +499,14 @@ class Simulator:
         reason: RejectReason,
         decision: Decision | None,
     ) -> None:
-        if self.audit is not None and decision is not None and reason is RejectReason.DEADLINE:
+        held_before = record.counterfactual is not None  # audited when it was held first
+        slo_refusal = decision is not None and reason is RejectReason.DEADLINE
+        if self.audit is not None and slo_refusal and not held_before:
             admitted = self.audit.admit_instead(self, record, view)
             if admitted is not None:
                 self._bind(record, view, admitted, self._now)
                 return
+        del self._waiting[view.request_id]
         self._reject(record, str(reason))
 
     def _on_hook(self, payload: object) -> None:

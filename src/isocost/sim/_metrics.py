@@ -158,6 +158,8 @@ class PolicySummary:
     preemptions: int
     offered_rps: float | None
     span_s: float
+    held: int = 0  # held by SLO admission at least once (``dispatch``)
+    held_admitted: int = 0  # of them, admitted after all
 
 
 def summarize_sim(
@@ -173,8 +175,10 @@ def summarize_sim(
     busy_s: Sequence[float] | None = None,
     prefix: tuple[int, int] | None = None,
     preemptions: int = 0,
+    held: tuple[int, int] = (0, 0),
 ) -> PolicySummary:
-    """Summary of one run; ``ttft_s``/``e2e_s`` are nan where a request did not complete."""
+    """Summary of one run; ``ttft_s``/``e2e_s`` are nan where a request did not complete;
+    ``held``: the requests SLO admission held, and how many of them it admitted after."""
     done = ~np.isnan(e2e_s)
     prompt = np.array([r.prompt_tokens for r in requests], dtype=np.float64)
     output = np.array([r.output_tokens for r in requests], dtype=np.float64)
@@ -213,6 +217,8 @@ def summarize_sim(
         preemptions=preemptions,
         offered_rps=offered,
         span_s=span,
+        held=held[0],
+        held_admitted=held[1],
     )
 
 

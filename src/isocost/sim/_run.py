@@ -283,6 +283,10 @@ def _output(
         busy_s=result.busy_s,
         prefix=(result.prefix_queries, result.prefix_hits),
         preemptions=result.preemptions,
+        held=(
+            sum(r.held_s is not None for r in result.records),
+            sum(r.held_s is not None and r.rejected is None for r in result.records),
+        ),
     )
     return RunOutput(
         summary=summary,

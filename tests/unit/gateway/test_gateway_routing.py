@@ -180,3 +180,41 @@ def test_llm_d_slo_header_must_be_a_positive_number() -> None:
         GatewayRequest.from_headers(
             {"x-llm-d-slo-ttft-ms": "-1"}, view, pool, arrived_at=0.0, key_name=None
         )
+
+
+def test_a_prompt_held_for_the_streams_it_would_stall_goes_once_one_ends() -> None:
+    """SLO admission holds a long prompt that one replica could prefill in time but only by
+    pushing both streams there past the TPOT target; the end of one of them admits it."""
+
+    async def scenario() -> None:
+        router, pool, replica, rejected = setup()
+        router.set_policy(pool, "equal_cost")
+        streams = []
+        for name in ("s0", "s1"):  # two streams decode (the replica queues one at a time)
+            streams.append(await router.acquire(request(pool, name), frozenset()))
+            router.on_tokens(streams[-1], 1, time.monotonic())
+        slot = router.replicas.get(replica.name).slot
+        alone = router.replicas.predict_one(slot, time.monotonic(), 30_000, 0, 8)
+        now = time.monotonic()
+        long_prompt = GatewayRequest(
+            request_id="long",
+            view=RoutingView(MODEL, True, 8, None, 30_000, False, ()),
+            pool=pool,
+            arrived_at=now,
+            session_key=None,
+            priority=0,
+            deadline_at=now + 60.0 + alone.ttft_s,
+            tpot_target_s=1.2 * alone.step_s,  # its own; the streams' only unstalled
+            route_class=None,
+            key_name=None,
+        )
+        held = asyncio.create_task(router.acquire(long_prompt, frozenset()))
+        await asyncio.sleep(0)
+        assert not held.done() and router.queue_held(MODEL) == router.queue_depth(MODEL) == 1
+        assert router.metrics.queue_held.labels(MODEL)._value.get() == 1
+        router.release(streams[0], time.monotonic(), ok=True, output_tokens=8)
+        grant = await asyncio.wait_for(held, 1.0)
+        assert grant.replica is replica and router.queue_depth(MODEL) == 0 and not rejected
+        assert router.metrics.queue_held.labels(MODEL)._value.get() == 0
+
+    asyncio.run(scenario())

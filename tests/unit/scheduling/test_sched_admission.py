@@ -213,6 +213,47 @@ def test_a_long_prefill_is_kept_away_from_streams_it_would_stall(make_replicas: 
     assert policy.schedule(long_prompt, replicas, 0.5).replica_id == "r0"
 
 
+def test_a_prompt_that_would_stall_the_streams_is_held_while_its_deadline_allows(
+    make_replicas: Factory,
+) -> None:
+    replicas = make_replicas(["a100-80g"], factor_alpha=0.0)
+    policy = build_policy("equal_cost")
+    for i in (100, 101):  # two short streams decode on the one replica
+        replicas.on_dispatch(_req(i), "r0", 0.0)
+        replicas.on_first_token(f"q{i}", 0.0)
+    alone = replicas.predict_one(0, 0.0, 30_000, 0, 64)
+    target = 1.2 * alone.step_s  # met by the request itself; the streams' only unstalled
+    ttft_s = alone.ttft_s
+
+    def long_prompt(deadline_s: float | None) -> RequestView:
+        return _req(1, prompt=30_000, tpot_target_s=target, deadline_s=deadline_s)
+
+    held = policy.schedule(long_prompt(2.0 * ttft_s), replicas, 0.0)
+    assert (held.outcome, held.held, held.reason) == (Outcome.QUEUE, True, None)
+    # no deadline to bound the wait, or holding turned off: refused at once, as before
+    refused = policy.schedule(long_prompt(None), replicas, 0.0)
+    assert (refused.outcome, refused.reason) == (Outcome.REJECT, RejectReason.DEADLINE)
+    config = parse_scheduling_yaml(
+        "policies:\n  - name: no_hold\n    scorers: [{plugin: equal-cost-scorer}]\n"
+        "    admission: {slo: true, hold: false}\n",
+        "test",
+    )
+    no_hold = build_policy("no_hold", config=config).schedule(
+        long_prompt(2.0 * ttft_s), replicas, 0.0
+    )
+    assert (no_hold.outcome, no_hold.reason) == (Outcome.REJECT, RejectReason.DEADLINE)
+    # a deadline no replica can meet: refused at once, holding would not help it
+    hopeless = policy.schedule(long_prompt(0.5 * ttft_s), replicas, 0.0)
+    assert (hopeless.outcome, hopeless.reason) == (Outcome.REJECT, RejectReason.DEADLINE)
+    # one stream ended: the stall risks at most the one reply this one serves
+    replicas.on_complete("q100", 0.2, ok=True, output_tokens=64)
+    admitted = policy.schedule(long_prompt(2.0 * ttft_s), replicas, 0.2)
+    assert (admitted.outcome, admitted.replica_id) == (Outcome.ADMIT, "r0")
+    # held until too late: time enough went by that the prefill no longer fits
+    late = policy.schedule(long_prompt(2.0 * ttft_s), replicas, 1.5 * ttft_s)
+    assert (late.outcome, late.reason) == (Outcome.REJECT, RejectReason.DEADLINE)
+
+
 def test_tpot_victims_count_the_streams_a_stall_pushes_past_the_target() -> None:
     running = np.array([0.0, 4.0, 4.0, 4.0, 4.0])
     stall = np.array([5.0, 0.0, 0.5, 5.0, 5.0])

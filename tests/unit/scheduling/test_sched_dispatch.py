@@ -1,5 +1,6 @@
 """The late-binding dispatcher: submit, wake (pass the turn, keep the place), expiry, queue
-timeout, cancel, eviction; and, as a property, every request ends exactly once."""
+timeout, cancel, eviction, requests held by SLO admission; and, as a property, every
+request ends exactly once."""
 
 from __future__ import annotations
 
@@ -18,10 +19,12 @@ from isocost.scheduling.dispatch import Dispatcher
 
 @dataclass
 class Host:
-    """A pool with ``capacity`` free slots; requests named in ``refuse`` are rejected."""
+    """A pool with ``capacity`` free slots; requests named in ``refuse`` are rejected, those
+    in ``hold`` held (SLO admission: no replica can take them yet without harm)."""
 
     capacity: int = 0
     refuse: set[str] = field(default_factory=set)
+    hold: set[str] = field(default_factory=set)
     tried: list[str] = field(default_factory=list)  # every schedule call, in order
     log: list[tuple[str, str]] = field(default_factory=list)  # (ticket, replica | reason)
 
@@ -29,6 +32,8 @@ class Host:
         self.tried.append(request.request_id)
         if request.request_id in self.refuse:
             return Decision(Outcome.REJECT, "test", reason=RejectReason.UNAVAILABLE)
+        if request.request_id in self.hold:
+            return Decision(Outcome.QUEUE, "test", held=True)
         if self.capacity <= 0:
             return Decision(Outcome.QUEUE, "test")
         replica = "r1" if "r0" in exclude else "r0"
@@ -167,6 +172,66 @@ def test_the_exclusions_of_an_attempt_travel_with_it_through_the_queue() -> None
     assert host.log == [("retry", "r1")]
 
 
+def test_a_held_request_waits_apart_and_does_not_hold_up_the_queue() -> None:
+    host = Host(hold={"long"})
+    dispatcher = host.dispatcher()
+    assert submit(dispatcher, view("long", priority=2, deadline_s=9.0)) == 9.0
+    submit(dispatcher, view("a"))
+    submit(dispatcher, view("b"))
+    assert len(dispatcher) == 3 and "long" in dispatcher and dispatcher.queue.peek() is not None
+    host.capacity = 1
+    host.tried.clear()
+    dispatcher.wake(1.0)  # the held one tries first, still held; the queue's head goes on
+    assert host.tried == ["long", "a", "b"] and host.log == [("a", "r0")]
+    host.hold.clear()  # the streams it would stall ended: it goes first, ahead of "b"
+    host.capacity = 1
+    dispatcher.wake(2.0)
+    assert host.log == [("a", "r0"), ("long", "r0")] and len(dispatcher) == 1
+
+
+def test_a_held_request_is_refused_once_no_replica_can_meet_it() -> None:
+    host = Host(hold={"long"})
+    dispatcher = host.dispatcher()
+    submit(dispatcher, view("long", deadline_s=9.0))
+    host.hold.clear()
+    host.refuse.add("long")  # the policy's REJECT (here unavailable) settles it at a wake
+    dispatcher.wake(1.0)
+    assert host.log == [("long", "unavailable")] and len(dispatcher) == 0
+    host.hold.add("timed")
+    submit(dispatcher, view("timed", deadline_s=5.0))
+    dispatcher.time_out("timed")  # its deadline came first: refused like a queued one
+    dispatcher.time_out("timed")
+    assert host.log[1:] == [("timed", "queue_timeout")] and len(dispatcher) == 0
+
+
+def test_a_queued_request_held_at_a_wake_moves_aside_and_the_turn_passes() -> None:
+    host = Host()
+    dispatcher = host.dispatcher()
+    submit(dispatcher, view("first", priority=1))
+    submit(dispatcher, view("second"))
+    host.hold.add("first")  # room now, but taking it would stall the streams there
+    host.capacity = 1
+    dispatcher.wake(1.0)
+    assert host.log == [("second", "r0")]
+    assert dispatcher.queue.peek() is None and dispatcher.held.peek() is not None
+    host.hold.clear()
+    host.capacity = 1
+    dispatcher.wake(2.0)
+    assert host.log[-1] == ("first", "r0") and len(dispatcher) == 0
+
+
+def test_held_requests_are_bounded_cancelled_and_cleared_like_queued_ones() -> None:
+    host = Host(hold={"h1", "h2", "h3"})
+    dispatcher = host.dispatcher(max_size=2)
+    submit(dispatcher, view("h1", arrival_s=0.0))
+    submit(dispatcher, view("h2", arrival_s=1.0, priority=1))
+    assert submit(dispatcher, view("h3", arrival_s=2.0)) is None  # least urgent: refused
+    submit(dispatcher, view("q"))  # the queue proper has its own bound
+    assert host.log == [("h3", "queue_full")] and len(dispatcher) == 3
+    assert dispatcher.cancel("h1") and not dispatcher.cancel("h1")
+    assert dispatcher.clear() == ["h2", "q"] and len(dispatcher) == 0
+
+
 # -- property: every request ends exactly once ---------------------------------------------
 
 _ops = st.lists(
@@ -176,7 +241,9 @@ _ops = st.lists(
             st.integers(0, 2),  # priority
             st.one_of(st.none(), st.floats(0.0, 20.0)),  # deadline, relative to now
             st.booleans(),  # the policy refuses it
+            st.booleans(),  # SLO admission holds it
         ),
+        st.tuples(st.just("release"), st.integers(0, 40)),  # no longer held
         st.tuples(st.just("wake"), st.integers(0, 3)),  # slots freed
         st.tuples(st.just("time_out"), st.integers(0, 40)),
         st.tuples(st.just("cancel"), st.integers(0, 40)),
@@ -199,11 +266,13 @@ def test_every_request_is_bound_rejected_or_cancelled_exactly_once(
     for op in ops:
         kind = op[0]
         if kind == "submit":
-            _, priority, deadline, refused = op
+            _, priority, deadline, refused, held = op
             name = f"q{len(names)}"
             names.append(name)
             if refused:
                 host.refuse.add(name)
+            if held:
+                host.hold.add(name)
             deadline_s = None if deadline is None else now + float(deadline)  # type: ignore[arg-type]
             request = view(name, arrival_s=now, priority=priority, deadline_s=deadline_s)
             limit = dispatcher.submit(name, request, now)
@@ -215,12 +284,17 @@ def test_every_request_is_bound_rejected_or_cancelled_exactly_once(
             host.tried.clear()
             dispatcher.wake(now)
             settled = {t for t, _ in host.log[before:]}
-            waits_again = [name for name in host.tried if name not in settled]
-            # only the last one tried may still wait, and it is the head again (its place)
+            waits_again = [
+                name for name in host.tried if name not in settled and name not in host.hold
+            ]
+            # of the queued, only the last one tried may still wait, and it is the head
+            # again (its place); every held one is tried, the queued ones after them
             assert waits_again in ([], host.tried[-1:])
             if waits_again:
                 head = dispatcher.queue.peek()
                 assert head is not None and head.request_id == waits_again[0]
+        elif kind == "release" and names:
+            host.hold.discard(names[int(op[1]) % len(names)])  # type: ignore[call-overload]
         elif kind in ("time_out", "cancel") and names:
             name = names[int(op[1]) % len(names)]  # type: ignore[call-overload]
             if kind == "time_out":

@@ -130,12 +130,41 @@ def test_a_rejection_that_keeps_the_streams_beside_it_on_target_is_true() -> Non
     protective = [r for r in records if r.counterfactual is not None]
     assert protective and audit.true_for_others == audit.true_rejections == len(protective)
     for record in protective:
+        # held on arrival (its deadline allowed a wait), refused once it no longer did:
+        # replayed as admitted when it was held
+        assert record.held_s == record.request.arrival_s and record.rejected == "deadline"
         assert _met(record, record.counterfactual or (math.nan, math.nan), slo)
         assert any(not met for _, met in auditor.beside[record.request.request_id])
     assert audit.false_rejections == 0
     assert [(c.reason, c.false_rejections) for c in audit.by_reason] == [
         ("victims", 0)
     ]  # its own TTFT and TPOT were predicted fine: refused for the streams alone
+
+
+def test_a_request_held_until_the_streams_ended_is_no_rejection() -> None:
+    """The same 16,000-token prefill against 40 streams of 60 tokens: held on arrival,
+    admitted once they end, in time; the audit counts no rejection."""
+    slo = SloTargets(ttft_s=5.0, tpot_s=0.02)
+    requests = [WorkloadRequest(i, 0.01 * i, 200, 60, (Segment(i, 200),)) for i in range(40)]
+    requests.append(WorkloadRequest(100, 1.0, 16_000, 20, (Segment(100, 16_000),)))
+    audit, records, _ = _audited(_cluster(1.0), requests, slo)
+    long_prompt = records[-1]
+    assert long_prompt.held_s == 1.0 and long_prompt.rejected is None
+    assert long_prompt.counterfactual is None and _met(long_prompt, _seen(long_prompt), slo)
+    streams_end = max(r.finished_s or math.inf for r in records[:-1])
+    assert long_prompt.first_token_s is not None and long_prompt.first_token_s > streams_end
+    assert audit.rejections == 0 and all(_met(r, _seen(r), slo) for r in records)
+    cluster = _cluster(1.0)
+    plan = SimPlan(
+        cluster=cluster,
+        replicas=tuple(resolve_cluster(cluster, CATALOG)),
+        requests=requests,
+        policies=("equal_cost",),
+        slo=slo,
+        jobs=1,
+    )
+    row = json_rows(run_plan(plan))[0]
+    assert (row["held"], row["held_admitted"], row["rejected"]) == (1, 1, 0)
 
 
 def _seen(record: SimRecord) -> tuple[float, float]:
