@@ -57,6 +57,7 @@ from random import Random
 
 import numpy as np
 
+from isocost.scheduling.claims import Claims
 from isocost.scheduling.contract import InFlight, RequestView, Role, ShadowListener
 from isocost.scheduling.decision import Decision, Explanation, Outcome, RejectReason
 from isocost.scheduling.interface import Context, Filter, Picker, Scorer
@@ -66,11 +67,29 @@ from isocost.scheduling.slots import BoolArray
 from isocost.scheduling.state import ReplicaSet
 from isocost.scheduling.timing import FloatArray
 
-__all__ = ["MAX_TPOT_VICTIMS", "AdmissionSettings", "Policy"]
+__all__ = ["MAX_TPOT_VICTIMS", "SLO_CHECKS", "AdmissionSettings", "Policy", "slo_ratios"]
 
 # SLO admission's bound on the running streams a request may push past the TPOT target:
 # one, the request it serves (admitting it then does not lower the expected count met).
 MAX_TPOT_VICTIMS = 1.0
+SLO_CHECKS = ("ttft", "tpot", "victims")  # SLO admission's checks, rows of ``slo_ratios``
+
+
+def slo_ratios(ctx: Context) -> FloatArray:
+    """Per check of ``SLO_CHECKS`` (rows) and candidate, what is predicted over its bound
+    (above 1 fails; 0 where the check does not apply): the TTFT over the time left before
+    the deadline, the inter-token time over the TPOT target, and the running streams the
+    prefill is expected to push past that target over ``MAX_TPOT_VICTIMS`` (a request
+    joining with its KV ready, ``decode_only``, stalls no one)."""
+    request, prediction = ctx.request, ctx.prediction
+    ratios = np.zeros((len(SLO_CHECKS), ctx.idx.size))
+    if request.deadline_s is not None:
+        ratios[0] = prediction.ttft_s / max(request.deadline_s - ctx.now, 1e-12)
+    if request.tpot_target_s is not None:
+        ratios[1] = prediction.tpot_s / request.tpot_target_s
+        if not request.decode_only:
+            ratios[2] = ctx.tpot_victims(request.tpot_target_s) / MAX_TPOT_VICTIMS
+    return ratios
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +132,7 @@ class Policy:
         self.admission = admission or AdmissionSettings()
         self.routes = routes or RouteTable()
         self.rng = rng or Random(0)
+        self.claims = Claims()  # the replicas its held requests wait for
         plugins: list[object] = [*self.filters, *(s for _, s, _ in self.scorers), picker]
         self._stateful = [p for p in plugins if isinstance(p, ShadowListener)]
 
@@ -179,7 +199,7 @@ class Policy:
         eligible = self._eligible(request, replicas, route, exclude, roles, notes)
         if isinstance(eligible, Decision):
             return eligible
-        ctx = Context(request, replicas, now, rng or self.rng, eligible, route.name)
+        ctx = Context(request, replicas, now, rng or self.rng, eligible, route.name, self.claims)
         if not self._under_queue_cap(ctx):
             return Decision(Outcome.QUEUE, self.name, route_class=route.name)
         self._filter(ctx, notes)
@@ -247,26 +267,29 @@ class Policy:
 
     def _slo_admission(self, ctx: Context) -> Decision | None:
         """Stage 3: keep the candidates predicted to meet the request's deadline and TPOT
-        target, or the REJECT ``deadline`` when none would (``None``: admitted)."""
+        target, or hold the request (QUEUE ``held``, claiming the candidate it would harm
+        least, ``scheduling.claims``), or the REJECT ``deadline`` when none would
+        (``None``: admitted)."""
         request = ctx.request
         if not self.admission.slo or (request.deadline_s is None and request.tpot_target_s is None):
             return None
-        prediction = ctx.prediction
-        on_time = np.ones(ctx.idx.size, dtype=bool)
-        if request.deadline_s is not None:
-            on_time = prediction.ttft_s <= request.deadline_s - ctx.now
-        meets = on_time
-        if request.tpot_target_s is not None:
-            meets = on_time & (prediction.tpot_s <= request.tpot_target_s)
-            if not request.decode_only:
-                meets &= ctx.tpot_victims(request.tpot_target_s) <= MAX_TPOT_VICTIMS
-        if not meets.any():
-            if self.admission.hold and request.deadline_s is not None and on_time.any():
-                return Decision(Outcome.QUEUE, self.name, route_class=ctx.route_class, held=True)
-            retry = max(float(prediction.wait_s.min()), self.admission.retry_after_s)
-            return self._reject(RejectReason.DEADLINE, ctx.route_class, retry)
-        ctx.narrow(meets)
-        return None
+        ratios = slo_ratios(ctx)
+        meets = np.all(ratios <= 1.0, axis=0)
+        if meets.any():
+            self.claims.release(request.request_id)
+            ctx.narrow(meets)
+            return None
+        on_time = ratios[0] <= 1.0
+        if self.admission.hold and request.deadline_s is not None and on_time.any():
+            closest = int(np.argmin(np.where(on_time, ratios.max(axis=0), np.inf)))
+            prefill_s = float(ctx.prediction.prefill_s[closest])
+            self.claims.claim(
+                request.request_id, int(ctx.idx[closest]), prefill_s, request.deadline_s
+            )
+            return Decision(Outcome.QUEUE, self.name, route_class=ctx.route_class, held=True)
+        self.claims.release(request.request_id)
+        retry = max(float(ctx.prediction.wait_s.min()), self.admission.retry_after_s)
+        return self._reject(RejectReason.DEADLINE, ctx.route_class, retry)
 
     def _score(self, ctx: Context) -> tuple[dict[str, FloatArray], dict[str, float], FloatArray]:
         """Stage 4: every scorer's clamped scores, its weight, and their weighted total."""

@@ -82,7 +82,7 @@ from rich.text import Text
 from isocost.core.slo import SloTargets
 from isocost.scheduling.contract import RequestView
 from isocost.scheduling.decision import Decision, Outcome
-from isocost.scheduling.framework import MAX_TPOT_VICTIMS
+from isocost.scheduling.framework import SLO_CHECKS, slo_ratios
 
 if TYPE_CHECKING:
     from isocost.sim._core import SimRecord, Simulator
@@ -90,11 +90,10 @@ if TYPE_CHECKING:
 __all__ = ["AdmissionAudit", "AdmissionAuditor", "ForcedAdmission", "ReasonCount", "audit_table"]
 
 # a replay's answer: its TTFT, E2E (nan: not completed), the checks its replica was
-# predicted to fail (bits of ``_CHECKS``), and how many of the others are beside it; then,
+# predicted to fail (bits of ``SLO_CHECKS``), and how many of the others are beside it; then,
 # one for each of those beside it, then one for each after it:
 _HEAD = struct.Struct("<ddBI")
 _OTHER = struct.Struct("<q?")  # (request id, met its SLOs in the replay)
-_CHECKS = ("ttft", "tpot", "victims")  # SLO admission's checks, in the order of their bits
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,7 +224,7 @@ class AdmissionAuditor:
         ttft_s, e2e_s, failed, beside = _HEAD.unpack_from(data)
         record.counterfactual = (ttft_s, e2e_s)
         request_id = record.request.request_id
-        self.reason[request_id] = "+".join(c for i, c in enumerate(_CHECKS) if failed >> i & 1)
+        self.reason[request_id] = "+".join(c for i, c in enumerate(SLO_CHECKS) if failed >> i & 1)
         others = tuple((rid, met) for rid, met in _OTHER.iter_unpack(data[_HEAD.size :]))
         self.beside[request_id], self.after[request_id] = others[:beside], others[beside:]
         self.replays += 1
@@ -342,7 +341,7 @@ def _counterfactual_admission(
     simulator: Simulator, record: SimRecord, view: RequestView
 ) -> tuple[Decision, int]:
     """The ADMIT decision to the candidate closest to meeting the SLO (module docstring),
-    and the checks that candidate was predicted to fail (bits of ``_CHECKS``).
+    and the checks that candidate was predicted to fail (bits of ``SLO_CHECKS``).
 
     The candidates are found by the policy's own first stages, without running its
     scorers and picker, which may keep state (a round-robin cursor, the random stream)
@@ -352,15 +351,10 @@ def _counterfactual_admission(
     ctx = policy.candidates(view, shadow, now, exclude=record.failed_on, rng=Random(0))
     assert not isinstance(ctx, Decision), "SLO admission rejected a request with no candidate"
     prediction = ctx.prediction
-    ratios = np.zeros((len(_CHECKS), ctx.idx.size))  # a check that does not apply: 0
-    if view.deadline_s is not None:
-        ratios[0] = prediction.ttft_s / max(view.deadline_s - now, 1e-12)
-    if view.tpot_target_s is not None:
-        ratios[1] = prediction.tpot_s / view.tpot_target_s
-        ratios[2] = ctx.tpot_victims(view.tpot_target_s) / MAX_TPOT_VICTIMS
+    ratios = slo_ratios(ctx)
     worst = np.max(ratios, axis=0)
     position = int(np.lexsort((prediction.ttft_s, worst))[0])
-    failed = sum(1 << i for i in range(len(_CHECKS)) if ratios[i, position] > 1.0)
+    failed = sum(1 << i for i in range(len(SLO_CHECKS)) if ratios[i, position] > 1.0)
     slot = int(ctx.idx[position])
     decision = Decision(
         Outcome.ADMIT,
