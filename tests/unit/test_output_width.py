@@ -135,7 +135,11 @@ def _drill_report() -> DrillReport:
 
 
 def _audited(policy: str) -> tuple[str, float, AdmissionAudit]:
-    return policy, 40.0, AdmissionAudit(12_031, 12_345, 1_234, 1_234, 11_111, 23_456, 1_234.5)
+    return (
+        policy,
+        40.0,
+        AdmissionAudit(12_031, 12_345, 1_234, 1_234, 11_111, 23_456, 1_234.5, 12_345),
+    )
 
 
 SUMMARIES = [_bench_summary(policy) for policy in POLICIES]

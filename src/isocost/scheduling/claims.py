@@ -44,8 +44,11 @@ class Claims:
     def __len__(self) -> int:
         return len(self._claims)
 
-    def claim(self, request_id: str, slot: int, prefill_s: float, until_s: float) -> None:
+    def claim(
+        self, request_id: str, slot: int, prefill_s: float, until_s: float, now: float
+    ) -> None:
         """``request_id`` is held, expected on ``slot`` (replacing any earlier claim)."""
+        self._drop_expired(now)
         self._claims[request_id] = _Claim(slot, prefill_s, until_s)
 
     def release(self, request_id: str) -> None:
@@ -57,9 +60,7 @@ class Claims:
         None when none of them is claimed (claims past their deadline are dropped here)."""
         if not self._claims:
             return None
-        expired = [rid for rid, c in self._claims.items() if c.until_s < now]
-        for rid in expired:
-            del self._claims[rid]
+        self._drop_expired(now)
         pending: dict[int, float] = {}
         for rid, c in self._claims.items():
             if rid != request_id:
@@ -74,3 +75,10 @@ class Claims:
         held = np.zeros(idx.size)
         held[at[found]] = np.fromiter(pending.values(), dtype=np.float64)[found]
         return held
+
+    def _drop_expired(self, now: float) -> None:
+        """Claims past their deadline: requests that left unseen (a queue timeout, a
+        client gone), so that a policy that never reads its claims keeps none for long."""
+        expired = [rid for rid, c in self._claims.items() if c.until_s < now]
+        for rid in expired:
+            del self._claims[rid]

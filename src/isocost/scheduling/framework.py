@@ -283,9 +283,8 @@ class Policy:
         if self.admission.hold and request.deadline_s is not None and on_time.any():
             closest = int(np.argmin(np.where(on_time, ratios.max(axis=0), np.inf)))
             prefill_s = float(ctx.prediction.prefill_s[closest])
-            self.claims.claim(
-                request.request_id, int(ctx.idx[closest]), prefill_s, request.deadline_s
-            )
+            slot = int(ctx.idx[closest])
+            self.claims.claim(request.request_id, slot, prefill_s, request.deadline_s, ctx.now)
             return Decision(Outcome.QUEUE, self.name, route_class=ctx.route_class, held=True)
         self.claims.release(request.request_id)
         retry = max(float(ctx.prediction.wait_s.min()), self.admission.retry_after_s)

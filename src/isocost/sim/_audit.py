@@ -107,7 +107,8 @@ class ReasonCount:
 
 @dataclass(frozen=True, slots=True)
 class AdmissionAudit:
-    """One run's audit (see the module docstring); ``replay_wall_s`` is not in the JSON."""
+    """One run's audit (see the module docstring); ``replay_wall_s`` and ``replays`` are not
+    in the JSON."""
 
     arrivals: int
     rejections: int
@@ -116,6 +117,7 @@ class AdmissionAudit:
     false_rejections: int
     admitted_missed: int
     replay_wall_s: float
+    replays: int  # one per rejection, and one per held request admitted after all
     by_reason: tuple[ReasonCount, ...] = ()  # most rejections first
     later_lost: int = 0  # after the rejections that would have met: met, would miss
     later_saved: int = 0  # the other way round
@@ -297,6 +299,7 @@ class AdmissionAuditor:
             false_rejections=rejections - true_rejections,
             admitted_missed=admitted_missed,
             replay_wall_s=self.replay_wall_s,
+            replays=self.replays,
             by_reason=tuple(
                 ReasonCount(reason, n, false)
                 for reason, (n, false) in sorted(by_reason.items(), key=lambda kv: -kv[1][0])
@@ -403,7 +406,7 @@ def audit_table(runs: Sequence[tuple[str, float | None, AdmissionAudit]]) -> Gro
             table.add_column(header, justify="left" if header == "policy" else "right")
     replays = replay_s = 0.0
     for policy, rate, audit in runs:
-        replays += audit.rejections
+        replays += audit.replays
         replay_s += audit.replay_wall_s
         table.add_row(
             policy,

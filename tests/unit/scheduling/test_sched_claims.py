@@ -14,10 +14,10 @@ from isocost.scheduling.policies import build_policy
 def test_claims_add_up_per_slot_leave_out_the_asker_and_end() -> None:
     claims = Claims()
     assert claims.pending_prefill_s(0.0, np.array([0, 1]), "a") is None
-    claims.claim("a", 1, 2.0, until_s=10.0)
-    claims.claim("b", 1, 3.0, until_s=5.0)
-    claims.claim("c", 0, 1.0, until_s=10.0)
-    claims.claim("c", 2, 4.0, until_s=10.0)  # held again: its newer claim replaces it
+    claims.claim("a", 1, 2.0, until_s=10.0, now=0.0)
+    claims.claim("b", 1, 3.0, until_s=5.0, now=0.0)
+    claims.claim("c", 0, 1.0, until_s=10.0, now=0.0)
+    claims.claim("c", 2, 4.0, until_s=10.0, now=0.0)  # held again: the newer claim stands
     pending = claims.pending_prefill_s(0.0, np.array([0, 1, 2]), "a")
     assert pending is not None and pending.tolist() == [0.0, 3.0, 4.0]  # "a"'s own left out
     later = claims.pending_prefill_s(6.0, np.array([1, 2]), "x")  # "b" is past its deadline
@@ -27,6 +27,9 @@ def test_claims_add_up_per_slot_leave_out_the_asker_and_end() -> None:
     assert claims.pending_prefill_s(6.0, np.array([0, 1]), "x") is None  # only "c", on 2
     assert claims.pending_prefill_s(6.0, np.array([], dtype=np.int64), "x") is None
     assert claims.pending_prefill_s(11.0, np.array([2]), "x") is None and len(claims) == 0
+    claims.claim("d", 0, 1.0, until_s=20.0, now=11.0)
+    claims.claim("e", 0, 1.0, until_s=30.0, now=25.0)  # a new claim drops the ones past
+    assert len(claims) == 1  # their deadline, read or not
 
 
 def _stream(replicas_set: object, name: str, replica: str, prompt: int = 500) -> None:
