@@ -25,7 +25,10 @@ sees.
 The isocost ``<peer>_slo`` rows run a peer's routing (isocost's re-implementation of it)
 behind the isocost gateway with equal_cost's SLO admission: equal_cost is compared with
 the real peers and, separately, with the best of these, so that what routing wins is not
-credited to admission.
+credited to admission. Every request carries its SLO targets (``isocost bench
+--send-slo``: ``x-deadline-ms``, ``x-tpot-ms``), which the isocost gateway's SLO
+admission reads and the peers ignore; ``--no-send-slo`` leaves them out, and then no
+request gives SLO admission anything to act on.
 
 Load: the offered rate and the prefill demand as a share of the cluster's prefill
 capacity (cost model, no prefix-cache hits counted) are printed before the runs.
@@ -464,7 +467,13 @@ def setup_lines(
         f"goodput SLOs: TTFT <= {args.slo_ttft_ms:g} ms and TPOT <= {args.slo_tpot_ms:g} ms "
         f"(wall clock; {args.slo_ttft_ms / args.time_scale:g} and "
         f"{args.slo_tpot_ms / args.time_scale:g} ms of modelled GPU time); requests time out "
-        f"after {args.timeout:g} s; latencies are wall ms over completed requests only",
+        f"after {args.timeout:g} s; latencies are wall ms over completed requests only; "
+        + (
+            "each request carries its targets (x-deadline-ms, x-tpot-ms: isocost's SLO "
+            "admission reads them, the peers ignore them)"
+            if args.send_slo
+            else "requests carry no targets (isocost's SLO admission has none to act on)"
+        ),
         f"peers: {', '.join(PEER_REQUIREMENTS)} (PyPI); isocost is told each replica's GPU",
     ]
 
@@ -501,6 +510,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--slo-ttft-ms", type=float, default=2500.0, help="wall ms")
     parser.add_argument("--slo-tpot-ms", type=float, default=75.0, help="wall ms")
     parser.add_argument("--timeout", type=float, default=90.0, help="per request, s")
+    parser.add_argument(
+        "--send-slo",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="requests carry their SLO targets as headers (isocost's SLO admission)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="engine seed")
     parser.add_argument(
         "--routers", default=",".join(DEFAULT_ROUTERS), help=f"comma list from: {keys}"
@@ -545,6 +560,7 @@ def main(argv: list[str] | None = None) -> None:
         timeout_s=args.timeout,
         slo_ttft_ms=args.slo_ttft_ms,
         slo_tpot_ms=args.slo_tpot_ms,
+        send_slo=args.send_slo,
     )
     load = offered_load(replayed_requests(spec, options), settings)
     setup = setup_lines(args, settings, load)

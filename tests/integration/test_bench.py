@@ -51,6 +51,8 @@ def _serve(mode: str) -> None:
         entry: dict[str, Any] = {
             "prompt": body.get("prompt") or body["messages"][-1]["content"],
             "session": request.headers.get("x-session-id"),
+            "deadline_ms": request.headers.get("x-deadline-ms"),
+            "tpot_ms": request.headers.get("x-tpot-ms"),
             "max_tokens": body["max_tokens"],
             "received_s": time.monotonic() - started,
         }
@@ -207,6 +209,36 @@ def test_trace_replay_keeps_shared_prefixes_end_to_end(server: str, tmp_path: Pa
     first, second = by_length[6758], by_length[7322]  # hash_ids [0, 1, ...] and [0, 14, ...]
     assert first[:512] == second[:512]
     assert first[512:1024] != second[512:1024]
+
+
+def test_send_slo_gives_each_request_its_targets_for_slo_admission(
+    server: str, tmp_path: Path
+) -> None:
+    records = tmp_path / "r.jsonl"
+    run = _bench(
+        "--url", server, "--trace", str(FIXTURES / "mooncake_conversation_head.jsonl"),
+        "--speedup", "1000", "--max-requests", "4", "--max-tokens", "3",
+        "--slo-ttft-ms", "500", "--slo-ttft-per-1k-ms", "100", "--slo-tpot-ms", "40",
+        "--send-slo", "--records", str(records),
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    sent = {r["prompt_tokens"] for r in _records(records)}
+    seen = _server_log(server)["requests"]
+    assert {len(e["prompt"].split(" ")) for e in seen} == sent
+    for entry in seen:  # the TTFT target grows with the prompt, as the goodput judges it
+        tokens = len(entry["prompt"].split(" "))
+        assert float(entry["deadline_ms"]) == pytest.approx(500 + 100 * tokens / 1000)
+        assert entry["tpot_ms"] == "40"
+    plain = _bench(
+        "--url", server, "--workload", "mix", "--rate", "400", "--max-requests", "2",
+        "--slo-ttft-ms", "500",
+    )  # fmt: skip
+    assert plain.returncode == 0, plain.stderr
+    assert [e["deadline_ms"] for e in _server_log(server)["requests"][-2:]] == [None, None]
+    lonely = _bench("--url", server, "--workload", "mix", "--rate", "4", "--send-slo")
+    assert lonely.returncode == 2 and lonely.stdout + lonely.stderr == (
+        "error: bench options: --send-slo needs --slo-ttft-ms or --slo-tpot-ms\n"
+    )
 
 
 def test_open_loop_does_not_wait_for_answers(server: str, tmp_path: Path) -> None:

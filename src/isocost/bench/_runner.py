@@ -70,6 +70,7 @@ class BenchOptions:
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     slo_ttft_per_1k_ms: float = 0.0  # added to the TTFT target per 1,000 prompt tokens
+    send_slo: bool = False  # each request carries its targets: x-deadline-ms, x-tpot-ms
     text_salt: int = 0  # a new salt gives new prompt text (a cold prefix cache)
     api_key: str | None = None
     label: str = "bench"
@@ -83,6 +84,22 @@ class BenchOptions:
             SloTargets.from_ms(self.slo_ttft_ms, self.slo_tpot_ms, self.slo_ttft_per_1k_ms)
         except ValueError as exc:
             raise ConfigError("bench options", str(exc)) from None
+        if self.send_slo and self.slo_ttft_ms is None and self.slo_tpot_ms is None:
+            raise ConfigError("bench options", "--send-slo needs --slo-ttft-ms or --slo-tpot-ms")
+
+    def slo_headers(self, prompt_tokens: int) -> dict[str, str]:
+        """The request's own SLO targets as a gateway's SLO admission reads them: the TTFT
+        target (with its per-1k-token part) as ``x-deadline-ms``, ``x-tpot-ms``; none
+        without ``send_slo``."""
+        if not self.send_slo:
+            return {}
+        targets = SloTargets.from_ms(self.slo_ttft_ms, self.slo_tpot_ms, self.slo_ttft_per_1k_ms)
+        headers = {}
+        if self.slo_ttft_ms is not None:
+            headers["x-deadline-ms"] = f"{1000 * targets.ttft_target_s(prompt_tokens):.3f}"
+        if self.slo_tpot_ms is not None:
+            headers["x-tpot-ms"] = f"{self.slo_tpot_ms:g}"
+        return headers
 
 
 @dataclass(slots=True)
@@ -224,7 +241,10 @@ class _Run:
             await self._sleep_until(due_s)
             if self.stop.is_set():
                 return
-        headers = {"content-type": "application/json"}
+        headers = {
+            "content-type": "application/json",
+            **self.options.slo_headers(request.prompt_tokens),
+        }
         if request.session_id is not None:
             headers["x-session-id"] = request.session_id
         if self.options.api_key:

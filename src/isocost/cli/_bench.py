@@ -60,6 +60,9 @@ def bench(
     slo_ttft_ms: OptionalSloTtftOption = None,
     slo_ttft_per_1k_ms: SloTtftPer1kOption = DEFAULT_SLO_TTFT_PER_1K_MS,
     slo_tpot_ms: OptionalSloTpotOption = None,
+    send_slo: bool = typer.Option(
+        False, "--send-slo", help="Send the targets: x-deadline-ms, x-tpot-ms (SLO admission)."
+    ),
     timeout: float = typer.Option(600.0, "--timeout", help="Per-request timeout, s."),
     seed: int = typer.Option(0, "--seed", help="Seed of synthetic workloads and arrivals."),
     text_salt: int = typer.Option(0, "--text-salt", help="New prompt text (cold cache)."),
@@ -112,6 +115,7 @@ def bench(
         slo_ttft_ms=slo_ttft_ms,
         slo_tpot_ms=slo_tpot_ms,
         slo_ttft_per_1k_ms=slo_ttft_per_1k_ms,
+        send_slo=send_slo,
         text_salt=text_salt,
         api_key=api_key,
         label=label,
