@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Capacity at SLO of equal_cost against the peers' routing with the same SLO admission
 # (<peer>_slo), by bisection, on the shared traces and several fleets. One run of this
-# script gives every row of the README's "equal terms" table.
+# script gives every row of the README's "equal terms" table. 6,000 requests per regime:
+# with 2,000, rates 1% apart gave attainments up to a point apart, either way (a sweep
+# of equal_cost on 16 x A100 from 9.8 to 10.7 req/s), so one bisection step (3-5%) was
+# within the noise; with 6,000 the same sweep moves by 0.4 points at most.
 #   benchmarks/equal_terms/run.sh [OUT_DIR] [TRACES_DIR]
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -20,17 +23,22 @@ run() {  # name, then sim arguments
     | tee -a "$out/$name.txt"
 }
 capacity=(--precision 0.05 --capacity)
-run mooncake-homogeneous --trace "$mooncake" --max-requests 2000 --replicas 16 \
+requests=6000
+run mooncake-homogeneous --trace "$mooncake" --max-requests $requests --replicas 16 \
   "${long_slo[@]}" "${capacity[@]}" 1:24
-run mooncake-a100-l20 --trace "$mooncake" --max-requests 2000 --cluster "$here/a100-l20.yaml" \
+run mooncake-a100-l20 --trace "$mooncake" --max-requests $requests --cluster "$here/a100-l20.yaml" \
   "${long_slo[@]}" "${capacity[@]}" 1:24
-run mooncake-two-slowed --trace "$mooncake" --max-requests 2000 \
+run mooncake-two-slowed --trace "$mooncake" --max-requests $requests \
   --cluster "$here/two-slowed.yaml" "${long_slo[@]}" "${capacity[@]}" 1:24
 run azure-code-h100-a100-l20 --trace "$traces/AzureLLMInferenceTrace_code.csv" \
-  --max-requests 3000 --cluster "$here/h100-a100-l20.yaml" \
+  --max-requests $requests --cluster "$here/h100-a100-l20.yaml" \
   --slo-ttft-ms 500 --slo-ttft-per-1k-ms 100 --slo-tpot-ms 50 "${capacity[@]}" 2:200
 run arxiv-homogeneous --trace "$traces/vidur_arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv" \
-  --max-requests 2000 --rate 4 --replicas 16 "${long_slo[@]}" "${capacity[@]}" 1:64
-# a burst at twice the best capacity found above: goodput and SLO attainment at one rate
-run mooncake-homogeneous-2x --trace "$mooncake" --max-requests 2000 --replicas 16 \
-  "${long_slo[@]}" --rate 18
+  --max-requests $requests --rate 4 --replicas 16 "${long_slo[@]}" "${capacity[@]}" 1:64
+# a burst at twice the best capacity found on the homogeneous fleet: goodput and SLO
+# attainment at one rate
+burst=$("$root/.venv/bin/python" -c "import json, sys
+found = json.load(open(sys.argv[1]))['policies']
+print(round(2 * max(p['capacity_rps'] or 0 for p in found), 1))" "$out/mooncake-homogeneous.json")
+run mooncake-homogeneous-2x --trace "$mooncake" --max-requests $requests --replicas 16 \
+  "${long_slo[@]}" --rate "$burst"

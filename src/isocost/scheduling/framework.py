@@ -57,7 +57,6 @@ from random import Random
 
 import numpy as np
 
-from isocost.scheduling.claims import Claims
 from isocost.scheduling.contract import InFlight, RequestView, Role, ShadowListener
 from isocost.scheduling.decision import Decision, Explanation, Outcome, RejectReason
 from isocost.scheduling.interface import Context, Filter, Picker, Scorer
@@ -132,7 +131,6 @@ class Policy:
         self.admission = admission or AdmissionSettings()
         self.routes = routes or RouteTable()
         self.rng = rng or Random(0)
-        self.claims = Claims()  # the replicas its held requests wait for
         plugins: list[object] = [*self.filters, *(s for _, s, _ in self.scorers), picker]
         self._stateful = [p for p in plugins if isinstance(p, ShadowListener)]
 
@@ -199,7 +197,7 @@ class Policy:
         eligible = self._eligible(request, replicas, route, exclude, roles, notes)
         if isinstance(eligible, Decision):
             return eligible
-        ctx = Context(request, replicas, now, rng or self.rng, eligible, route.name, self.claims)
+        ctx = Context(request, replicas, now, rng or self.rng, eligible, route.name)
         if not self._under_queue_cap(ctx):
             return Decision(Outcome.QUEUE, self.name, route_class=route.name)
         self._filter(ctx, notes)
@@ -267,26 +265,19 @@ class Policy:
 
     def _slo_admission(self, ctx: Context) -> Decision | None:
         """Stage 3: keep the candidates predicted to meet the request's deadline and TPOT
-        target, or hold the request (QUEUE ``held``, claiming the candidate it would harm
-        least, ``scheduling.claims``), or the REJECT ``deadline`` when none would
-        (``None``: admitted)."""
+        target, or hold the request (QUEUE ``held``) or REJECT ``deadline`` when none
+        would (``None``: admitted)."""
         request = ctx.request
         if not self.admission.slo or (request.deadline_s is None and request.tpot_target_s is None):
             return None
         ratios = slo_ratios(ctx)
         meets = np.all(ratios <= 1.0, axis=0)
         if meets.any():
-            self.claims.release(request.request_id)
             ctx.narrow(meets)
             return None
         on_time = ratios[0] <= 1.0
         if self.admission.hold and request.deadline_s is not None and on_time.any():
-            closest = int(np.argmin(np.where(on_time, ratios.max(axis=0), np.inf)))
-            prefill_s = float(ctx.prediction.prefill_s[closest])
-            slot = int(ctx.idx[closest])
-            self.claims.claim(request.request_id, slot, prefill_s, request.deadline_s, ctx.now)
             return Decision(Outcome.QUEUE, self.name, route_class=ctx.route_class, held=True)
-        self.claims.release(request.request_id)
         retry = max(float(ctx.prediction.wait_s.min()), self.admission.retry_after_s)
         return self._reject(RejectReason.DEADLINE, ctx.route_class, retry)
 

@@ -20,7 +20,6 @@ from typing import Any, ClassVar, Protocol, TypeVar
 
 import numpy as np
 
-from isocost.scheduling.claims import Claims
 from isocost.scheduling.contract import RequestView, stable_hash64
 from isocost.scheduling.predict import (
     IndexArray,
@@ -42,7 +41,6 @@ class Context:
 
     __slots__ = (
         "_cached",
-        "_claims",
         "_load",
         "_prediction",
         "_request_hash",
@@ -64,7 +62,6 @@ class Context:
         rng: Random,
         idx: IndexArray,
         route_class: str,
-        claims: Claims | None = None,
     ) -> None:
         self.request = request
         self.replicas = replicas
@@ -80,7 +77,6 @@ class Context:
         self._cached: FloatArray | None = None
         self._prediction: Prediction | None = None
         self._request_hash: int | None = None
-        self._claims = claims
 
     def narrow(self, keep: BoolArray) -> None:
         """Keep only the candidates where ``keep`` is true (derived arrays follow)."""
@@ -160,14 +156,6 @@ class Context:
             tpot_target_s,
             float(mean_output),
         )
-
-    @property
-    def held_prefill_s(self) -> FloatArray | None:
-        """Per candidate, the prefill of the other requests SLO admission holds that
-        wait for it (``scheduling.claims``); None when none does."""
-        if self._claims is None:
-            return None
-        return self._claims.pending_prefill_s(self.now, self.idx, self.request.request_id)
 
     @property
     def request_hash(self) -> int:

@@ -284,11 +284,11 @@ def test_every_request_is_bound_rejected_or_cancelled_exactly_once(
             host.tried.clear()
             dispatcher.wake(now)
             settled = {t for t, _ in host.log[before:]}
-            waits_again = [
-                name for name in host.tried if name not in settled and name not in host.hold
-            ]
+            held = {r.request_id for r in dispatcher.held.ordered()}
+            waits_again = [name for name in host.tried if name not in settled | held]
             # of the queued, only the last one tried may still wait, and it is the head
-            # again (its place); every held one is tried, the queued ones after them
+            # again (its place); every held one is tried (and stays held until it is
+            # settled), the queued ones after them
             assert waits_again in ([], host.tried[-1:])
             if waits_again:
                 head = dispatcher.queue.peek()

@@ -4,16 +4,13 @@ For request ``q`` (``n`` prompt tokens, ``m`` expected output tokens: the online
 estimate per (model, route class), capped by ``max_tokens``) and candidate replica ``r``,
 from r's shadow state (``scheduling.predict`` has the timing formulas)::
 
-    own_r     = ttft_r + decode_r + held_r
+    own_r     = ttft_r + decode_r
                 ttft_r   = f_ttft_r * (wait_r + T_pre_r(n - c_r, c_r))
                            wait_r: queued prefill work ahead of q, plus waiting for KV room
                            c_r: q's prefix blocks the prefix index holds on r
                 decode_r = f_itl_r * m * T_step_r(b_r + 1, K_r + n + m/2) / (1 - rho_r)
                            rho_r: r's prefill duty, the share of its time prefill chunks
                            recently dispatched there will take from its streams
-                held_r   = the prefill of the requests SLO admission holds for r
-                           (``scheduling.claims``): each waits for r's streams to end,
-                           then its prefill stalls q there
     delay_r   = b_r * (prefill_r + f_itl_r * min(m, R_r / b_r) * dstep_r)
                 the slowdown q inflicts on r's b_r running requests: its prefill stalls
                 their steps, then each shared step is dstep_r = T_step(b+1) - T_step(b)
@@ -54,13 +51,6 @@ queue scorer, fewest waiting, is what carries long prompts at SLO best, README "
 terms"). The more the model errs (the queue model: ~40% in the simulator under load; CPU
 vLLM: 40-140%), the larger the gap these may close. Measured there: capacity at SLO +5%
 to +16% on the long-prompt fleets.
-
-Held requests: a request SLO admission holds waits for the streams on the replica it
-would harm least to end (``scheduling.claims``); a stream placed there meanwhile is one
-more it waits for, and is then stalled by its prefill. ``held_r`` counts that prefill as
-q's, so short replies go elsewhere and the replica drains for the long prompt that only
-it could take in time. Measured (capacity at SLO, the equal-terms regimes): A100 + L20
-5.55 -> 5.98 req/s, 16 x A100 10.1 -> 10.3, the others within a bisection step.
 
 Exploration: a replica sent nothing for ``FRESHNESS_TAU_S`` (``Calibration.stale``) has
 its cost divided by ``1 + explore_slack``, so that one request goes there when it costs at
@@ -146,9 +136,6 @@ class EqualCostScorer:
         b = load.running
         dstep = pred.step_s - np.where(b > 0, pred.base_step_s, 0.0)
         own = wait + prefill + pred.decode_s
-        held = ctx.held_prefill_s
-        if held is not None:
-            own = own + held
         shared_steps = np.minimum(m, load.remaining_decode_tokens / np.maximum(b, 1.0))
         delay = b * (prefill + itl_factor * shared_steps * (pred.step_s - pred.base_step_s))
         cost = own + p.lambda_delay * delay
