@@ -19,7 +19,9 @@ The discipline, for one pool of replicas:
   streams, or its own, past the TPOT target) wait apart, in a second bounded
   ``RequestQueue``, until their deadline or ``queue_timeout_s`` as above. Why apart: they
   wait for the streams on some replica to end, not for a free slot, so one of them
-  still waiting says nothing about the requests behind it.
+  still waiting says nothing about the requests behind it. Each costs a ``schedule`` at
+  every wake, so at most ``MAX_HELD`` wait held (fewer if the queue is smaller); beyond
+  that the least urgent is refused (``QUEUE_FULL``), whatever an overload brings.
 * ``wake``: a replica freed capacity (a completion, a first token, a replica back, fresh
   load figures); the host calls ``wake(now)``. First every held request is scheduled
   again, most urgent first: ADMIT or REJECT (no replica can meet its deadline any more)
@@ -66,7 +68,9 @@ from typing import Generic, TypeVar
 from isocost.scheduling.contract import RequestView
 from isocost.scheduling.decision import Decision, Outcome, RejectReason
 
-__all__ = ["Dispatcher", "PushResult", "RequestQueue"]
+__all__ = ["MAX_HELD", "Dispatcher", "PushResult", "RequestQueue"]
+
+MAX_HELD = 64  # requests held by SLO admission at once, per pool (each re-priced per wake)
 
 T = TypeVar("T")
 
@@ -201,7 +205,7 @@ class Dispatcher(Generic[T]):
         reject: Callable[[T, RequestView, RejectReason, Decision | None], None],
     ) -> None:
         self.queue = RequestQueue(max_size)
-        self.held = RequestQueue(max_size)  # held by SLO admission (module docstring)
+        self.held = RequestQueue(min(max_size, MAX_HELD))  # held by SLO admission
         self.queue_timeout_s = queue_timeout_s
         self._schedule = schedule
         self._bind = bind
@@ -215,7 +219,7 @@ class Dispatcher(Generic[T]):
     @max_size.setter
     def max_size(self, value: int) -> None:
         self.queue.max_size = value
-        self.held.max_size = value
+        self.held.max_size = min(value, MAX_HELD)
 
     def __len__(self) -> int:
         return len(self.queue) + len(self.held)

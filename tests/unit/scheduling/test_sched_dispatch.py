@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from isocost.scheduling.contract import RequestView
 from isocost.scheduling.decision import Decision, Outcome, RejectReason
-from isocost.scheduling.dispatch import Dispatcher
+from isocost.scheduling.dispatch import MAX_HELD, Dispatcher
 
 
 @dataclass
@@ -230,6 +230,8 @@ def test_held_requests_are_bounded_cancelled_and_cleared_like_queued_ones() -> N
     assert host.log == [("h3", "queue_full")] and len(dispatcher) == 3
     assert dispatcher.cancel("h1") and not dispatcher.cancel("h1")
     assert dispatcher.clear() == ["h2", "q"] and len(dispatcher) == 0
+    dispatcher.max_size = 10_000  # a large queue: held ones are still bounded apart
+    assert (dispatcher.queue.max_size, dispatcher.held.max_size) == (10_000, MAX_HELD)
 
 
 # -- property: every request ends exactly once ---------------------------------------------
