@@ -44,6 +44,7 @@ class Context:
         "_load",
         "_prediction",
         "_request_hash",
+        "eligible",
         "expected_output_tokens",
         "idx",
         "key",
@@ -68,6 +69,7 @@ class Context:
         self.now = now
         self.rng = rng
         self.idx = idx  # candidate slots, ascending
+        self.eligible = idx  # the candidates before any narrowing (filters, SLO admission)
         self.key = _slot_key(idx)  # the same slots, to read arrays with
         self.route_class = route_class
         self.expected_output_tokens = replicas.estimator.expected_tokens(

@@ -250,3 +250,44 @@ def test_the_shorter_queue_wins_a_cost_gap_smaller_than_the_prediction_error(
     # ... but not a gap larger than the error: three streams cost ~75% more.
     busier = _queue_or_streams(make_replicas, 2.0, streams=3)
     assert asked(busier, build_policy("equal_cost")) == "r0"
+
+
+def _long_prompts(policy: Policy, replicas: ReplicaSet, count: int, deadline_s: float) -> None:
+    """Price ``count`` 30,000-token prompts (none dispatched): an A100 prefills one in
+    about 4.5 s, an L20 in about 11 s."""
+    for i in range(count):
+        long_prompt = RequestView(f"long{i}", MODEL, 30_000, max_tokens=64, deadline_s=deadline_s)
+        policy.schedule(long_prompt, replicas, 0.0)
+
+
+def test_short_prompts_leave_the_fast_replicas_to_the_prompts_only_they_serve_in_time(
+    make_replicas: Factory,
+) -> None:
+    short = RequestView("short", MODEL, 500, max_tokens=64, deadline_s=5.0)
+    for weight, expected in ((3.0, "r1"), (0.0, "r0")):
+        replicas = make_replicas(["a100-80g", "l20-48g"], factor_alpha=0.0)
+        policy = _equal_cost_with(f"scarcity_weight: {weight}")
+        assert policy.schedule(short, replicas, 0.0).replica_id == "r0"  # faster, and free
+        # 9 s to the first token: only the A100 prefills these in time
+        _long_prompts(policy, replicas, 10, deadline_s=9.0)
+        assert policy.schedule(short, replicas, 0.0).replica_id == expected
+    # a prompt either can serve in time, or neither, is nobody's exclusive demand
+    replicas = make_replicas(["a100-80g", "l20-48g"], factor_alpha=0.0)
+    policy = build_policy("equal_cost")
+    _long_prompts(policy, replicas, 10, deadline_s=60.0)
+    _long_prompts(policy, replicas, 10, deadline_s=1.0)
+    assert policy.schedule(short, replicas, 0.0).replica_id == "r0"
+
+
+def test_exclusive_demand_counts_a_request_once_and_fades(make_replicas: Factory) -> None:
+    short = RequestView("short", MODEL, 500, max_tokens=64, deadline_s=60.0)
+    replicas = make_replicas(["a100-80g", "l20-48g"], factor_alpha=0.0)
+    policy = build_policy("equal_cost")
+    long_prompt = RequestView("long", MODEL, 30_000, max_tokens=64, deadline_s=9.0)
+    for _ in range(10):  # held and priced again at every wake: one request all the same
+        policy.schedule(long_prompt, replicas, 0.0)
+    assert policy.schedule(short, replicas, 0.0).replica_id == "r0"
+    _long_prompts(policy, replicas, 10, deadline_s=9.0)
+    assert policy.schedule(short, replicas, 0.0).replica_id == "r1"
+    later = RequestView("later", MODEL, 500, max_tokens=64, deadline_s=600.0)
+    assert policy.schedule(later, replicas, 300.0).replica_id == "r0"  # five minutes on
