@@ -35,6 +35,10 @@ run azure-code-h100-a100-l20 --trace "$traces/AzureLLMInferenceTrace_code.csv" \
   --slo-ttft-ms 500 --slo-ttft-per-1k-ms 100 --slo-tpot-ms 50 "${capacity[@]}" 2:200
 run arxiv-homogeneous --trace "$traces/vidur_arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv" \
   --max-requests $requests --rate 4 --replicas 16 "${long_slo[@]}" "${capacity[@]}" 1:64
+# held out: no parameter was chosen on arXiv lengths on this fleet
+run arxiv-a100-l20 --trace "$traces/vidur_arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv" \
+  --max-requests $requests --rate 4 --cluster "$here/a100-l20.yaml" "${long_slo[@]}" \
+  "${capacity[@]}" 1:64
 # a burst at twice the best capacity found on the homogeneous fleet: goodput and SLO
 # attainment at one rate
 burst=$("$root/.venv/bin/python" -c "import json, sys
