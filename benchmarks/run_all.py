@@ -3,7 +3,7 @@
 Each benchmark measures its comparison side by side inside its own run; this script only
 sequences them and stops at the first that fails. The live peer comparison
 (`benchmarks/peers/run.sh`, ~10 minutes, installs the peer routers) runs with `--peers`,
-the equal-terms capacity comparison (`benchmarks/equal_terms/run.sh`, ~50 minutes, reads
+the equal-terms capacity comparison (`benchmarks/equal_terms/run.sh`, ~60 minutes, reads
 the traces in ../shared/traces) with `--equal-terms`.
 """
 

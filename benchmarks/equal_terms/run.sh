@@ -39,6 +39,11 @@ run arxiv-homogeneous --trace "$traces/vidur_arxiv_summarization_stats_llama2_to
 run arxiv-a100-l20 --trace "$traces/vidur_arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv" \
   --max-requests $requests --rate 4 --cluster "$here/a100-l20.yaml" "${long_slo[@]}" \
   "${capacity[@]}" 1:64
+# the synthetic scenario mix (--workload mix: chat turns, retrieval-augmented answers,
+# long-document summaries; no shared prefix), the default SLOs (2 s TTFT, 100 ms TPOT)
+run mix-homogeneous --workload mix --max-requests $requests --replicas 8 "${capacity[@]}" 1:128
+run mix-a100-l20 --workload mix --max-requests $requests --cluster "$here/a100-l20.yaml" \
+  "${capacity[@]}" 1:128
 # a burst at twice the best capacity found on the homogeneous fleet: goodput and SLO
 # attainment at one rate
 burst=$("$root/.venv/bin/python" -c "import json, sys
