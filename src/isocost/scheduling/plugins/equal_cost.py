@@ -94,6 +94,7 @@ affinity); ``affinity_slack`` (0..10, 0.25); ``overload_queue_fraction`` (0..1, 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import ClassVar
 
 import msgspec
@@ -102,7 +103,7 @@ import numpy as np
 from isocost.scheduling.interface import Context
 from isocost.scheduling.plugins._base import PluginKind, rendezvous, session_hash
 from isocost.scheduling.predict import IndexArray
-from isocost.scheduling.slots import BoolArray
+from isocost.scheduling.slots import BoolArray, SlotArrays
 from isocost.scheduling.timing import FloatArray, prefill_s
 
 TYPE = "equal-cost-scorer"
@@ -235,14 +236,17 @@ class EqualCostScorer:
         return np.asarray(fine, dtype=np.bool_)
 
 
-class _ExclusiveDemand:
+class _ExclusiveDemand(SlotArrays):
     """Exclusive demand per slot (module docstring, "Scarcity"): prefill seconds of
     requests only some eligible replicas could serve in time, decayed over
     ``SCARCITY_TAU_S``."""
 
+    FRESH: ClassVar[Mapping[str, float]] = {"seconds": 0.0, "at_s": 0.0}
+    seconds: FloatArray  # per slot, decayed to ...
+    at_s: FloatArray  # ... this time
+
     def __init__(self) -> None:
-        self._seconds = np.zeros(0)  # per slot, decayed to ...
-        self._at_s = np.zeros(0)  # ... this time
+        super().__init__()
         self._seen: OrderedDict[str, None] = OrderedDict()
 
     def observe(self, ctx: Context) -> FloatArray | None:
@@ -254,14 +258,13 @@ class _ExclusiveDemand:
             if len(self._seen) > _SEEN_REQUESTS:
                 self._seen.popitem(last=False)
             self._count(ctx, request.deadline_s - request.arrival_s)
-        if not self._seconds.any():
+        if not self.seconds.any():
             return None
         idx = ctx.idx
-        size = self._seconds.size
-        inside = idx < size
+        inside = idx < self.seconds.size
         seconds = np.zeros(idx.size)
         at = idx[inside]
-        seconds[inside] = self._seconds[at] * np.exp((self._at_s[at] - ctx.now) / SCARCITY_TAU_S)
+        seconds[inside] = self.seconds[at] * np.exp((self.at_s[at] - ctx.now) / SCARCITY_TAU_S)
         return np.asarray(seconds / SCARCITY_TAU_S, dtype=np.float64)
 
     def _count(self, ctx: Context, budget_s: float) -> None:
@@ -274,11 +277,9 @@ class _ExclusiveDemand:
         fits = alone <= budget_s
         if not fits.any() or fits.all():
             return
-        if self._seconds.size < slots.capacity:
-            grown = slots.capacity
-            self._seconds = np.concatenate([self._seconds, np.zeros(grown - self._seconds.size)])
-            self._at_s = np.concatenate([self._at_s, np.zeros(grown - self._at_s.size)])
+        if self.seconds.size < slots.capacity:
+            self.grow(slots.capacity)
         able = eligible[fits]
-        decay = np.exp((self._at_s[able] - ctx.now) / SCARCITY_TAU_S)
-        self._seconds[able] = self._seconds[able] * decay + float(alone[fits].mean()) / able.size
-        self._at_s[able] = ctx.now
+        decay = np.exp((self.at_s[able] - ctx.now) / SCARCITY_TAU_S)
+        self.seconds[able] = self.seconds[able] * decay + float(alone[fits].mean()) / able.size
+        self.at_s[able] = ctx.now
