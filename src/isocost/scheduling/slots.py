@@ -12,6 +12,7 @@ candidates are one contiguous run of slots, so that reading is a view rather tha
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -88,6 +89,7 @@ class SlotStore(SlotArrays, Generic[_StateT]):
     def __init__(self, parts: Sequence[SlotArrays]) -> None:
         super().__init__()
         self._parts = tuple(parts)
+        self._attached: weakref.WeakSet[SlotArrays] = weakref.WeakSet()
         self._capacity = 0
         self._states: list[_StateT | None] = []
         self._by_id: dict[str, _StateT] = {}
@@ -131,7 +133,7 @@ class SlotStore(SlotArrays, Generic[_StateT]):
         self.coef.set(slot, coefficients)
         self.salt[slot] = np.uint64(stable_hash64(spec.replica_id))
         self.ids[slot] = spec.replica_id
-        for part in (self, *self._parts):
+        for part in (self, *self._parts, *self._attached):
             part.reset(slot)
         self.weight[slot] = spec.weight
         self.usd_per_hour[slot] = spec.price_usd_per_hour
@@ -212,12 +214,25 @@ class SlotStore(SlotArrays, Generic[_StateT]):
             mask = masks[key] = np.zeros(self._capacity, dtype=bool)
         return mask
 
+    def attach(self, part: SlotArrays) -> None:
+        """Grow ``part`` with the store and reset its slot for each replica added, like
+        the parts given at construction: a plugin's own per-slot state, which the store
+        cannot know when it is built. Held weakly (a replaced policy's plugin goes)."""
+        part.grow(self._capacity)
+        for slot in range(self._capacity):
+            part.reset(slot)
+        self._attached.add(part)
+
+    def detach(self, part: SlotArrays) -> None:
+        """Stop growing and resetting ``part`` (it follows another store now)."""
+        self._attached.discard(part)
+
     def grow(self, size: int) -> None:
         """Make every array of the store and of its parts ``size`` long, more free slots."""
         old = self._capacity
         size = max(size, _MIN_SLOTS)
         super().grow(size)
-        for part in self._parts:
+        for part in (*self._parts, *self._attached):
             part.grow(size)
         for name in self._FLAGS:
             setattr(self, name, _grown(getattr(self, name), size))

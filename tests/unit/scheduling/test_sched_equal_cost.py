@@ -6,9 +6,9 @@ import heapq
 from collections import Counter
 from random import Random
 
-from conftest import MODEL, Factory
+from conftest import MODEL, Factory, cost_model
 
-from isocost.scheduling.contract import RequestView
+from isocost.scheduling.contract import ReplicaSpec, RequestView
 from isocost.scheduling.framework import Policy
 from isocost.scheduling.policies import build_policy, parse_scheduling_yaml
 from isocost.scheduling.state import ReplicaSet
@@ -291,3 +291,17 @@ def test_exclusive_demand_counts_a_request_once_and_fades(make_replicas: Factory
     assert policy.schedule(short, replicas, 0.0).replica_id == "r1"
     later = RequestView("later", MODEL, 500, max_tokens=64, deadline_s=600.0)
     assert policy.schedule(later, replicas, 300.0).replica_id == "r0"  # five minutes on
+
+
+def test_a_replica_in_a_removed_ones_slot_starts_with_no_exclusive_demand(
+    make_replicas: Factory,
+) -> None:
+    short = RequestView("short", MODEL, 500, max_tokens=64, deadline_s=5.0)
+    replicas = make_replicas(["a100-80g", "l20-48g"], factor_alpha=0.0)
+    policy = build_policy("equal_cost")
+    _long_prompts(policy, replicas, 10, deadline_s=9.0)
+    assert policy.schedule(short, replicas, 0.0).replica_id == "r1"  # r0 kept for the long
+    replicas.remove("r0")
+    fresh = replicas.add(ReplicaSpec("r2", MODEL, cost_model("a100-80g")))
+    assert fresh.slot == 0  # r0's slot, which held its exclusive demand
+    assert policy.schedule(short, replicas, 0.0).replica_id == "r2"

@@ -95,7 +95,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import msgspec
 import numpy as np
@@ -103,7 +103,7 @@ import numpy as np
 from isocost.scheduling.interface import Context
 from isocost.scheduling.plugins._base import PluginKind, rendezvous, session_hash
 from isocost.scheduling.predict import IndexArray
-from isocost.scheduling.slots import BoolArray, SlotArrays
+from isocost.scheduling.slots import BoolArray, SlotArrays, SlotStore
 from isocost.scheduling.timing import FloatArray, prefill_s
 
 TYPE = "equal-cost-scorer"
@@ -248,10 +248,21 @@ class _ExclusiveDemand(SlotArrays):
     def __init__(self) -> None:
         super().__init__()
         self._seen: OrderedDict[str, None] = OrderedDict()
+        self._store: SlotStore[Any] | None = None  # whose slots these are
+
+    def _follow(self, store: SlotStore[Any]) -> None:
+        """Be grown with ``store`` and reset where a replica takes a slot, so that a
+        replica added in a removed one's slot starts with no demand."""
+        if self._store is not store:
+            if self._store is not None:
+                self._store.detach(self)
+            store.attach(self)
+            self._store = store
 
     def observe(self, ctx: Context) -> FloatArray | None:
         """Count ``ctx``'s request once if it is exclusive demand; the demand on each
         candidate now, in seconds per second (None: none anywhere)."""
+        self._follow(ctx.replicas.slots)
         request = ctx.request
         if request.deadline_s is not None and request.request_id not in self._seen:
             self._seen[request.request_id] = None
@@ -260,11 +271,8 @@ class _ExclusiveDemand(SlotArrays):
             self._count(ctx, request.deadline_s - request.arrival_s)
         if not self.seconds.any():
             return None
-        idx = ctx.idx
-        inside = idx < self.seconds.size
-        seconds = np.zeros(idx.size)
-        at = idx[inside]
-        seconds[inside] = self.seconds[at] * np.exp((self.at_s[at] - ctx.now) / SCARCITY_TAU_S)
+        at = ctx.idx
+        seconds = self.seconds[at] * np.exp((self.at_s[at] - ctx.now) / SCARCITY_TAU_S)
         return np.asarray(seconds / SCARCITY_TAU_S, dtype=np.float64)
 
     def _count(self, ctx: Context, budget_s: float) -> None:
@@ -277,8 +285,6 @@ class _ExclusiveDemand(SlotArrays):
         fits = alone <= budget_s
         if not fits.any() or fits.all():
             return
-        if self.seconds.size < slots.capacity:
-            self.grow(slots.capacity)
         able = eligible[fits]
         decay = np.exp((self.at_s[able] - ctx.now) / SCARCITY_TAU_S)
         self.seconds[able] = self.seconds[able] * decay + float(alone[fits].mean()) / able.size
