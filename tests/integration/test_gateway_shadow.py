@@ -55,6 +55,7 @@ def test_candidates_are_counted_and_the_replay_predicts_the_better_one(
         assert 0 <= candidate["agreement"] <= 1
     better = by_policy["equal_cost"]
     assert better["ttft_p99_change"] < 0, status  # away from the slow replica
+    assert better["goodput_change"] > 0, status
     decisions = _metrics(gateway, "isocost_shadow_decisions_total")
     for policy in CANDIDATES:
         assert sum(v for k, v in decisions.items() if f'policy="{policy}"' in k) == REQUESTS
