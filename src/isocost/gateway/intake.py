@@ -111,8 +111,7 @@ class Intake:
             raise _too_large(limits.max_body_bytes)
         await send_continue(http)
         try:
-            async with asyncio.timeout(limits.body_timeout_ms / 1000):
-                body = await _read_body(http, limits.max_body_bytes)
+            body = await _read_body(http, limits.max_body_bytes, limits.body_timeout_ms / 1000)
         except TimeoutError:
             raise Rejection(
                 "body_timeout", 408, "the request body arrived too slowly", code="body_timeout"
@@ -238,8 +237,17 @@ async def send_continue(http: web.Request) -> None:
         http.writer.output_size = 0  # the answer proper has not started
 
 
-async def _read_body(http: web.Request, limit: int) -> bytes:
-    """The whole body, or its first ``limit + 1`` bytes when it is longer."""
+async def _read_body(http: web.Request, limit: int, timeout_s: float) -> bytes:
+    """The whole body, or its first ``limit + 1`` bytes when it is longer; TimeoutError
+    when it takes longer than ``timeout_s`` to arrive. A body that has arrived whole
+    (most do, with their headers) is read without setting the timer."""
+    if http.content.is_eof():
+        return await _read_chunks(http, limit)
+    async with asyncio.timeout(timeout_s):
+        return await _read_chunks(http, limit)
+
+
+async def _read_chunks(http: web.Request, limit: int) -> bytes:
     chunks: list[bytes] = []
     size = 0
     while size <= limit:

@@ -498,8 +498,7 @@ class Forwarder:
         if left_s <= 0:
             raise _timed_out("no time left for an attempt")
         try:
-            async with asyncio.timeout(left_s):
-                return await self.router.acquire(request, exclude)
+            return await self.router.acquire(request, exclude, left_s)
         except TimeoutError:
             raise _timed_out("waiting for a replica") from None
 
@@ -649,9 +648,7 @@ class Forwarder:
         response = web.StreamResponse(status=upstream.status, headers=headers)
         response.content_type = upstream.content_type or "application/json"
         response.content_length = len(data)
-        await self._send(http, response.prepare(http))
-        await self._send(http, response.write(data))
-        await self._send(http, response.write_eof())
+        await self._send(http, _answer_whole(http, response, data))
         return response
 
     async def _first_events(
@@ -975,3 +972,12 @@ def _broken_reason(exc: BaseException) -> str:
 
 def _timed_out(reason: str) -> ApiError:
     return ApiError(504, f"the request's total timeout passed: {reason}", code="upstream_timeout")
+
+
+async def _answer_whole(
+    http: web.Request, response: web.StreamResponse, data: bytes | bytearray
+) -> None:
+    """Headers, body and end of an answer not streamed: one write to drain in time."""
+    await response.prepare(http)
+    await response.write(data)
+    await response.write_eof()

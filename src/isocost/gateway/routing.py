@@ -44,8 +44,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import time
-import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
@@ -102,6 +102,23 @@ _REJECT_MESSAGE = {
 }
 
 
+class _Ids:
+    """Request and attempt ids, 32 random hex digits like a uuid4's, from a generator of
+    this process's own, seeded from the system and again in a forked child. Why not
+    uuid4: two per request on the hot path, each a system call and an object, 2 µs
+    against 0.3."""
+
+    def __init__(self) -> None:
+        self._random = Random()
+        os.register_at_fork(after_in_child=self._random.seed)
+
+    def new(self) -> str:
+        return f"{self._random.getrandbits(128):032x}"
+
+
+_new_id = _Ids().new
+
+
 @dataclass(frozen=True, slots=True)
 class GatewayRequest:
     """One client request as the gateway routes it."""
@@ -137,7 +154,7 @@ class GatewayRequest:
         deadline_ms = _positive_ms(headers, "x-deadline-ms", "x-llm-d-slo-ttft-ms")
         tpot_ms = _positive_ms(headers, "x-tpot-ms", "x-llm-d-slo-tpot-ms")
         return cls(
-            request_id=headers.get("x-request-id") or uuid.uuid4().hex,
+            request_id=headers.get("x-request-id") or _new_id(),
             view=view,
             pool=pool,
             arrived_at=arrived_at,
@@ -435,7 +452,7 @@ class Router:
             return None
         pair = choose_pair(
             self.policies[pool.model],
-            self._view(request, uuid.uuid4().hex, now),
+            self._view(request, _new_id(), now),
             self.replicas,
             now,
             mode=pool.disaggregation,
@@ -473,7 +490,7 @@ class Router:
         pair = self._pair(request, frozenset())
         if pair is None:
             now = self.clock()
-            view = self._view(request, uuid.uuid4().hex, now)
+            view = self._view(request, _new_id(), now)
             decision = self._schedule(view, request.pool.prefill_only, now)
         else:
             decision = pair.decision
@@ -487,9 +504,13 @@ class Router:
             body["predicted_transfer_ms"] = _ms(pair.transfer_s)
         return body
 
-    async def acquire(self, request: GatewayRequest, exclude: frozenset[str]) -> Grant:
-        """A replica for one attempt, waiting in the pool queue if the policy says so."""
-        attempt_id = uuid.uuid4().hex
+    async def acquire(
+        self, request: GatewayRequest, exclude: frozenset[str], timeout_s: float | None = None
+    ) -> Grant:
+        """A replica for one attempt, waiting in the pool queue if the policy says so; a
+        wait longer than ``timeout_s`` raises TimeoutError. The timer is set only when the
+        request waits: most are bound at once."""
+        attempt_id = _new_id()
         now = self.clock()
         loop = asyncio.get_running_loop()
         dispatcher = self._dispatcher(request.pool.model)
@@ -501,10 +522,13 @@ class Router:
         self._show_depth(request.pool.model, dispatcher)
         timer = loop.call_at(loop.time() + (limit - self.clock()), dispatcher.time_out, attempt_id)
         try:
-            return await waiter
-        except asyncio.CancelledError:
+            if timeout_s is None:
+                return await waiter
+            async with asyncio.timeout(timeout_s):
+                return await waiter
+        except (asyncio.CancelledError, TimeoutError):
             if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
-                # bound, but the client left before the attempt could start
+                # bound, but the client left or the time ran out before the attempt began
                 self.release(waiter.result(), self.clock(), ok=False, output_tokens=0)
             raise
         finally:
@@ -684,7 +708,7 @@ class Router:
         picker's fallbacks): the shadow state holds the request there from now on."""
         now = self.clock()
         self.release(grant, now, ok=False, output_tokens=0)
-        return self._grant(self._view(request, uuid.uuid4().hex, now), replica, grant.decision, now)
+        return self._grant(self._view(request, _new_id(), now), replica, grant.decision, now)
 
     def release(self, grant: Grant, now: float, *, ok: bool, output_tokens: int | None) -> None:
         """The attempt ended; frees its place and maybe the replica's last hold (once).

@@ -8,6 +8,7 @@ involved, the router is driven directly on an asyncio loop.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import pytest
@@ -15,7 +16,7 @@ import pytest
 from isocost.core.catalog import Catalog
 from isocost.gateway.body import RoutingView
 from isocost.gateway.metrics import GatewayMetrics
-from isocost.gateway.routing import GatewayRequest, Grant, Router
+from isocost.gateway.routing import GatewayRequest, Grant, Router, _new_id
 from isocost.gateway.upstreams import Pool, Upstream
 from isocost.openai.errors import ApiError
 from isocost.runtime.config import HealthConfig, ReplicaConfig
@@ -152,6 +153,38 @@ def test_a_leaving_client_leaves_the_queue_at_once_and_a_late_grant_is_released(
         assert replica.num_in_flight == 0 and router.replicas.get(replica.name).num_waiting == 0
 
     asyncio.run(scenario())
+
+
+def test_a_wait_past_its_timeout_leaves_the_queue_and_a_grant_bound_then_is_released() -> None:
+    async def scenario() -> None:
+        router, pool, replica, _ = setup()
+        first = await router.acquire(request(pool, "first"), frozenset(), timeout_s=0.01)
+        with pytest.raises(TimeoutError):  # nothing frees the replica in time
+            await router.acquire(request(pool, "slow"), frozenset(), timeout_s=0.01)
+        assert router.queue_depth(MODEL) == 0 and replica.num_in_flight == 1
+        late = asyncio.create_task(router.acquire(request(pool, "late"), frozenset(), 0.02))
+        await asyncio.sleep(0)  # queued, its timer set
+        free = lambda: router.release(first, time.monotonic(), ok=True, output_tokens=8)  # noqa: E731
+        asyncio.get_running_loop().call_soon(free)  # binds "late" ...
+        time.sleep(0.05)  # ... in the loop turn where its timer fires, before it resumes
+        with pytest.raises(TimeoutError):
+            await late
+        assert replica.num_in_flight == 0 and router.queue_depth(MODEL) == 0
+
+    asyncio.run(scenario())
+
+
+def test_ids_are_unique_and_drawn_again_in_a_forked_child() -> None:
+    ids = {_new_id() for _ in range(10_000)}
+    assert len(ids) == 10_000 and all(len(i) == 32 for i in ids)
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child
+        os.write(write, _new_id().encode())
+        os._exit(0)
+    os.waitpid(child, 0)
+    from_child = os.read(read, 64).decode()
+    assert len(from_child) == 32 and from_child not in ids | {_new_id()}
 
 
 @pytest.mark.parametrize(
