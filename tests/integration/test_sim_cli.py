@@ -253,6 +253,26 @@ def test_the_admission_audit_replays_rejections_in_each_worker(tmp_path: Path) -
     assert "--audit-admission" in refused.stderr
 
 
+def test_a_rate_is_the_simulated_requests_own_and_a_sweep_point_there_is_the_same_run(
+    tmp_path: Path,
+) -> None:
+    args = ("--trace", str(TRACE), "--replicas", "2", "--policies", "round_robin",
+            "--max-requests", "80")  # fmt: skip
+    single = run(*args, "--rate", "3", "--json", str(tmp_path / "single.json"))
+    assert single.returncode == 0, single.stderr
+    swept = run(*args, "--sweep-rate", "3,6", "--json", str(tmp_path / "sweep.json"))
+    assert swept.returncode == 0, swept.stderr
+    (row,) = [
+        r for r in json.loads((tmp_path / "single.json").read_text()) if r["policy"] != "oracle"
+    ]
+    assert row["offered_rps"] == pytest.approx(3.0)  # the first 80's rate, not the trace's
+    at_three = next(
+        r for r in json.loads((tmp_path / "sweep.json").read_text()) if r.get("rate_rps") == 3.0
+    )
+    for key in ("offered_rps", "completed", "ttft_p99_s", "slo_attainment"):
+        assert at_three[key] == row[key], key
+
+
 def test_a_lengths_only_trace_gets_poisson_arrivals_at_the_rate(tmp_path: Path) -> None:
     lengths = TRACE.with_name("vidur_arxiv_head.csv")
     args = ("--trace", str(lengths), "--replicas", "2", "--policies", "round_robin",

@@ -1,11 +1,13 @@
 """From command-line choices to the request list every policy replays.
 
-A trace keeps its own arrival times, compressed by ``speedup`` or scaled so that its mean
-rate is ``rate_rps`` (the shape of its bursts stays); one without times (lengths only)
-gets Poisson arrivals at ``rate_rps`` from ``seed``. A synthetic workload draws Poisson
-arrivals at ``rate_rps`` (default 1/s) from ``seed``. ``duration_s`` then keeps the
-requests arriving before it and ``max_requests`` the first so many. A rate sweep replays
-this same list with its time scaled to each rate, so every point has the same requests.
+A trace keeps its own arrival times, compressed by ``speedup`` or scaled so that the mean
+rate of its first ``max_requests`` (the ones simulated) is ``rate_rps`` (the shape of its
+bursts stays); one without times (lengths only) gets Poisson arrivals at ``rate_rps`` from
+``seed``. A synthetic workload draws Poisson arrivals at ``rate_rps`` (default 1/s) from
+``seed``. ``duration_s`` then keeps the requests arriving before it and ``max_requests``
+the first so many. A rate sweep replays this same list with its time scaled to each rate,
+so every point has the same requests, and a point at the rate a single run was given is
+that run.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def load_requests(choice: WorkloadChoice) -> list[WorkloadRequest]:
             raise ConfigError("sim", f"{name} must be positive")
     if choice.synthetic is None:
         requests = choice.recorded or load_trace(choice.trace or "", choice.trace_format)
+        requests = requests[: choice.max_requests]  # the whole trace's rate is not its head's
         if choice.rate_rps is not None:
             if len({r.arrival_s for r in requests}) < 2:  # lengths only: Poisson arrivals
                 arrivals = poisson_arrivals(Random(choice.seed), choice.rate_rps)
