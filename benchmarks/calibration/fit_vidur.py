@@ -44,6 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
+from isocost.core.catalog import gpus_catalog_yaml
 from isocost.core.costmodel import CostModel, EngineLimits
 from isocost.core.hardware import BUILTIN_GPUS, GpuSpec
 from isocost.core.models import ModelSpec
@@ -471,41 +472,22 @@ def as_json(
 def as_catalog_yaml(results: Sequence[GpuResult], data: Path) -> str:
     """The fitted GPUs as a user catalog (``isocost ... --catalog FILE``), each under its
     own id (``FITTED_SUFFIX``) so that the built-in GPU stays what it was."""
-    lines = [
-        "# GPUs fitted to Vidur's public per-layer kernel timings (MIT, microsoft/vidur",
-        "# data/profiling/compute) by benchmarks/calibration/fit_vidur.py, Llama-2-7B held",
-        f"# out, data folder {data.name}. Opt-in: --catalog FILE, then GPU a100-80g-vidur",
-        "# or h100-80g-vidur. Only the GEMM and elementwise kernels are fitted: attention,",
-        "# all-reduces and host overheads keep the built-in GPU's figures.",
-        "gpus:",
+    comments = [
+        "GPUs fitted to Vidur's public per-layer kernel timings (MIT, microsoft/vidur",
+        "data/profiling/compute) by benchmarks/calibration/fit_vidur.py, Llama-2-7B held",
+        f"out, data folder {data.name}. Opt-in: --catalog FILE, then GPU a100-80g-vidur",
+        "or h100-80g-vidur. Only the GEMM and elementwise kernels are fitted: attention,",
+        "all-reduces and host overheads keep the built-in GPU's figures.",
     ]
-    for res in results:
-        g = res.fitted
-        fields: dict[str, object] = {
-            "id": g.id + FITTED_SUFFIX,
-            "name": f"{g.name}, fitted to Vidur profiles",
-            "memory_gib": g.memory_bytes / 1024**3,
-            "hbm_bandwidth_gb_s": g.hbm_bandwidth_bytes_per_s / 1e9,
-            "bf16_tflops": g.bf16_flops / 1e12,
-            "fp8_tflops": None if g.fp8_flops is None else g.fp8_flops / 1e12,
-            "interconnect": g.interconnect.kind,
-            "interconnect_gb_s": g.interconnect.bandwidth_bytes_per_s / 1e9,
-            "interconnect_latency_us": round(g.interconnect.latency_s * 1e6, 6),
-            "usd_per_hour": g.usd_per_hour,
-            "max_gpus_per_node": g.max_gpus_per_node,
-            "mfu_prefill": g.mfu_prefill,
-            "mbu_decode": g.mbu_decode,
-            "step_overhead_ms": round(g.step_overhead_s * 1e3, 6),
-            "prefill_overhead_ms": round(g.prefill_overhead_s * 1e3, 6),
-            "kernel_us_per_layer": round(g.kernel_s_per_layer * 1e6, 6),
-            "gemm_half_rate_tokens": g.gemm_half_rate_tokens,
-            "elementwise_io_per_layer": g.elementwise_io_per_layer,
-        }
-        for i, (key, value) in enumerate(fields.items()):
-            if value is not None:
-                text = f'"{value}"' if isinstance(value, str) else repr(value)
-                lines.append(f"{'  - ' if i == 0 else '    '}{key}: {text}")
-    return "\n".join(lines) + "\n"
+    renamed = (
+        replace(
+            res.fitted,
+            id=res.fitted.id + FITTED_SUFFIX,
+            name=f"{res.fitted.name}, fitted to Vidur profiles",
+        )
+        for res in results
+    )
+    return gpus_catalog_yaml(renamed, comments)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -203,14 +203,17 @@ def gateway_yaml(
     tokenizer: bool = False,
     admin_token: str | None = None,
     prefill_fit: bool = False,
+    gpu: str | None = None,
 ) -> str:
     """``isocost serve``'s config over ``replicas``: ``cost_model`` is the model the
-    gateway prices the replicas' work with; ``kv_events``: it follows the replicas'
-    KV-cache events; ``tokenizer``: it counts prompt tokens with the tiny model's
-    tokenizer (exact counts, as vLLM sees them); ``prefill_fit``: it fits the replicas'
-    prefill terms to their TTFTs (``calibration: {prefill_fit: true}``)."""
+    gateway prices the replicas' work with, on ``gpu`` (a catalog id; the default GPU
+    without); ``kv_events``: it follows the replicas' KV-cache events; ``tokenizer``: it
+    counts prompt tokens with the tiny model's tokenizer (exact counts, as vLLM sees
+    them); ``prefill_fit``: it fits the replicas' prefill terms to their TTFTs
+    (``calibration: {prefill_fit: true}``)."""
+    on_gpu = f", gpu: {gpu}" if gpu else ""
     lines = "\n".join(
-        f"      - {{url: {r.url}, cost_model: {cost_model}"
+        f"      - {{url: {r.url}, cost_model: {cost_model}{on_gpu}"
         + (f", kv_events: '{r.kv_events}'}}" if kv_events else "}")
         for r in replicas
     )

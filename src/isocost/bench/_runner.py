@@ -141,7 +141,7 @@ def normalize_url(url: str) -> str:
     return base.removesuffix("/v1")
 
 
-async def _resolve_model(
+async def served_model(
     session: aiohttp.ClientSession,
     base: str,
     model: str | None,
@@ -352,9 +352,9 @@ async def run_bench(
     timeout = aiohttp.ClientTimeout(total=None)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         check_s = min(options.timeout_s, 10.0)
-        model = await _resolve_model(session, bases[0], options.model, check_s, options.api_key)
+        model = await served_model(session, bases[0], options.model, check_s, options.api_key)
         for other in bases[1:]:  # each must answer too
-            await _resolve_model(session, other, model, check_s, options.api_key)
+            await served_model(session, other, model, check_s, options.api_key)
         run = _Run(
             session, bases, model, options, progress or BenchProgress(), stop or asyncio.Event()
         )

@@ -5,13 +5,14 @@ become one line on stderr and exit code 2, never a traceback.
 
 ``_app`` holds the app, its consoles and ``fail``; ``_options`` the options several
 subcommands share; each subcommand has a module of its own (``_engine``, ``_serve``,
-``_picker``, ``_agent``, ``_plan`` with ``planview`` for its tables, ``_policies``, ``_demo``,
-``_drill``, ``_sim``, ``_autoscale``, ``_bench``), imported here in the order ``--help`` lists them.
+``_picker``, ``_agent``, ``_plan`` with ``planview`` for its tables, ``_profile``,
+``_policies``, ``_demo``, ``_drill``, ``_sim``, ``_autoscale``, ``_bench``), imported here in
+the order ``--help`` lists them.
 """
 
 # Importing a subcommand's module registers it; --help lists them in this order.
-from isocost.cli import _engine, _serve, _picker, _agent, _plan, _policies  # noqa: F401, I001
-from isocost.cli import _demo, _drill, _sim, _autoscale, _bench  # noqa: F401
+from isocost.cli import _engine, _serve, _picker, _agent, _plan, _profile  # noqa: F401, I001
+from isocost.cli import _policies, _demo, _drill, _sim, _autoscale, _bench  # noqa: F401
 from isocost.cli._app import app, main
 
 __all__ = ["app", "main"]

@@ -33,7 +33,8 @@ Parsing takes text, not paths: reading files is the caller's job (``isocost.file
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import json
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -42,7 +43,7 @@ from isocost.core.errors import ConfigError, UnknownEntryError
 from isocost.core.hardware import BUILTIN_GPUS, GpuSpec, Interconnect
 from isocost.core.models import BUILTIN_MODELS, ModelSpec
 
-__all__ = ["Catalog", "parse_catalog_yaml"]
+__all__ = ["Catalog", "gpus_catalog_yaml", "parse_catalog_yaml"]
 
 _GB = 1e9
 _GIB = 1024**3
@@ -193,3 +194,36 @@ def parse_catalog_yaml(text: str, source: str) -> _CatalogFile:
             if getattr(model, key) <= 0:
                 raise ConfigError(source, "must be positive", key=f"models[{i}].{key}")
     return parsed
+
+
+def gpus_catalog_yaml(gpus: Iterable[GpuSpec], comments: Sequence[str] = ()) -> str:
+    """``gpus`` as a user catalog (``--catalog FILE``) that ``parse_catalog_yaml`` reads
+    back to the same specs, after ``comments`` as ``#`` lines."""
+    lines = [f"# {line}" if line else "#" for line in comments]
+    lines.append("gpus:")
+    for g in gpus:
+        fields: dict[str, object] = {
+            "id": g.id,
+            "name": g.name,
+            "memory_gib": g.memory_bytes / _GIB,
+            "hbm_bandwidth_gb_s": g.hbm_bandwidth_bytes_per_s / _GB,
+            "bf16_tflops": g.bf16_flops / 1e12,
+            "fp8_tflops": None if g.fp8_flops is None else g.fp8_flops / 1e12,
+            "interconnect": g.interconnect.kind,
+            "interconnect_gb_s": g.interconnect.bandwidth_bytes_per_s / _GB,
+            "interconnect_latency_us": round(g.interconnect.latency_s * 1e6, 6),
+            "usd_per_hour": g.usd_per_hour,
+            "max_gpus_per_node": g.max_gpus_per_node,
+            "mfu_prefill": g.mfu_prefill,
+            "mbu_decode": g.mbu_decode,
+            "step_overhead_ms": round(g.step_overhead_s * 1e3, 6),
+            "prefill_overhead_ms": round(g.prefill_overhead_s * 1e3, 6),
+            "kernel_us_per_layer": round(g.kernel_s_per_layer * 1e6, 6),
+            "gemm_half_rate_tokens": g.gemm_half_rate_tokens,
+            "elementwise_io_per_layer": g.elementwise_io_per_layer,
+        }
+        for i, (key, value) in enumerate(fields.items()):
+            if value is not None:
+                text = json.dumps(value) if isinstance(value, str) else repr(value)
+                lines.append(f"{'  - ' if i == 0 else '    '}{key}: {text}")
+    return "\n".join(lines) + "\n"

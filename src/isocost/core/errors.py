@@ -7,6 +7,7 @@
     │   └── UnknownConfigEntryError   the same, inside a config file (scheduling.policies)
     ├── ConfigError            a malformed catalog, config.json or YAML file (names file + key)
     ├── DoesNotFitError        a model that cannot be placed on the requested hardware
+    ├── ProfileError           profile: measurements a catalog entry cannot be fitted to
     ├── EndpointError          bench: the endpoint under test cannot be reached or misbehaves
     ├── DrillError             drill: a fault drill that cannot run as asked
     ├── GatewayError           autoscale: the gateway's admin API refused or is unreachable

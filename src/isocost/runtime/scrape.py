@@ -35,6 +35,7 @@ __all__ = [
     "Scrape",
     "ScrapeError",
     "decode_exposition",
+    "kv_capacity_tokens",
     "parse_engine_metrics",
 ]
 
@@ -57,6 +58,7 @@ _COUNTERS = frozenset(_PREEMPTIONS + _PREFIX_QUERIES + _PREFIX_HITS)
 _WANTED = frozenset(_RUNNING + _WAITING + _KV_USAGE) | _COUNTERS
 _CACHE_CONFIG = "vllm:cache_config_info"
 _BLOCK_SIZE = re.compile(r'[{,]\s*block_size="(\d{1,8})"')
+_GPU_BLOCKS = re.compile(r'[{,]\s*num_gpu_blocks="(\d{1,12})"')
 
 
 class ScrapeError(ValueError):
@@ -80,6 +82,17 @@ def decode_exposition(body: bytes, charset: str | None) -> str:
         raise ScrapeError(f"/metrics charset {encoding[:40]!r} is not a text encoding") from None
     except UnicodeDecodeError as exc:
         raise ScrapeError(f"/metrics body is not {exc.encoding} text") from None
+
+
+def kv_capacity_tokens(text: str) -> int | None:
+    """The KV tokens an engine holds, from the ``num_gpu_blocks`` and ``block_size`` labels
+    of its ``vllm:cache_config_info`` (None when it does not say)."""
+    for line in text.splitlines():
+        if line.startswith(_CACHE_CONFIG + "{"):
+            blocks, size = _GPU_BLOCKS.search(line), _BLOCK_SIZE.search(line)
+            if blocks and size and int(blocks[1]) > 0 and int(size[1]) > 0:
+                return int(blocks[1]) * int(size[1])
+    return None
 
 
 def parse_engine_metrics(text: str) -> Scrape:

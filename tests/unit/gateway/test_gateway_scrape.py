@@ -8,6 +8,7 @@ from isocost.runtime.scrape import (
     MAX_REQUESTS,
     ScrapeError,
     decode_exposition,
+    kv_capacity_tokens,
     parse_engine_metrics,
 )
 
@@ -57,6 +58,21 @@ def test_vllm_v1_names() -> None:
 def test_the_kv_block_size_from_vllms_cache_config(line: str, expected: int | None) -> None:
     assert parse_engine_metrics(f"{VLLM_V1}{line}\n").metrics.kv_block_tokens == expected
     assert parse_engine_metrics(VLLM_V1).metrics.kv_block_tokens is None
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        ('vllm:cache_config_info{block_size="128",num_gpu_blocks="64",engine="0"} 1.0', 8192),
+        ('vllm:cache_config_info{num_gpu_blocks="2000",block_size="16"} 1.0', 32000),
+        ('vllm:cache_config_info{num_gpu_blocks="None",block_size="16"} 1.0', None),
+        ('vllm:cache_config_info{num_gpu_blocks="0",block_size="16"} 1.0', None),
+        ('vllm:cache_config_info{block_size="16"} 1.0', None),
+        ('vllm:cache_config_infox{num_gpu_blocks="9",block_size="16"} 1.0', None),
+    ],
+)
+def test_the_kv_capacity_from_vllms_cache_config(line: str, expected: int | None) -> None:
+    assert kv_capacity_tokens(f"{VLLM_V1}{line}\n") == expected
 
 
 def test_vllm_v0_names() -> None:

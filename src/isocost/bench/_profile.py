@@ -1,0 +1,282 @@
+"""``isocost profile``: one idle replica's prefill and decode times, measured over HTTP.
+
+What ``core.profile`` fits a catalog GPU entry to. Every prompt is random token ids (the
+OpenAI completions API takes them; no tokenizer needed, and no two prompts share a cached
+block), answered with ``ignore_eos`` so that each asks for exactly the work it names:
+
+* prefill: for each prompt length, ``repeats`` prompts sent one at a time for one output
+  token, timed from send to answer (what the gateway's first-token clock sees: HTTP, the
+  engine's scheduler and the prefill); the median per length is the sample;
+* cached prefill (a check the fit does not see): each of those prompts again with
+  ``cached_suffix_tokens`` more, where the engine says how many were found cached
+  (vLLM's ``--enable-prompt-tokens-details``);
+* decode: ``batch`` streams at once of ``decode_tokens`` each; a step is a stream's time
+  from its first token to its last over its tokens after the first, the median over the
+  streams and ``repeats`` rounds;
+* its ``/metrics`` text, where vLLM's ``cache_config_info`` says the KV tokens it holds.
+
+The replica must be idle: anything else it serves is measured as its own cost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from isocost.bench._runner import EndpointError, normalize_url, served_model
+from isocost.core.profile import DecodeSample, PrefillSample
+from isocost.openai import sse
+
+__all__ = ["Measurements", "ProfilePlan", "measure_replica"]
+
+_FIRST_ID = 3  # token ids below are often BOS/EOS/PAD: kept out of the prompts
+_WARMUP = 2  # requests first sent and not counted (allocation, compilation)
+_SHORT_DECODE = 16  # tokens per stream of the shorter decode round
+
+
+@dataclass(frozen=True, slots=True)
+class ProfilePlan:
+    """What to send; ``max_prompt_tokens`` is capped by the engine's ``max_model_len``."""
+
+    max_prompt_tokens: int = 2048
+    repeats: int = 3
+    decode_batches: tuple[int, ...] = (1, 4, 16)
+    decode_tokens: int = 64
+    decode_prompt_tokens: int = 128
+    cached_suffix_tokens: int = 16
+    timeout_s: float = 120.0
+    seed: int | None = None  # None: a new one each run (a second run's prompts were cached)
+
+    def lengths(self, longest: int) -> list[int]:
+        """Prompt lengths from 16 tokens to ``longest``, spread over its octaves."""
+        return sorted({n for n in (16, 64, longest // 8, longest // 4, longest // 2, longest)
+                       if n >= 8})  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Measurements:
+    model: str
+    prompt_tokens_cap: int  # the longest prompt sent
+    prefill: tuple[PrefillSample, ...]
+    decode: tuple[DecodeSample, ...]
+    metrics_text: str | None  # its /metrics as the run ended (vLLM's names the KV it holds)
+    notes: tuple[str, ...]
+
+
+Progress = Callable[[str], None]  # called once per request or round sent, with its phase
+
+
+@dataclass(frozen=True, slots=True)
+class _Answer:
+    """When a probe's answer came and what the engine said of it."""
+
+    seconds: float  # send to the whole answer (non-streamed), or to the first event
+    events_s: tuple[float, ...]  # streamed: arrival of each event carrying a token
+    completion_tokens: int
+    cached_tokens: int | None  # prompt tokens found cached, where the engine says
+
+
+_json = msgspec.json.Decoder()
+
+
+class _Probe:
+    """One session against one replica, every request checked. Answers are timed by
+    their events, not their text: a random-weight model's token may decode to nothing."""
+
+    def __init__(
+        self, session: aiohttp.ClientSession, base: str, model: str, headers: dict[str, str],
+        plan: ProfilePlan, vocab_size: int, progress: Progress,
+    ) -> None:  # fmt: skip
+        self.session, self.base, self.model, self.headers = session, base, model, headers
+        self.plan, self.progress = plan, progress
+        self.rng = random.Random(plan.seed)
+        self.vocab_size = vocab_size
+
+    def prompt(self, tokens: int) -> list[int]:
+        return [self.rng.randrange(_FIRST_ID, self.vocab_size) for _ in range(tokens)]
+
+    async def send(self, prompt: list[int], max_tokens: int, stream: bool) -> _Answer:
+        payload: dict[str, Any] = {
+            "model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+            "ignore_eos": True, "temperature": 0.0, "stream": stream,
+        }  # fmt: skip
+        if stream:
+            payload["stream_options"] = {"include_usage": True}
+        what = f"a probe of {len(prompt)} prompt tokens"
+        try:
+            async with asyncio.timeout(self.plan.timeout_s):
+                return await self._exchange(payload)
+        except TimeoutError:
+            raise EndpointError(f"{what}: no answer in {self.plan.timeout_s:g} s") from None
+        except aiohttp.ClientError as exc:
+            raise EndpointError(f"{what} failed: {str(exc) or type(exc).__name__}") from None
+        except (msgspec.DecodeError, ValueError) as exc:
+            raise EndpointError(f"{what}: not an OpenAI completion answer ({exc})") from None
+
+    async def _exchange(self, payload: dict[str, Any]) -> _Answer:
+        url = f"{self.base}/v1/completions"
+        sent = time.perf_counter()
+        async with self.session.post(
+            url, data=msgspec.json.encode(payload), headers=self.headers, allow_redirects=False
+        ) as response:
+            if response.status != 200:
+                body = (await response.text(errors="replace"))[:300].strip()
+                raise EndpointError(f"{url} answered {response.status}: {body}")
+            events: list[float] = []
+            usage: dict[str, Any] = {}
+            if payload["stream"]:
+                async for raw in response.content:
+                    data = sse.line_data(raw)
+                    if data is None or data == sse.DONE:
+                        continue
+                    event = _json.decode(data)
+                    choices = event.get("choices")
+                    if choices and choices[0].get("text") is not None:  # a token, maybe ""
+                        events.append(time.perf_counter() - sent)
+                    usage = event.get("usage") or usage
+            else:
+                usage = _json.decode(await response.read()).get("usage") or {}
+                events.append(time.perf_counter() - sent)
+        tokens = usage.get("completion_tokens")
+        if not events or not isinstance(tokens, int) or tokens < 1:
+            raise ValueError("no completion tokens in its usage")
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        return _Answer(
+            events[0], tuple(events), tokens, cached if isinstance(cached, int) else None
+        )
+
+    async def prefill(self, lengths: Sequence[int]) -> tuple[list[PrefillSample], list[str]]:
+        samples: list[PrefillSample] = []
+        notes: list[str] = []
+        for n in lengths:
+            uncached: list[float] = []
+            cached: list[tuple[int, float]] = []
+            for _ in range(self.plan.repeats):
+                prompt = self.prompt(n)
+                uncached.append((await self.send(prompt, 1, stream=False)).seconds)
+                self.progress("prefill")
+                longer = prompt + self.prompt(self.plan.cached_suffix_tokens)
+                answer = await self.send(longer, 1, stream=False)
+                self.progress("prefill")
+                if answer.cached_tokens:
+                    cached.append((answer.cached_tokens, answer.seconds))
+            samples.append(PrefillSample(n, 0, statistics.median(uncached)))
+            if cached:
+                hit = min(c for c, _ in cached)
+                new = n + self.plan.cached_suffix_tokens - hit
+                samples.append(PrefillSample(new, hit, statistics.median(s for _, s in cached)))
+        if not any(s.cached_tokens for s in samples):
+            notes.append(
+                "the engine did not report cached prompt tokens (vLLM: "
+                "--enable-prompt-tokens-details): no cached-prefix check"
+            )
+        return samples, notes
+
+    async def decode(self) -> list[DecodeSample]:
+        """A step: how much longer a round of ``batch`` streams takes to its last token
+        with ``decode_tokens`` each than with ``_SHORT_DECODE``, over the steps between.
+        Differences of whole rounds, not gaps between events: an engine starved of CPU
+        sends tokens in bursts, and the prefills and connections cancel out."""
+        plan = self.plan
+        samples = []
+        for batch in plan.decode_batches:
+            steps: list[float] = []
+            for _ in range(plan.repeats):
+                short = await self._round(batch, _SHORT_DECODE)
+                full = await self._round(batch, plan.decode_tokens)
+                steps.append((full - short) / (plan.decode_tokens - _SHORT_DECODE))
+                self.progress("decode")
+            mean_context = plan.decode_prompt_tokens + (plan.decode_tokens + _SHORT_DECODE) // 2
+            samples.append(DecodeSample(batch, batch * mean_context, statistics.median(steps)))
+        return samples
+
+    async def _round(self, batch: int, tokens: int) -> float:
+        """Seconds from sending ``batch`` streams of ``tokens`` at once to their last event."""
+        answers = await asyncio.gather(
+            *(
+                self.send(self.prompt(self.plan.decode_prompt_tokens), tokens, stream=True)
+                for _ in range(batch)
+            )
+        )
+        if any(a.completion_tokens != tokens for a in answers):
+            raise EndpointError(f"decode probes asked for {tokens} tokens got other counts")
+        return max(a.events_s[-1] for a in answers)  # each timed from its send: all at once
+
+
+async def _get(
+    session: aiohttp.ClientSession, url: str, headers: dict[str, str], timeout_s: float
+) -> tuple[int, bytes]:
+    try:
+        async with asyncio.timeout(timeout_s), session.get(url, headers=headers) as response:
+            return response.status, await response.read()
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise EndpointError(f"cannot reach {url}: {str(exc) or type(exc).__name__}") from None
+
+
+def _max_model_len(listing: bytes, model: str) -> int | None:
+    try:
+        entries = msgspec.json.decode(listing)["data"]
+        found = next(e for e in entries if isinstance(e, dict) and e.get("id") == model)
+    except (msgspec.DecodeError, KeyError, TypeError, StopIteration):
+        return None
+    value = found.get("max_model_len")
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def _probe_count(plan: ProfilePlan, lengths: int) -> int:
+    """How many times ``measure_replica`` calls its progress callback."""
+    return _WARMUP + 2 * plan.repeats * lengths + plan.repeats * len(plan.decode_batches)
+
+
+async def measure_replica(
+    url: str,
+    vocab_size: int,
+    plan: ProfilePlan,
+    *,
+    model: str | None = None,
+    api_key: str | None = None,
+    progress: Progress | None = None,
+    on_plan: Callable[[int], None] | None = None,
+) -> Measurements:
+    """Measure the replica at ``url`` (module docstring); ``vocab_size``: the served
+    model's, which the random prompts stay within; ``on_plan`` is told how many progress
+    calls to expect once the prompt lengths are known. EndpointError when it cannot be
+    reached or a probe fails."""
+    base = normalize_url(url)
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    connector = aiohttp.TCPConnector(limit=max(plan.decode_batches) + 1)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        served = await served_model(session, base, model, plan.timeout_s, api_key)
+        posts = headers | {"content-type": "application/json"}
+        status, listing = await _get(session, f"{base}/v1/models", headers, plan.timeout_s)
+        limit = _max_model_len(listing, served) if status == 200 else None
+        headroom = plan.cached_suffix_tokens + 2  # the cached check's longer prompt fits
+        longest = plan.max_prompt_tokens if limit is None else min(
+            plan.max_prompt_tokens, limit - headroom
+        )  # fmt: skip
+        lengths = plan.lengths(longest)
+        if len(lengths) < 2:
+            raise EndpointError(
+                f"{served} takes prompts of at most {limit} tokens: too few to profile"
+            )
+        if on_plan is not None:
+            on_plan(_probe_count(plan, len(lengths)))
+        tick = progress or (lambda _: None)
+        probe = _Probe(session, base, served, posts, plan, vocab_size, tick)
+        for _ in range(_WARMUP):
+            await probe.send(probe.prompt(longest), 2, stream=True)
+            tick("warm-up")
+        prefill, notes = await probe.prefill(lengths)
+        decode = await probe.decode()
+        status, text = await _get(session, f"{base}/metrics", headers, plan.timeout_s)
+        metrics = text.decode(errors="replace") if status == 200 else None
+    return Measurements(served, longest, tuple(prefill), tuple(decode), metrics, tuple(notes))

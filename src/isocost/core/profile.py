@@ -1,0 +1,240 @@
+"""A catalog GPU entry fitted to what one idle replica is measured to do (``isocost profile``).
+
+The built-in catalog prices an engine from datasheet peaks and published efficiencies. An
+engine on hardware it does not describe (a CPU, a new accelerator, an unusual build) has
+costs of another *shape*, and a correction factor learnt online scales the shape it has:
+CPU vLLM serving a 12M-parameter model takes ~105 ms to prefill 600 tokens and ~27 ms when
+592 of them are cached, while the model's A100 prices both at its 5 ms chunk overhead, so
+a factor of 20 prices a cached prefix at nothing. Measured on an idle replica, the shape is
+two lines:
+
+* prefill of ``n`` uncached tokens: ``a + k * flops(n)``, ``flops(n) = 2 P n + A n^2 / 2``
+  (``P`` active parameters, ``A`` attention FLOPs per token pair), so ``k`` is one over
+  the compute rate the engine reaches and ``a`` its fixed cost per request (HTTP, the
+  scheduler, sampling);
+* a decode step of ``b`` sequences holding ``K`` context tokens: ``s + bytes(b, K) / R``,
+  ``bytes = weights read + K * KV bytes per token``, so ``R`` is the memory rate the engine
+  reaches and ``s`` its fixed cost per step.
+
+Both are fitted by least squares and written back as the catalog's own knobs, so the cost
+model, the planner, the gateway and the simulator price the replica with no new code path:
+``bf16_tflops = 1 / (k * mfu_prefill)``, ``hbm_bandwidth = R / mbu_decode`` (the
+utilisations stay the base GPU's: only their products with the peaks are measured),
+``step_overhead = s``, ``prefill_overhead = a - s``. Memory is sized so that the ledger's
+KV pool holds what the engine reports (vLLM's ``cache_config_info``). A line that cannot
+be told from flat (the decode time does not grow with the batch) keeps the base GPU's
+figure for its slope, and says so. Prefills that found part of the prompt cached are not
+fitted: they check the fit, since pricing a cached prefix right is the point.
+
+Pure arithmetic; the measuring is ``bench``'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from isocost.core.costmodel import CostModel, EngineLimits
+from isocost.core.errors import IsocostError
+from isocost.core.hardware import GpuSpec
+from isocost.core.models import ModelSpec
+
+__all__ = ["DecodeSample", "PrefillSample", "Profile", "ProfileError", "ProfileRow", "fit_profile"]
+
+_LEAST_OVERHEAD_S = 1e-5  # a step's fixed cost fitted below this is taken as this
+
+
+class ProfileError(IsocostError):
+    """The measurements cannot be fitted (too few, or not growing with the work)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSample:
+    """One request's prompt of ``new_tokens`` after ``cached_tokens`` found cached, answered
+    (one output token) ``seconds`` after it was sent."""
+
+    new_tokens: int
+    cached_tokens: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeSample:
+    """Decode steps of ``batch`` sequences holding ``context_tokens`` between them took
+    ``seconds`` each."""
+
+    batch: int
+    context_tokens: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileRow:
+    """One measurement beside what the fitted entry predicts for it."""
+
+    phase: str  # "prefill", "cached" (a prompt found partly cached) or "decode"
+    size: int  # new prompt tokens, or the batch
+    context_tokens: int  # cached tokens, or the batch's context
+    measured_s: float
+    modelled_s: float  # by the fitted entry
+    base_s: float  # by the GPU it started from: how far off the catalog was
+    fitted: bool  # False: a check the fit did not see
+
+    @property
+    def error(self) -> float:
+        return (self.modelled_s - self.measured_s) / self.measured_s
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    gpu: GpuSpec
+    rows: tuple[ProfileRow, ...]
+    notes: tuple[str, ...]
+
+
+def _rate_and_intercept(
+    work: npt.NDArray[np.float64],
+    other_s: npt.NDArray[np.float64],
+    seconds: npt.NDArray[np.float64],
+    what: str,
+) -> tuple[float, float]:
+    """``(c, rate)`` minimising the relative error of ``c + max(work / rate, other_s)``:
+    a step is bound by compute or by memory, and one of the two rates is known. For a
+    rate the best ``c >= 0`` is a weighted mean (a fixed cost is never negative: one that
+    fits better below 0 says the other term is what grows); the rate is searched on a
+    log scale, from the
+    one at which all of the measured span is ``work``, a factor 1e4 either way (where the
+    other term explains everything, the slowest rate that leaves it so)."""
+    span = float(seconds.max() - seconds.min())
+    if span <= 0.0 or work.max() <= work.min():
+        raise ProfileError(
+            f"{what} time does not grow with the work: the measurements are noise "
+            "(is the replica idle?)"
+        )
+    weights = 1.0 / seconds**2
+
+    def fitted(rate: float) -> tuple[float, float]:
+        rest = seconds - np.maximum(work / rate, other_s)
+        c = max(float(weights @ rest / weights.sum()), 0.0)
+        return float(weights @ (rest - c) ** 2), c
+
+    guess = float(work.max() - work.min()) / span
+    low, high = math.log(guess / 1e4), math.log(guess * 1e4)
+    best = low
+    for _ in range(4):  # a coarse grid, then finer ones around its best point
+        grid = np.linspace(low, high, 81)
+        best = float(min(grid, key=lambda g: fitted(math.exp(g))[0]))
+        step = (high - low) / 80
+        low, high = best - step, best + step
+    rate = math.exp(best)
+    return fitted(rate)[1], rate
+
+
+def fit_profile(
+    model: ModelSpec,
+    base: GpuSpec,
+    gpu_id: str,
+    prefill: Sequence[PrefillSample],
+    decode: Sequence[DecodeSample],
+    *,
+    kv_capacity_tokens: int | None = None,
+    limits: EngineLimits | None = None,
+    name: str | None = None,
+) -> Profile:
+    """``base`` with its rates, overheads and memory fitted to the measurements of one
+    replica serving ``model`` (module docstring); ProfileError when they cannot be."""
+    limits = limits or EngineLimits()
+    reference = CostModel(model, base, limits=limits)
+    notes: list[str] = []
+    uncached = [s for s in prefill if s.cached_tokens == 0]
+    if len({s.new_tokens for s in uncached}) < 2:
+        raise ProfileError("prefill needs uncached prompts of at least two lengths")
+    if len({s.batch for s in decode}) < 2:
+        raise ProfileError("decode needs steps measured at at least two batch sizes")
+
+    def weights_read(tokens: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+        fractions = [model.expected_weight_fraction_read(int(t)) for t in tokens]
+        return reference.weights_bytes * np.array(fractions, dtype=np.float64)
+
+    pairs_flops = model.attention_flops_per_token_pair()
+    n = np.array([s.new_tokens for s in uncached], dtype=np.float64)
+    prefill_s = np.array([s.seconds for s in uncached])
+    prefill_flops = 2.0 * model.active_params * n + pairs_flops * n * n / 2
+    prefill_bytes = weights_read(n) + reference.kv_bytes_per_token * n
+    batch = np.array([s.batch for s in decode], dtype=np.float64)
+    context = np.array([s.context_tokens for s in decode], dtype=np.float64)
+    decode_s = np.array([s.seconds for s in decode])
+    decode_flops = 2.0 * model.active_params * batch + pairs_flops * context
+    decode_bytes = weights_read(batch) + reference.kv_bytes_per_token * context
+    # Each phase's rate is fitted with the other's held: prefill finds the compute rate
+    # (a short prompt may be bound by reading the weights), decode the memory rate (a big
+    # batch may be bound by compute). Three rounds settle both.
+    memory_rate = base.hbm_bandwidth_bytes_per_s * base.mbu_decode
+    for _ in range(3):
+        intercept, compute_rate = _rate_and_intercept(
+            prefill_flops, prefill_bytes / memory_rate, prefill_s, "prefill"
+        )
+        step_s, memory_rate = _rate_and_intercept(
+            decode_bytes, decode_flops / compute_rate, decode_s, "decode step"
+        )
+    step_s = max(step_s, _LEAST_OVERHEAD_S)
+    prefill_overhead = intercept - step_s
+    if prefill_overhead < 0.0:
+        notes.append(
+            f"a prefill's fixed cost ({intercept * 1e3:.2f} ms) is below a decode step's "
+            f"({step_s * 1e3:.2f} ms): prefill overhead set to 0"
+        )
+        prefill_overhead = 0.0
+    memory_bytes = base.memory_bytes
+    if kv_capacity_tokens is not None and kv_capacity_tokens > 0:
+        ledger = reference.ledger
+        fixed = ledger.weights_bytes + ledger.activations_bytes + ledger.cuda_context_bytes
+        pool = kv_capacity_tokens * reference.kv_bytes_per_token_per_gpu
+        memory_bytes = int((pool + fixed) / limits.gpu_memory_utilization) + 1
+    else:
+        notes.append(f"the engine did not say its KV capacity: memory kept at {base.id}'s")
+    fitted = dataclasses.replace(
+        base,
+        id=gpu_id.lower(),
+        name=name or gpu_id,
+        memory_bytes=memory_bytes,
+        hbm_bandwidth_bytes_per_s=memory_rate / base.mbu_decode,
+        bf16_flops=compute_rate / base.mfu_prefill,
+        fp8_flops=None,
+        step_overhead_s=step_s,
+        prefill_overhead_s=prefill_overhead,
+        kernel_s_per_layer=0.0,
+        gemm_half_rate_tokens=0.0,
+        elementwise_io_per_layer=0.0,
+    )
+    priced = CostModel(model, fitted, limits=limits)
+    rows = [
+        ProfileRow(
+            "prefill" if s.cached_tokens == 0 else "cached",
+            s.new_tokens,
+            s.cached_tokens,
+            s.seconds,
+            priced.prefill_time_s(s.new_tokens, s.cached_tokens),
+            reference.prefill_time_s(s.new_tokens, s.cached_tokens),
+            s.cached_tokens == 0,
+        )
+        for s in prefill
+    ]
+    rows += [
+        ProfileRow(
+            "decode",
+            s.batch,
+            s.context_tokens,
+            s.seconds,
+            priced.decode_step_time_s(s.batch, s.context_tokens),
+            reference.decode_step_time_s(s.batch, s.context_tokens),
+            True,
+        )
+        for s in decode
+    ]
+    return Profile(fitted, tuple(rows), tuple(notes))
