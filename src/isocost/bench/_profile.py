@@ -4,15 +4,16 @@ What ``core.profile`` fits a catalog GPU entry to. Every prompt is random token 
 OpenAI completions API takes them; no tokenizer needed, and no two prompts share a cached
 block), answered with ``ignore_eos`` so that each asks for exactly the work it names:
 
-* prefill: for each prompt length, ``repeats`` prompts sent one at a time for one output
-  token, timed from send to answer (what the gateway's first-token clock sees: HTTP, the
-  engine's scheduler and the prefill); the median per length is the sample;
+* prefill: for each prompt length, ``repeats`` prompts streamed one at a time for one
+  output token, timed from send to that token's event (what the gateway's first-token
+  clock sees: HTTP, the engine's scheduler and the prefill); the median per length is
+  the sample;
 * cached prefill (a check the fit does not see): each of those prompts again with
   ``cached_suffix_tokens`` more, where the engine says how many were found cached
   (vLLM's ``--enable-prompt-tokens-details``);
-* decode: ``batch`` streams at once of ``decode_tokens`` each; a step is a stream's time
-  from its first token to its last over its tokens after the first, the median over the
-  streams and ``repeats`` rounds;
+* decode: for each batch, ``repeats`` pairs of rounds of ``batch`` streams at once, one
+  of ``_SHORT_DECODE`` tokens each and one of ``decode_tokens``; a step is how much
+  longer the second took over the steps between (``_Probe.decode``);
 * its ``/metrics`` text, where vLLM's ``cache_config_info`` says the KV tokens it holds.
 
 The replica must be idle: anything else it serves is measured as its own cost.
@@ -162,10 +163,10 @@ class _Probe:
             cached: list[tuple[int, float]] = []
             for _ in range(self.plan.repeats):
                 prompt = self.prompt(n)
-                uncached.append((await self.send(prompt, 1, stream=False)).seconds)
+                uncached.append((await self.send(prompt, 1, stream=True)).seconds)
                 self.progress("prefill")
                 longer = prompt + self.prompt(self.plan.cached_suffix_tokens)
-                answer = await self.send(longer, 1, stream=False)
+                answer = await self.send(longer, 1, stream=True)
                 self.progress("prefill")
                 if answer.cached_tokens:
                     cached.append((answer.cached_tokens, answer.seconds))

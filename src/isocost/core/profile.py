@@ -55,8 +55,8 @@ class ProfileError(IsocostError):
 
 @dataclass(frozen=True, slots=True)
 class PrefillSample:
-    """One request's prompt of ``new_tokens`` after ``cached_tokens`` found cached, answered
-    (one output token) ``seconds`` after it was sent."""
+    """One request's prompt of ``new_tokens`` after ``cached_tokens`` found cached: its
+    first (and only) output token came ``seconds`` after it was sent."""
 
     new_tokens: int
     cached_tokens: int
