@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from fake_upstream import set_mode, start_fake_upstream
 from isocost_procs import free_port, ready_urls
 
 from isocost.core.catalog import Catalog
@@ -98,4 +99,35 @@ def test_a_replica_that_is_not_there_ends_in_one_line() -> None:
     done = _profile(url, "--id", "x", "--cost-model", "llama-3.1-8b", "--timeout", "5")
     assert done.returncode == 2
     assert f"cannot reach {url}" in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+
+
+@pytest.fixture(scope="module")
+def fake_upstream() -> Iterator[str]:
+    upstream = start_fake_upstream()
+    try:
+        yield upstream.url
+    finally:
+        upstream.stop()
+
+
+@pytest.mark.parametrize(
+    ("mode", "message"),
+    [
+        ({"completion": "invalid_json"}, "not an OpenAI completion answer"),
+        ({"completion": "html"}, "not an OpenAI completion answer"),
+        ({"completion": "status", "status": 404}, "answered 404"),
+        ({"completion": "hang", "stall_s": 30}, "no answer in 1 s"),
+        ({"completion": "ok", "stream_tokens": 3}, "asked for 16 tokens with ignore_eos got"),
+    ],
+)
+def test_an_engine_that_misbehaves_ends_in_one_line(
+    fake_upstream: str, mode: dict[str, object], message: str
+) -> None:
+    set_mode(fake_upstream, **mode)
+    done = _profile(
+        fake_upstream, "--id", "x", "--cost-model", "llama-3.1-8b", "--timeout", "1"
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert message in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
