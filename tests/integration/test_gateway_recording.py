@@ -15,6 +15,9 @@ import openai
 from gateway_harness import gateway_config, http
 from isocost_procs import ISOCOST, Proc, start_isocost
 
+from isocost.core.catalog import Catalog
+from isocost.files import load_catalog
+
 MODEL = "llama-3.1-8b"
 API_KEY = "sk-test-record-7d1e"
 ADMIN_TOKEN = "admin-record-token-3b9a"
@@ -29,11 +32,18 @@ def _engines(procs: list[Proc], count: int) -> list[str]:
     return [p.url for p in procs]
 
 
-def _gateway(procs: list[Proc], tmp: Path, urls: list[str], *extra: str) -> Proc:
+def _gateway(
+    procs: list[Proc], tmp: Path, urls: list[str], *extra: str, replica_fields: str = ""
+) -> Proc:
     config = tmp / "gateway.yaml"
     config.write_text(
         gateway_config(
-            urls, model=MODEL, admin_token=ADMIN_TOKEN, api_key=API_KEY, policy="round_robin"
+            urls,
+            model=MODEL,
+            admin_token=ADMIN_TOKEN,
+            api_key=API_KEY,
+            policy="round_robin",
+            replica_fields=replica_fields,
         )
     )
     with (tmp / "gateway.log").open("a") as log:
@@ -147,6 +157,51 @@ def test_recorded_traffic_replays_in_the_simulator(tmp_path: Path, procs: list[P
         timeout=120,
     )
     assert table.returncode == 0 and "cheapest: " in table.stdout, table.stderr
+
+
+def test_a_gpu_only_the_gateways_catalog_describes_is_recorded_with_the_fleet(
+    tmp_path: Path, procs: list[Proc]
+) -> None:
+    """A replica on a GPU from the gateway's ``--catalog`` (an ``isocost profile`` entry,
+    say): the recording carries its figures, so it replays where that file is not."""
+    catalog = tmp_path / "site.yaml"
+    catalog.write_text(
+        "gpus:\n  - {id: a100-site, memory_gib: 80, hbm_bandwidth_gb_s: 1500, "
+        "bf16_tflops: 250, usd_per_hour: 1.1, step_overhead_ms: 3.5}\n"
+    )
+    record = tmp_path / "rec"
+    gateway = _gateway(
+        procs, tmp_path, _engines(procs, 2), "--record", str(record), "--catalog", str(catalog),
+        replica_fields="gpu: a100-site",
+    )  # fmt: skip
+    with openai.OpenAI(base_url=gateway.url + "/v1", api_key=API_KEY) as client:
+        for i in range(4):
+            _ask(client, i, stream=True)
+    _wait(lambda: _metric(gateway, "isocost_requests_total") == 4)
+    assert _admin(gateway, "POST", "/admin/recording/stop")["recorded"] == 4
+    fleet = json.loads((record / "fleet.json").read_text())
+    assert {r["gpu"] for r in fleet["pools"][0]["replicas"]} == {"a100-site"}
+    recorded = Catalog().merged(fleet["catalog"], "fleet.json").gpu("a100-site")
+    assert recorded == load_catalog([str(catalog)]).gpu("a100-site")  # its figures, all
+    assert "a100-80g" not in fleet["catalog"]  # only what isocost does not ship
+
+    run = subprocess.run(  # no --catalog: the recording's own
+        [ISOCOST, "sim", "--from-record", str(record), "--jobs", "1"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    gone = subprocess.run(  # what the recording would be without it: refused, one line
+        [ISOCOST, "sim", "--cluster", str(_cluster_on(tmp_path, "a100-site")), "--jobs", "1",
+         "--workload", "mix", "--max-requests", "5"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert gone.returncode == 2 and "unknown GPU 'a100-site'" in gone.stderr, gone.stderr
+
+
+def _cluster_on(tmp: Path, gpu: str) -> Path:
+    path = tmp / "cluster.yaml"
+    path.write_text(f"served_model: {MODEL}\nreplicas:\n  - {{gpu: {gpu}, model: {MODEL}}}\n")
+    return path
 
 
 def test_an_unwritable_directory_stops_recording_not_requests(

@@ -38,8 +38,9 @@ def plan_from_record(
         slo = SloTargets.from_ms(ttft_slo_ms, tpot_slo_ms, 0.0, share=target)
     except ValueError as exc:
         fail(f"SLO: {exc}")
-    names = [catalog.gpu(g).id for g in (gpus or "").split(",") if g.strip()]
     recording = simulator.load_recording(directory, pool)
+    catalog = simulator.recorded_catalog(recording, catalog, directory)
+    names = [catalog.gpu(g).id for g in (gpus or "").split(",") if g.strip()]
     if policy is not None:
         simulator.check_policies((policy,))
     result = simulator.plan_fleet(

@@ -153,6 +153,7 @@ def sim(
     recording = None
     if from_record is not None:
         recording = simulator.load_recording(from_record, pool)
+        cat = simulator.recorded_catalog(recording, cat, from_record)
         default_policies = recording.pool.policy
         if deadlines is None:  # as the live clients sent them
             deadlines = recording.has_deadlines

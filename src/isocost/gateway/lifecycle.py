@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import msgspec
 
-from isocost.core.catalog import Catalog
+from isocost.core.catalog import Catalog, gpus_catalog_yaml
 from isocost.core.errors import ConfigError, IsocostError
 from isocost.core.links import link
 from isocost.files import read_text, read_tokenizer
@@ -189,7 +189,8 @@ class Gateway:
 
     def fleet(self) -> FleetFile:
         """The fleet as a recording describes it: each pool's policy and replicas, with
-        what calibration learned of them (no URLs, no keys)."""
+        what calibration learned of them (no URLs, no keys), and the GPUs they name that
+        only this gateway's catalog describes."""
         pools = []
         for pool in self.pools.values():
             replicas = []
@@ -212,6 +213,10 @@ class Gateway:
                     )
                 )
             pools.append(FleetPool(pool.model, pool.policy, replicas))
+        shipped = Catalog.builtin().gpus
+        named = sorted({r.gpu.lower() for p in pools for r in p.replicas})
+        own = [self.catalog.gpu(g) for g in named if self.catalog.gpu(g) != shipped.get(g)]
+        comment = ["GPUs this gateway's catalog describes, not isocost's built-in one"]
         limits = self.config.limits
         return FleetFile(
             pools=pools,
@@ -219,6 +224,7 @@ class Gateway:
             queue_size=limits.max_queue,
             queue_timeout_ms=limits.queue_timeout_ms,
             max_retries=limits.max_retries,
+            catalog=gpus_catalog_yaml(own, comment) if own else None,
         )
 
     # -- replicas and config ------------------------------------------------------------

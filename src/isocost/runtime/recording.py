@@ -108,6 +108,9 @@ class FleetFile(msgspec.Struct, frozen=True):
     queue_size: int = 1024
     queue_timeout_ms: float = 30_000.0
     max_retries: int = 2
+    # catalog YAML of the GPUs the replicas name that isocost does not ship as they are
+    # (a --catalog entry, an ``isocost profile`` one): a replay elsewhere prices them so
+    catalog: str | None = None
 
 
 def recorded_hash_ids(

@@ -67,6 +67,7 @@ from isocost.sim._twin import (
     calibrated_slowdown,
     light_requests,
     load_recording,
+    recorded_catalog,
     recorded_cluster,
 )
 from isocost.sim._workload import WorkloadChoice, at_rate, load_requests
@@ -123,6 +124,7 @@ __all__ = [
     "plan_fleet",
     "print_capacity",
     "print_results",
+    "recorded_catalog",
     "recorded_cluster",
     "replica_usd_per_hour",
     "resolve_cluster",

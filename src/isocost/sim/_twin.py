@@ -137,6 +137,16 @@ def load_recording(directory: str, pool: str | None) -> Recording:
     return Recording(parse_trace(lines, directory, "mooncake"), outcomes, chosen, fleet)
 
 
+def recorded_catalog(recording: Recording, catalog: Catalog, source: str) -> Catalog:
+    """``catalog`` with the GPUs the recording's gateway described itself (its
+    ``--catalog``, an ``isocost profile`` entry) added where ``catalog`` has none of that
+    id, so a replay prices the replicas as the gateway did; ``source``: the recording."""
+    if recording.fleet.catalog is None:
+        return catalog
+    recorded = Catalog().merged(recording.fleet.catalog, f"{source}/{FLEET_FILE}")
+    return Catalog({**recorded.gpus, **catalog.gpus}, dict(catalog.models))
+
+
 def calibrated_slowdown(ttft_factor: float, itl_factor: float) -> float:
     return math.sqrt(ttft_factor * itl_factor)
 
