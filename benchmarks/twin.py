@@ -19,7 +19,9 @@ behind `isocost serve --record` with ``--policy``, the first ``--requests`` rows
 trace with their lengths scaled to tiny-llama's 1,024-token context, at ``--rate``; then
 the recording's replay, with what its calibration fitted per replica (slowdown, prefill
 overhead) and the machine's load as the live run ended. ``--replay-only`` replays a run
-kept with ``--keep`` again. No what-if, no plan.
+kept with ``--keep`` again. No what-if, no plan. With ``--profile`` the replicas are
+priced on the GPU entry ``isocost profile`` fits to the first of them while idle, not on
+the default A100; the recording carries that entry, so the replay starts from it.
 
 With ``--overhead``, the recording's cost: `isocost serve` with and without ``--record``
 in front of a fast engine, a closed loop at ``--overhead-concurrency`` for a few seconds
@@ -60,7 +62,7 @@ from tokenizers import Tokenizer
 
 from isocost.core.catalog import Catalog
 from isocost.runtime.processes import Services, isocost_command
-from isocost.sim import load_recording, recorded_cluster
+from isocost.sim import load_recording, recorded_catalog, recorded_cluster
 from isocost.workload import TRACE_BLOCK_TOKENS, Segment, TextRenderer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,6 +72,7 @@ from vllm_procs import MAX_MODEL_LEN, TINY_MODEL, VllmFleet, gateway_yaml  # noq
 
 TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 MODEL = "llama-3.1-8b"
+PROFILED_GPU = "cpu-core"  # vllm --profile: the replicas' GPU, as isocost profile fits it
 _SLOS_MS = {"isocost": (3000.0, 60.0), "vllm": (1000.0, 25.0)}  # (TTFT, TPOT) per engine
 METRICS = (
     ("TTFT p50 ms", "ttft_p50_s", 1000.0),
@@ -215,12 +218,20 @@ def vllm_fidelity(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         services.log_dir.mkdir(parents=True, exist_ok=True)
         fleet = VllmFleet(services.log_dir, size=2)
         try:
+            catalog = _profile(fleet, work) if args.profile else None
             config = work / "gateway.yaml"
-            config.write_text(gateway_yaml(fleet.replicas, args.policy, tokenizer=True))
+            config.write_text(
+                gateway_yaml(
+                    fleet.replicas,
+                    args.policy,
+                    tokenizer=True,
+                    gpu=PROFILED_GPU if catalog else None,
+                )
+            )
             gateway = services.start(
                 "gateway",
                 ["serve", "--config", str(config), "--port", "0", "--record", str(record),
-                 "--log-level", "error"],
+                 "--log-level", "error", *(["--catalog", str(catalog)] if catalog else [])],
             )  # fmt: skip
             (url,) = gateway.wait_ready(1, 60)
             _bench(url, args, live_path, 1, trace, "--ignore-eos")
@@ -236,6 +247,18 @@ def vllm_fidelity(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "calibration": _fitted(record),
         "load": json.loads(load_path.read_text()),
     }
+
+
+def _profile(fleet: VllmFleet, work: Path) -> Path:
+    """``isocost profile`` of the first replica while idle: a catalog whose
+    ``PROFILED_GPU`` prices both in the CPU's own shape (the recording carries it)."""
+    out = work / "profile.yaml"
+    command = [
+        *isocost_command(), "profile", fleet.urls[0], "--id", PROFILED_GPU,
+        "--cost-model", str(TINY_MODEL), "--out", str(out),
+    ]  # fmt: skip
+    subprocess.run(command, check=True, capture_output=True, timeout=600)
+    return out
 
 
 def _scaled_trace(args: argparse.Namespace, out: Path) -> Path:
@@ -266,7 +289,8 @@ def _fitted(record: Path) -> dict[str, dict[str, float]]:
     the fitted slowdown and the fitted prefill overhead."""
     recording = load_recording(str(record), None)
     factors = {r.name: (r.ttft_factor, r.itl_factor) for r in recording.pool.replicas}
-    _, replicas = recorded_cluster(recording, Catalog.builtin(), str(record))
+    catalog = recorded_catalog(recording, Catalog.builtin(), str(record))
+    _, replicas = recorded_cluster(recording, catalog, str(record))
     return {
         r.replica_id: {
             "ttft_factor": factors[r.replica_id][0],
@@ -457,11 +481,18 @@ def main() -> None:
         action=argparse.BooleanOptionalAction,
         help="Replays fit prefill overheads too (sim --fit-prefill); default: with vllm.",
     )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="vllm: price the replicas on an isocost profile of the first (not an A100).",
+    )
     parser.add_argument("--json", type=Path, help="Write the figures here.")
     parser.add_argument("--keep", type=Path, help="Keep the recordings and logs here.")
     args = parser.parse_args()
     if args.fit_prefill is None:
         args.fit_prefill = args.engine == "vllm"
+    if args.profile and (args.engine != "vllm" or args.replay_only):
+        parser.error("--profile profiles a live vLLM replica: with --engine vllm")
     if args.replay_only and (args.engine != "vllm" or args.keep is None):
         parser.error("--replay-only replays a kept vllm run: with --engine vllm --keep DIR")
     ttft_ms, tpot_ms = _SLOS_MS[args.engine]

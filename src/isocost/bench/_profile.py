@@ -79,8 +79,7 @@ Progress = Callable[[str], None]  # called once per request or round sent, with 
 class _Answer:
     """When a probe's answer came and what the engine said of it."""
 
-    seconds: float  # send to the whole answer (non-streamed), or to the first event
-    events_s: tuple[float, ...]  # streamed: arrival of each event carrying a token
+    events_s: tuple[float, ...]  # seconds from send to each event carrying a token
     completion_tokens: int
     cached_tokens: int | None  # prompt tokens found cached, where the engine says
 
@@ -104,13 +103,13 @@ class _Probe:
     def prompt(self, tokens: int) -> list[int]:
         return [self.rng.randrange(_FIRST_ID, self.vocab_size) for _ in range(tokens)]
 
-    async def send(self, prompt: list[int], max_tokens: int, stream: bool) -> _Answer:
+    async def send(self, prompt: list[int], max_tokens: int) -> _Answer:
+        """Stream a completion of ``prompt``; each token's time and the usage."""
         payload: dict[str, Any] = {
             "model": self.model, "prompt": prompt, "max_tokens": max_tokens,
-            "ignore_eos": True, "temperature": 0.0, "stream": stream,
+            "ignore_eos": True, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True},
         }  # fmt: skip
-        if stream:
-            payload["stream_options"] = {"include_usage": True}
         what = f"a probe of {len(prompt)} prompt tokens"
         try:
             async with asyncio.timeout(self.plan.timeout_s):
@@ -133,28 +132,22 @@ class _Probe:
                 raise EndpointError(f"{url} answered {response.status}: {body}")
             events: list[float] = []
             usage: dict[str, Any] = {}
-            if payload["stream"]:
-                async for raw in response.content:
-                    data = sse.line_data(raw)
-                    if data is None or data == sse.DONE:
-                        continue
-                    event = _json.decode(data)
-                    choices = event.get("choices")
-                    if choices and choices[0].get("text") is not None:  # a token, maybe ""
-                        events.append(time.perf_counter() - sent)
-                    usage = event.get("usage") or usage
-            else:
-                usage = _json.decode(await response.read()).get("usage") or {}
-                events.append(time.perf_counter() - sent)
+            async for raw in response.content:
+                data = sse.line_data(raw)
+                if data is None or data == sse.DONE:
+                    continue
+                event = _json.decode(data)
+                choices = event.get("choices")
+                if choices and choices[0].get("text") is not None:  # a token, maybe ""
+                    events.append(time.perf_counter() - sent)
+                usage = event.get("usage") or usage
         if not events:
             raise ValueError("no output token")
         tokens = usage.get("completion_tokens")  # a stream without usage: one per event
         tokens = tokens if isinstance(tokens, int) and tokens > 0 else len(events)
         details = usage.get("prompt_tokens_details")
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
-        return _Answer(
-            events[0], tuple(events), tokens, cached if isinstance(cached, int) else None
-        )
+        return _Answer(tuple(events), tokens, cached if isinstance(cached, int) else None)
 
     async def prefill(self, lengths: Sequence[int]) -> tuple[list[PrefillSample], list[str]]:
         samples: list[PrefillSample] = []
@@ -164,13 +157,13 @@ class _Probe:
             cached: list[tuple[int, float]] = []
             for _ in range(self.plan.repeats):
                 prompt = self.prompt(n)
-                uncached.append((await self.send(prompt, 1, stream=True)).seconds)
+                uncached.append((await self.send(prompt, 1)).events_s[0])
                 self.progress("prefill")
                 longer = prompt + self.prompt(self.plan.cached_suffix_tokens)
-                answer = await self.send(longer, 1, stream=True)
+                answer = await self.send(longer, 1)
                 self.progress("prefill")
                 if answer.cached_tokens:
-                    cached.append((answer.cached_tokens, answer.seconds))
+                    cached.append((answer.cached_tokens, answer.events_s[0]))
             samples.append(PrefillSample(n, 0, statistics.median(uncached)))
             if cached:
                 hit = min(c for c, _ in cached)
@@ -204,10 +197,7 @@ class _Probe:
     async def _round(self, batch: int, tokens: int) -> float:
         """Seconds from sending ``batch`` streams of ``tokens`` at once to their last event."""
         answers = await asyncio.gather(
-            *(
-                self.send(self.prompt(self.plan.decode_prompt_tokens), tokens, stream=True)
-                for _ in range(batch)
-            )
+            *(self.send(self.prompt(self.plan.decode_prompt_tokens), tokens) for _ in range(batch))
         )
         short = min(a.completion_tokens for a in answers)
         if short != tokens:
@@ -279,7 +269,7 @@ async def measure_replica(
         tick = progress or (lambda _: None)
         probe = _Probe(session, base, served, posts, plan, vocab_size, tick)
         for _ in range(_WARMUP):
-            await probe.send(probe.prompt(longest), 2, stream=True)
+            await probe.send(probe.prompt(longest), 2)
             tick("warm-up")
         prefill, notes = await probe.prefill(lengths)
         decode = await probe.decode()

@@ -6,24 +6,27 @@ costs of another *shape*, and a correction factor learnt online scales the shape
 CPU vLLM serving a 12M-parameter model takes ~105 ms to prefill 600 tokens and ~27 ms when
 592 of them are cached, while the model's A100 prices both at its 5 ms chunk overhead, so
 a factor of 20 prices a cached prefix at nothing. Measured on an idle replica, the shape is
-two lines:
+two lines, each a fixed cost plus a roofline:
 
-* prefill of ``n`` uncached tokens: ``a + k * flops(n)``, ``flops(n) = 2 P n + A n^2 / 2``
-  (``P`` active parameters, ``A`` attention FLOPs per token pair), so ``k`` is one over
-  the compute rate the engine reaches and ``a`` its fixed cost per request (HTTP, the
-  scheduler, sampling);
-* a decode step of ``b`` sequences holding ``K`` context tokens: ``s + bytes(b, K) / R``,
-  ``bytes = weights read + K * KV bytes per token``, so ``R`` is the memory rate the engine
-  reaches and ``s`` its fixed cost per step.
+* prefill of ``n`` uncached tokens: ``a + max(flops(n) / F, bytes(n) / R)``, ``flops(n) =
+  2 P n + A n^2 / 2`` (``P`` active parameters, ``A`` attention FLOPs per token pair),
+  ``bytes(n)`` the weights read plus ``n`` tokens of KV: ``F`` is the compute rate the
+  engine reaches, ``a`` its fixed cost per request (HTTP, the scheduler, sampling), and
+  a short prompt may be bound by reading the weights;
+* a decode step of ``b`` sequences holding ``K`` context tokens: ``s + max(bytes(b, K) /
+  R, flops(b, K) / F)``: ``R`` the memory rate it reaches, ``s`` its fixed cost per step,
+  and a big batch on a slow processor may be bound by compute.
 
-Both are fitted by least squares and written back as the catalog's own knobs, so the cost
-model, the planner, the gateway and the simulator price the replica with no new code path:
-``bf16_tflops = 1 / (k * mfu_prefill)``, ``hbm_bandwidth = R / mbu_decode`` (the
-utilisations stay the base GPU's: only their products with the peaks are measured),
-``step_overhead = s``, ``prefill_overhead = a - s``. Memory is sized so that the ledger's
-KV pool holds what the engine reports (vLLM's ``cache_config_info``). A line that cannot
-be told from flat (the decode time does not grow with the batch) keeps the base GPU's
-figure for its slope, and says so. Prefills that found part of the prompt cached are not
+Each line is fitted for its own rate with the other phase's held (``F`` from prefill,
+``R`` from decode, three rounds), to relative errors, fixed costs never below 0, and
+written back as the catalog's own knobs, so the cost model, the planner, the gateway and
+the simulator price the replica with no new code path: ``bf16_tflops = F /
+mfu_prefill``, ``hbm_bandwidth = R / mbu_decode`` (the utilisations stay the base GPU's:
+only their products with the peaks are measured), ``step_overhead = s``,
+``prefill_overhead = a - s``. Memory is sized so that the ledger's KV pool holds what the
+engine reports (vLLM's ``cache_config_info``). Where one rate's term never binds (the
+memory of a tiny model on a CPU), the rate is one that keeps it so: a price, not a
+measurement of the hardware. Prefills that found part of the prompt cached are not
 fitted: they check the fit, since pricing a cached prefix right is the point.
 
 Pure arithmetic; the measuring is ``bench``'s.
@@ -107,9 +110,8 @@ def _rate_and_intercept(
     a step is bound by compute or by memory, and one of the two rates is known. For a
     rate the best ``c >= 0`` is a weighted mean (a fixed cost is never negative: one that
     fits better below 0 says the other term is what grows); the rate is searched on a
-    log scale, from the
-    one at which all of the measured span is ``work``, a factor 1e4 either way (where the
-    other term explains everything, the slowest rate that leaves it so)."""
+    log scale, a factor 1e4 either way of the one at which all of the measured span is
+    ``work`` (where the other term explains everything, the slowest that leaves it so)."""
     span = float(seconds.max() - seconds.min())
     if span <= 0.0 or work.max() <= work.min():
         raise ProfileError(
