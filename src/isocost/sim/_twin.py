@@ -139,12 +139,15 @@ def load_recording(directory: str, pool: str | None) -> Recording:
 
 def recorded_catalog(recording: Recording, catalog: Catalog, source: str) -> Catalog:
     """``catalog`` with the GPUs the recording's gateway described itself (its
-    ``--catalog``, an ``isocost profile`` entry) added where ``catalog`` has none of that
-    id, so a replay prices the replicas as the gateway did; ``source``: the recording."""
+    ``--catalog``, an ``isocost profile`` entry), so a replay prices the replicas as the
+    gateway did, unless ``catalog`` describes that id otherwise than isocost ships it
+    (the replay's own ``--catalog`` has the last word); ``source``: the recording."""
     if recording.fleet.catalog is None:
         return catalog
     recorded = Catalog().merged(recording.fleet.catalog, f"{source}/{FLEET_FILE}")
-    return Catalog({**recorded.gpus, **catalog.gpus}, dict(catalog.models))
+    shipped = Catalog.builtin().gpus
+    given = {g: spec for g, spec in catalog.gpus.items() if shipped.get(g) != spec}
+    return Catalog({**catalog.gpus, **recorded.gpus, **given}, dict(catalog.models))
 
 
 def calibrated_slowdown(ttft_factor: float, itl_factor: float) -> float:

@@ -11,7 +11,7 @@ from random import Random
 import msgspec
 import pytest
 
-from isocost.core.catalog import Catalog
+from isocost.core.catalog import Catalog, gpus_catalog_yaml
 from isocost.core.costmodel import CostModel
 from isocost.core.errors import ConfigError
 from isocost.core.slo import SloTargets
@@ -32,6 +32,7 @@ from isocost.sim import (
     light_requests,
     load_recording,
     plan_fleet,
+    recorded_catalog,
     recorded_cluster,
     resolve_cluster,
     run_plan,
@@ -92,6 +93,30 @@ def test_a_failure_what_if_is_an_event_on_a_recorded_replica(tmp_path: Path) -> 
     assert (event.replica, event.at_s, event.action) == ("10.0.0.2:8000", 5.0, "fail")
     with pytest.raises(ConfigError, match=r"10\.0\.0\.1:8000, 10\.0\.0\.2:8000"):
         recorded_cluster(recording, Catalog.builtin(), "test", failures=[("nope", 1.0)])
+
+
+def test_the_gpus_a_gateway_described_replay_unless_the_replay_describes_them(
+    tmp_path: Path,
+) -> None:
+    """Built-in < what the recording's gateway described < the replay's own --catalog."""
+    shipped = Catalog.builtin()
+    site = dataclasses.replace(shipped.gpu("a100-80g"), id="a100-site", bf16_flops=2e14)
+    tuned = dataclasses.replace(shipped.gpu("l20-48g"), step_overhead_s=0.009)  # same id
+    directory = _record(tmp_path / "rec", (1.0, 1.0))
+    fleet = msgspec.json.decode((directory / FLEET_FILE).read_bytes(), type=FleetFile)
+    fleet = msgspec.structs.replace(fleet, catalog=gpus_catalog_yaml([site, tuned]))
+    (directory / FLEET_FILE).write_bytes(msgspec.json.encode(fleet))
+    recording = load_recording(str(directory), None)
+
+    replayed = recorded_catalog(recording, shipped, "rec")
+    assert replayed.gpu("a100-site").bf16_flops == site.bf16_flops
+    assert replayed.gpu("l20-48g").step_overhead_s == tuned.step_overhead_s
+    assert replayed.gpu("h100-80g") == shipped.gpu("h100-80g")
+    own = dataclasses.replace(site, bf16_flops=3e14)
+    given = shipped.merged(gpus_catalog_yaml([own]), "mine.yaml")
+    assert recorded_catalog(recording, given, "rec").gpu("a100-site").bf16_flops == 3e14
+    assert recorded_catalog(load_recording(str(_record(tmp_path / "plain", (1.0, 1.0))), None),
+                            shipped, "plain") is shipped  # fmt: skip
 
 
 def test_a_directory_without_a_fleet_is_one_clear_error(tmp_path: Path) -> None:
