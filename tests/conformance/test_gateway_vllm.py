@@ -5,10 +5,11 @@ started once for this module and set per test through the admin API, except for 
 prefix comparison, which starts a fresh gateway (an empty prefix index) per policy. What
 is checked is what only a real engine can show: its SSE relayed
 through the gateway, its ``/metrics`` scraped into the gateway's view, its own prefix
-cache hit counter moved by prefix-aware routing, a real benchmark client
-(``vllm bench serve``) through the gateway, clients that leave mid-generation freeing
-vLLM at once, and a replica's whole process group killed under load, its streams resumed
-on the other. The replica kill comes last in this module.
+cache hit counter moved by prefix-aware routing (and by equal-cost priced on the entry
+``isocost profile`` fits to a replica, which prices a cached prefix as vLLM spends it),
+a real benchmark client (``vllm bench serve``) through the gateway, clients that leave
+mid-generation freeing vLLM at once, and a replica's whole process group killed under
+load, its streams resumed on the other. The replica kill comes last in this module.
 """
 
 from __future__ import annotations
