@@ -223,16 +223,6 @@ async def _get(
         raise EndpointError(f"cannot reach {url}: {str(exc) or type(exc).__name__}") from None
 
 
-def _max_model_len(listing: bytes, model: str) -> int | None:
-    try:
-        entries = msgspec.json.decode(listing)["data"]
-        found = next(e for e in entries if isinstance(e, dict) and e.get("id") == model)
-    except (msgspec.DecodeError, KeyError, TypeError, StopIteration):
-        return None
-    value = found.get("max_model_len")
-    return value if isinstance(value, int) and value > 0 else None
-
-
 def _probe_count(plan: ProfilePlan, lengths: int) -> int:
     """How many times ``measure_replica`` calls its progress callback."""
     return _WARMUP + 2 * plan.repeats * lengths + plan.repeats * len(plan.decode_batches)
@@ -256,10 +246,8 @@ async def measure_replica(
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     connector = aiohttp.TCPConnector(limit=max(plan.decode_batches) + 1)
     async with aiohttp.ClientSession(connector=connector) as session:
-        served = await served_model(session, base, model, plan.timeout_s, api_key)
+        served, limit = await served_model(session, base, model, plan.timeout_s, api_key)
         posts = headers | {"content-type": "application/json"}
-        status, listing = await _get(session, f"{base}/v1/models", headers, plan.timeout_s)
-        limit = _max_model_len(listing, served) if status == 200 else None
         headroom = plan.cached_suffix_tokens + 2  # the cached check's longer prompt fits
         longest = plan.max_prompt_tokens if limit is None else min(
             plan.max_prompt_tokens, limit - headroom

@@ -147,8 +147,9 @@ async def served_model(
     model: str | None,
     timeout_s: float,
     api_key: str | None,
-) -> str:
-    """Check that the endpoint answers; the model to use (given, else the first listed)."""
+) -> tuple[str, int | None]:
+    """Check that the endpoint answers; the model to use (given, else the first listed)
+    and its ``max_model_len`` where the listing says (vLLM's does)."""
     url = f"{base}/v1/models"
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     try:
@@ -161,13 +162,17 @@ async def served_model(
     except (aiohttp.ClientError, TimeoutError) as exc:
         reason = str(exc) or type(exc).__name__
         raise EndpointError(f"cannot reach {base}: {reason}") from None
-    if model is not None:
-        return model
     try:
-        listing = msgspec.json.decode(body)
-        return str(listing["data"][0]["id"])
-    except (msgspec.DecodeError, KeyError, IndexError, TypeError):
-        raise EndpointError(f"{url} answered {status} without a model list; pass --model") from None
+        listed = msgspec.json.decode(body)["data"]
+        entries = [e for e in listed if isinstance(e, dict) and isinstance(e.get("id"), str)]
+    except (msgspec.DecodeError, KeyError, TypeError):
+        entries = []
+    if model is None:
+        if not entries:
+            raise EndpointError(f"{url} answered {status} without a model list; pass --model")
+        model = entries[0]["id"]
+    limit = next((e.get("max_model_len") for e in entries if e["id"] == model), None)
+    return model, limit if isinstance(limit, int) and limit > 0 else None
 
 
 def _payload(
@@ -352,7 +357,7 @@ async def run_bench(
     timeout = aiohttp.ClientTimeout(total=None)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         check_s = min(options.timeout_s, 10.0)
-        model = await served_model(session, bases[0], options.model, check_s, options.api_key)
+        model, _ = await served_model(session, bases[0], options.model, check_s, options.api_key)
         for other in bases[1:]:  # each must answer too
             await served_model(session, other, model, check_s, options.api_key)
         run = _Run(

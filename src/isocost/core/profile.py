@@ -195,7 +195,7 @@ def fit_profile(
     memory_bytes = base.memory_bytes
     if kv_capacity_tokens is not None and kv_capacity_tokens > 0:
         ledger = reference.ledger
-        fixed = ledger.weights_bytes + ledger.activations_bytes + ledger.cuda_context_bytes
+        fixed = ledger.usable_bytes - ledger.kv_pool_bytes  # weights, activations, context
         pool = kv_capacity_tokens * reference.kv_bytes_per_token_per_gpu
         memory_bytes = int((pool + fixed) / limits.gpu_memory_utilization) + 1
     else:

@@ -214,8 +214,8 @@ class Gateway:
                 )
             pools.append(FleetPool(pool.model, pool.policy, replicas))
         shipped = Catalog.builtin().gpus
-        named = sorted({r.gpu.lower() for p in pools for r in p.replicas})
-        own = [self.catalog.gpu(g) for g in named if self.catalog.gpu(g) != shipped.get(g)]
+        ids = sorted({r.gpu.lower() for p in pools for r in p.replicas})
+        own = [spec for spec in map(self.catalog.gpu, ids) if spec != shipped.get(spec.id)]
         comment = ["GPUs this gateway's catalog describes, not isocost's built-in one"]
         limits = self.config.limits
         return FleetFile(
