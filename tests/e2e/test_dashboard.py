@@ -144,6 +144,9 @@ def test_dashboard_shows_replicas_and_live_numbers(live: Live, browser: BrowserC
     first_decision = page.inner_text("#decisions tbody tr")
     assert "equal_cost" in first_decision
     assert "equal-cost-scorer" in first_decision
+    # ... and what it read about each candidate: equal_cost reads them all.
+    read = r"cached [\d,]+, queued [\d,]+, running [\d,]+, TTFT ms [\d,.]+"
+    assert re.search(read, first_decision), first_decision
     assert page.inner_text("#pools").count("llama-3.1-8b") == 1
     # The gateway judges every answer by the pool's SLO: a share of the last minute's.
     page.wait_for_function(

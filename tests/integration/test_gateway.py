@@ -326,6 +326,10 @@ def test_admin_snapshot_describes_every_replica(cluster: Cluster) -> None:
     assert snap["pools"][0]["model"] == MODEL and snap["pools"][0]["healthy"] == 3
     decision = snap["decisions"][-1]
     assert decision["outcome"] == "admit" and decision["scores"]
+    # What equal_cost read about each candidate, as it read it.
+    for row in decision["scores"]:
+        assert set(row["inputs"]) == {"cached_tokens", "waiting", "running", "predicted_ttft_ms"}
+        assert row["inputs"]["predicted_ttft_ms"] > 0 and row["inputs"]["waiting"] >= 0
     assert isinstance(snap["rejections"], dict)
 
 

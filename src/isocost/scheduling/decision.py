@@ -43,12 +43,19 @@ class RejectReason(StrEnum):
     QUEUE_TIMEOUT = "queue_timeout"  # waited in the queue past its limit (dispatch.Dispatcher)
 
 
+ScoreRow = dict[str, float | str | dict[str, float]]
+"""One candidate of ``Explanation.top``: ``replica_id``, a score per plugin, ``total``,
+and ``inputs`` (name -> value) when the decision read any."""
+
+
 @dataclass(frozen=True, slots=True)
 class Explanation:
-    """Why a replica was chosen: every plugin's scores for every eligible replica.
+    """Why a replica was chosen: every plugin's scores for every eligible replica, and
+    what the decision read about each (``Context.inputs_read``).
 
-    ``replica_ids[i]`` pairs with ``scores[plugin][i]`` and ``total[i]``; scores are the
-    clamped [0, 1] values each scorer returned, ``total`` their weighted sum.
+    ``replica_ids[i]`` pairs with ``scores[plugin][i]``, ``total[i]`` and
+    ``inputs[name][i]``; scores are the clamped [0, 1] values each scorer returned,
+    ``total`` their weighted sum.
     """
 
     replica_ids: npt.NDArray[np.object_]  # of str
@@ -56,16 +63,20 @@ class Explanation:
     weights: Mapping[str, float]
     total: npt.NDArray[np.float64]
     notes: Mapping[str, str] = field(default_factory=dict)  # e.g. the route tier used
+    inputs: Mapping[str, npt.NDArray[np.float64]] = field(default_factory=dict)
 
-    def top(self, n: int = 5) -> list[dict[str, float | str]]:
-        """The ``n`` best replicas with their per-plugin scores, best first."""
+    def top(self, n: int = 5) -> list[ScoreRow]:
+        """The ``n`` best replicas with their per-plugin scores, best first (and, under
+        ``inputs``, what the decision read about each, when it read anything)."""
         order = np.argsort(-self.total, kind="stable")[:n]
-        rows: list[dict[str, float | str]] = []
+        rows: list[ScoreRow] = []
         for i in order:
-            row: dict[str, float | str] = {"replica_id": str(self.replica_ids[i])}
+            row: ScoreRow = {"replica_id": str(self.replica_ids[i])}
             for name, values in self.scores.items():
                 row[name] = float(values[i])
             row["total"] = float(self.total[i])
+            if self.inputs:
+                row["inputs"] = {name: float(values[i]) for name, values in self.inputs.items()}
             rows.append(row)
         return rows
 

@@ -331,7 +331,7 @@ class Policy:
             predicted_e2e_s=e2e_s,
             predicted_output_tokens=ctx.expected_output_tokens,
             cached_tokens=cached_tokens,
-            explanation=Explanation(ids, scores, weights, total, notes),
+            explanation=Explanation(ids, scores, weights, total, notes, ctx.inputs_read()),
             raw_times=chosen_times,
         )
 

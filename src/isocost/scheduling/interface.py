@@ -125,6 +125,21 @@ class Context:
         slot = int(self.idx[position])
         return self.replicas.prefix.match_replica(slot, self.request.block_hashes)
 
+    def inputs_read(self) -> dict[str, FloatArray]:
+        """Per candidate, the inputs the decision has read so far (copies, so that they
+        stay what the policy saw): cached prompt tokens, queued and running requests and
+        the predicted TTFT, each only when a plugin or admission read it (reading one
+        here would cost a policy that does not)."""
+        read: dict[str, FloatArray] = {}
+        if self._cached is not None:
+            read["cached_tokens"] = self.cached_tokens
+        if self._load is not None:
+            read["waiting"] = self._load.waiting.copy()
+            read["running"] = self._load.running.copy()
+        if self._prediction is not None:
+            read["predicted_ttft_ms"] = self._prediction.ttft_s * 1000.0
+        return read
+
     @property
     def priced(self) -> bool:
         """Whether ``prediction`` has been computed for the candidates."""

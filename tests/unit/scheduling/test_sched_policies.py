@@ -118,6 +118,35 @@ def test_llmd_weights_prefix_over_queue_and_kv(make_replicas: Factory) -> None:
     }
 
 
+def test_a_decision_shows_what_it_read_about_each_candidate_as_it_read_it(
+    make_replicas: Factory,
+) -> None:
+    """Explanation.inputs: what the policy read (cached prompt tokens, queued and running
+    requests, predicted TTFT), copied at the decision; nothing it did not read."""
+    replicas = make_replicas(["a100-80g"] * 2)
+    blocks = tuple(range(1, 21))  # 20 blocks = 320 tokens
+    replicas.on_dispatch(RequestView("warm", MODEL, 320, block_hashes=blocks), "r0", 0.0)
+    request = RequestView("q", MODEL, 320, block_hashes=blocks)
+    decision = build_policy("equal_cost").schedule(request, replicas, 0.0)
+    assert decision.explanation is not None
+    rows = {row["replica_id"]: row["inputs"] for row in decision.explanation.top()}
+    assert {r: (v["cached_tokens"], v["waiting"], v["running"]) for r, v in rows.items()} == {
+        "r0": (320.0, 1.0, 0.0),  # holds the prompt, and the request that put it there
+        "r1": (0.0, 0.0, 0.0),
+    }
+    assert all(inputs["predicted_ttft_ms"] > 0 for inputs in rows.values())
+    replicas.on_dispatch(RequestView("more", MODEL, 16), "r1", 0.0)  # the state moves on
+    again = {row["replica_id"]: row["inputs"] for row in decision.explanation.top()}
+    assert again == rows
+    # Round robin reads nothing about the replicas, so it shows nothing; least_request
+    # reads the queues alone.
+    for policy, read in (("round_robin", set()), ("least_request", {"waiting", "running"})):
+        explained = build_policy(policy).schedule(request, replicas, 0.0).explanation
+        assert explained is not None
+        shown = [row.get("inputs", {}) for row in explained.top()]
+        assert [set(inputs) for inputs in shown] == [read, read], policy
+
+
 def test_builtin_profiles_round_trip_through_yaml() -> None:
     builtin = SchedulingConfig(policies=list(BUILTIN_POLICIES.values()))
     parsed = parse_scheduling_yaml(config_to_yaml(builtin), "builtin.yaml")

@@ -289,11 +289,23 @@
     for (const stale of rows.values()) stale.remove();
   }
 
+  // What a decision read about a candidate (Explanation.inputs), in the table's words.
+  const INPUTS = [
+    ["cached_tokens", "cached", 0],
+    ["waiting", "queued", 0],
+    ["running", "running", 0],
+    ["predicted_ttft_ms", "TTFT ms", 1],
+  ];
+
   function describeScores(row) {
     const parts = Object.entries(row)
-      .filter(([key]) => key !== "replica_id" && key !== "total")
+      .filter(([key]) => key !== "replica_id" && key !== "total" && key !== "inputs")
       .map(([key, value]) => `${key} ${fmt(value, 2)}`);
-    return `${row.replica_id} ${fmt(row.total, 2)}${parts.length ? ` (${parts.join(", ")})` : ""}`;
+    const read = INPUTS.filter(([key]) => row.inputs && key in row.inputs).map(
+      ([key, label, digits]) => `${label} ${fmt(row.inputs[key], digits)}`,
+    );
+    const scores = parts.length ? ` (${parts.join(", ")})` : "";
+    return `${row.replica_id} ${fmt(row.total, 2)}${scores}${read.length ? `: ${read.join(", ")}` : ""}`;
   }
 
   function renderDecisions(decisions) {
