@@ -7,7 +7,8 @@ block), answered with ``ignore_eos`` so that each asks for exactly the work it n
 * prefill: for each prompt length, ``repeats`` prompts streamed one at a time for one
   output token, timed from send to that token's event (what the gateway's first-token
   clock sees: HTTP, the engine's scheduler and the prefill); the median per length is
-  the sample;
+  the sample, the repeats taken in rounds over every length (so that a spell of other
+  work on the machine slows one prompt of several lengths, not the median of one);
 * cached prefill (a check the fit does not see): each of those prompts again with
   ``cached_suffix_tokens`` more, where the engine says how many were found cached
   (vLLM's ``--enable-prompt-tokens-details``);
@@ -152,18 +153,20 @@ class _Probe:
     async def prefill(self, lengths: Sequence[int]) -> tuple[list[PrefillSample], list[str]]:
         samples: list[PrefillSample] = []
         notes: list[str] = []
-        for n in lengths:
-            uncached: list[float] = []
-            cached: list[tuple[int, float]] = []
-            for _ in range(self.plan.repeats):
+        uncached_by: dict[int, list[float]] = {n: [] for n in lengths}
+        cached_by: dict[int, list[tuple[int, float]]] = {n: [] for n in lengths}
+        for _ in range(self.plan.repeats):  # in rounds over every length (module docstring)
+            for n in lengths:
                 prompt = self.prompt(n)
-                uncached.append((await self.send(prompt, 1)).events_s[0])
+                uncached_by[n].append((await self.send(prompt, 1)).events_s[0])
                 self.progress("prefill")
                 longer = prompt + self.prompt(self.plan.cached_suffix_tokens)
                 answer = await self.send(longer, 1)
                 self.progress("prefill")
                 if answer.cached_tokens:
-                    cached.append((answer.cached_tokens, answer.events_s[0]))
+                    cached_by[n].append((answer.cached_tokens, answer.events_s[0]))
+        for n in lengths:
+            uncached, cached = uncached_by[n], cached_by[n]
             samples.append(PrefillSample(n, 0, statistics.median(uncached)))
             if cached:
                 hit = min(c for c, _ in cached)
