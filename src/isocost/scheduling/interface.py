@@ -126,16 +126,17 @@ class Context:
         return self.replicas.prefix.match_replica(slot, self.request.block_hashes)
 
     def inputs_read(self) -> dict[str, FloatArray]:
-        """Per candidate, the inputs the decision has read so far (copies, so that they
-        stay what the policy saw): cached prompt tokens, queued and running requests and
-        the predicted TTFT, each only when a plugin or admission read it (reading one
-        here would cost a policy that does not)."""
+        """Per candidate, the inputs the decision has read so far: cached prompt tokens,
+        queued and running requests and the predicted TTFT, each only when a plugin or
+        admission read it (reading one here would cost a policy that does not). They
+        stay what the policy saw: ``load`` and ``prediction`` are computed for this
+        context, never views of the replica state."""
         read: dict[str, FloatArray] = {}
         if self._cached is not None:
             read["cached_tokens"] = self.cached_tokens
         if self._load is not None:
-            read["waiting"] = self._load.waiting.copy()
-            read["running"] = self._load.running.copy()
+            read["waiting"] = self._load.waiting
+            read["running"] = self._load.running
         if self._prediction is not None:
             read["predicted_ttft_ms"] = self._prediction.ttft_s * 1000.0
         return read
