@@ -10,13 +10,15 @@ both paths side by side in one run:
   gateway adds (gateway minus direct);
 * throughput: a closed loop of ``--concurrency`` workers sending non-streamed requests for
   ``--duration`` seconds, direct then through the gateway, twice in alternation; the best
-  of each. Requests/s and the ratio gateway/direct.
+  of each. Requests/s and the ratio gateway/direct, and the CPU time per request of the
+  isocost process on the path (the gateway, or the picker; Envoy's own is not counted).
 
 With ``--peers`` the same figures are taken, in the same run and against the same
 engine, for ``sglang-router`` and ``vllm-router`` (round_robin, their cheapest policy),
 installed from PyPI into their own venv ``.venv-peers`` on first use. With ``--envoy``,
 for Envoy alone (round robin) and Envoy with ``isocost picker`` choosing
-(deploy/envoy/picker.yaml; and its request body BUFFERED or FULL_DUPLEX_STREAMED).
+(deploy/envoy/picker.yaml; and its request body BUFFERED or FULL_DUPLEX_STREAMED), and
+Envoy with a picker that decides nothing (``null_picker.py``: Python gRPC's own cost).
 Envoy comes from ``make envoy``. With ``--shadow a,b`` also the gateway whose pool
 evaluates those candidate policies beside ``--policy`` (``shadow:``, each request's
 decision computed by every candidate too); its replays are set an hour apart, so the
@@ -58,7 +60,7 @@ MODEL = "llama-3.1-8b"
 PEERS_VENV = ROOT / ".venv-peers"
 PEER_PACKAGES = ("sglang-router==0.3.2", "vllm-router==0.1.17")
 sys.path.insert(0, str(ROOT / "tests" / "support"))  # the suites' processes and Envoy
-from isocost_procs import NotReady, cpu_seconds, free_port, spawn_ready  # noqa: E402
+from isocost_procs import NotReady, cpu_seconds, free_port, ready_urls, spawn_ready  # noqa: E402
 
 
 def _peers_venv() -> Path:
@@ -127,13 +129,10 @@ def _start_shadowed(
     )
 
 
-def _start_envoy_rows(
-    engine_url: str, policy: str, workdir: Path
-) -> tuple[list[Callable[[], None]], dict[str, str]]:
-    """Envoy alone, and Envoy + ``isocost picker`` with the request body STREAMED without
-    waiting (deploy/envoy/picker.yaml), BUFFERED and FULL_DUPLEX_STREAMED: their stops
-    and URLs."""
-    from envoy_harness import ENVOY, envoy_config, start_envoy
+def start_picker(engine_url: str, policy: str, workdir: Path) -> tuple[subprocess.Popen[str], int]:
+    """``isocost picker`` over the engine, once Envoy is known to be installed: the
+    process and its port."""
+    from envoy_harness import ENVOY
 
     if ENVOY is None:
         raise SystemExit("--envoy: no Envoy binary; run `make envoy` first")
@@ -142,26 +141,50 @@ def _start_envoy_rows(
         f"policy: {policy}\npools:\n  - model: {MODEL}\n    replicas:\n"
         f"      - {{url: '{engine_url}'}}\n"
     )
-    picker_port = free_port()
+    port = free_port()
     picker, _ = _start(
-        ["picker", "--config", str(config), "--port", str(picker_port), "--log-level",
-         "warning"],
+        ["picker", "--config", str(config), "--port", str(port), "--log-level", "warning"],
         "isocost picker",
-    )  # fmt: skip
+    )
+    return picker, port
+
+
+def _start_envoy_rows(
+    engine_url: str, policy: str, workdir: Path
+) -> tuple[list[Callable[[], None]], dict[str, str], dict[str, int]]:
+    """Envoy alone, Envoy + ``isocost picker`` with the request body STREAMED without
+    waiting (deploy/envoy/picker.yaml), BUFFERED and FULL_DUPLEX_STREAMED, and Envoy + a
+    picker that decides nothing (``null_picker.py``, the shipped config): their stops,
+    URLs and the pickers' pids by row (one picker serves the three)."""
+    from envoy_harness import envoy_config, start_envoy
+
+    picker, picker_port = start_picker(engine_url, policy, workdir)
     engine_port = int(engine_url.rsplit(":", 1)[1])
-    stops: list[Callable[[], None]] = [picker.terminate]
+    null_port = free_port()
+    null_picker = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("null_picker.py")), str(null_port),
+         f"127.0.0.1:{engine_port}"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    stops: list[Callable[[], None]] = [picker.terminate, null_picker.terminate]
+    try:
+        ready_urls(null_picker, "null picker")
+    except NotReady as exc:
+        null_picker.kill()
+        raise SystemExit(f"the null picker did not become ready ({exc})") from None
     urls = {}
-    for name, body_mode in (
-        ("envoy", {"picker": False}),
-        ("envoy+picker", {}),
-        ("envoy+picker buffered", {"buffered": True}),
-        ("envoy+picker duplex", {"full_duplex": True}),
+    for name, port, body_mode in (
+        ("envoy", picker_port, {"picker": False}),
+        ("envoy+picker", picker_port, {}),
+        ("envoy+picker buffered", picker_port, {"buffered": True}),
+        ("envoy+picker duplex", picker_port, {"full_duplex": True}),
+        ("envoy+null picker", null_port, {}),
     ):
         envoy = start_envoy(
             envoy_config(
                 listen_port=free_port(),
                 admin_port=free_port(),
-                picker_port=picker_port,
+                picker_port=port,
                 engine_ports=[engine_port],
                 **body_mode,
             ),
@@ -170,7 +193,21 @@ def _start_envoy_rows(
         )
         stops.insert(0, envoy.stop)
         urls[name] = envoy.url
-    return stops, urls
+    pids = {name: picker.pid for name in urls if "+picker" in name}
+    return stops, urls, pids | {"envoy+null picker": null_picker.pid}
+
+
+def stop_all(
+    stops: list[Callable[[], None]], procs: list[subprocess.Popen[str]], workdir: Path
+) -> None:
+    """Stop what a run started: the Envoys and pickers, then the processes (routers
+    first, the engine last), and remove its files."""
+    for stop in stops:
+        stop()
+    for proc in procs:
+        proc.terminate()
+        proc.wait(timeout=20)
+    shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _body(max_tokens: int, stream: bool) -> bytes:
@@ -261,7 +298,7 @@ def _row(
     cpu_us: dict[str, float],
 ) -> dict[str, Any]:
     """One router's JSON object: what it adds to direct (ms), its request rate and (an
-    isocost gateway's) CPU time per request."""
+    isocost gateway's or picker's) CPU time per request."""
 
     def added(key: str) -> float:
         return round(percentiles[key][name] - percentiles[key]["direct"], 3)
@@ -313,7 +350,7 @@ def main() -> None:
         "isocost serve",
     )  # fmt: skip
     procs = [gateway, engine]
-    pids = {"isocost": gateway.pid}  # gateways whose CPU time per request is measured
+    pids = {"isocost": gateway.pid}  # isocost processes whose CPU per request is measured
     targets = {"direct": engine_url, "isocost": gateway_url}
     if args.workers > 1:  # the same gateway on --workers processes sharing the port
         workers, workers_url = _start(
@@ -332,8 +369,9 @@ def main() -> None:
             targets["isocost +shadow"] = shadowed_url
             pids["isocost +shadow"] = shadowed.pid
         if args.envoy:
-            stops, envoy_urls = _start_envoy_rows(engine_url, args.policy, workdir)
+            stops, envoy_urls, picker_pids = _start_envoy_rows(engine_url, args.policy, workdir)
             targets.update(envoy_urls)
+            pids.update(picker_pids)
         if args.peers:
             for name in ("sglang-router", "vllm-router"):
                 proc, url = _start_peer(name, engine_url)
@@ -360,12 +398,7 @@ def main() -> None:
                         cpu_us[name] = min(cpu_us.get(name, used), used)
                     progress.advance(runs)
     finally:
-        for stop in stops:
-            stop()
-        for proc in procs:
-            proc.terminate()
-            proc.wait(timeout=20)
-        shutil.rmtree(workdir, ignore_errors=True)
+        stop_all(stops, procs, workdir)
 
     table = Table(title=f"Gateway overhead ({args.requests} requests per path, one engine)")
     table.add_column("metric")
@@ -396,7 +429,7 @@ def main() -> None:
         ),
     )
     table.add_row(
-        "gateway CPU µs/request (x isocost)",
+        "isocost CPU µs/request (x isocost)",
         *(
             "–"
             if name not in cpu_us

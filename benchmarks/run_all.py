@@ -24,6 +24,7 @@ RUNS: list[list[str]] = [
     ["scheduling_decision.py", "--replicas", "1000", "--young", "1000", "--old", "5000",
      "--probes", "500"],
     ["gateway_overhead.py", "--requests", "300", "--duration", "5"],
+    ["stream_relay.py"],
     ["sim_scale.py"],
     ["discovery/watch_overhead.py", "--requests", "400"],
 ]  # fmt: skip

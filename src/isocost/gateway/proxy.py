@@ -78,6 +78,9 @@ _HOP_HEADERS = ("Accept", "X-Request-Id")
 CLIENT_GONE_STATUS = 499
 PREFILL_REPLICA_HEADER = "x-isocost-prefill-replica"  # P, on a split request's answer
 _ERROR_PEEK_BYTES = 4096
+# A block this small written onto an empty transport buffer stays under the transport's
+# low-water mark (16 KiB by default in asyncio and uvloop), so the write cannot pause.
+_AT_ONCE_BYTES = 16 * 1024
 
 
 class _AttemptFailed(Exception):
@@ -758,7 +761,7 @@ class Forwarder:
                         replica.recent_ttft_s.append(ttft_s)
                         self.router.metrics.ttft.labels(replica.name).observe(ttft_s)
                     token_at = last_at
-                await self._send(http, response.write(block))
+                await self._relay(http, response, block)
                 if reader.done:
                     break
                 try:
@@ -865,6 +868,19 @@ class Forwarder:
                 },
             )
             return _Segment(upstream, grant, reader, block)
+
+    async def _relay(self, http: web.Request, response: web.StreamResponse, block: bytes) -> None:
+        """One relayed block of a stream: written at once when the client's transport has
+        nothing pending, so that the write cannot wait on the client (``_send``'s timer,
+        a tenth of the relay's CPU, is paid only when it could)."""
+        transport = http.transport
+        if transport is None or transport.get_write_buffer_size() or len(block) > _AT_ONCE_BYTES:
+            await self._send(http, response.write(block))
+            return
+        try:
+            await response.write(block)
+        except ConnectionResetError:
+            raise ClientGone("client disconnected") from None
 
     async def _send(self, http: web.Request, write: Awaitable[object]) -> None:
         """One write to the client, which must drain within ``idle_timeout_s``: a client

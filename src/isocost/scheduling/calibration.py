@@ -379,6 +379,8 @@ class Calibration(SlotArrays):
         """Time the record's stream stalled for other requests' prefills since its last
         observed token (those whose first token arrived meanwhile); moves the mark."""
         done = float(self.prefill_done_tokens[record.slot])
+        if done == record.prefill_mark:  # no prefill meanwhile: most chunks
+            return 0.0
         stall = coefficients.prefill_s(done - record.prefill_mark, 0.0)
         record.prefill_mark = done
         return stall

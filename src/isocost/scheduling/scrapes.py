@@ -13,7 +13,7 @@ cache: ``merge`` returns those slots so that their prefix entries can be forgott
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, overload
 
 import numpy as np
 
@@ -71,8 +71,20 @@ class ScrapeMerge(SlotArrays):
         """A request of this caller completed with ``output_tokens``."""
         self.mean_output_tokens += 0.05 * (output_tokens - self.mean_output_tokens)
 
-    def freshness(self, now: float, key: SlotKey | int) -> FloatArray:
-        """Weight of each slot's latest scrape: ``exp(-age / staleness_tau_s)``, 0 if none."""
+    @overload
+    def freshness(self, now: float, key: int) -> float: ...
+
+    @overload
+    def freshness(self, now: float, key: SlotKey) -> FloatArray: ...
+
+    def freshness(self, now: float, key: SlotKey | int) -> FloatArray | float:
+        """Weight of each slot's latest scrape: ``exp(-age / staleness_tau_s)``, 0 if none.
+        One slot's without arrays (it is asked for every streamed chunk), through numpy's
+        ``exp`` still: libm's differs from it in the last bit for some ages, and one
+        replica's prediction must be the vector one's to the bit."""
+        if isinstance(key, int):
+            one_age = max(now - float(self.taken_s[key]), 0.0)
+            return float(np.exp(-one_age / self.staleness_tau_s))
         age = np.maximum(now - self.taken_s[key], 0.0)
         return np.asarray(np.exp(-age / self.staleness_tau_s), dtype=np.float64)
 

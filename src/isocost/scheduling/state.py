@@ -561,11 +561,12 @@ class ReplicaSet:
         foreign_running = fresh * scrapes.foreign_running[key]
         capacity = self.slots.kv_capacity_tokens[key]
         mean_prompt, mean_out = scrapes.mean_prompt_tokens, scrapes.mean_output_tokens
+        running, context = self._batch(key, foreign_running)
         return (
             local.waiting[key] + foreign_waiting,
-            local.running[key] + foreign_running,
+            running,
             local.queued_prefill_tokens[key] + foreign_waiting * mean_prompt,
-            local.context_tokens[key] + foreign_running * (mean_prompt + mean_out / 2.0),
+            context,
             local.remaining_tokens[key] + (foreign_running + foreign_waiting) * mean_out / 2.0,
             maximum(local.kv_tokens[key], fresh * scrapes.kv_usage[key] * capacity),
             capacity,
@@ -626,7 +627,23 @@ class ReplicaSet:
         for slot, coefficients in fit.observe(record.slot, x, now - record.dispatch_s, now):
             self._price(self.slots.state_at(slot), coefficients)
 
+    def _batch(self, key: SlotKey | int, foreign_running: Any) -> tuple[Any, Any]:
+        """The running sequences of the slots ``key`` and their context tokens, with
+        ``foreign_running`` (the fresh scrapes' others) priced at the mean request."""
+        local, scrapes = self.local, self.scrapes
+        per_foreign = scrapes.mean_prompt_tokens + scrapes.mean_output_tokens / 2.0
+        return (
+            local.running[key] + foreign_running,
+            local.context_tokens[key] + foreign_running * per_foreign,
+        )
+
     def _step_now(self, slot: int, now: float) -> float:
-        """Uncorrected decode step of the slot's current batch (what its streams now see)."""
-        _, running, _, context, *_ = self._effective(now, slot, max)
-        return self.slots.state_at(slot).coefficients.decode_step_s(max(running, 1.0), context)
+        """Uncorrected decode step of the slot's current batch (what its streams now see):
+        asked for every streamed chunk, so it reads the batch alone."""
+        self._start_unseen(now)
+        scrapes = self.scrapes
+        foreign_running = scrapes.freshness(now, slot) * float(scrapes.foreign_running[slot])
+        running, context = self._batch(slot, foreign_running)
+        return self.slots.state_at(slot).coefficients.decode_step_s(
+            max(float(running), 1.0), float(context)
+        )
