@@ -123,6 +123,8 @@ class StreamLedger:
             self._read(choice, counted)
         if any(choice_generated(choice) for choice in choices):  # each an object (_read)
             self.generated_events += 1
+        if not self.resumes and "usage" not in event:
+            return payload  # nothing to change: as the upstream wrote it (most events)
         if "usage" in event:
             if self.client_continuous and counted:
                 event["usage"] = self._usage()
