@@ -67,6 +67,7 @@ from pathlib import Path
 from random import Random
 
 from rich.console import Console
+from rich.progress import Progress
 from rich.table import Table
 
 from isocost.control import (
@@ -545,11 +546,18 @@ def main() -> None:
         f"{clairvoyant_gpu_hours(shape, sustained):,.0f} GPU-h"
     )
     jobs = max(1, min(args.jobs, len(runs)))
-    if jobs == 1:
-        done = {w: _run_forked(w) for w in runs}
-    else:
-        with multiprocessing.get_context("fork").Pool(jobs) as pool:
-            done = dict(zip(runs, pool.map(_run_forked, runs), strict=True))
+    done: dict[str, WayResult] = {}
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task(f"the day, {len(runs)} ways", total=len(runs))
+        if jobs == 1:
+            for way in runs:
+                done[way] = _run_forked(way)
+                progress.advance(task)
+        else:
+            with multiprocessing.get_context("fork").Pool(jobs) as pool:
+                for way, result in zip(runs, pool.imap(_run_forked, runs), strict=True):
+                    done[way] = result
+                    progress.advance(task)
     default = hpa_way(HPA_QUEUE_TARGET)
     results = [replace(done[default], policy="hpa") if w == "hpa" else done[w] for w in ways] + [
         done[hpa_way(t)] for t in sweep
