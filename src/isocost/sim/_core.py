@@ -110,7 +110,7 @@ class SimRecord:
     preemptions: int = 0
     rejected: str | None = None  # reason, when rejected
     failed_on: tuple[str, ...] = ()  # replicas whose attempt broke: retries avoid them
-    hashes: tuple[int, ...] | None = None  # the prompt's block hashes, once computed
+    hashes: tuple[int, ...] | None = None  # the prompt's block hashes, while it is unsettled
     counterfactual: tuple[float, float] | None = None  # audited rejection: TTFT, E2E admitted
     held_s: float | None = None  # when SLO admission held it first (``dispatch``)
     disaggregated: bool = False  # the last attempt was split into prefill and decode legs
@@ -550,6 +550,7 @@ class Simulator:
         self._settle(record)
 
     def _settle(self, record: SimRecord) -> None:
+        record.hashes = None  # no attempt follows; a day's worth would hold gigabytes
         if self.replaying:
             assert self.audit is not None
             self.audit.settled(record)
