@@ -761,7 +761,7 @@ class Forwarder:
                         replica.recent_ttft_s.append(ttft_s)
                         self.router.metrics.ttft.labels(replica.name).observe(ttft_s)
                     token_at = last_at
-                await self._relay(http, response, block)
+                await self._send(http, response.write(block), len(block))
                 if reader.done:
                     break
                 try:
@@ -869,24 +869,25 @@ class Forwarder:
             )
             return _Segment(upstream, grant, reader, block)
 
-    async def _relay(self, http: web.Request, response: web.StreamResponse, block: bytes) -> None:
-        """One relayed block of a stream: written at once when the client's transport has
-        nothing pending, so that the write cannot wait on the client (``_send``'s timer,
-        a tenth of the relay's CPU, is paid only when it could)."""
-        transport = http.transport
-        if transport is None or transport.get_write_buffer_size() or len(block) > _AT_ONCE_BYTES:
-            await self._send(http, response.write(block))
-            return
-        try:
-            await response.write(block)
-        except ConnectionResetError:
-            raise ClientGone("client disconnected") from None
-
-    async def _send(self, http: web.Request, write: Awaitable[object]) -> None:
+    async def _send(
+        self, http: web.Request, write: Awaitable[object], size: int | None = None
+    ) -> None:
         """One write to the client, which must drain within ``idle_timeout_s``: a client
-        that stops reading would otherwise hold the upstream (and its engine slot)."""
+        that stops reading would otherwise hold the upstream (and its engine slot). A
+        write of ``size`` bytes onto a transport with nothing pending cannot wait, so it
+        goes without the timer (a tenth of a relayed chunk's CPU)."""
+        transport = http.transport
+        may_wait = (
+            size is None
+            or size > _AT_ONCE_BYTES
+            or transport is None
+            or transport.get_write_buffer_size() > 0
+        )
         try:
-            async with asyncio.timeout(self.settings.idle_timeout_s):
+            if may_wait:
+                async with asyncio.timeout(self.settings.idle_timeout_s):
+                    await write
+            else:
                 await write
         except (TimeoutError, ConnectionResetError) as exc:
             if http.transport is not None:
