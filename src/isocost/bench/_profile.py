@@ -6,15 +6,18 @@ block), answered with ``ignore_eos`` so that each asks for exactly the work it n
 
 * prefill: for each prompt length, ``repeats`` prompts streamed one at a time for one
   output token, timed from send to that token's event (what the gateway's first-token
-  clock sees: HTTP, the engine's scheduler and the prefill); the median per length is
-  the sample, the repeats taken in rounds over every length (so that a spell of other
-  work on the machine slows one prompt of several lengths, not the median of one);
+  clock sees: HTTP, the engine's scheduler and the prefill); the fastest per length is
+  the sample (other work on the machine only ever adds time, so the fastest of a few is
+  the one it touched least: on a busy 2-core machine the median of three missed a
+  16-token prompt by up to 20%), the repeats taken in rounds over every length (so that
+  a spell of other work slows one prompt of several lengths, not every prompt of one);
 * cached prefill (a check the fit does not see): each of those prompts again with
   ``cached_suffix_tokens`` more, where the engine says how many were found cached
   (vLLM's ``--enable-prompt-tokens-details``);
 * decode: for each batch, ``repeats`` pairs of rounds of ``batch`` streams at once, one
   of ``_SHORT_DECODE`` tokens each and one of ``decode_tokens``; a step is how much
-  longer the second took over the steps between (``_Probe.decode``);
+  longer the fastest long round took than the fastest short one, over the steps between
+  (``_Probe.decode``);
 * its ``/metrics`` text, where vLLM's ``cache_config_info`` says the KV tokens it holds.
 
 The replica must be idle: anything else it serves is measured as its own cost.
@@ -24,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -167,11 +169,11 @@ class _Probe:
                     cached_by[n].append((answer.cached_tokens, answer.events_s[0]))
         for n in lengths:
             uncached, cached = uncached_by[n], cached_by[n]
-            samples.append(PrefillSample(n, 0, statistics.median(uncached)))
+            samples.append(PrefillSample(n, 0, min(uncached)))
             if cached:
                 hit = min(c for c, _ in cached)
                 new = n + self.plan.cached_suffix_tokens - hit
-                samples.append(PrefillSample(new, hit, statistics.median(s for _, s in cached)))
+                samples.append(PrefillSample(new, hit, min(s for _, s in cached)))
         if not any(s.cached_tokens for s in samples):
             notes.append(
                 "the engine did not report cached prompt tokens (vLLM: "
@@ -181,9 +183,10 @@ class _Probe:
 
     async def decode(self) -> list[DecodeSample]:
         """A step: how much longer a round of ``batch`` streams takes to its last token
-        with ``decode_tokens`` each than with ``_SHORT_DECODE``, over the steps between.
-        Differences of whole rounds, not gaps between events: an engine starved of CPU
-        sends tokens in bursts, and the prefills and connections cancel out. Each batch
+        with ``decode_tokens`` each than with ``_SHORT_DECODE``, over the steps between,
+        the fastest round of each length taken (a slowed short round alone would shorten
+        the step). Differences of whole rounds, not gaps between events: an engine starved
+        of CPU sends tokens in bursts, and the prefills and connections cancel out. Each batch
         size first runs one round unmeasured: an engine may compile or allocate for a
         batch shape the first time it meets it, which would lengthen the short round and
         shorten the step (one profile of a CPU vLLM found 0.28 ms per step at 16 streams
@@ -192,14 +195,15 @@ class _Probe:
         samples = []
         for batch in plan.decode_batches:
             await self._round(batch, _SHORT_DECODE)
-            steps: list[float] = []
+            shorts: list[float] = []
+            fulls: list[float] = []
             for _ in range(plan.repeats):
-                short = await self._round(batch, _SHORT_DECODE)
-                full = await self._round(batch, plan.decode_tokens)
-                steps.append((full - short) / (plan.decode_tokens - _SHORT_DECODE))
+                shorts.append(await self._round(batch, _SHORT_DECODE))
+                fulls.append(await self._round(batch, plan.decode_tokens))
                 self.progress("decode")
+            step = (min(fulls) - min(shorts)) / (plan.decode_tokens - _SHORT_DECODE)
             mean_context = plan.decode_prompt_tokens + (plan.decode_tokens + _SHORT_DECODE) // 2
-            samples.append(DecodeSample(batch, batch * mean_context, statistics.median(steps)))
+            samples.append(DecodeSample(batch, batch * mean_context, step))
         return samples
 
     async def _round(self, batch: int, tokens: int) -> float:

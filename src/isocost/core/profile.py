@@ -50,6 +50,11 @@ from isocost.core.models import ModelSpec
 __all__ = ["DecodeSample", "PrefillSample", "Profile", "ProfileError", "ProfileRow", "fit_profile"]
 
 _LEAST_OVERHEAD_S = 1e-5  # a step's fixed cost fitted below this is taken as this
+# Per squared log-factor from the base GPU's rate, in mean squared relative error: a
+# rate 10x off costs as much as fitting 2.3% worse (RMS), a well-measured rate's optimum
+# moves by a fraction of a percent.
+_PRIOR_PULL = 1e-4
+_TYPICAL_MISS = 0.1  # a median relative error above this is reported: noise, not a shape
 
 
 class ProfileError(IsocostError):
@@ -100,41 +105,83 @@ class Profile:
     notes: tuple[str, ...]
 
 
-def _rate_and_intercept(
-    work: npt.NDArray[np.float64],
-    other_s: npt.NDArray[np.float64],
-    seconds: npt.NDArray[np.float64],
-    what: str,
-) -> tuple[float, float]:
-    """``(c, rate)`` minimising the relative error of ``c + max(work / rate, other_s)``:
-    a step is bound by compute or by memory, and one of the two rates is known. For a
-    rate the best ``c >= 0`` is a weighted mean (a fixed cost is never negative: one that
-    fits better below 0 says the other term is what grows); the rate is searched on a
-    log scale, a factor 1e4 either way of the one at which all of the measured span is
-    ``work`` (where the other term explains everything, the slowest that leaves it so)."""
-    span = float(seconds.max() - seconds.min())
-    if span <= 0.0 or work.max() <= work.min():
-        raise ProfileError(
-            f"{what} time does not grow with the work: the measurements are noise "
-            "(is the replica idle?)"
+@dataclass(frozen=True, slots=True)
+class _Phase:
+    """One phase's measured times beside the work each did: the FLOPs and bytes the
+    roofline prices, one entry per sample."""
+
+    flops: npt.NDArray[np.float64]
+    bytes: npt.NDArray[np.float64]
+    seconds: npt.NDArray[np.float64]
+
+    def check_grows(self, work: npt.NDArray[np.float64], what: str) -> None:
+        if float(self.seconds.max() - self.seconds.min()) <= 0.0 or work.max() <= work.min():
+            raise ProfileError(
+                f"{what} time does not grow with the work: the measurements are noise "
+                "(is the replica idle?)"
+            )
+
+    def roofline(
+        self, compute_rate: npt.NDArray[np.float64], memory_rate: npt.NDArray[np.float64]
+    ) -> npt.NDArray[np.float64]:
+        """Seconds each sample's roofline takes, for every pair of rates (a grid)."""
+        return np.maximum(
+            self.flops / compute_rate[:, None, None], self.bytes / memory_rate[None, :, None]
         )
-    weights = 1.0 / seconds**2
 
-    def fitted(rate: float) -> tuple[float, float]:
-        rest = seconds - np.maximum(work / rate, other_s)
-        c = max(float(weights @ rest / weights.sum()), 0.0)
-        return float(weights @ (rest - c) ** 2), c
 
-    guess = float(work.max() - work.min()) / span
-    low, high = math.log(guess / 1e4), math.log(guess * 1e4)
-    best = low
-    for _ in range(4):  # a coarse grid, then finer ones around its best point
-        grid = np.linspace(low, high, 81)
-        best = float(min(grid, key=lambda g: fitted(math.exp(g))[0]))
-        step = (high - low) / 80
-        low, high = best - step, best + step
-    rate = math.exp(best)
-    return fitted(rate)[1], rate
+def _fit_rates(
+    prefill: _Phase, decode: _Phase, prior_compute: float, prior_memory: float
+) -> tuple[float, float, float, float]:
+    """``(compute rate, memory rate, prefill's fixed cost, a step's fixed cost)`` that
+    minimise the mean squared relative error of both phases at once: prefill ``a +
+    roofline``, decode ``s + roofline``, ``a >= s >= 0`` (a prefill is a step, and a
+    fixed cost is never negative). Fitted together because neither phase alone pins
+    both rates: a dense model's decode reads nearly the same bytes at every batch, so
+    its fixed cost and the weights' read trade off within the noise, and the short
+    prompts that prefill reads the weights for are what bound the memory rate. Where
+    the measurements still barely tell rates apart, a weak pull towards the base GPU's
+    rates decides, not the noise (``_PRIOR_PULL``). The rates are searched on a log
+    grid, a factor 1e4 either way of those at which each phase's measured span is all
+    work, then on finer grids around the best point; the fixed costs are weighted means."""
+    prefill.check_grows(prefill.flops, "prefill")
+    decode.check_grows(decode.bytes, "decode step")
+    count = len(prefill.seconds) + len(decode.seconds)
+    weight_p = 1.0 / prefill.seconds**2 / count
+    weight_d = 1.0 / decode.seconds**2 / count
+
+    def errors(
+        log_compute: npt.NDArray[np.float64], log_memory: npt.NDArray[np.float64]
+    ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+        compute, memory = np.exp(log_compute), np.exp(log_memory)
+        rest_p = prefill.seconds - prefill.roofline(compute, memory)
+        rest_d = decode.seconds - decode.roofline(compute, memory)
+        sum_p, sum_d = rest_p @ weight_p, rest_d @ weight_d
+        own_a, own_s = sum_p / weight_p.sum(), sum_d / weight_d.sum()
+        shared = np.maximum((sum_p + sum_d) / (weight_p.sum() + weight_d.sum()), 0.0)
+        bound = own_a < own_s  # a >= s binds: one fixed cost for both
+        a = np.where(bound, shared, np.maximum(own_a, 0.0))
+        s = np.where(bound, shared, np.maximum(own_s, 0.0))
+        error = ((rest_p - a[..., None]) ** 2) @ weight_p + (
+            (rest_d - s[..., None]) ** 2
+        ) @ weight_d
+        pull = (log_compute[:, None] - math.log(prior_compute)) ** 2 + (
+            log_memory[None, :] - math.log(prior_memory)
+        ) ** 2
+        return error + _PRIOR_PULL * pull, a, s
+
+    def span_guess(work: npt.NDArray[np.float64], phase: _Phase) -> float:
+        return math.log(float(work.max() - work.min()) / float(np.ptp(phase.seconds)))
+
+    centre = (span_guess(prefill.flops, prefill), span_guess(decode.bytes, decode))
+    half, points = math.log(1e4), 81
+    for _ in range(6):  # a coarse grid, then finer ones around its best point
+        grids = [np.linspace(c - half, c + half, points) for c in centre]
+        error, a, s = errors(grids[0], grids[1])
+        i, j = np.unravel_index(int(np.argmin(error)), error.shape)
+        centre = (float(grids[0][i]), float(grids[1][j]))
+        half, points = 2 * half / (points - 1), 21
+    return math.exp(centre[0]), math.exp(centre[1]), float(a[i, j]), float(s[i, j])
 
 
 def fit_profile(
@@ -173,25 +220,14 @@ def fit_profile(
     decode_s = np.array([s.seconds for s in decode])
     decode_flops = 2.0 * model.active_params * batch + pairs_flops * context
     decode_bytes = weights_read(batch) + reference.kv_bytes_per_token * context
-    # Each phase's rate is fitted with the other's held: prefill finds the compute rate
-    # (a short prompt may be bound by reading the weights), decode the memory rate (a big
-    # batch may be bound by compute). Three rounds settle both.
-    memory_rate = base.hbm_bandwidth_bytes_per_s * base.mbu_decode
-    for _ in range(3):
-        intercept, compute_rate = _rate_and_intercept(
-            prefill_flops, prefill_bytes / memory_rate, prefill_s, "prefill"
-        )
-        step_s, memory_rate = _rate_and_intercept(
-            decode_bytes, decode_flops / compute_rate, decode_s, "decode step"
-        )
+    compute_rate, memory_rate, intercept, step_s = _fit_rates(
+        _Phase(prefill_flops, prefill_bytes, prefill_s),
+        _Phase(decode_flops, decode_bytes, decode_s),
+        base.bf16_flops * base.mfu_prefill,
+        base.hbm_bandwidth_bytes_per_s * base.mbu_decode,
+    )
     step_s = max(step_s, _LEAST_OVERHEAD_S)
-    prefill_overhead = intercept - step_s
-    if prefill_overhead < 0.0:
-        notes.append(
-            f"a prefill's fixed cost ({intercept * 1e3:.2f} ms) is below a decode step's "
-            f"({step_s * 1e3:.2f} ms): prefill overhead set to 0"
-        )
-        prefill_overhead = 0.0
+    prefill_overhead = max(intercept - step_s, 0.0)
     memory_bytes = base.memory_bytes
     if kv_capacity_tokens is not None and kv_capacity_tokens > 0:
         ledger = reference.ledger
@@ -239,4 +275,11 @@ def fit_profile(
         )
         for s in decode
     ]
+    typical = float(np.median([abs(r.error) for r in rows]))
+    if typical > _TYPICAL_MISS:
+        notes.append(
+            f"the fit misses half of the measurements by more than {typical:.0%}: "
+            "the times do not follow one roofline (was the replica, or this machine, "
+            "busy?); profile again before pricing with it"
+        )
     return Profile(fitted, tuple(rows), tuple(notes))

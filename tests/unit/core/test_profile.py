@@ -67,6 +67,23 @@ def test_a_cpu_shaped_engine_prices_a_cached_prefix_as_it_costs() -> None:
     assert any("KV capacity" in note for note in profile.notes)  # memory kept, and said
 
 
+def test_times_off_any_roofline_are_fitted_and_reported_as_noise() -> None:
+    """Every other prompt slowed by half (a busy machine): the entry is still written,
+    and the report says the fit is not to be trusted; an exact engine gets no such note."""
+    prefill, decode = measured(CATALOG.gpu("l20-48g"))
+    clean = fit_profile(MODEL, CATALOG.gpu("a100-80g"), "x", prefill, decode)
+    assert not any("busy" in note for note in clean.notes)
+    noisy = [
+        dataclasses.replace(s, seconds=s.seconds * (1.5 if i % 2 else 1.0))
+        for i, s in enumerate(prefill)
+    ]
+    decode = [
+        dataclasses.replace(s, seconds=s.seconds * (1.0, 1.6, 1.0)[i]) for i, s in enumerate(decode)
+    ]
+    profile = fit_profile(MODEL, CATALOG.gpu("a100-80g"), "x", noisy, decode)
+    assert any("busy" in note for note in profile.notes), profile.notes
+
+
 @pytest.mark.parametrize(
     ("prefill_lengths", "batches", "reason"),
     [
