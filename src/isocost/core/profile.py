@@ -17,17 +17,17 @@ two lines, each a fixed cost plus a roofline:
   R, flops(b, K) / F)``: ``R`` the memory rate it reaches, ``s`` its fixed cost per step,
   and a big batch on a slow processor may be bound by compute.
 
-Each line is fitted for its own rate with the other phase's held (``F`` from prefill,
-``R`` from decode, three rounds), to relative errors, fixed costs never below 0, and
-written back as the catalog's own knobs, so the cost model, the planner, the gateway and
-the simulator price the replica with no new code path: ``bf16_tflops = F /
-mfu_prefill``, ``hbm_bandwidth = R / mbu_decode`` (the utilisations stay the base GPU's:
-only their products with the peaks are measured), ``step_overhead = s``,
-``prefill_overhead = a - s``. Memory is sized so that the ledger's KV pool holds what the
-engine reports (vLLM's ``cache_config_info``). Where one rate's term never binds (the
-memory of a tiny model on a CPU), the rate is one that keeps it so: a price, not a
-measurement of the hardware. Prefills that found part of the prompt cached are not
-fitted: they check the fit, since pricing a cached prefix right is the point.
+Both lines are fitted at once (``_fit_rates``: neither phase alone pins both rates),
+to relative errors, ``a >= s >= 0``, and written back as the catalog's own knobs, so the
+cost model, the planner, the gateway and the simulator price the replica with no new
+code path: ``bf16_tflops = F / mfu_prefill``, ``hbm_bandwidth = R / mbu_decode`` (the
+utilisations stay the base GPU's: only their products with the peaks are measured),
+``step_overhead = s``, ``prefill_overhead = a - s``. Memory is sized so that the
+ledger's KV pool holds what the engine reports (vLLM's ``cache_config_info``). Where one
+rate's term never binds (the memory of a tiny model on a CPU), the rate is the base
+GPU's, or the nearest that keeps the term from binding: a price, not a measurement of
+the hardware. Prefills that found part of the prompt cached are not fitted: they check
+the fit, since pricing a cached prefix right is the point.
 
 Pure arithmetic; the measuring is ``bench``'s.
 """
