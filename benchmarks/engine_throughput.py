@@ -34,6 +34,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 
+from isocost.runtime.processes import run_script
+
 ROOT = Path(__file__).resolve().parents[1]
 ISOCOST = ROOT / ".venv" / "bin" / "isocost"
 REPLICAS = 8
@@ -165,4 +167,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

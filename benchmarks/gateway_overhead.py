@@ -55,6 +55,8 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from isocost.runtime.processes import run_script
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "llama-3.1-8b"
 PEERS_VENV = ROOT / ".venv-peers"
@@ -448,4 +450,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

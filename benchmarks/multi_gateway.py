@@ -49,6 +49,8 @@ import aiohttp
 from rich.console import Console
 from rich.table import Table
 
+from isocost.runtime.processes import run_script
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "support"))  # the suites' processes
 from isocost_procs import ISOCOST, NotReady, free_port, spawn_ready  # noqa: E402
@@ -270,4 +272,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

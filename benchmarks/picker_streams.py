@@ -24,6 +24,8 @@ from pathlib import Path
 
 import aiohttp
 
+from isocost.runtime.processes import run_script
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "support"))  # the suites' processes and Envoy
 
@@ -106,4 +108,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

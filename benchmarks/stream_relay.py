@@ -45,6 +45,7 @@ from gateway_overhead import (
     start_picker,
     stop_all,
 )
+from isocost.runtime.processes import run_script
 
 
 @dataclass
@@ -217,4 +218,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

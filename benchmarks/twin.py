@@ -61,7 +61,7 @@ from rich.table import Table
 from tokenizers import Tokenizer
 
 from isocost.core.catalog import Catalog
-from isocost.runtime.processes import Services, isocost_command
+from isocost.runtime.processes import Services, isocost_command, run_script
 from isocost.sim import load_recording, recorded_catalog, recorded_cluster
 from isocost.workload import TRACE_BLOCK_TOKENS, Segment, TextRenderer
 
@@ -515,4 +515,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

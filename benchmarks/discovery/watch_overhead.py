@@ -36,6 +36,7 @@ from rich.table import Table
 
 from isocost.runtime.discovery.records import Registration
 from isocost.runtime.etcd import EtcdClient
+from isocost.runtime.processes import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "support"))  # the suites' processes
@@ -236,4 +237,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -52,7 +52,6 @@ import contextlib
 import json
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -85,7 +84,7 @@ from isocost.demo._cluster import (
     engine_args,
     gateway_config,
 )
-from isocost.runtime.processes import Service, isocost_command
+from isocost.runtime.processes import Service, isocost_command, run_script
 from isocost.scheduling.policies import SLO_BASELINES
 from isocost.workload import WorkloadRequest
 
@@ -573,7 +572,6 @@ def main(argv: list[str] | None = None) -> None:
     args.log_dir.mkdir(parents=True, exist_ok=True)
     running: list[Service] = []
     runs: list[RouterRun] = []
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # the finally below runs
     try:
         for router in args.chosen:
             console.rule(router.label)
@@ -643,8 +641,4 @@ def _run_json(run: RouterRun) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except KeyboardInterrupt:
-        print("interrupted: every router and engine started was stopped", file=sys.stderr)
-        sys.exit(130)
+    run_script(main)

@@ -28,7 +28,6 @@ import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 
 from rich.console import Console
 from rich.live import Live
@@ -52,7 +51,7 @@ from isocost.demo._cluster import (
 from isocost.demo._live import LiveState, poll_snapshot, render
 from isocost.demo._report import headline, replica_table, write_report
 from isocost.runtime.config import SloConfig
-from isocost.runtime.processes import Services, free_port
+from isocost.runtime.processes import Services, free_port, sigterm_interrupts
 from isocost.scheduling.policies import BUILTIN_POLICIES
 from isocost.workload import SyntheticSpec, TraceFormat
 
@@ -126,20 +125,6 @@ def _workload(options: DemoOptions) -> WorkloadSpec:
         rate_rps=options.rate_rps,
         seed=options.seed,
     )
-
-
-@contextlib.contextmanager
-def _signals_interrupt() -> Iterator[None]:
-    """SIGTERM behaves like Ctrl-C (KeyboardInterrupt) while the demo runs."""
-
-    def interrupt(signum: int, frame: FrameType | None) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 @contextlib.contextmanager
@@ -245,7 +230,7 @@ def run_demo(options: DemoOptions, console: Console) -> Path:
     console.print(f"live dashboard (while a run goes): {dashboard}", soft_wrap=True)
     runs: list[BenchResult] = []
     try:
-        with _signals_interrupt():
+        with sigterm_interrupts():
             for i, policy in enumerate(options.policies):
                 console.rule(f"{policy}: starting engines and gateway")
                 cluster = start_cluster(services, settings, policy, out_dir)

@@ -19,12 +19,23 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
+from typing import NoReturn
 
 from isocost.core.errors import IsocostError
 
-__all__ = ["Service", "ServiceError", "Services", "free_port", "isocost_command"]
+__all__ = [
+    "Service",
+    "ServiceError",
+    "Services",
+    "free_port",
+    "isocost_command",
+    "run_script",
+    "sigterm_interrupts",
+]
 
 _READY = " ready at "
 _POLL_S = 0.05
@@ -143,3 +154,39 @@ class Services:
     def stop_all(self) -> None:
         while self._running:
             self.stop(self._running[-1])
+
+
+@contextlib.contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM is taken as Ctrl-C inside, so that the ``finally`` blocks that stop child
+    processes run: Python's default exits at once, and children in sessions of their own
+    (no signal reaches them from a terminal) are left behind. It goes to whatever handles
+    SIGINT now: inside ``asyncio.run``, the runner, which cancels its task first rather
+    than let the interrupt land in some callback."""
+
+    def as_ctrl_c(signum: int, frame: FrameType | None) -> None:
+        handler = signal.getsignal(signal.SIGINT)
+        if not callable(handler):  # SIGINT ignored (a background job) or default
+            raise KeyboardInterrupt
+        handler(signal.SIGINT, frame)
+
+    previous = signal.signal(signal.SIGTERM, as_ctrl_c)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_script(main: Callable[[], int | None]) -> NoReturn:
+    """A script's entry point: ``main`` with Ctrl-C handled even when started in the
+    background (where the shell ignores it) and SIGTERM taken as Ctrl-C; an interrupted
+    run ends with one line and exit 130, its ``finally`` blocks having stopped what it
+    started."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with sigterm_interrupts():
+            code = main()
+    except KeyboardInterrupt:
+        print(f"interrupted: {Path(sys.argv[0]).name} stopped what it started", file=sys.stderr)
+        sys.exit(130)
+    sys.exit(code or 0)
