@@ -66,3 +66,38 @@ def test_a_sigtermed_script_stops_its_children_and_says_so(tmp_path: Path) -> No
     finally:
         if _alive(child):  # the failure this test is for: not left behind by the test too
             os.kill(child, signal.SIGKILL)
+
+
+POOL_SCRIPT = textwrap.dedent(
+    """
+    import multiprocessing, sys, time
+    from pathlib import Path
+    from isocost.runtime.processes import run_script
+
+    def main() -> None:
+        with multiprocessing.get_context("fork").Pool(1) as pool:  # ends it with SIGTERM
+            pool.apply_async(time.sleep, (600,))
+            Path(sys.argv[1]).write_text("started")
+            time.sleep(600)
+
+    run_script(main)
+    """
+)
+
+
+def test_a_forked_worker_ended_by_its_pool_dies_quietly(tmp_path: Path) -> None:
+    """The SIGTERM a pool sends its workers as the interrupted script leaves the pool is
+    the default one for them, not a second interrupt with a traceback."""
+    script, started = tmp_path / "bench.py", tmp_path / "started"
+    script.write_text(POOL_SCRIPT)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(started)], stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 30
+    while not started.exists():
+        assert time.monotonic() < deadline and proc.poll() is None, "the script never started"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 130
+    assert stderr.strip() == "interrupted: bench.py stopped what it started", stderr

@@ -162,9 +162,15 @@ def sigterm_interrupts() -> Iterator[None]:
     processes run: Python's default exits at once, and children in sessions of their own
     (no signal reaches them from a terminal) are left behind. It goes to whatever handles
     SIGINT now: inside ``asyncio.run``, the runner, which cancels its task first rather
-    than let the interrupt land in some callback."""
+    than let the interrupt land in some callback. A process forked inside (a pool's
+    worker, which its pool ends with SIGTERM) dies of it as it would have."""
+    owner = os.getpid()
 
     def as_ctrl_c(signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != owner:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
         handler = signal.getsignal(signal.SIGINT)
         if not callable(handler):  # SIGINT ignored (a background job) or default
             raise KeyboardInterrupt
