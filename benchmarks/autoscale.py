@@ -83,6 +83,7 @@ from isocost.core.catalog import Catalog
 from isocost.core.errors import ConfigError
 from isocost.core.slo import SloTargets
 from isocost.files import load_trace
+from isocost.runtime.processes import run_script
 from isocost.scheduling.policies import build_policy
 from isocost.sim import (
     ClusterConfig,
@@ -606,4 +607,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)
