@@ -62,6 +62,7 @@ import argparse
 import json
 import math
 import multiprocessing
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from random import Random
@@ -83,7 +84,7 @@ from isocost.core.catalog import Catalog
 from isocost.core.errors import ConfigError
 from isocost.core.slo import SloTargets
 from isocost.files import load_trace
-from isocost.runtime.processes import run_script
+from isocost.runtime.processes import dies_with, run_script
 from isocost.scheduling.policies import build_policy
 from isocost.sim import (
     ClusterConfig,
@@ -555,7 +556,8 @@ def main() -> None:
                 done[way] = _run_forked(way)
                 progress.advance(task)
         else:
-            with multiprocessing.get_context("fork").Pool(jobs) as pool:
+            fork = multiprocessing.get_context("fork")
+            with fork.Pool(jobs, initializer=dies_with(os.getpid())) as pool:
                 for way, result in zip(runs, pool.imap(_run_forked, runs), strict=True):
                     done[way] = result
                     progress.advance(task)

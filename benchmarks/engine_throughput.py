@@ -34,7 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 
-from isocost.runtime.processes import run_script
+from isocost.runtime.processes import dies_with, run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 ISOCOST = ROOT / ".venv" / "bin" / "isocost"
@@ -145,7 +145,7 @@ def main() -> None:
                     )
                     for i in range(args.clients)
                 ]
-                with multiprocessing.Pool(args.clients) as pool:
+                with multiprocessing.Pool(args.clients, initializer=dies_with(os.getpid())) as pool:
                     results = pool.map(_client, jobs)
                 chunks, tokens, finished = (sum(r[i] for r in results) for i in (0, 1, 3))
                 e2e = sum(r[2] for r in results)

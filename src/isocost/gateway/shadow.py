@@ -22,11 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import math
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -42,6 +40,7 @@ from isocost.gateway.metrics import GatewayMetrics
 from isocost.gateway.recording import trace_line
 from isocost.gateway.supervise import describe
 from isocost.runtime.config import GatewayConfig, ShadowConfig, SloConfig
+from isocost.runtime.processes import dies_with
 from isocost.runtime.recording import (
     FleetFile,
     RecordedRequest,
@@ -69,30 +68,6 @@ log = logging.getLogger("isocost.gateway")
 
 ISOCOST_COMMAND = (sys.executable, "-m", "isocost")  # the simulator of this very install
 _NICENESS = 10
-_PR_SET_PDEATHSIG = 1  # prctl(2): the signal a child gets when its parent dies
-
-
-# prctl(2), looked up before any fork: Linux only
-_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
-
-
-def _dies_with(parent: int) -> Callable[[], None] | None:
-    """The replay's hook between fork and exec: on Linux it asks the kernel to SIGKILL the
-    replay when its gateway (``parent``) dies, SIGKILLed included (a graceful stop kills it
-    anyway), so no simulator outlives the process that asked for it: one left by a killed
-    gateway ran an hour. None elsewhere."""
-    prctl = _PRCTL
-    if prctl is None:
-        return None
-
-    def hook() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != parent:  # the gateway died before the request took hold
-            os._exit(1)
-
-    return hook
-
-
 _WRITE_TIMEOUT_S = 30.0
 
 
@@ -214,7 +189,7 @@ async def run_replay(
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.PIPE,
-                preexec_fn=_dies_with(os.getpid()),
+                preexec_fn=dies_with(os.getpid()),
             )
         except OSError as exc:
             raise ReplayFailed(f"cannot start the simulator: {exc}") from None

@@ -12,6 +12,7 @@ started and stops it all, newest first, from a ``finally``.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shutil
 import signal
@@ -31,6 +32,7 @@ __all__ = [
     "Service",
     "ServiceError",
     "Services",
+    "dies_with",
     "free_port",
     "isocost_command",
     "run_script",
@@ -39,6 +41,9 @@ __all__ = [
 
 _READY = " ready at "
 _POLL_S = 0.05
+_PR_SET_PDEATHSIG = 1  # prctl(2): the signal a child gets when its parent dies
+# prctl(2), looked up before any fork: Linux only
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
 
 
 class ServiceError(IsocostError):
@@ -196,3 +201,22 @@ def run_script(main: Callable[[], int | None]) -> NoReturn:
         print(f"interrupted: {Path(sys.argv[0]).name} stopped what it started", file=sys.stderr)
         sys.exit(130)
     sys.exit(code or 0)
+
+
+def dies_with(parent: int) -> Callable[[], None] | None:
+    """What a child of ``parent`` runs first (a ``preexec_fn``, a pool's ``initializer``,
+    the branch after ``os.fork``): on Linux it asks the kernel to SIGKILL the child when
+    ``parent`` dies, SIGKILLed included, so that no worker outlives the process that
+    asked for its work (a simulator left by a killed gateway ran an hour; a killed
+    ``isocost sim`` left its workers simulating); a child whose parent is already gone
+    exits. None elsewhere. ``parent`` is the thread that forks: the main thread here."""
+    prctl = _PRCTL
+    if prctl is None:
+        return None
+
+    def hook() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # it died before the request took hold
+            os._exit(1)
+
+    return hook

@@ -80,6 +80,7 @@ from rich.table import Table
 from rich.text import Text
 
 from isocost.core.slo import SloTargets
+from isocost.runtime.processes import dies_with
 from isocost.scheduling.contract import RequestView
 from isocost.scheduling.decision import Decision, Outcome
 from isocost.scheduling.framework import SLO_CHECKS, slo_ratios
@@ -203,8 +204,10 @@ class AdmissionAuditor:
             return None
         started = time.perf_counter()
         read_end, write_end = os.pipe()
-        pid = os.fork()
+        parent, pid = os.getpid(), os.fork()
         if pid == 0:  # the replay
+            if (hook := dies_with(parent)) is not None:
+                hook()
             gc.disable()  # short-lived: spare the copy-on-write pages a collection touches
             os.close(read_end)
             self._pipe = write_end

@@ -24,6 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from isocost.core.slo import SloTargets
+from isocost.runtime.processes import dies_with
 from isocost.scheduling.policies import SchedulingConfig, build_policy
 from isocost.sim._audit import AdmissionAudit, AdmissionAuditor
 from isocost.sim._autoscale import FleetUsage, SimAutoscale
@@ -191,7 +192,7 @@ def _run_parallel(tasks: list[Task], jobs: int, progress: Progress | None) -> li
     context = multiprocessing.get_context("fork")
     _PROGRESS = queue = context.SimpleQueue()
     stop = (-1, 0.0)
-    with ProcessPoolExecutor(jobs, mp_context=context) as pool:
+    with ProcessPoolExecutor(jobs, mp_context=context, initializer=dies_with(os.getpid())) as pool:
         futures = [
             pool.submit(_run_task, i, policy, rate, _report_to_queue)
             for i, (policy, rate) in enumerate(tasks)

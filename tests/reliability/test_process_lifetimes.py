@@ -1,7 +1,10 @@
-"""A script that starts child processes in sessions of their own (as the demo and the
-benchmarks do, so a terminal's Ctrl-C reaches only the script) and is SIGTERMed stops
-them: ``run_script`` takes SIGTERM as Ctrl-C, so the script's ``finally`` runs, where
-Python's default would exit at once and leave the children running."""
+"""No process outlives the one that started it, however that one ends.
+
+A script that starts children in sessions of their own (as the demo and the benchmarks
+do, so a terminal's Ctrl-C reaches only the script) and is SIGTERMed stops them:
+``run_script`` takes SIGTERM as Ctrl-C, so the script's ``finally`` runs, where Python's
+default would exit at once and leave the children running. A pool's workers die with
+the process that forked them, SIGKILLed included (``dies_with``)."""
 
 from __future__ import annotations
 
@@ -38,11 +41,12 @@ SCRIPT = textwrap.dedent(
 
 
 def _alive(pid: int) -> bool:
+    """Running, not a zombie: one whose parent died waits for whatever reaps orphans."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
         return False
-    return True
+    return stat.rpartition(")")[2].split()[0] != "Z"
 
 
 def test_a_sigtermed_script_stops_its_children_and_says_so(tmp_path: Path) -> None:
@@ -101,3 +105,34 @@ def test_a_forked_worker_ended_by_its_pool_dies_quietly(tmp_path: Path) -> None:
     _, stderr = proc.communicate(timeout=30)
     assert proc.returncode == 130
     assert stderr.strip() == "interrupted: bench.py stopped what it started", stderr
+
+
+def _children(pid: int) -> set[int]:
+    found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    return {int(line) for line in found.stdout.split()}
+
+
+def test_a_killed_simulation_takes_its_workers_with_it() -> None:
+    """``isocost sim`` SIGKILLed mid-sweep: its pool's workers die with it (the kernel's
+    parent-death signal), instead of simulating on, orphaned."""
+    isocost = Path(sys.executable).with_name("isocost")
+    proc = subprocess.Popen(
+        [str(isocost), "sim", "--workload", "mix", "--sweep-rate", "20,40,60,80",
+         "--duration", "20000", "--jobs", "2"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while len(workers := _children(proc.pid)) < 2:
+        assert time.monotonic() < deadline and proc.poll() is None, "no workers started"
+        time.sleep(0.05)
+    try:
+        proc.kill()
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in workers):
+            assert time.monotonic() < deadline, f"workers {workers} outlived the simulation"
+            time.sleep(0.05)
+    finally:
+        for pid in workers:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
