@@ -8,6 +8,7 @@ the process that forked them, SIGKILLed included (``dies_with``)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -136,3 +137,34 @@ def test_a_killed_simulation_takes_its_workers_with_it() -> None:
         for pid in workers:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_ctrl_c_stops_a_simulation_at_once_with_its_workers() -> None:
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) mid-sweep: the
+    workers leave it to ``isocost sim``, which stops them and exits, instead of each
+    worker handing the interrupt back as one task's result and going on to the next."""
+    isocost = Path(sys.executable).with_name("isocost")
+    proc = subprocess.Popen(
+        [str(isocost), "sim", "--workload", "mix", "--sweep-rate", "20,40,60,80",
+         "--duration", "20000", "--jobs", "2"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,  # a process group of its own, as a terminal's job is
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # not inherited
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while len(workers := _children(proc.pid)) < 2:
+        assert time.monotonic() < deadline and proc.poll() is None, "no workers started"
+        time.sleep(0.05)
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+        _, stderr = proc.communicate(timeout=30)
+        assert proc.returncode == 130, stderr
+        assert "Traceback" not in stderr, stderr
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in workers):
+            assert time.monotonic() < deadline, f"workers {workers} outlived the simulation"
+            time.sleep(0.05)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

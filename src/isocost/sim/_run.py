@@ -14,6 +14,7 @@ import dataclasses
 import math
 import multiprocessing
 import os
+import signal
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -192,28 +193,43 @@ def _run_parallel(tasks: list[Task], jobs: int, progress: Progress | None) -> li
     context = multiprocessing.get_context("fork")
     _PROGRESS = queue = context.SimpleQueue()
     stop = (-1, 0.0)
-    with ProcessPoolExecutor(jobs, mp_context=context, initializer=dies_with(os.getpid())) as pool:
-        futures = [
-            pool.submit(_run_task, i, policy, rate, _report_to_queue)
-            for i, (policy, rate) in enumerate(tasks)
-        ]
-        reader = None
-        if progress is not None:
-
-            def drain() -> None:
-                while (item := queue.get()) != stop:
-                    progress(*item)
-
-            reader = threading.Thread(target=drain, daemon=True)
-            reader.start()
+    reader = None
+    with ProcessPoolExecutor(
+        jobs, mp_context=context, initializer=_start_worker, initargs=(os.getpid(),)
+    ) as pool:
         try:
+            futures = [
+                pool.submit(_run_task, i, policy, rate, _report_to_queue)
+                for i, (policy, rate) in enumerate(tasks)
+            ]
+            if progress is not None:
+
+                def drain() -> None:
+                    while (item := queue.get()) != stop:
+                        progress(*item)
+
+                reader = threading.Thread(target=drain, daemon=True)
+                reader.start()
             runs = [f.result() for f in futures]
-        finally:
-            queue.put(stop)
-            if reader is not None:
-                reader.join()
+        except BaseException:  # Ctrl-C, or a task failed: what is left is not waited for
+            pool.shutdown(wait=False, cancel_futures=True)
+            for worker in multiprocessing.active_children():
+                worker.kill()  # the reader may wait on a queue a killed worker held: left
+            raise
+    queue.put(stop)
+    if reader is not None:
+        reader.join()
     _PROGRESS = None
     return runs
+
+
+def _start_worker(parent: int) -> None:
+    """A worker ends with ``parent`` (``dies_with``) and leaves Ctrl-C to it: a terminal
+    sends SIGINT to the whole group, and a worker interrupted mid-task would hand the
+    interrupt back as that task's result and go on to the next one."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if (hook := dies_with(parent)) is not None:
+        hook()
 
 
 def _report_to_queue(task: int, now: float) -> None:
