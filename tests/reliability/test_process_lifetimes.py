@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 SCRIPT = textwrap.dedent(
@@ -113,58 +114,57 @@ def _children(pid: int) -> set[int]:
     return {int(line) for line in found.stdout.split()}
 
 
-def test_a_killed_simulation_takes_its_workers_with_it() -> None:
-    """``isocost sim`` SIGKILLed mid-sweep: its pool's workers die with it (the kernel's
-    parent-death signal), instead of simulating on, orphaned."""
+@contextlib.contextmanager
+def _sweep() -> Iterator[tuple[subprocess.Popen[str], set[int]]]:
+    """``isocost sim --jobs 2`` sweeping, in a process group of its own as a terminal's
+    job is (SIGINT not ignored, whatever this runner inherited), once both its workers
+    run; whatever is left of it is killed after."""
     isocost = Path(sys.executable).with_name("isocost")
     proc = subprocess.Popen(
         [str(isocost), "sim", "--workload", "mix", "--sweep-rate", "20,40,60,80",
          "--duration", "20000", "--jobs", "2"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
-    deadline = time.monotonic() + 60
-    while len(workers := _children(proc.pid)) < 2:
-        assert time.monotonic() < deadline and proc.poll() is None, "no workers started"
-        time.sleep(0.05)
+    workers: set[int] = set()
     try:
-        proc.kill()
-        proc.wait(timeout=10)
-        deadline = time.monotonic() + 10
-        while any(_alive(pid) for pid in workers):
-            assert time.monotonic() < deadline, f"workers {workers} outlived the simulation"
+        deadline = time.monotonic() + 60
+        while len(workers := _children(proc.pid)) < 2:
+            assert time.monotonic() < deadline and proc.poll() is None, "no workers started"
             time.sleep(0.05)
+        yield proc, workers
     finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
         for pid in workers:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+        proc.communicate()
+
+
+def _assert_gone(workers: set[int]) -> None:
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in workers):
+        assert time.monotonic() < deadline, f"workers {workers} outlived the simulation"
+        time.sleep(0.05)
+
+
+def test_a_killed_simulation_takes_its_workers_with_it() -> None:
+    """``isocost sim`` SIGKILLed mid-sweep: its pool's workers die with it (the kernel's
+    parent-death signal), instead of simulating on, orphaned."""
+    with _sweep() as (proc, workers):
+        proc.kill()
+        proc.wait(timeout=10)
+        _assert_gone(workers)
 
 
 def test_ctrl_c_stops_a_simulation_at_once_with_its_workers() -> None:
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) mid-sweep: the
     workers leave it to ``isocost sim``, which stops them and exits, instead of each
     worker handing the interrupt back as one task's result and going on to the next."""
-    isocost = Path(sys.executable).with_name("isocost")
-    proc = subprocess.Popen(
-        [str(isocost), "sim", "--workload", "mix", "--sweep-rate", "20,40,60,80",
-         "--duration", "20000", "--jobs", "2"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,  # a process group of its own, as a terminal's job is
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # not inherited
-    )  # fmt: skip
-    deadline = time.monotonic() + 60
-    while len(workers := _children(proc.pid)) < 2:
-        assert time.monotonic() < deadline and proc.poll() is None, "no workers started"
-        time.sleep(0.05)
-    try:
+    with _sweep() as (proc, workers):
         os.killpg(proc.pid, signal.SIGINT)
         _, stderr = proc.communicate(timeout=30)
         assert proc.returncode == 130, stderr
         assert "Traceback" not in stderr, stderr
-        deadline = time.monotonic() + 10
-        while any(_alive(pid) for pid in workers):
-            assert time.monotonic() < deadline, f"workers {workers} outlived the simulation"
-            time.sleep(0.05)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        _assert_gone(workers)
