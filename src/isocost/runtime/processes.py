@@ -7,6 +7,10 @@ that file. A service runs in a new session, so a Ctrl-C in the terminal reaches 
 parent, which then stops its children in order: SIGTERM to the whole group, SIGKILL to the
 group if it has not exited within the grace period. ``Services`` remembers everything
 started and stops it all, newest first, from a ``finally``.
+
+So that no child outlives its parent however the parent ends: ``sigterm_interrupts`` and
+``run_script`` make SIGTERM run those ``finally`` blocks as Ctrl-C does, and ``dies_with``
+has the kernel end a worker (a pool's, a forked replay) when its parent dies.
 """
 
 from __future__ import annotations
