@@ -173,7 +173,7 @@ def _run_tasks(
     plan: SimPlan, isolated: Isolated, tasks: list[Task], progress: Progress | None
 ) -> list[RunOutput]:
     """``tasks`` run in order, or in worker processes forked with ``plan`` and ``isolated``."""
-    global _SHARED
+    global _SHARED, _PROGRESS
     _SHARED = (plan, isolated)
     jobs = max(1, min(plan.jobs, len(tasks), os.cpu_count() or 1))
     try:
@@ -181,7 +181,7 @@ def _run_tasks(
             return [_run_task(i, policy, rate, progress) for i, (policy, rate) in enumerate(tasks)]
         return _run_parallel(tasks, jobs, progress)
     finally:
-        _SHARED = None
+        _SHARED = _PROGRESS = None
 
 
 _SHARED: tuple[SimPlan, Isolated] | None = None  # set before workers fork
@@ -219,7 +219,6 @@ def _run_parallel(tasks: list[Task], jobs: int, progress: Progress | None) -> li
     queue.put(stop)
     if reader is not None:
         reader.join()
-    _PROGRESS = None
     return runs
 
 
