@@ -207,6 +207,25 @@ def test_gateway_serves_chat_and_completions_through_prefill_and_decode(fleet: F
     }
 
 
+@pytest.mark.parametrize(
+    "params",
+    [
+        # a decode replica would pull KV from wherever the client says
+        {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 1},
+        # a prefill replica would hold the prompt's KV for a transfer no one makes
+        {"do_remote_decode": True},
+    ],
+)
+def test_the_gateway_refuses_a_client_kv_transfer(fleet: Fleet, params: dict[str, Any]) -> None:
+    """The gateway sets kv_transfer_params itself; a client's never reaches an engine."""
+    with pytest.raises(openai.BadRequestError) as info:
+        fleet.client().completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"kv_transfer_params": params}
+        )
+    error = info.value.body
+    assert isinstance(error, dict) and error["param"] == "kv_transfer_params", error
+
+
 def test_decision_endpoint_names_both_replicas(fleet: Fleet) -> None:
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": PROMPT}]})
     status, _, decision = http("POST", fleet.gateway.url + "/v1/route", body.encode(), AUTH)

@@ -1,11 +1,12 @@
 """`isocost serve --record` in front of real `isocost engine` processes, driven by the
 official `openai` client; the recording then replays in `isocost sim --from-record`; the
-admin API starts and stops recording, and an unwritable directory stops it, never a
-request."""
+admin API starts and stops recording; a directory that cannot be written is refused, and
+one that fails while recording stops the recording, never a request."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import time
 import urllib.request
@@ -204,40 +205,53 @@ def _cluster_on(tmp: Path, gpu: str) -> Path:
     return path
 
 
-def test_an_unwritable_directory_stops_recording_not_requests(
+def test_an_unwritable_directory_is_refused_and_a_failing_one_stops_recording_not_requests(
     tmp_path: Path, procs: list[Proc]
 ) -> None:
-    gateway = _gateway(procs, tmp_path, _engines(procs, 1))
+    # every record past 200 bytes starts a segment: the next one finds the directory gone
+    small = ("--record-segment-mb", "0.0002", "--record-max-mb", "1")
+    gateway = _gateway(procs, tmp_path, _engines(procs, 1), *small)
     client = openai.OpenAI(base_url=gateway.url + "/v1", api_key=API_KEY)
     assert _admin(gateway, "GET", "/admin/recording")["active"] is False
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    _admin(gateway, "POST", "/admin/recording/start", {"dir": str(blocker / "rec")})
-    _wait(lambda: _metric(gateway, "isocost_recording_errors") == 1)
-    assert _metric(gateway, "isocost_recording_active") == 0
-    _ask(client, 0, stream=True)  # served as ever
-    status = _admin(gateway, "GET", "/admin/recording")
-    assert status["active"] is False and status["error"]
+    for bad in (str(blocker / "rec"), str(tmp_path / "nul\x00byte")):
+        start = json.dumps({"dir": bad}).encode()
+        status, _, answer = http("POST", gateway.url + "/admin/recording/start", start, ADMIN)
+        assert status == 400 and answer["error"]["param"] == "dir", answer
+        assert "cannot record into" in answer["error"]["message"]
+    assert _metric(gateway, "isocost_recording_errors") == 2
+    assert _admin(gateway, "GET", "/admin/recording")["active"] is False
     good = tmp_path / "rec"
     _admin(gateway, "POST", "/admin/recording/start", {"dir": str(good)})
+    _ask(client, 0, stream=True)
+    _wait(lambda: _metric(gateway, "isocost_recording_recorded") == 1)
+    shutil.rmtree(good)
+    good.write_text("the recording directory, replaced by a file")
     _ask(client, 1, stream=False)
-    _wait(lambda: _metric(gateway, "isocost_requests_total") == 2)
-    assert _admin(gateway, "POST", "/admin/recording/stop")["recorded"] == 1
-    assert len((good / "trace-000000.jsonl").read_text().splitlines()) == 1
+    _wait(lambda: _metric(gateway, "isocost_recording_errors") == 3)
+    assert _metric(gateway, "isocost_recording_active") == 0
+    _ask(client, 2, stream=True)  # served as ever
+    status_now = _admin(gateway, "GET", "/admin/recording")
+    assert status_now["active"] is False and status_now["error"]
     client.close()
     log = (tmp_path / "gateway.log").read_text()
     assert log.count('"event": "recording_failed"') == 1
 
 
 def test_bad_recordings_and_flags_are_one_line_errors(tmp_path: Path) -> None:
+    (tmp_path / "f").write_text("a file, where --record wants a directory")
     for args in (
         ["sim", "--from-record", str(tmp_path / "missing")],
         ["sim", "--from-record", str(tmp_path), "--trace", "t.jsonl"],
         ["sim", "--fail", "r0@10"],
         ["plan", "--from-record", str(tmp_path)],
         ["plan", "--from-record", str(tmp_path), "--ttft-slo-ms", "1", "--tpot-slo-ms", "1"],
+        # refused before the gateway starts (nothing listens on port 9: it would say so)
+        ["serve", "--replica", "http://127.0.0.1:9", "--record", str(tmp_path / "f" / "rec")],
     ):
         run = subprocess.run([ISOCOST, *args], capture_output=True, text=True, timeout=60)
         assert run.returncode != 0, args
         lines = [line for line in (run.stderr + run.stdout).splitlines() if line.strip()]
         assert len(lines) == 1, (args, lines)
+        assert args[0] != "serve" or "--record: cannot record into" in lines[0], lines

@@ -71,10 +71,11 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
 def own_forms(url: str) -> list[str]:
     port = url.rsplit(":", 1)[1]
     hosts = ["127.0.0.1", "localhost", "0.0.0.0", "LOCALHOST", "[::1]", "[0:0:0:0:0:0:0:1]"]
+    hosts.append("[::ffff:127.0.0.1]")  # IPv4-mapped: connects to 127.0.0.1
     return [f"http://{host}:{port}" for host in hosts] + [url + "/"]
 
 
-@pytest.mark.parametrize("form", range(7))  # see own_forms
+@pytest.mark.parametrize("form", range(8))  # see own_forms
 def test_the_admin_api_refuses_the_gateway_own_address(setup: Setup, form: int) -> None:
     url = own_forms(setup.gateway.url)[form]
     replica = {"url": url, "cost_model": "llama-3.1-8b"}  # valid but for its address

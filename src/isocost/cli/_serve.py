@@ -72,6 +72,7 @@ def serve(
     )
     from isocost.gateway.workers import WorkerGroup, run_workers, worker_args
     from isocost.runtime.config import StateBusConfig, check_state_bus, parse_config
+    from isocost.runtime.recording import usable_directory
 
     if (config is None) == (not replica):
         fail("give either --config FILE or one or more --replica URL")
@@ -85,6 +86,11 @@ def serve(
         fail("--record-segment-mb must be positive and at most --record-max-mb")
     if record and workers > 1:
         fail("--record with --workers: not supported (the workers would share one trace)")
+    if record:
+        try:
+            usable_directory(Path(record))
+        except ValueError as exc:
+            fail(f"--record: {exc}")
     if state_bus is not None:
         check_state_bus(StateBusConfig(url=state_bus), "--state-bus")
     log = logging.getLogger("isocost.gateway")

@@ -38,7 +38,7 @@ from aiohttp import web
 from isocost.core.errors import ConfigError, IsocostError
 from isocost.core.slo import SloTargets
 from isocost.gateway.auth import bearer_token
-from isocost.gateway.intake import Rejection, defer_continue, send_continue
+from isocost.gateway.intake import Rejection, defer_continue, read_whole, send_continue
 from isocost.gateway.lifecycle import Gateway
 from isocost.gateway.upstreams import Upstream
 from isocost.gateway.workers import SIBLING_HEADER
@@ -73,6 +73,7 @@ class _AutoscalerStatus(msgspec.Struct, forbid_unknown_fields=True, frozen=True)
 
 
 _STALE_INTERVALS = 3
+_COUNTS = ("desired", "ready", "pending", "draining")  # replicas, in an autoscaler status
 
 
 class _SwitchPolicy(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -269,7 +270,7 @@ def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
         return json_response({"replicas": rows()})
 
     async def add(request: web.Request) -> web.StreamResponse:
-        body = _decode(await request.read(), _AddReplica)
+        body = _decode(await read_whole(request), _AddReplica)
         try:
             replica = gateway.add_replica(body.model, body.replica)
         except ConfigError as exc:
@@ -294,7 +295,7 @@ def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
         return json_response(rows(replica)[0])
 
     async def switch_policy(request: web.Request) -> web.StreamResponse:
-        body = _decode(await request.read(), _SwitchPolicy)
+        body = _decode(await read_whole(request), _SwitchPolicy)
         if body.model is not None and body.model not in gateway.pools:
             raise ApiError(404, f"no pool for model {body.model!r}", code="model_not_found")
         pools = [gateway.pools[body.model]] if body.model else list(gateway.pools.values())
@@ -314,11 +315,20 @@ def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
         return json_response(gateway.workers.changes_view())
 
     async def post_autoscaler(request: web.Request) -> web.StreamResponse:
-        body = _decode(await request.read(), _AutoscalerStatus)
-        if not body.interval_s > 0:
-            raise ApiError(
-                400, "interval_s must be > 0", code="invalid_request", param="interval_s"
-            )
+        body = _decode(await read_whole(request), _AutoscalerStatus)
+        checks = [(name, getattr(body, name) >= 0) for name in _COUNTS]
+        checks += [
+            ("forecast_rps", body.forecast_rps >= 0 and math.isfinite(body.forecast_rps)),
+            ("interval_s", body.interval_s > 0 and math.isfinite(body.interval_s)),
+        ]
+        for name, valid in checks:
+            if not valid:
+                raise ApiError(
+                    400,
+                    f"{name} must be {'> 0' if name == 'interval_s' else '>= 0'}",
+                    code="invalid_request",
+                    param=name,
+                )
         gateway.autoscaler = (time.monotonic(), msgspec.structs.asdict(body))
         return json_response(gateway.autoscaler[1])
 
@@ -333,7 +343,7 @@ def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
             raise ApiError(
                 409, "recording is not supported with serve --workers", code="unsupported"
             )
-        raw = await request.read()
+        raw = await read_whole(request)
         body = _decode(raw, _StartRecording) if raw.strip() else _StartRecording()
         try:
             await gateway.recording.start(Path(body.dir) if body.dir else None)

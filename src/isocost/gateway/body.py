@@ -103,6 +103,13 @@ def summarize(body: bytes, *, chat: bool) -> BodySummary:
     """The limits' view of ``body`` (no hashing); RequestError as for ``routing_view``."""
     parsed: ChatRequest | CompletionRequest
     parsed = decode_body(body, ChatRequest) if chat else decode_body(body, CompletionRequest)
+    if parsed.kv_transfer_params is not None:
+        # the engine acts on them: a client's would have it pull KV from any host it names,
+        # or hold KV for a transfer no one makes (the gateway sets them for P/D itself)
+        raise RequestError(
+            "kv_transfer_params is set by the gateway, not by clients",
+            param="kv_transfer_params",
+        )
     max_tokens, param = output_cap(parsed)
     source: str | list[int]
     if isinstance(parsed, ChatRequest):

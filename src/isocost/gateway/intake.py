@@ -27,11 +27,22 @@ from isocost.gateway.body import routing_view, summarize
 from isocost.gateway.loops import ListenAddress, hops
 from isocost.gateway.routing import GatewayRequest
 from isocost.gateway.upstreams import Pool
-from isocost.openai.errors import ApiError
+from isocost.openai.errors import ApiError, error_response
 from isocost.openai.requests import RequestError
 from isocost.runtime.config import GatewayConfig
 
-__all__ = ["CLIENT_HEADERS", "Intake", "Rejection", "defer_continue", "send_continue"]
+__all__ = [
+    "CLIENT_HEADERS",
+    "Intake",
+    "Rejection",
+    "defer_continue",
+    "read_whole",
+    "send_continue",
+]
+
+# A body cut short, or one whose Content-Encoding does not decode (aiohttp raises the
+# latter as RequestPayloadError, not a ClientError).
+_UNREADABLE = (aiohttp.ClientError, web.RequestPayloadError)
 
 # Headers whose values the gateway keeps as text: in logs, decisions, metric labels, or
 # forwarded (x-request-id). x-session-id is only hashed, from its bytes: any value goes.
@@ -116,8 +127,8 @@ class Intake:
             raise Rejection(
                 "body_timeout", 408, "the request body arrived too slowly", code="body_timeout"
             ) from None
-        except aiohttp.ClientError:
-            raise ApiError(400, "request body could not be read", code="bad_body") from None
+        except _UNREADABLE as exc:
+            raise _unreadable(exc) from None
         request = await self.routing_request(
             body, http.headers, chat=chat, key=key, arrived_at=arrived_at
         )
@@ -220,12 +231,27 @@ def _check_client_headers(headers: Mapping[str, str]) -> None:
             )
 
 
-async def defer_continue(http: web.Request) -> None:
+async def defer_continue(http: web.Request) -> web.Response | None:
     """The routes' ``expect_handler``: refuse unknown expectations (417) but hold back
     ``100 Continue`` until the intake has checked the key and the declared length (the
     admin API: its token), which then sends it (``send_continue``)."""
     if http.headers.get("Expect", "").lower() != "100-continue":
-        raise web.HTTPExpectationFailed(text="only Expect: 100-continue is supported")
+        refusal = ApiError(417, "only Expect: 100-continue is supported", code="expectation_failed")
+        return error_response(refusal)
+    return None
+
+
+async def read_whole(http: web.Request) -> bytes:
+    """A small body read whole (the admin API's; aiohttp caps its size); 400 when it
+    cannot be read or decoded."""
+    try:
+        return await http.read()
+    except _UNREADABLE as exc:
+        raise _unreadable(exc) from None
+
+
+def _unreadable(exc: Exception) -> ApiError:
+    return ApiError(400, f"request body could not be read: {exc}", code="bad_body")
 
 
 async def send_continue(http: web.Request) -> None:

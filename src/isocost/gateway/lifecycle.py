@@ -154,7 +154,10 @@ class Gateway:
                 "config_watcher", self._watch_config, self.metrics.task_failures
             )
         if self.recording.settings.directory is not None:
-            await self.recording.start()
+            try:
+                await self.recording.start()
+            except ValueError as exc:  # checked by the CLI; gone since: serve, unrecorded
+                log.error(str(exc), extra={"event": "recording_failed"})
 
     async def stop(self) -> None:
         await self.recording.stop()

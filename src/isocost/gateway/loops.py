@@ -47,12 +47,14 @@ def hops(headers: Mapping[str, str]) -> int:
 
 def _canonical(host: str) -> str:
     """``host`` lower-cased, an IP address in its one short form (``::1``, not
-    ``0:0:0:0:0:0:0:1``)."""
+    ``0:0:0:0:0:0:0:1``; an IPv4-mapped IPv6 address as the IPv4 address it reaches)."""
     host = host.strip("[]").lower()
     try:
-        return str(ipaddress.ip_address(host))
+        address = ipaddress.ip_address(host)
     except ValueError:
         return host
+    mapped = address.ipv4_mapped if isinstance(address, ipaddress.IPv6Address) else None
+    return str(mapped or address)
 
 
 def _is_local(host: str) -> bool:

@@ -280,7 +280,7 @@ class GatewayMetrics:
         for name, meaning in (
             ("recorded", "Requests written to the recording"),
             ("dropped", "Requests not recorded: the recorder's queue was full"),
-            ("errors", "Write errors that stopped a recording (full disk, unwritable dir)"),
+            ("errors", "Recordings stopped by a write error, or refused at start (bad dir)"),
         ):
             Gauge(
                 f"isocost_recording_{name}",

@@ -15,7 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from isocost.runtime.recording import FleetFile, RecordedRequest, Recorder, recorded_hash_ids
+from isocost.runtime.recording import (
+    FleetFile,
+    RecordedRequest,
+    Recorder,
+    recorded_hash_ids,
+    usable_directory,
+)
 
 if TYPE_CHECKING:
     from isocost.gateway.proxy import ForwardResult
@@ -56,10 +62,16 @@ class Recording:
 
     async def start(self, directory: Path | None = None) -> Recorder:
         """Record into ``directory`` (default: the configured one), stopping a running
-        recording first; ValueError when no directory is known."""
+        recording first; ValueError when no directory is known, or when it cannot be
+        written (counted as an error; the running recording, if any, goes on)."""
         directory = directory or self.settings.directory
         if directory is None:
             raise ValueError("no recording directory: give one (or start with --record DIR)")
+        try:
+            await asyncio.to_thread(usable_directory, directory)
+        except ValueError:
+            self._done["errors"] += 1
+            raise
         await self.stop()
         recorder = Recorder(
             directory,

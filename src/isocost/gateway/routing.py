@@ -175,9 +175,14 @@ class GatewayRequest:
         return SloTargets(ttft_s, tpot_s, per_1k_s)
 
 
+# The least target a header may set: anything shorter is lost in the monotonic clock's
+# rounding once added to it (a deadline equal to its arrival) or divides by zero.
+_LEAST_MS = 0.001
+
+
 def _positive_ms(headers: Mapping[str, str], *names: str) -> float | None:
-    """The first of the headers ``names`` present, as a positive finite number of
-    milliseconds; None when none is."""
+    """The first of the headers ``names`` present, as a finite number of milliseconds no
+    less than ``_LEAST_MS``; None when none is."""
     name = next((n for n in names if n in headers), None)
     if name is None:
         return None
@@ -185,8 +190,10 @@ def _positive_ms(headers: Mapping[str, str], *names: str) -> float | None:
         value = float(headers[name])
     except ValueError:
         value = math.nan
-    if not (value > 0 and math.isfinite(value)):
-        raise ApiError(400, f"{name} must be a positive number", code="bad_header")
+    if not (value >= _LEAST_MS and math.isfinite(value)):
+        raise ApiError(
+            400, f"{name} must be a number of milliseconds >= {_LEAST_MS:g}", code="bad_header"
+        )
     return value
 
 

@@ -27,6 +27,7 @@ STATUS_TYPES = {
     404: "not_found_error",
     408: "timeout_error",
     413: "invalid_request_error",
+    417: "invalid_request_error",
     429: "rate_limit_error",
     502: "upstream_error",
     503: "service_unavailable",

@@ -103,6 +103,7 @@ file gets the same one-line error from either.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 import re
@@ -150,6 +151,9 @@ __all__ = [
 # mid-size dense model, so that neither its prefill nor its decode starts out negligible.
 GENERIC_PRIOR_MODEL = "llama-3.1-8b"
 _ZMQ_ENDPOINT = re.compile(r"tcp://[^\s:/]+:\d{1,5}|ipc://\S+")
+# A name goes into admin URL paths, Prometheus labels and logs: no slash or space, and no
+# longer than a Kubernetes pod name (253), whose names discovery gives replicas.
+_REPLICA_NAME = re.compile(r"[A-Za-z0-9._:@\[\]-]{1,253}")
 
 
 class ReplicaConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -313,13 +317,37 @@ def normalize_replica_url(url: str) -> str:
         raise ValueError(f"{url!r} must name a host and no credentials")
     if parts.query or parts.fragment or parts.path not in ("", "/"):
         raise ValueError(f"{url!r} must be scheme://host:port only, without a path")
+    if not _connectable_host(parts.hostname):
+        raise ValueError(f"{url!r} must name a DNS host name or an IP address")
     try:
         port = parts.port
     except ValueError:
         raise ValueError(f"{url!r} has an invalid port") from None
+    if port == 0:
+        raise ValueError(f"{url!r} has an invalid port")
     port = port or (443 if parts.scheme == "https" else 80)
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
     return f"{parts.scheme}://{host}:{port}"
+
+
+_DNS_LABEL = re.compile(r"(?!-)[a-z0-9_-]{1,63}(?<!-)")
+
+
+def _connectable_host(host: str) -> bool:
+    """An IP address or a DNS name whose last label is not all digits: the shorthand
+    IPv4 forms (``127.1``, ``2130706433``, ``0``) that some resolvers take and the HTTP
+    client refuses are neither."""
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        pass
+    labels = host.rstrip(".").split(".")
+    return (
+        len(host) <= 253
+        and all(_DNS_LABEL.fullmatch(label) for label in labels)
+        and not labels[-1].isdigit()
+    )
 
 
 def replica_name(replica: ReplicaConfig) -> str:
@@ -409,8 +437,10 @@ def _check_replica_fields(replica: ReplicaConfig, source: str, key: str, *, secr
         raise bad("tp", "must be >= 1")
     if not replica.weight > 0 or not math.isfinite(replica.weight):
         raise bad("weight", "must be > 0")
-    if replica.max_queue < 0:
-        raise bad("max_queue", "must be >= 0")
+    if replica.max_queue < 1:
+        raise bad("max_queue", "must be >= 1 (a replica takes work while fewer wait)")
+    if replica.name is not None and not _REPLICA_NAME.fullmatch(replica.name):
+        raise bad("name", "must be 1-253 letters, digits and . _ : @ [ ] -")
     usd = replica.usd_per_hour
     if usd is not None and (not usd >= 0 or not math.isfinite(usd)):
         raise bad("usd_per_hour", "must be >= 0")

@@ -46,6 +46,7 @@ __all__ = [
     "recorded_hash_ids",
     "segment_paths",
     "unix_timestamp_ms",
+    "usable_directory",
     "write_recording",
 ]
 
@@ -164,6 +165,22 @@ def segment_paths(directory: Path) -> list[Path]:
     return [directory / name for name in names]
 
 
+def usable_directory(directory: Path) -> None:
+    """Make ``directory`` if it is missing; ValueError, saying why, when it cannot be made
+    or written: checked before a recording is said to start, so that a bad ``--record``
+    or admin start is refused then rather than found by the writer."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
+        raise ValueError(f"cannot record into {str(directory)!r}: {_reason(exc)}") from None
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ValueError(f"cannot record into {str(directory)!r}: not writable")
+
+
+def _reason(exc: Exception) -> str:
+    return getattr(exc, "strerror", None) or str(exc)
+
+
 class Recorder:
     """Appends finished requests to a recording directory from a writer thread."""
 
@@ -240,7 +257,7 @@ class Recorder:
             while not (self._stopping and not self._queue):
                 self._write_segment(number)
                 number += 1
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: a path the OS cannot take
             self._fail(exc)
 
     def _write_segment(self, number: int) -> None:
@@ -292,10 +309,10 @@ class Recorder:
             segments.pop(0).unlink(missing_ok=True)
             sizes.pop(0)
 
-    def _fail(self, exc: OSError) -> None:
+    def _fail(self, exc: OSError | ValueError) -> None:
         self.active = False
         self.errors += 1
-        self.error = f"{type(exc).__name__}: {exc.strerror or exc}"
+        self.error = f"{type(exc).__name__}: {_reason(exc)}"
         self.dropped += len(self._queue)
         self._queue.clear()
         log.error(

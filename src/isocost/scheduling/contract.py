@@ -125,8 +125,8 @@ class ReplicaSpec:
             raise ValueError(f"replica {self.replica_id}: role must be one of {REPLICA_ROLES}")
         if self.weight <= 0:
             raise ValueError(f"replica {self.replica_id}: weight must be > 0")
-        if self.max_queue < 0:
-            raise ValueError(f"replica {self.replica_id}: max_queue must be >= 0")
+        if self.max_queue < 1:
+            raise ValueError(f"replica {self.replica_id}: max_queue must be >= 1")
 
     @property
     def hardware_class(self) -> str:

@@ -206,13 +206,24 @@ def test_slo_headers_ours_or_llm_d(
     assert made.tpot_target_s == (None if tpot_ms is None else tpot_ms / 1000)
 
 
-def test_llm_d_slo_header_must_be_a_positive_number() -> None:
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("x-llm-d-slo-ttft-ms", "-1"),
+        # once added to a monotonic clock a day up, lost in its rounding: a deadline equal
+        # to the arrival, which SloTargets refused with a 500
+        ("x-deadline-ms", "1e-300"),
+        ("x-llm-d-slo-ttft-ms", "1e-20"),
+        ("x-tpot-ms", "5e-324"),  # 0.0 s once divided: a division by zero
+        ("x-tpot-ms", "nan"),
+        ("x-deadline-ms", "inf"),
+    ],
+)
+def test_slo_headers_must_be_a_usable_number_of_milliseconds(name: str, value: str) -> None:
     _, pool, _, _ = setup()
     view = RoutingView(MODEL, True, 8, None, 100, False, ())
-    with pytest.raises(ApiError, match="x-llm-d-slo-ttft-ms must be a positive number"):
-        GatewayRequest.from_headers(
-            {"x-llm-d-slo-ttft-ms": "-1"}, view, pool, arrived_at=0.0, key_name=None
-        )
+    with pytest.raises(ApiError, match=f"{name} must be a number of milliseconds >= 0.001"):
+        GatewayRequest.from_headers({name: value}, view, pool, arrived_at=86_400.0, key_name=None)
 
 
 def test_a_prompt_held_for_the_streams_it_would_stall_goes_once_one_ends() -> None:

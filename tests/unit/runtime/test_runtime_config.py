@@ -97,6 +97,21 @@ def test_the_shipped_example_parses(monkeypatch: pytest.MonkeyPatch) -> None:
             "pools[0].replicas[1].name",
             "'b:1' is listed twice",
         ),
+        (
+            "pools: [{model: m, replicas: [{url: 'http://a:1', max_queue: 0}]}]",
+            "pools[0].replicas[0].max_queue",
+            ">= 1",  # 0 waiting allowed: a replica that never takes work
+        ),
+        (
+            "pools: [{model: m, replicas: [{url: 'http://a:1', name: 'a/b'}]}]",
+            "pools[0].replicas[0].name",
+            "letters, digits",  # a name in an admin URL path
+        ),
+        (
+            f"pools: [{{model: m, replicas: [{{url: 'http://a:1', name: {'n' * 254}}}]}}]",
+            "pools[0].replicas[0].name",
+            "1-253",  # past aiohttp's request-line limit, a name no admin call could reach
+        ),
         ("pools: [{model: m, kv_link: wifi}]", "pools[0].kv_link", "infiniband"),
         ("pools: [{model: m, disaggregation: always}]", "pools[0].disaggregation", "pd"),
         ("limits: {max_body_bytes: 0}", "limits.max_body_bytes", "positive"),
@@ -124,15 +139,30 @@ def test_errors_name_the_key(text: str, key: str | None, fragment: str) -> None:
         ("http://host/", "http://host:80"),
         ("https://Host:8443", "https://host:8443"),
         ("http://[::1]:9000", "http://[::1]:9000"),
+        ("http://vllm-0.vllm.default.svc.cluster.local:8000", None),
+        ("http://engine_a:8000", None),  # Docker Compose service names may hold "_"
     ],
 )
-def test_replica_urls_are_normalized(url: str, normalized: str) -> None:
-    assert normalize_replica_url(url) == normalized
+def test_replica_urls_are_normalized(url: str, normalized: str | None) -> None:
+    assert normalize_replica_url(url) == (normalized or url)
 
 
 @pytest.mark.parametrize(
     "url",
-    ["http://user:pw@h:1", "http://h:1?x=1", "file:///etc/passwd", "http://:80", "http://h:99999"],
+    [
+        "http://user:pw@h:1",
+        "http://h:1?x=1",
+        "file:///etc/passwd",
+        "http://:80",
+        "http://h:99999",
+        "http://h:0",  # once stored as port 80
+        # shorthand IPv4 that resolvers may take and the HTTP client refuses at every try
+        "http://127.1:8000",
+        "http://2130706433:8000",
+        "http://0:8000",
+        "http://-h-:8000",
+        "http://a..b:8000",
+    ],
 )
 def test_bad_replica_urls(url: str) -> None:
     with pytest.raises(ValueError):
