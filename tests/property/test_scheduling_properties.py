@@ -24,7 +24,7 @@ _replica = st.tuples(
     st.integers(0, 2),  # cost model
     st.booleans(),  # healthy
     st.booleans(),  # draining
-    st.integers(0, 4),  # max_queue
+    st.integers(1, 4),  # max_queue
     st.integers(0, 5),  # requests already waiting
     st.sampled_from(["m", "other"]),  # served model
 )

@@ -56,6 +56,9 @@ def engine(
     kv_hold_timeout: float = typer.Option(
         480.0, "--kv-hold-timeout", help="Seconds a prefill's KV waits to be pulled."
     ),
+    read_timeout: float = typer.Option(
+        60.0, "--read-timeout", help="Seconds a request's head, then its body, may take."
+    ),
     kv_events_port: int | None = typer.Option(
         None, "--kv-events-port", help="Publish vLLM's KV-cache events (ZMQ): replica i on +i."
     ),
@@ -103,6 +106,7 @@ def engine(
         kv_hold_timeout,
         kv_events_port,
         prompt_details,
+        read_timeout,
     )
 
     def ready(urls: list[tuple[ServedReplica, str]]) -> None:

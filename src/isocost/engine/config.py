@@ -25,6 +25,7 @@ from isocost.core.errors import ConfigError
 from isocost.core.links import LINK_KINDS
 
 __all__ = [
+    "MAX_SLOWDOWN",
     "ROLES",
     "EngineReplicaConfig",
     "Faults",
@@ -37,11 +38,18 @@ __all__ = [
 
 ROLES = ("both", "prefill", "decode")  # vLLM's kv_both, kv_producer, kv_consumer
 
+# The step-time factor's bound, both ways: 1000x turns a 20 ms decode step into 20 s, past
+# any client's timeout, so a larger factor only models a hang (that is ``hang``, which
+# clears at once) while its step times grow toward float overflow; 1/1000 is a GPU far
+# faster than any, which ``--time-scale`` models without faults.
+MAX_SLOWDOWN = 1000.0
+
 
 class Faults(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """Injected misbehaviour of one replica (flags, spec fields or ``POST /admin/fault``).
 
-    * ``slowdown``: every step takes this many times longer (>= 1 slows, < 1 speeds up);
+    * ``slowdown``: every step takes this many times longer (>= 1 slows, < 1 speeds up;
+      within ``1 / MAX_SLOWDOWN .. MAX_SLOWDOWN``);
     * ``error_rate``: share of completion requests answered with HTTP 500 (0..1);
     * ``hang``: accept requests but answer none until the fault is cleared;
     * ``crash``: exit the whole process at once (admin endpoint only);
@@ -59,8 +67,8 @@ class Faults(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
     def problem(self) -> tuple[str, str] | None:
         """``(field, message)`` for the first invalid field, or None."""
-        if not self.slowdown > 0:
-            return "slowdown", "must be > 0"
+        if not 1 / MAX_SLOWDOWN <= self.slowdown <= MAX_SLOWDOWN:
+            return "slowdown", f"must be between {1 / MAX_SLOWDOWN:g} and {MAX_SLOWDOWN:g}"
         if not 0.0 <= self.error_rate <= 1.0:
             return "error_rate", "must be between 0 and 1"
         if self.max_waiting is not None and self.max_waiting < 0:

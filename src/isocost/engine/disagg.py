@@ -19,19 +19,26 @@ KV: pulled already, expired, restarted) fails the decode request with 502
 ``kv_transfer_failed`` before anything is queued, so the client can prefill again
 elsewhere. A role refuses the other role's half (400): a ``prefill`` replica takes no
 ``do_remote_prefill`` request, a ``decode`` replica no ``do_remote_decode`` one; plain
-requests go anywhere, as on vLLM.
+requests go anywhere, as on vLLM. Where to pull from comes from the client, so it is
+checked before anything is sent (400 ``kv_transfer_params``): ``remote_host`` a bare
+hostname or IP literal, ``remote_port`` a TCP port; nothing else can pick the pull's
+host, port or path.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import ipaddress
+import re
 
 import aiohttp
 import msgspec
 from aiohttp import web
+from yarl import URL
 
 from isocost.core.links import kv_transfer_s
+from isocost.engine.intake import expect_continue, read_body
 from isocost.engine.records import RequestSpec
 from isocost.engine.replica import ServedReplica
 from isocost.openai.errors import ApiError
@@ -40,14 +47,18 @@ from isocost.openai.responses import json_response
 
 __all__ = [
     "PULL_PATH",
+    "KvSource",
     "PulledKv",
     "add_pull_route",
-    "check_role",
+    "kv_source",
     "pull_kv",
 ]
 
 PULL_PATH = "/kv/pull"
 _PULL_TIMEOUT_S = 10.0
+# RFC 1123 host names: dot-separated labels of letters, digits and inner hyphens
+_HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(?:\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*")
+_MAX_HOST_NAME_CHARS = 253
 
 
 class _PullRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -64,19 +75,53 @@ class PulledKv:
     transfer_s: float  # modelled seconds of the transfer
 
 
-def check_role(replica: ServedReplica, params: KvTransferParams | None) -> None:
-    """400 for the half of the two-step protocol this replica's role does not serve."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class KvSource:
+    """Where a decode request's KV waits, checked: the pull's URL and the held request."""
+
+    url: URL
+    request_id: str
+    engine_id: str | None
+
+
+def kv_source(replica: ServedReplica, params: KvTransferParams | None) -> KvSource | None:
+    """The prefill replica a ``do_remote_prefill`` request pulls from (None for any other
+    request); 400 for the half of the two-step protocol this replica's role does not
+    serve, and for a pull address that is not a host and a port."""
+    if params is None:
+        return None
     role = replica.spec.role
-    if params is None or role == "both":
-        return
     refused = {"prefill": params.do_remote_prefill, "decode": params.do_remote_decode}
     if refused.get(role, False):
         other = "do_remote_prefill" if role == "prefill" else "do_remote_decode"
-        raise ApiError(
-            400,
-            f"this replica's role is {role}: it takes no {other} request",
-            param="kv_transfer_params",
-        )
+        raise _bad_params(f"this replica's role is {role}: it takes no {other} request")
+    if not params.do_remote_prefill:
+        return None
+    host, port, remote_id = params.remote_host, params.remote_port, params.remote_request_id
+    if not host or port is None or not remote_id:
+        raise _bad_params("do_remote_prefill needs remote_host, remote_port and remote_request_id")
+    if not _is_host(host):
+        raise _bad_params(f"remote_host must be a host name or an IP address, got {host[:100]!r}")
+    if not 1 <= port <= 65535:
+        raise _bad_params(f"remote_port must be a TCP port (1..65535), got {port}")
+    url = URL.build(scheme="http", host=host, port=port, path=PULL_PATH)
+    return KvSource(url, remote_id, params.remote_engine_id)
+
+
+def _is_host(text: str) -> bool:
+    """A bare host name or IP literal: no port, path, user info, brackets, IPv6 zone (it
+    may hold any character) or spaces."""
+    if "%" in text:
+        return False
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return len(text) <= _MAX_HOST_NAME_CHARS and _HOST_NAME.fullmatch(text) is not None
+    return True
+
+
+def _bad_params(message: str) -> ApiError:
+    return ApiError(400, message, param="kv_transfer_params")
 
 
 def _transfer_failed(reason: str) -> ApiError:
@@ -88,23 +133,16 @@ def _transfer_failed(reason: str) -> ApiError:
 async def pull_kv(
     session: aiohttp.ClientSession,
     replica: ServedReplica,
-    params: KvTransferParams,
+    source: KvSource,
     spec: RequestSpec,
 ) -> PulledKv:
-    """Pull ``spec``'s prompt KV from the prefill replica ``params`` name and wait out the
+    """Pull ``spec``'s prompt KV from the prefill replica at ``source`` and wait out the
     transfer; ApiError 502 ``kv_transfer_failed`` when it cannot be had."""
-    host, port, remote_id = params.remote_host, params.remote_port, params.remote_request_id
-    if not host or port is None or not remote_id:
-        raise ApiError(
-            400,
-            "do_remote_prefill needs remote_host, remote_port and remote_request_id",
-            param="kv_transfer_params",
-        )
     local_tokens = replica.model.cached_prefix_tokens(spec.block_hashes)
-    body = {"remote_request_id": remote_id, "remote_engine_id": params.remote_engine_id}
+    body = {"remote_request_id": source.request_id, "remote_engine_id": source.engine_id}
     try:
         async with session.post(
-            f"http://{host}:{port}{PULL_PATH}",
+            source.url,
             json=body,
             timeout=aiohttp.ClientTimeout(total=_PULL_TIMEOUT_S),
         ) as answer:
@@ -136,7 +174,7 @@ def add_pull_route(app: web.Application, replica: ServedReplica) -> None:
     ``kv_not_found`` when this replica does not hold it)."""
 
     async def pull(request: web.Request) -> web.Response:
-        asked = decode_body(await request.read(), _PullRequest)
+        asked = decode_body(await read_body(request), _PullRequest)
         wrong_engine = asked.remote_engine_id not in (None, replica.engine_id)
         held = None if wrong_engine else replica.pull_kv(asked.remote_request_id)
         if held is None:
@@ -148,4 +186,4 @@ def add_pull_route(app: web.Application, replica: ServedReplica) -> None:
             )
         return json_response({"num_tokens": held.num_tokens, "num_blocks": len(held.block_ids)})
 
-    app.router.add_post(PULL_PATH, pull)
+    app.router.add_post(PULL_PATH, pull, expect_handler=expect_continue)

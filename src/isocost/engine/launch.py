@@ -40,6 +40,7 @@ def launch(
         ("--role", default.role in ROLES, f"must be one of {', '.join(ROLES)}"),
         ("--link", default.link in LINK_KINDS, f"must be one of {', '.join(LINK_KINDS)}"),
         ("--kv-hold-timeout", options.kv_hold_timeout_s > 0, "must be > 0"),
+        ("--read-timeout", options.read_timeout_s > 0, "must be > 0"),
     )
     for flag, ok, message in checks:
         if not ok:

@@ -47,6 +47,8 @@ Driving contract::
   in time order; a step ending after ``t`` stays in flight. The clock becomes ``t``.
 * ``next_event_time()`` is the end of the step in flight, the clock itself when the
   engine is idle but has work (call ``advance_to`` to start the step), or ``None``.
+* ``set_slowdown(factor, now)`` changes the step-time factor at ``now`` (advance first):
+  the step in flight runs the rest of its work at the new factor.
 * ``quiet_until()`` is a time before which the model emits no event unless a request is
   submitted or aborted: the end of the decode run ahead (see Jumps) or of the step that
   closes it, else ``next_event_time()``. A simulator wakes the model there, not at every
@@ -337,6 +339,24 @@ class EngineModel:
             self._release(state)
         else:
             self._waiting.remove(state)
+
+    def set_slowdown(self, slowdown: float, now: float) -> None:
+        """Stretch steps by ``slowdown`` from ``now`` on (advance to ``now`` first). The
+        step in flight keeps the share of its work done and runs the rest at the new
+        factor, so a fault cleared mid-step ends that step at once rather than when the
+        old factor said: a step started under a large factor would else hold the replica
+        (every later request queues behind it) long after the fault is gone."""
+        if now < self._now_s:
+            raise ValueError(f"set_slowdown at {now} is before the model clock {self._now_s}")
+        pending = self.next_event_time()
+        if pending is not None and pending < now:
+            raise ValueError(f"advance_to({now}) first: an event is due at {pending}")
+        if self._batch is not None:
+            left_s = (self._step_end_s - now) / self.slowdown * slowdown
+            self._step_end_s = now + left_s
+        self.slowdown = slowdown
+        self._ahead_known = False  # a decode run ahead was timed at the old factor
+        self._seen = None
 
     def hold_blocks(self, num_blocks: int) -> bool:
         """Take ``num_blocks`` private blocks for no request: a prefill replica's KV kept

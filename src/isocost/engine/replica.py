@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass
 
 from isocost.core.links import Link, link
-from isocost.engine.config import EngineReplicaConfig
+from isocost.engine.config import EngineReplicaConfig, Faults
 from isocost.engine.faults import FaultInjector
 from isocost.engine.handoff import DEFAULT_HOLD_TIMEOUT_S, HeldKv, KvHandoffs
 from isocost.engine.kvevents import KvEventPublisher
@@ -56,6 +56,11 @@ class ServeOptions:
     kv_hold_timeout_s: float = DEFAULT_HOLD_TIMEOUT_S  # a prefill's KV waits this long
     kv_events_port: int | None = None  # replica i publishes KV-cache events on this + i
     prompt_details: bool = False  # usage says the prompt's cached tokens (as vLLM can)
+    # a request's head must arrive within this of its connection opening or of the answer
+    # before, its body within this of its head (``intake``): nginx's default header and
+    # body timeouts, and above the gateway's 30 s upstream keep-alive, so that the engine
+    # never closes an idle pooled connection the gateway may be about to reuse
+    read_timeout_s: float = 60.0
 
 
 class OutputLengths:
@@ -123,7 +128,7 @@ class ServedReplica:
         self.metrics = ReplicaMetrics(model, spec.served_model_name)
         self.created = int(time.time())
         rng = random.Random(f"{options.seed}/{index}")
-        self.faults = FaultInjector(model, rng, spec.faults)
+        self.faults = FaultInjector(model, rng)
         self.output_lengths = OutputLengths(options.output_dist, options.output_mean_tokens, rng)
         self.handoffs = KvHandoffs(model, options.kv_hold_timeout_s)
         self.link: Link = link(spec.link)  # what this replica's KV pulls travel over
@@ -134,6 +139,7 @@ class ServedReplica:
         self._wakeup: asyncio.Future[None] | None = None
         self._origin = asyncio.get_running_loop().time()
         self.closing = False
+        self.set_faults(spec.faults)
 
     @property
     def served_model_name(self) -> str:
@@ -202,6 +208,16 @@ class ServedReplica:
         self._waiters[spec.request_id] = waiter
         self._wake_loop()
         return waiter
+
+    def set_faults(self, faults: Faults) -> None:
+        """Apply a fault set now. A new ``slowdown`` re-times the step in flight
+        (``EngineModel.set_slowdown``) and the loop, asleep until that step's old end,
+        looks again: a fault cleared mid-step is cleared at once."""
+        now = self.model_now()
+        self._advance(now)
+        self.model.set_slowdown(faults.slowdown, now)
+        self.faults.set(faults)
+        self._wake_loop()
 
     # -- KV hand-offs (disaggregated serving) ---------------------------------------
 

@@ -9,7 +9,9 @@ own (unknown path, wrong method, body over the size limit) included. A client th
 cancels its handler (``handler_cancellation``), which aborts its request, streamed or not:
 its KV blocks are freed and it counts as ``finished_reason="abort"``. A request carrying
 ``kv_transfer_params`` is one half of vLLM's prefill/decode protocol (``disagg``): a
-prefill that hands its KV off, or a decode that pulls it first.
+prefill that hands its KV off, or a decode that pulls it first. Below the routes
+(``intake``): deadlines for a request's head and body, and JSON for what aiohttp's parser
+refuses.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ from isocost.core.catalog import Catalog
 from isocost.core.costmodel import CostModel, EngineLimits
 from isocost.core.errors import ConfigError, DoesNotFitError
 from isocost.engine.config import EngineReplicaConfig
-from isocost.engine.disagg import add_pull_route, check_role, pull_kv
+from isocost.engine.disagg import add_pull_route, kv_source, pull_kv
 from isocost.engine.faults import add_fault_routes, answer_and_exit
 from isocost.engine.handoff import handoff_params
+from isocost.engine.intake import READ_TIMEOUT, expect_continue, listen, read_body
 from isocost.engine.kvevents import KvEventPublisher
 from isocost.engine.model import EngineModel
 from isocost.engine.records import RequestSpec
@@ -81,6 +84,8 @@ async def _faults_and_errors(
         response = await handler(request)
     except ApiError as error:
         response = error_response(error)
+        if error.status == 408:  # a body too slow to arrive: the rest is not waited for
+            response.force_close()
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -92,7 +97,7 @@ async def _faults_and_errors(
 
 async def _completions(request: web.Request) -> web.StreamResponse:
     replica = request.app[REPLICA]
-    body = decode_body(await request.read(), CompletionRequest)
+    body = decode_body(await read_body(request), CompletionRequest)
     ids = prompt_ids(replica, body.prompt)
     text = prompt_text(body.prompt)
     start = 0 if text is None else filler_start(text)
@@ -101,7 +106,7 @@ async def _completions(request: web.Request) -> web.StreamResponse:
 
 async def _chat_completions(request: web.Request) -> web.StreamResponse:
     replica = request.app[REPLICA]
-    body = decode_body(await request.read(), ChatRequest)
+    body = decode_body(await read_body(request), ChatRequest)
     text = chat_text(body)
     ids = replica.tokenizer.encode(text)
     return await _generate(request, replica, body, ids, filler_start(text), chat=True)
@@ -118,12 +123,12 @@ async def _generate(
 ) -> web.StreamResponse:
     generation = validate(replica, body, ids)
     params = body.kv_transfer_params
-    check_role(replica, params)
+    source = kv_source(replica, params)
     replica.faults.check_admission()
     spec = generation.spec
     headers: dict[str, str] = {}
-    if params is not None and params.do_remote_prefill:
-        pulled = await pull_kv(request.app[PULLS], replica, params, spec)
+    if source is not None:
+        pulled = await pull_kv(request.app[PULLS], replica, source, spec)
         spec = pulled.spec
         headers[KV_TRANSFER_MS_HEADER] = f"{pulled.transfer_s * 1000:.3f}"
     finish_reason = "length" if spec.max_output_tokens == generation.max_tokens else "stop"
@@ -194,13 +199,15 @@ async def _metrics(request: web.Request) -> web.Response:
 def _application(replica: ServedReplica, pulls: aiohttp.ClientSession) -> web.Application:
     app = web.Application(middlewares=[_faults_and_errors])
     app[REPLICA] = replica
-    app.router.add_post("/v1/completions", _completions)
-    app.router.add_post("/v1/chat/completions", _chat_completions)
-    app.router.add_get("/v1/models", _models)
-    app.router.add_get("/health", _health)
-    app.router.add_get("/metrics", _metrics)
+    app[READ_TIMEOUT] = replica.options.read_timeout_s
+    routes = app.router
+    routes.add_post("/v1/completions", _completions, expect_handler=expect_continue)
+    routes.add_post("/v1/chat/completions", _chat_completions, expect_handler=expect_continue)
+    routes.add_get("/v1/models", _models, expect_handler=expect_continue)
+    routes.add_get("/health", _health, expect_handler=expect_continue)
+    routes.add_get("/metrics", _metrics, expect_handler=expect_continue)
     app[PULLS] = pulls
-    add_fault_routes(app, replica.faults)
+    add_fault_routes(app, replica.faults, replica.set_faults)
     add_pull_route(app, replica)
     return app
 
@@ -264,6 +271,7 @@ async def serve(
         )
     ]
     runners: list[web.AppRunner] = []
+    listeners: list[asyncio.Server] = []
     tasks = [asyncio.create_task(r.run(), name=f"replica-{r.index}") for r in replicas]
     stop = stop_requested()
     pulls = aiohttp.ClientSession()
@@ -273,18 +281,19 @@ async def serve(
             runner = web.AppRunner(
                 _application(replica, pulls),
                 shutdown_timeout=1.0,
-                access_log=None,
                 handler_cancellation=True,  # a client gone aborts its request at once
             )
             await runner.setup()
             runners.append(runner)
-            site = web.TCPSite(runner, options.host, port)
-            await site.start()
-            bound = replica.port = runner.addresses[0][1]
+            listener = await listen(runner, options.host, port, options.read_timeout_s)
+            listeners.append(listener)
+            bound = replica.port = listener.sockets[0].getsockname()[1]
             urls.append((replica, f"http://{options.host}:{bound}"))
         on_ready(urls)
         await stop.wait()
     finally:
+        for listener in listeners:
+            listener.close()
         for replica in replicas:
             replica.close()
         for publisher in publishers:

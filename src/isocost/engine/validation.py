@@ -1,8 +1,10 @@
 """Request validation of ``isocost engine``: a decoded OpenAI body -> what to submit.
 
 The checks and messages follow vLLM's (unknown model 404, ``n`` other than 1, ``max_tokens``
-below 1 or above the context, a prompt that leaves no room for output), and so does the
-cut: what does not fit after the prompt is cut, and the answer ends ``length``.
+below 1 or above the context, a prompt that leaves no room for output, a prompt token id
+outside the vocabulary), and so does the cut: what does not fit after the prompt is cut,
+and the answer ends ``length``. Field types and bounds the gateway checks as well are the
+OpenAI structs' (``isocost.openai.requests``).
 """
 
 from __future__ import annotations
@@ -43,13 +45,18 @@ def prompt_text(prompt: str | list[str | int | list[int]]) -> str | None:
 
 
 def prompt_ids(replica: ServedReplica, prompt: str | list[str | int | list[int]]) -> list[int]:
-    """The token ids of a completion prompt: one string or one list of token ids."""
+    """The token ids of a completion prompt: one string or one list of token ids (each
+    in the model's vocabulary, as vLLM checks)."""
     text = prompt_text(prompt)
     if text is not None:
         return replica.tokenizer.encode(text)
-    if all(isinstance(p, int) for p in prompt):
-        return [p for p in prompt if isinstance(p, int)]
-    raise ApiError(400, "prompt must be one string or one list of token ids", param="prompt")
+    ids = [p for p in prompt if isinstance(p, int)]
+    if len(ids) != len(prompt):
+        raise ApiError(400, "prompt must be one string or one list of token ids", param="prompt")
+    largest = max(ids, default=0)
+    if largest >= replica.model.cost.model.vocab_size:
+        raise ApiError(400, f"Token id {largest} is out of vocabulary", param="prompt")
+    return ids
 
 
 def chat_text(body: ChatRequest) -> str:

@@ -38,11 +38,12 @@ from aiohttp import web
 from isocost.core.errors import ConfigError, IsocostError
 from isocost.core.slo import SloTargets
 from isocost.gateway.auth import bearer_token
-from isocost.gateway.intake import Rejection, defer_continue, read_whole, send_continue
+from isocost.gateway.intake import Rejection, defer_continue
 from isocost.gateway.lifecycle import Gateway
 from isocost.gateway.upstreams import Upstream
 from isocost.gateway.workers import SIBLING_HEADER
 from isocost.openai.errors import ApiError
+from isocost.openai.http import read_whole, send_continue
 from isocost.openai.responses import json_response
 from isocost.runtime.config import ReplicaConfig
 
@@ -215,6 +216,10 @@ def _targets_ms(slo: SloTargets) -> dict[str, float | None]:
 def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
     """Register the ``/admin/`` routes of ``gateway`` on ``app``."""
 
+    async def read_body(request: web.Request) -> bytes:
+        """The body whole, within the limits' body deadline (408), decoded (else 400)."""
+        return await read_whole(request, gateway.config.limits.body_timeout_ms / 1000)
+
     def check_token(request: web.Request) -> None:
         auth = gateway.intake.auth
         if not auth.admin_enabled:
@@ -270,7 +275,7 @@ def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
         return json_response({"replicas": rows()})
 
     async def add(request: web.Request) -> web.StreamResponse:
-        body = _decode(await read_whole(request), _AddReplica)
+        body = _decode(await read_body(request), _AddReplica)
         try:
             replica = gateway.add_replica(body.model, body.replica)
         except ConfigError as exc:
@@ -295,7 +300,7 @@ def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
         return json_response(rows(replica)[0])
 
     async def switch_policy(request: web.Request) -> web.StreamResponse:
-        body = _decode(await read_whole(request), _SwitchPolicy)
+        body = _decode(await read_body(request), _SwitchPolicy)
         if body.model is not None and body.model not in gateway.pools:
             raise ApiError(404, f"no pool for model {body.model!r}", code="model_not_found")
         pools = [gateway.pools[body.model]] if body.model else list(gateway.pools.values())
@@ -315,7 +320,7 @@ def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
         return json_response(gateway.workers.changes_view())
 
     async def post_autoscaler(request: web.Request) -> web.StreamResponse:
-        body = _decode(await read_whole(request), _AutoscalerStatus)
+        body = _decode(await read_body(request), _AutoscalerStatus)
         checks = [(name, getattr(body, name) >= 0) for name in _COUNTS]
         checks += [
             ("forecast_rps", body.forecast_rps >= 0 and math.isfinite(body.forecast_rps)),
@@ -343,7 +348,7 @@ def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
             raise ApiError(
                 409, "recording is not supported with serve --workers", code="unsupported"
             )
-        raw = await read_whole(request)
+        raw = await read_body(request)
         body = _decode(raw, _StartRecording) if raw.strip() else _StartRecording()
         try:
             await gateway.recording.start(Path(body.dir) if body.dir else None)

@@ -19,7 +19,6 @@ import asyncio
 import time
 from collections.abc import Mapping
 
-import aiohttp
 from aiohttp import web
 
 from isocost.gateway.auth import ApiKey, Authenticator, bearer_token
@@ -27,7 +26,8 @@ from isocost.gateway.body import routing_view, summarize
 from isocost.gateway.loops import ListenAddress, hops
 from isocost.gateway.routing import GatewayRequest
 from isocost.gateway.upstreams import Pool
-from isocost.openai.errors import ApiError, error_response
+from isocost.openai.errors import ApiError
+from isocost.openai.http import UNREADABLE, refuse_expectation, send_continue, unreadable
 from isocost.openai.requests import RequestError
 from isocost.runtime.config import GatewayConfig
 
@@ -36,13 +36,7 @@ __all__ = [
     "Intake",
     "Rejection",
     "defer_continue",
-    "read_whole",
-    "send_continue",
 ]
-
-# A body cut short, or one whose Content-Encoding does not decode (aiohttp raises the
-# latter as RequestPayloadError, not a ClientError).
-_UNREADABLE = (aiohttp.ClientError, web.RequestPayloadError)
 
 # Headers whose values the gateway keeps as text: in logs, decisions, metric labels, or
 # forwarded (x-request-id). x-session-id is only hashed, from its bytes: any value goes.
@@ -118,8 +112,8 @@ class Intake:
         key = self.check_headers(http.headers, arrived_at)
         limits = self.limits
         length = http.content_length
-        if length is not None and length > limits.max_body_bytes:
-            raise _too_large(limits.max_body_bytes)
+        if length is not None:
+            self.check_body_size(length)
         await send_continue(http)
         try:
             body = await _read_body(http, limits.max_body_bytes, limits.body_timeout_ms / 1000)
@@ -127,12 +121,19 @@ class Intake:
             raise Rejection(
                 "body_timeout", 408, "the request body arrived too slowly", code="body_timeout"
             ) from None
-        except _UNREADABLE as exc:
-            raise _unreadable(exc) from None
+        except UNREADABLE as exc:
+            raise unreadable(exc, http) from None
         request = await self.routing_request(
             body, http.headers, chat=chat, key=key, arrived_at=arrived_at
         )
         return body, request
+
+    def check_body_size(self, size: int) -> None:
+        """413 for a body of ``size`` bytes over the limit; a data plane that gets the body
+        in pieces asks as it grows, so as not to hold more of it."""
+        limit = self.limits.max_body_bytes
+        if size > limit:
+            raise _too_large(limit)
 
     def check_headers(self, headers: Mapping[str, str], arrived_at: float) -> ApiKey | None:
         """The checks that need no body: hops, client header text, the API key and its
@@ -164,9 +165,8 @@ class Intake:
         """The checks on a whole body (length, OpenAI shape, served model, prompt and
         output caps, the key's token budget), then its routing request; shared by every
         data plane that hands the body over whole."""
+        self.check_body_size(len(body))
         limits = self.limits
-        if len(body) > limits.max_body_bytes:
-            raise _too_large(limits.max_body_bytes)
         try:
             summary = summarize(body, chat=chat)
         except RequestError as exc:
@@ -235,32 +235,7 @@ async def defer_continue(http: web.Request) -> web.Response | None:
     """The routes' ``expect_handler``: refuse unknown expectations (417) but hold back
     ``100 Continue`` until the intake has checked the key and the declared length (the
     admin API: its token), which then sends it (``send_continue``)."""
-    if http.headers.get("Expect", "").lower() != "100-continue":
-        refusal = ApiError(417, "only Expect: 100-continue is supported", code="expectation_failed")
-        return error_response(refusal)
-    return None
-
-
-async def read_whole(http: web.Request) -> bytes:
-    """A small body read whole (the admin API's; aiohttp caps its size); 400 when it
-    cannot be read or decoded."""
-    try:
-        return await http.read()
-    except _UNREADABLE as exc:
-        raise _unreadable(exc) from None
-
-
-def _unreadable(exc: Exception) -> ApiError:
-    return ApiError(400, f"request body could not be read: {exc}", code="bad_body")
-
-
-async def send_continue(http: web.Request) -> None:
-    """``100 Continue`` to a client waiting for it before sending its body."""
-    if http.version >= aiohttp.HttpVersion11 and (
-        http.headers.get("Expect", "").lower() == "100-continue"
-    ):
-        await http.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        http.writer.output_size = 0  # the answer proper has not started
+    return refuse_expectation(http)
 
 
 async def _read_body(http: web.Request, limit: int, timeout_s: float) -> bytes:

@@ -20,7 +20,6 @@ import logging
 import resource
 import time
 from collections.abc import Awaitable, Callable
-from http import HTTPStatus
 from pathlib import Path
 from typing import cast
 
@@ -36,7 +35,7 @@ from isocost.gateway.app import build_app
 from isocost.gateway.lifecycle import Gateway
 from isocost.gateway.recording import RecordingSettings
 from isocost.gateway.workers import WorkerGroup, watch_supervisor
-from isocost.openai.errors import ApiError, error_response
+from isocost.openai.http import JsonErrorHandler
 from isocost.runtime.config import (
     AuthConfig,
     GatewayConfig,
@@ -150,7 +149,7 @@ async def _serve(
 
     def protocol() -> asyncio.Protocol:
         deadline_s = gateway.config.limits.body_timeout_ms / 1000
-        handler = _JsonErrors(
+        handler = JsonErrorHandler(
             server,
             loop=loop,
             keepalive_timeout=keepalive_s,
@@ -241,25 +240,6 @@ def _request_phases(
                 guard.request_finished()
 
     return phases
-
-
-class _JsonErrors(RequestHandler):
-    """aiohttp's request handler, answering the requests its parser refuses (bad bytes,
-    over-long lines, no HTTP at all) as OpenAI-style JSON: aiohttp's own text answer
-    quotes the request's raw bytes back, keys and prompts included."""
-
-    def handle_error(
-        self,
-        request: web.BaseRequest,
-        status: int = 500,
-        exc: BaseException | None = None,
-        message: str | None = None,
-    ) -> web.StreamResponse:
-        super().handle_error(request, status, exc, message)  # logs it (redacted), checks
-        text = "the request is not valid HTTP/1.1" if status == 400 else HTTPStatus(status).phrase
-        response = error_response(ApiError(status, text, code="invalid_http"))
-        response.force_close()
-        return response
 
 
 _PROBE_S = 0.5  # how often a half-closed client is checked while its answer is prepared

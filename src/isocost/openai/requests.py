@@ -1,11 +1,15 @@
 """OpenAI request bodies and the one decoder every HTTP edge reads them with.
 
-Requests decode with msgspec; fields nobody here uses (temperature, top_p, ...) are
+Requests decode with msgspec; fields nobody here uses (tools, logit_bias, ...) are
 accepted and skipped without building objects for them, as engines do, so a 100 kB
-prompt costs one pass over the bytes. The structs take what the OpenAI API allows (a
-completion ``prompt`` may be one string, token ids, or a batch of either); each edge adds
-its own rules on top (the engine simulator serves one prompt per request, the gateway
-routes a batch by its first prompt).
+prompt costs one pass over the bytes. The sampling fields vLLM refuses bad values of
+(``temperature`` >= 0, ``top_p`` in (0, 1], ``seed`` an int64, ``stop`` a string or
+strings, ``logprobs`` an int of -1 or more on completions and a bool on chat, token ids
+>= 0) are declared with those bounds, so the engine and the gateway refuse the same
+bodies, with the field named, through this one definition. The structs take what the
+OpenAI API allows (a completion ``prompt`` may be one string, token ids, or a batch of
+either); each edge adds its own rules on top (the engine simulator serves one prompt per
+request, the gateway routes a batch by its first prompt).
 
 Every HTTP edge reads the output cap through ``output_cap``, so the gateway checks and
 charges the very number an engine executes (see its docstring).
@@ -14,7 +18,7 @@ charges the very number an engine executes (see its docstring).
 from __future__ import annotations
 
 import re
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 
@@ -61,6 +65,9 @@ class KvTransferParams(msgspec.Struct, frozen=True, kw_only=True):
     remote_num_tokens: int | None = None
 
 
+_TokenId = Annotated[int, msgspec.Meta(ge=0)]
+
+
 class _Common(msgspec.Struct, frozen=True, kw_only=True):
     model: str
     max_tokens: int | None = None
@@ -71,10 +78,16 @@ class _Common(msgspec.Struct, frozen=True, kw_only=True):
     n: int = 1
     user: str | None = None
     kv_transfer_params: KvTransferParams | None = None
+    # read for their bounds only (vLLM's, see the module docstring)
+    temperature: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    seed: Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)] | None = None
+    stop: str | list[str] | None = None
 
 
 class CompletionRequest(_Common, frozen=True, kw_only=True):
-    prompt: str | list[str | int | list[int]]
+    prompt: str | list[str | _TokenId | list[_TokenId]]
+    logprobs: bool | Annotated[int, msgspec.Meta(ge=-1)] | None = None  # -1: all
 
 
 class ContentPart(msgspec.Struct, frozen=True):
@@ -96,6 +109,7 @@ class ChatMessage(msgspec.Struct, frozen=True):
 
 class ChatRequest(_Common, frozen=True, kw_only=True):
     messages: list[ChatMessage]
+    logprobs: bool | None = None
     # vLLM's chat template switches: continue the last (assistant) message as it is, or
     # open a new assistant turn (the default)
     continue_final_message: bool = False

@@ -732,7 +732,7 @@ class Simulator:
         elif action == "slowdown":
             engine = self._advance(replica)
             if engine is not None:
-                engine.slowdown = factor
+                engine.set_slowdown(factor, now)  # the step in flight re-timed, as live
                 replica.wake_s = math.inf
                 self._schedule_wake(replica, engine)
 
