@@ -43,6 +43,9 @@ class _NullBrain:
     def ready(self) -> bool:
         return True
 
+    def check_body_size(self, size: int) -> None:
+        pass
+
     async def pick(
         self, path: str, headers: Mapping[str, str], body: bytes, subset: frozenset[str] | None
     ) -> _Granted:

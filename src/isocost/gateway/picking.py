@@ -25,10 +25,11 @@ is held in the shadow state until the exchange ends, the data plane not reportin
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from urllib.parse import urlsplit
 
 from isocost.gateway.health import status_fault
@@ -73,6 +74,11 @@ class GatewayPicker:
         gateway = self.gateway
         return not gateway.draining and any(r.routable(now) for r in gateway.replicas.values())
 
+    def check_body_size(self, size: int) -> None:
+        """413 once a body arriving in pieces passes the limit, not when it is whole."""
+        with self._counting_rejections():
+            self.gateway.intake.check_body_size(size)
+
     async def pick(
         self,
         path: str,
@@ -82,11 +88,8 @@ class GatewayPicker:
     ) -> EndpointGrant:
         """The replica for one request (``subset``: GAIE's hint, the only endpoints it may
         go to); ApiError, OpenAI-shaped, for a request refused or that nothing can take."""
-        try:
+        with self._counting_rejections():
             request = await self._routing_request(path, headers, body)
-        except Rejection as exc:
-            self.gateway.reject(exc.reason)
-            raise
         exclude = frozenset(
             replica.name
             for replica in request.pool.replicas.values()
@@ -103,6 +106,15 @@ class GatewayPicker:
         return EndpointGrant(
             self.gateway, request, grant, fallbacks=self._fallbacks(request, grant, exclude)
         )
+
+    @contextlib.contextmanager
+    def _counting_rejections(self) -> Iterator[None]:
+        """Count what the intake refuses (``Rejection``) under its reason."""
+        try:
+            yield
+        except Rejection as exc:
+            self.gateway.reject(exc.reason)
+            raise
 
     def _fallbacks(
         self, request: GatewayRequest, grant: Grant, exclude: frozenset[str]

@@ -13,7 +13,11 @@ request refused or that nothing can take is answered by Envoy as an ImmediateRes
 (OpenAI-style JSON, ``Retry-After`` on 429 and 503). The response headers carry
 ``x-gateway-destination-endpoint-served`` (a header or ``envoy.lb`` metadata) and get
 ``x-isocost-replica``; the end of the stream is the end of the request. The subset hint
-(``envoy.lb.subset_hint`` filter metadata) bounds the choice. A request the brain splits
+(``envoy.lb.subset_hint`` filter metadata) bounds the choice. A body that grows past the
+brain's limit is refused (413) as soon as it does, not held to its end. One stream picks
+at most once: what Envoy sends for the request after the pick is answered, never picked
+again, so one stream never holds two grants. A message that is no ``ProcessingRequest``
+ends the stream with ``INVALID_ARGUMENT``. A request the brain splits
 into a prefill and a decode (P/D disaggregation) goes to the decode replica with the
 prefill replica's ``ip:port`` in ``x-prefiller-host-port`` (llm-d's convention: the
 decode side's sidecar runs the prefill step there); any other request has a client's
@@ -32,9 +36,9 @@ import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
+from google.protobuf.message import DecodeError
 from multidict import CIMultiDict
 
 from isocost.openai.errors import ApiError, retry_after
@@ -48,6 +52,7 @@ __all__ = [
     "Brain",
     "Granted",
     "Processor",
+    "add_processor",
 ]
 
 log = logging.getLogger("isocost.picker")
@@ -62,6 +67,17 @@ REPLICA_HEADER = "x-isocost-replica"
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 _STREAMED = processing_mode_pb2.ProcessingMode.STREAMED
+_SERVICE = ext_proc.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
+# The answer that changes nothing, for each kind of message Envoy sends.
+_PLAIN = {
+    "request_headers": ext_proc.HeadersResponse,
+    "request_body": ext_proc.BodyResponse,
+    "request_trailers": ext_proc.TrailersResponse,
+    "response_headers": ext_proc.HeadersResponse,
+    "response_body": ext_proc.BodyResponse,
+    "response_trailers": ext_proc.TrailersResponse,
+}
+_REQUEST_SIDE = frozenset({"request_headers", "request_body", "request_trailers"})
 
 
 class Granted(Protocol):
@@ -90,6 +106,8 @@ class Brain(Protocol):
 
     def ready(self) -> bool: ...
 
+    def check_body_size(self, size: int) -> None: ...  # ApiError (413) past the body limit
+
     async def pick(
         self,
         path: str,
@@ -99,26 +117,61 @@ class Brain(Protocol):
     ) -> Granted: ...
 
 
-class Processor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    """The ``ExternalProcessor`` service over one brain."""
+class Processor:
+    """The ``ExternalProcessor`` service over one brain (served by ``add_processor``)."""
 
     def __init__(self, brain: Brain) -> None:
         self.brain = brain
 
     async def Process(  # the gRPC method's name
         self,
-        requests: AsyncIterator[ext_proc.ProcessingRequest],
-        context: grpc.aio.ServicerContext[ext_proc.ProcessingRequest, ext_proc.ProcessingResponse],
+        requests: AsyncIterator[bytes],
+        context: grpc.aio.ServicerContext[bytes, ext_proc.ProcessingResponse],
     ) -> AsyncIterator[ext_proc.ProcessingResponse]:
+        """One request's stream; its messages come as bytes, decoded here so that one
+        that is no ``ProcessingRequest`` is answered, not left to grpc's traceback."""
         exchange = _Exchange(self.brain)
         try:
-            async for message in requests:
+            async for raw in requests:
+                message = _decoded(raw)
+                if message is None:
+                    context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
+                    context.set_details("not an ext_proc ProcessingRequest")
+                    return
                 for response in await exchange.answer(message):
                     yield response
                     if response.HasField("immediate_response"):
                         return
         finally:
             exchange.close()
+
+
+def add_processor(processor: Processor, server: grpc.aio.Server) -> None:
+    """Serve ``processor`` on ``server`` with the requests left as bytes: grpc's own
+    decoding of a corrupt message fails outside any handler (an error log with a traceback,
+    status UNKNOWN)."""
+    method = grpc.stream_stream_rpc_method_handler(
+        processor.Process, response_serializer=ext_proc.ProcessingResponse.SerializeToString
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(_SERVICE, {"Process": method}),)
+    )
+
+
+def _decoded(raw: bytes) -> ext_proc.ProcessingRequest | None:
+    """``raw`` as Envoy's message; None, with a warning, when it is none: undecodable, or
+    carrying no request of a kind this side knows."""
+    try:
+        message = ext_proc.ProcessingRequest.FromString(raw)
+    except DecodeError as exc:
+        log.warning(
+            "undecodable ext_proc message", extra={"event": "bad_message", "error": str(exc)}
+        )
+        return None
+    if message.WhichOneof("request") is None:
+        log.warning("ext_proc message without a request", extra={"event": "bad_message"})
+        return None
+    return message
 
 
 class _Exchange:
@@ -140,6 +193,8 @@ class _Exchange:
         """The answers ``message`` calls for: none while a body sent eagerly is still
         arriving; when it completes, the pick and whatever else is owed."""
         kind = message.WhichOneof("request")
+        if kind in _REQUEST_SIDE and self.granted is not None:
+            return [_plain(kind)]  # past the pick: answered, never picked again
         if kind == "request_headers":
             self.headers = _header_map(message.request_headers.headers.headers)
             self.subset = _subset_hint(message.metadata_context)
@@ -151,28 +206,23 @@ class _Exchange:
             )
             if message.request_headers.end_of_stream:
                 return [await self._pick(body_follows=False)]
-            if self.eager_body:
-                return []
-            return [ext_proc.ProcessingResponse(request_headers=ext_proc.HeadersResponse())]
+            return [] if self.eager_body else [_plain(kind)]
         if kind == "request_body":
             self.body += message.request_body.body
+            try:
+                self.brain.check_body_size(len(self.body))
+            except ApiError as exc:  # refused now, before more of it is held
+                return [_immediate(exc)]
             if self.eager_body and not self.full_duplex:
                 self.chunks_held += 1
             if message.request_body.end_of_stream:
                 return await self._body_complete(trailers_follow=False)
-            if self.eager_body:
-                return []
-            return [ext_proc.ProcessingResponse(request_body=ext_proc.BodyResponse())]
-        if kind == "request_trailers":
-            trailers = ext_proc.ProcessingResponse(request_trailers=ext_proc.TrailersResponse())
-            if self.eager_body and self.granted is None:  # the trailers end the body
-                return [*await self._body_complete(trailers_follow=True), trailers]
-            return [trailers]
+            return [] if self.eager_body else [_plain(kind)]
+        if kind == "request_trailers" and self.eager_body:  # the trailers end the body
+            return [*await self._body_complete(trailers_follow=True), _plain(kind)]
         if kind == "response_headers":
             return [self._responded(message)]
-        if kind == "response_body":
-            return [ext_proc.ProcessingResponse(response_body=ext_proc.BodyResponse())]
-        return [ext_proc.ProcessingResponse(response_trailers=ext_proc.TrailersResponse())]
+        return [_plain(kind)]
 
     async def _body_complete(self, *, trailers_follow: bool) -> list[ext_proc.ProcessingResponse]:
         """The pick once the body is whole, then what else is owed: the body streamed back
@@ -188,14 +238,13 @@ class _Exchange:
             )
             body = ext_proc.BodyResponse(response=ext_proc.CommonResponse(body_mutation=echo))
             return [picked, ext_proc.ProcessingResponse(request_body=body)]
-        chunk = ext_proc.ProcessingResponse(request_body=ext_proc.BodyResponse())
-        return [picked, *([chunk] * self.chunks_held)]  # none when buffered
+        return [picked, *([_plain("request_body")] * self.chunks_held)]  # none when buffered
 
     async def _pick(self, *, body_follows: bool) -> ext_proc.ProcessingResponse:
         """The decision, in the answer that may still change the request's headers: the
         body's when the headers were answered already (``body_follows``), else the
         headers' (a body sent eagerly, or a request without one)."""
-        path = self.headers.get(":path", "")
+        path = _quotable(self.headers.get(":path", ""))
         try:
             self.granted = await self.brain.pick(path, self.headers, bytes(self.body), self.subset)
         except ApiError as exc:
@@ -222,7 +271,7 @@ class _Exchange:
         headers = _header_map(message.response_headers.headers.headers)
         granted = self.granted
         if granted is None:  # no pick on this stream: Envoy sent no body (body mode NONE)
-            return ext_proc.ProcessingResponse(response_headers=ext_proc.HeadersResponse())
+            return _plain("response_headers")
         served = headers.get(SERVED_KEY) or _served(message.metadata_context)
         try:
             status = int(headers.get(":status", "0"))
@@ -255,6 +304,18 @@ def _header_map(headers: Iterable[base_pb2.HeaderValue]) -> CIMultiDict[str]:
         )
         out.add(header.key, value)
     return out
+
+
+def _quotable(text: str) -> str:
+    """``text`` with the bytes that were no UTF-8 (surrogates, see ``_header_map``) written
+    as ``\\xff``: an error may quote it (the 404 for an unknown path), and JSON cannot
+    carry surrogates."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def _plain(kind: str) -> ext_proc.ProcessingResponse:
+    """The answer to a message of ``kind`` that changes nothing."""
+    return ext_proc.ProcessingResponse(**{kind: _PLAIN[kind]()})
 
 
 def _set_headers(values: Mapping[str, str]) -> ext_proc.HeaderMutation:

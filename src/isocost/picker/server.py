@@ -14,12 +14,11 @@ import logging
 from collections.abc import Callable
 
 import grpc
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from isocost.core.errors import IsocostError
-from isocost.picker.extproc import Brain, Processor
+from isocost.picker.extproc import Brain, Processor, add_processor
 from isocost.serving import run_serving, stop_requested
 
 __all__ = ["DEFAULT_PORT", "run_picker"]
@@ -57,7 +56,7 @@ async def _serve(
 ) -> None:
     stop = stop_requested()
     server = grpc.aio.server(options=_SERVER_OPTIONS)
-    ext_proc_grpc.add_ExternalProcessorServicer_to_server(Processor(brain), server)
+    add_processor(Processor(brain), server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     try:
