@@ -6,12 +6,15 @@ matched by gateway B's index (B's decision reports the cached tokens, on A's rep
 request in flight through A shows in B's shadow state (B's own count staying 0) and leaves
 it when A's request ends; redis SIGKILLed under load through both gateways fails no
 request, both report the bus down and come back to sharing once it returns; a gateway
-SIGKILLed mid-request has its in-flight forgotten by its peer within the peer timeout.
+SIGKILLed mid-request has its in-flight forgotten by its peer within the peer timeout; a
+made-up peer's junk (a request dispatched twice, a count out of bounds, a send time of nan)
+is counted and dropped while the bus stays up and its subscriber never fails.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import signal
 import subprocess
 import threading
@@ -22,11 +25,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import openai
 import pytest
+import redis
 from gateway_harness import http, wait_for
 from isocost_procs import ISOCOST, Proc, ready_urls, start_isocost
 from redis_server import REDIS_SERVER, RedisServer
+
+from isocost.runtime.bus import Batch, Cancel, Dispatch, Heartbeat
 
 pytestmark = pytest.mark.skipif(
     REDIS_SERVER is None, reason="no redis-server binary (make redis installs it)"
@@ -103,7 +110,8 @@ def metrics_text(gateway: Proc) -> str:
 
 
 def metric(gateway: Proc, name: str) -> float | None:
-    """The value of the unlabelled series ``name`` on ``gateway``'s /metrics."""
+    """The value of the series ``name`` (with its labels as exposed, if any) on
+    ``gateway``'s /metrics."""
     for line in metrics_text(gateway).splitlines():
         if line.startswith(name + " "):
             return float(line.rsplit(" ", 1)[1])
@@ -269,3 +277,46 @@ def test_killed_gateway_is_forgotten_within_the_peer_timeout(cluster: Cluster) -
     forgotten_s = time.monotonic() - killed_at
     assert forgotten_s <= PEER_TIMEOUT_MS / 1000 + 1.0  # the timeout, a heartbeat, polls
     assert metric(b, "isocost_state_bus_peers") == 1
+
+
+def test_a_peer_sending_junk_is_counted_and_dropped_and_the_bus_stays_up(
+    cluster: Cluster,
+) -> None:
+    _, b = gateways(cluster)
+    replica = next(iter(rows(b)))
+
+    def dispatch(request_id: str) -> Dispatch:
+        return Dispatch(request_id, replica, MODEL, 10, 16, "default", True, None, ())
+
+    def rejected(reason: str) -> float:
+        return metric(b, f'isocost_state_bus_rejected_total{{reason="{reason}"}}') or 0.0
+
+    failures = 'isocost_task_failures_total{task="state_bus_subscriber"}'
+    before = {reason: rejected(reason) for reason in ("duplicate", "invalid")}
+    gaps, failed = metric(b, "isocost_state_bus_gaps_total"), metric(b, failures)
+    junk = [
+        Batch("junk", 1, math.nan, [dispatch("dup1")]),
+        Batch("junk", 2, time.time(), [dispatch("dup1")]),
+        Batch("junk", 3, time.time(), [Heartbeat({replica: 2**62})]),  # dropped whole: ...
+        Batch("junk", 4, time.time(), [Cancel("dup1")]),  # ... a gap, its dup1 forgotten
+    ]
+    with redis.Redis.from_url(cluster.redis.url) as client:
+        for message in junk:
+            client.publish("isocost:state", msgspec.msgpack.encode(message))
+
+    def counted() -> bool:
+        return (
+            rejected("duplicate") == before["duplicate"] + 1
+            and rejected("invalid") == before["invalid"] + 1
+            and metric(b, "isocost_state_bus_gaps_total") == (gaps or 0.0) + 1
+        )
+
+    def bus_series() -> list[str]:
+        return [line for line in metrics_text(b).splitlines() if "_bus_" in line]
+
+    wait_for(counted, 5, "B to count the junk", state=bus_series)
+    assert metric(b, failures) == failed
+    assert metric(b, "isocost_state_bus_up") == 1
+    lag_sum = metric(b, "isocost_state_bus_lag_seconds_sum")
+    assert lag_sum is not None and math.isfinite(lag_sum)
+    assert shadow_in_flight(b) == 0

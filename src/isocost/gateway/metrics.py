@@ -158,6 +158,20 @@ class GatewayMetrics:
             ["result"],
             registry=r,
         )
+        self.state_bus_rejected = Counter(
+            "isocost_state_bus_rejected",
+            "State-bus messages or events dropped unapplied, by reason: undecodable (not"
+            " MessagePack), invalid (not a batch, or a value out of bounds), duplicate (a"
+            " request already in flight) or too_many_peers (a new peer beyond the cap).",
+            ["reason"],
+            registry=r,
+        )
+        self.state_bus_gaps = Counter(
+            "isocost_state_bus_gaps",
+            "Sequence gaps in a state-bus peer's messages: some were lost, and the peer's"
+            " in-flight was left to the scrapes.",
+            registry=r,
+        )
         self.task_failures = Counter(
             "isocost_task_failures",
             "Failures of the gateway's long-lived background tasks (each restarted), and"

@@ -748,6 +748,12 @@ class Router:
         if self.replicas.on_complete(request_id, self.clock(), ok=ok, output_tokens=output_tokens):
             self.wake_all()
 
+    def foreign_rejected(self, reason: str) -> None:
+        self.metrics.state_bus_rejected.labels(reason).inc()
+
+    def foreign_gap(self) -> None:
+        self.metrics.state_bus_gaps.inc()
+
 
 class _PolicyHooks:
     """Passes the brain's shadow hooks on to the policy of the request's pool and to its

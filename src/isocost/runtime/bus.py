@@ -24,6 +24,14 @@ gateway is a new peer), a sequence number per message, its send time (wall clock
 ``isocost_state_bus_lag_seconds`` shows holds between gateways on one host or with
 synchronized clocks) and the events queued since the last one (one message per event loop
 turn under load, not one per event).
+
+Nothing a peer sends is trusted further than the types allow: every count is bounded
+(``MAX_TOKENS``, ``MAX_IN_FLIGHT``, a prompt no longer than its replica's context), a
+message that breaks a bound is dropped whole and its loss shows as the next one's sequence
+gap, a request already in flight is not dispatched twice, and at most ``MAX_PEERS`` peers
+are tracked. Each drop is counted (``ForeignSink.foreign_rejected``) and logged at most once
+per ``_WARN_INTERVAL_S`` per reason: one bad peer must neither stop the subscriber nor fill
+the log.
 """
 
 from __future__ import annotations
@@ -33,9 +41,10 @@ import contextlib
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Annotated, Any, Protocol
 
 import msgspec
 from redis import asyncio as aioredis
@@ -48,6 +57,9 @@ from isocost.scheduling.contract import InFlight, RequestView
 from isocost.scheduling.state import ReplicaSet
 
 __all__ = [
+    "MAX_IN_FLIGHT",
+    "MAX_PEERS",
+    "MAX_TOKENS",
     "Batch",
     "Cancel",
     "Complete",
@@ -64,6 +76,18 @@ __all__ = [
 log = logging.getLogger("isocost.bus")
 
 _INITIAL_BACKOFF_S = 0.05
+_WARN_INTERVAL_S = 10.0  # at most one warning per reason this often (the rest are counted)
+_MAX_LAG_S = 60.0  # a send time further from now is a wrong clock or junk, not lag
+
+MAX_TOKENS = 1 << 24  # any token count: above every model's context, far below overflow
+MAX_IN_FLIGHT = 1 << 16  # requests one gateway can see on one replica
+MAX_PEERS = 256  # other gateways on one channel; more are refused, not tracked
+
+# Bounds the decoder checks: a value outside fails the whole message (``StateBus.receive``).
+_Tokens = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]
+_InFlight = Annotated[int, msgspec.Meta(ge=0, le=MAX_IN_FLIGHT)]
+# No "/": a peer's request is known here as "<gateway>/<id>", which must name one request.
+_GatewayId = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern="^[^/]+$")]
 
 
 class Dispatch(msgspec.Struct, tag="d", array_like=True, frozen=True):
@@ -75,8 +99,8 @@ class Dispatch(msgspec.Struct, tag="d", array_like=True, frozen=True):
     request_id: str
     replica: str
     model: str
-    prompt_tokens: int
-    max_tokens: int | None
+    prompt_tokens: _Tokens  # and at most its replica's context (``PeerViews``)
+    max_tokens: _Tokens | None
     route_class: str
     stream: bool
     session: str | None
@@ -92,12 +116,12 @@ class Tokens(msgspec.Struct, tag="t", array_like=True, frozen=True):
     would take the request's whole decode to be still ahead of it until its end."""
 
     request_id: str
-    count: int
+    count: _Tokens
 
 
 class Complete(msgspec.Struct, tag="c", array_like=True, frozen=True):
     request_id: str
-    output_tokens: int | None  # None when the data plane never saw them (the picker)
+    output_tokens: _Tokens | None  # None when the data plane never saw them (the picker)
 
 
 class Cancel(msgspec.Struct, tag="x", array_like=True, frozen=True):
@@ -110,14 +134,14 @@ class Heartbeat(msgspec.Struct, tag="h", array_like=True, frozen=True):
     """The sender is alive; ``in_flight``: the requests it sees per replica (its own and
     its peers'), against which a receiver measures its view divergence."""
 
-    in_flight: dict[str, int]
+    in_flight: dict[str, _InFlight]
 
 
 Event = Dispatch | FirstToken | Tokens | Complete | Cancel | Heartbeat
 
 
 class Batch(msgspec.Struct, array_like=True, frozen=True):
-    gateway: str
+    gateway: _GatewayId
     seq: int  # per sender, +1 per message: a jump means messages were lost
     sent_unix_s: float  # when it was sent: how stale a peer's view is, on one host
     events: list[Event]
@@ -138,6 +162,16 @@ class ForeignSink(Protocol):
 
     def foreign_end(self, request_id: str, *, ok: bool, output_tokens: int | None) -> None: ...
 
+    def foreign_rejected(self, reason: str) -> None:
+        """A message or event dropped unapplied: ``undecodable`` (not MessagePack),
+        ``invalid`` (not a batch, or a value out of bounds), ``duplicate`` (a request
+        already in flight) or ``too_many_peers``."""
+        ...
+
+    def foreign_gap(self) -> None:
+        """A peer's messages were lost: its in-flight is left to the scrapes."""
+        ...
+
 
 def in_flight_view(replicas: ReplicaSet) -> dict[str, int]:
     """Requests in flight per replica as ``replicas`` sees them (local and foreign)."""
@@ -150,18 +184,51 @@ class _Peer:
     seen_s: float
     requests: set[str] = field(default_factory=set)  # its in-flight ids applied here
     gaps: dict[str, float] | None = None  # per replica, view divergence at its heartbeat
+    duplicate_logged: bool = False  # its duplicates are counted, the first one logged
+
+
+class _Throttle:
+    """Warnings at most once per ``interval_s`` per event name; the next line that gets
+    through says how many were held back (``unlogged``): a peer sending junk in every
+    message must not turn the log into a copy of the bus."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._logged_s: dict[str, float] = {}
+        self._unlogged: Counter[str] = Counter()
+
+    def warning(self, message: str, now: float, event: str, **fields: object) -> None:
+        if now - self._logged_s.get(event, -float("inf")) < self.interval_s:
+            self._unlogged[event] += 1
+            return
+        self._logged_s[event] = now
+        unlogged = self._unlogged.pop(event, 0)
+        log.warning(message, extra={"event": event, "unlogged": unlogged, **fields})
 
 
 class PeerViews:
     """Applies peers' batches to a ``ForeignSink``; expires silent peers and drops those
     whose sequence jumps (no I/O: the clock comes in as ``now``)."""
 
-    def __init__(self, gateway_id: str, sink: ForeignSink, peer_timeout_s: float) -> None:
+    def __init__(
+        self,
+        gateway_id: str,
+        sink: ForeignSink,
+        peer_timeout_s: float,
+        *,
+        max_peers: int = MAX_PEERS,
+    ) -> None:
         self.gateway_id = gateway_id
         self.sink = sink
         self.peer_timeout_s = peer_timeout_s
+        self.max_peers = max_peers
         self.peers: dict[str, _Peer] = {}
         self.gaps = 0  # sequence jumps seen, over all peers
+        # A peer's gaps changed since the bus last passed the divergence on: it does so
+        # once per heartbeat period (``StateBus.show_divergence``), not per heartbeat.
+        self.divergence_changed = False
+        self._refusing = False  # at ``max_peers``, the refusal logged
+        self._warnings = _Throttle(_WARN_INTERVAL_S)
 
     def apply(self, batch: Batch, now: float) -> None:
         """One message off the bus (this gateway's own are ignored)."""
@@ -169,33 +236,64 @@ class PeerViews:
             return
         peer = self.peers.get(batch.gateway)
         if peer is None:
+            if len(self.peers) >= self.max_peers:
+                self._refuse(batch.gateway)
+                return
+            self._refusing = False
             peer = self.peers[batch.gateway] = _Peer(batch.seq - 1, now)
             log.info("state bus peer joined", extra={"event": "peer_joined", "peer": batch.gateway})
         elif batch.seq <= peer.seq:  # a duplicate: pub/sub keeps one sender's order
             return
         elif batch.seq != peer.seq + 1:
             self.gaps += 1
-            log.warning(
+            self.sink.foreign_gap()
+            self._warnings.warning(
                 "state bus messages lost: the peer's in-flight is left to the scrapes",
-                extra={
-                    "event": "peer_gap",
-                    "peer": batch.gateway,
-                    "lost": batch.seq - peer.seq - 1,
-                },
+                now,
+                "peer_gap",
+                peer=batch.gateway,
+                lost=batch.seq - peer.seq - 1,
             )
             self._forget(peer)
         peer.seq, peer.seen_s = batch.seq, now
         for event in batch.events:
-            self._apply_event(batch.gateway, peer, event)
+            self._apply_event(batch.gateway, peer, event, now)
 
-    def _apply_event(self, gateway: str, peer: _Peer, event: Event) -> None:
+    def reject(self, reason: str, now: float, error: str) -> None:
+        """Count a message or event dropped unapplied; warn, at most once an interval."""
+        self.sink.foreign_rejected(reason)
+        self._warnings.warning(
+            "state bus: message or event dropped", now, "bus_rejected", reason=reason, error=error
+        )
+
+    def _refuse(self, gateway: str) -> None:
+        """A new peer beyond ``max_peers``: counted, and logged once each time the cap is
+        reached (a flood of made-up ids would otherwise cost a join and an expiry each)."""
+        self.sink.foreign_rejected("too_many_peers")
+        if not self._refusing:
+            self._refusing = True
+            log.warning(
+                "state bus: too many peers, new ones are ignored",
+                extra={"event": "too_many_peers", "peer": gateway, "max_peers": self.max_peers},
+            )
+
+    def _apply_event(self, gateway: str, peer: _Peer, event: Event, now: float) -> None:
         sink = self.sink
         if isinstance(event, Heartbeat):
             own = in_flight_view(sink.replicas)
             peer.gaps = {r: float(abs(n - event.in_flight.get(r, 0))) for r, n in own.items()}
+            self.divergence_changed = True
             return
         request_id = f"{gateway}/{event.request_id}"  # unique across gateways
         if isinstance(event, Dispatch):
+            if request_id in peer.requests:
+                self._duplicate(gateway, peer, request_id)
+                return
+            context = _context_tokens(sink.replicas, event.replica)
+            if context is not None and event.prompt_tokens > context:
+                error = f"{event.prompt_tokens} prompt tokens, context {context}"
+                self.reject("invalid", now, error)
+                return
             view = RequestView(
                 request_id=request_id,
                 model=event.model,
@@ -235,6 +333,17 @@ class PeerViews:
             self._forget(peer)
         self.peers.clear()
 
+    def _duplicate(self, gateway: str, peer: _Peer, request_id: str) -> None:
+        """A dispatch of a request already in flight here: the first stays, this one is
+        counted, and logged once per peer (a peer that repeats ids keeps repeating)."""
+        self.sink.foreign_rejected("duplicate")
+        if not peer.duplicate_logged:
+            peer.duplicate_logged = True
+            log.warning(
+                "state bus: a request dispatched twice, the repeat ignored",
+                extra={"event": "bus_duplicate", "peer": gateway, "request_id": request_id},
+            )
+
     def divergence(self) -> dict[str, float]:
         """Per replica, the largest gap between this gateway's in-flight count and a
         peer's heartbeat, each taken as that heartbeat was applied (0 with no peer).
@@ -257,13 +366,22 @@ class PeerViews:
             self.sink.foreign_end(request_id, ok=False, output_tokens=None)
         peer.requests.clear()
         peer.gaps = None
+        self.divergence_changed = True
+
+
+def _context_tokens(replicas: ReplicaSet, replica_id: str) -> int | None:
+    """The most tokens a request on ``replica_id`` can hold (None: not a replica here)."""
+    if replica_id not in replicas:
+        return None
+    return replicas.get(replica_id).spec.cost_model.model.max_context_tokens
 
 
 class StateBus:
     """The Redis side of ``PeerViews``: publishes this gateway's events, subscribes to its
     peers', reconnects with backoff (module docstring). ``on_divergence`` hears every
-    replica's view divergence after each heartbeat and each peer lost, ``on_lag`` the
-    seconds each peer's message took from its send to its arrival here."""
+    replica's view divergence once per heartbeat period when a peer's heartbeat or loss
+    changed it (per heartbeat, a few hundred peers would make it quadratic), ``on_lag``
+    the seconds each peer's message took from its send to its arrival here."""
 
     def __init__(
         self,
@@ -359,6 +477,11 @@ class StateBus:
             except (RedisError, OSError) as exc:
                 _reraise_cancellation()
                 self._went_down(f"{type(exc).__name__}: {exc}")
+            except Exception as exc:
+                # A fault of ours: nothing is applied until supervise restarts this loop,
+                # so the bus is down meanwhile (peers dropped, isocost_state_bus_up 0).
+                self._went_down(f"{type(exc).__name__}: {exc}")
+                raise
             finally:
                 with contextlib.suppress(RedisError, OSError):
                     # untyped before redis 8.2, typed since: either passes mypy
@@ -377,20 +500,28 @@ class StateBus:
             now = time.monotonic()
             if message is not None and message["type"] == "message":
                 self._heard_s = now
-                try:
-                    batch = self._decoder.decode(message["data"])
-                except msgspec.DecodeError:
-                    log.warning(
-                        "state bus: undecodable message ignored", extra={"event": "bus_junk"}
-                    )
-                    continue
-                if batch.gateway != self.gateway_id:
-                    self._on_lag(max(time.time() - batch.sent_unix_s, 0.0))
-                self.views.apply(batch, now)
-                if any(isinstance(event, Heartbeat) for event in batch.events):
-                    self._on_divergence(self.views.divergence())
+                self.receive(message["data"], now)
             elif now - self._heard_s > self.peer_timeout_s:
                 raise RedisError(f"nothing heard on {channel} for {self.peer_timeout_s} s")
+
+    def receive(self, data: bytes, now: float) -> None:
+        """One message off the channel: decoded, its lag observed, applied. A message that
+        does not decode, or holds a value out of bounds, is dropped whole, not applied in
+        part: were a ``Complete`` dropped alone, its request would stay in flight here for
+        good; lost whole, the peer's next message shows the gap and its in-flight goes."""
+        try:
+            batch = self._decoder.decode(data)
+        except msgspec.ValidationError as exc:
+            self.views.reject("invalid", now, str(exc))
+            return
+        except msgspec.DecodeError as exc:
+            self.views.reject("undecodable", now, str(exc))
+            return
+        if batch.gateway != self.gateway_id:
+            lag_s = time.time() - batch.sent_unix_s
+            if abs(lag_s) <= _MAX_LAG_S:  # False for nan and the infinities too
+                self._on_lag(max(lag_s, 0.0))
+        self.views.apply(batch, now)
 
     async def publish(self) -> None:
         """Send what queued up since the last message, one message per wake."""
@@ -413,9 +544,15 @@ class StateBus:
         """Say this gateway is alive (with its view) and expire silent peers."""
         while True:
             self._publish(Heartbeat(in_flight_view(self.views.sink.replicas)))
-            if self.views.expire(time.monotonic()):
-                self._on_divergence(self.views.divergence())
+            self.views.expire(time.monotonic())
+            self.show_divergence()
             await asyncio.sleep(self.heartbeat_s)
+
+    def show_divergence(self) -> None:
+        """Pass the view divergence on if a peer's heartbeat or loss changed it since."""
+        if self.views.divergence_changed:
+            self.views.divergence_changed = False
+            self._on_divergence(self.views.divergence())
 
     async def close(self) -> None:
         await self._client.aclose()
@@ -433,7 +570,7 @@ class StateBus:
         self.views.drop_all()
         self._pending.clear()
         self._streamed.clear()
-        self._on_divergence(self.views.divergence())
+        self.show_divergence()
         if self.up is False:
             return
         self.up = False
