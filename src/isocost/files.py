@@ -40,7 +40,7 @@ def read_tokenizer(path: str | Path) -> Tokenizer:
     ConfigError naming the file when it is missing or no tokenizer, or when the optional
     ``tokenizers`` package is not installed."""
     p = Path(path).expanduser()
-    if p.is_dir():
+    if _is_dir(p):
         p = p / "tokenizer.json"
     text = read_text(p)
     try:
@@ -63,18 +63,29 @@ def load_catalog(paths: list[str] | None = None) -> Catalog:
     return catalog
 
 
+def _is_dir(p: Path) -> bool:
+    """Whether ``p`` is a folder. A name the system cannot look up at all (a component
+    over 255 bytes: ENAMETOOLONG; a loop; no permission) is none: names come from config
+    files and registrations, and one bad name must be refused, not raise OSError."""
+    try:
+        return p.is_dir()
+    except OSError:
+        return False
+
+
 def is_model_path(name: str) -> bool:
     """Whether ``name`` names a local model folder or ``config.json`` rather than a catalog id."""
     p = Path(name)
-    return p.is_dir() or p.suffix == ".json" or name.startswith((".", "/"))
+    return _is_dir(p) or p.suffix == ".json" or name.startswith((".", "/"))
 
 
 def resolve_model(name: str, catalog: Catalog) -> ModelSpec:
     """A catalog id, or a local Hugging Face model folder / ``config.json`` path."""
     p = Path(name)
     if is_model_path(name):
-        config = p / "config.json" if p.is_dir() or not p.suffix else p
-        model_id = (p if p.is_dir() or not p.suffix else p.parent).name or str(p)
+        folder = _is_dir(p) or not p.suffix
+        config = p / "config.json" if folder else p
+        model_id = (p if folder else p.parent).name or str(p)
         return model_from_hf_config(read_text(config), str(config), model_id)
     return catalog.model(name)
 

@@ -13,6 +13,7 @@ routable within 5 s. Every wait polls against a deadline.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import signal
@@ -225,15 +226,22 @@ def test_malformed_registrations_are_skipped_once_and_counted(
     tmp_path: Path, etcd: EtcdServer, procs: list[Proc]
 ) -> None:
     gateway = start_gateway(tmp_path, etcd, procs)
-    engine = start_engine(procs)
-    good = Registration(name="good", url=engine.url, models=[MODEL]).encode()
+    engines = [start_engine(procs) for _ in range(2)]
+    good = Registration(name="good", url=engines[0].url, models=[MODEL]).encode()
     bad = {
         "not-json": b"{nope",
         "no-url": b'{"name": "no-url", "models": ["m"]}',
         "bad-gpu": Registration(name="bad-gpu", url="http://127.0.0.1:9", models=[MODEL],
                                 gpu="abacus-1").encode(),
-        "same-url": Registration(name="same-url", url=engine.url, models=[MODEL]).encode(),
+        "same-url": Registration(name="same-url", url=engines[0].url, models=[MODEL]).encode(),
+        # past the file system's name limit: it stopped every later change from applying
+        "long-model": Registration(name="long-model", url="http://127.0.0.1:10",
+                                   models=["M" * 300_000]).encode(),
+        # priced as nearly free, it took all the traffic
+        "huge-tp": Registration(name="huge-tp", url="http://127.0.0.1:11", models=[MODEL],
+                                tp=2**70).encode(),
     }  # fmt: skip
+    later = Registration(name="later", url=engines[1].url, models=[MODEL]).encode()
 
     async def write() -> None:
         client = EtcdClient([etcd.url])
@@ -241,16 +249,71 @@ def test_malformed_registrations_are_skipped_once_and_counted(
         for key, value in bad.items():
             await client.put(f"{PREFIX}/replicas/{key}", value)
         await client.put(f"{PREFIX}/replicas/good", good)  # again: no second log line
+        await client.put(f"{PREFIX}/replicas/later", later)  # applied after all of them
         await client.close()
 
     asyncio.run(write())
-    wait_until(lambda: metric(gateway, "isocost_discovery_rejected_total") == 4, 5, "4 refused")
-    wait_until(lambda: healthy_names(gateway) == ["good"], 5, "the good one routable")
+    wait_until(lambda: metric(gateway, "isocost_discovery_rejected_total") == 6, 5, "6 refused")
+    wait_until(lambda: healthy_names(gateway) == ["good", "later"], 5, "the good ones routable")
+    assert metric(gateway, "isocost_discovery_up") == 1
     log = (tmp_path / "gateway.log").read_text()
     skipped = [line for line in log.splitlines() if '"registration_skipped"' in line]
-    assert len(skipped) == 4, skipped
+    assert len(skipped) == 6, skipped
     assert any("abacus-1" in line for line in skipped)
+    assert any("must be <= 64" in line for line in skipped)
+    assert "Traceback" not in log
     assert gateway.popen.poll() is None
+
+
+def test_a_key_that_is_not_utf8_is_skipped_and_discovery_stays_up(
+    tmp_path: Path, etcd: EtcdServer, procs: list[Proc]
+) -> None:
+    def put_raw(key: bytes, value: bytes) -> None:
+        etcd.call(
+            "/v3/kv/put",
+            {"key": base64.b64encode(key).decode(), "value": base64.b64encode(value).decode()},
+        )
+
+    replicas_key = f"{PREFIX}/replicas/".encode()
+    record = Registration(name="x", url="http://127.0.0.1:12", models=[MODEL]).encode()
+    put_raw(replicas_key + b"listed-\xff", record)  # met by the gateway's first list
+    gateway = start_gateway(tmp_path, etcd, procs)
+    wait_until(lambda: metric(gateway, "isocost_discovery_rejected_total") == 1, 10, "listed")
+    put_raw(replicas_key + b"watched-\xfe\xff", record)  # met by its watch
+    fine = Registration(name="fine", url="http://127.0.0.1:13", models=[MODEL]).encode()
+    put_raw(replicas_key + b"fine", fine)
+    wait_until(lambda: [r["name"] for r in replicas(gateway)] == ["fine"], 5, "fine applied")
+    assert metric(gateway, "isocost_discovery_rejected_total") == 2
+    assert metric(gateway, "isocost_discovery_up") == 1
+    log = (tmp_path / "gateway.log").read_text()
+    assert '"discovery_down"' not in log
+    skipped = [line for line in log.splitlines() if '"registration_skipped"' in line]
+    assert len(skipped) == 2 and all("not UTF-8" in line for line in skipped), skipped
+
+
+def test_a_duplicate_never_pushes_out_the_replica_that_registered_first(
+    tmp_path: Path, etcd: EtcdServer, procs: list[Proc]
+) -> None:
+    def register(key: str, name: str, port: int) -> None:
+        async def put() -> None:
+            client = EtcdClient([etcd.url])
+            value = Registration(name=name, url=f"http://127.0.0.1:{port}", models=[MODEL])
+            await client.put(f"{PREFIX}/replicas/{key}", value.encode())
+            await client.close()
+
+        asyncio.run(put())
+
+    def listed() -> list[tuple[str, str]]:
+        return sorted((r["name"], r["url"]) for r in replicas(gateway))
+
+    register("z-first", "first", 14)  # listed together, the later key sorting first:
+    register("a-second", "second", 14)  # the first registered wins
+    gateway = start_gateway(tmp_path, etcd, procs)
+    wait_until(lambda: listed() == [("first", "http://127.0.0.1:14")], 10, "first listed")
+    register("0-same-url", "dupurl", 14)  # the incumbent keeps its URL
+    register("0-same-name", "first", 15)  # and its name
+    wait_until(lambda: metric(gateway, "isocost_discovery_rejected_total") == 3, 5, "3 refused")
+    assert listed() == [("first", "http://127.0.0.1:14")]
 
 
 def test_agent_sigkill_under_load_leaves_within_ttl_and_loses_no_unstarted_request(
@@ -413,6 +476,21 @@ def test_agent_refuses_bad_input_in_one_line() -> None:
         timeout=30,
     )
     assert (result.returncode, result.stderr.strip()) == (2, "error: --ttl must be >= 1")
+
+
+def test_an_agent_that_etcd_refuses_says_so_and_exits_2(
+    tmp_path: Path, etcd: EtcdServer, procs: list[Proc]
+) -> None:
+    etcd.call("/v3/auth/user/add", {"name": "root", "password": "pw"})
+    etcd.call("/v3/auth/user/grant", {"user": "root", "role": "root"})
+    etcd.call("/v3/auth/enable", {})  # a put without credentials: HTTP 400, every time
+    engine = start_engine(procs)
+    args = ["agent", "--engine", engine.url, "--etcd", etcd.url, "--prefix", PREFIX]
+    result = subprocess.run([ISOCOST, *args], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    (error,) = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert "etcd refused" in error and "user name is empty" in error
+    assert '"etcd_down"' not in result.stderr  # not an outage to wait out
 
 
 def test_engine_death_revokes_at_once_and_a_restart_registers_again(

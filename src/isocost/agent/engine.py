@@ -1,6 +1,7 @@
 """What the agent reads from its engine over HTTP: vLLM, SGLang or ``isocost engine``.
 
-* ready: ``GET /health`` answers 200 and ``GET /v1/models`` names a model;
+* ready: ``GET /health`` answers 200 and ``GET /v1/models`` names a model (``not_ready``
+  says which of them is still missing, for the agent's log);
 * facts: the served models, the engine kind (``owned_by`` of ``/v1/models``, else the
   prefix of its metric names) and the release: a digest of the models (name, root, context
   length), the kind, the engine version (``GET /version`` where the engine has one) and
@@ -32,7 +33,7 @@ __all__ = [
     "EngineLoad",
     "engine_facts",
     "engine_load",
-    "ready",
+    "not_ready",
     "request_outcomes",
     "warm_up",
 ]
@@ -80,16 +81,20 @@ async def _get(session: aiohttp.ClientSession, url: str) -> tuple[int, bytes]:
         raise EngineDown(f"{url}: {exc}") from None
 
 
-async def ready(session: aiohttp.ClientSession, base: str) -> bool:
-    """Whether the engine answers ``/health`` and lists a model (EngineDown: port closed)."""
+async def not_ready(session: aiohttp.ClientSession, base: str) -> str | None:
+    """Why the engine is not ready yet, or None once ``/health`` answers 200 and
+    ``/v1/models`` lists a model (EngineDown: its port is closed)."""
     status, _ = await _get(session, base + "/health")
     if status != 200:
-        return False
+        return f"/health answered HTTP {status}"
     status, body = await _get(session, base + "/v1/models")
+    if status != 200:
+        return f"/v1/models answered HTTP {status}"
     try:
-        return status == 200 and bool(msgspec.json.decode(body, type=_ModelList).data)
-    except msgspec.DecodeError:
-        return False
+        models = msgspec.json.decode(body, type=_ModelList).data
+    except msgspec.DecodeError as exc:
+        return f"/v1/models is not a model list: {exc}"
+    return None if models else "/v1/models lists no model"
 
 
 async def engine_facts(session: aiohttp.ClientSession, base: str) -> EngineFacts:

@@ -3,8 +3,11 @@
 ``Agent.run`` until ``stop`` is set (SIGTERM):
 
 1. wait until the engine is ready (and, with a warm-up prompt, has answered one
-   completion), then write the record under ``<prefix>/replicas/<name>`` with a fresh
-   lease of ``ttl_s`` (a SIGKILLed agent's key goes when the lease expires);
+   completion), logging once what it waits for (and again when that changes); check the
+   record as every gateway will (``check_registration``: a record they would refuse ends
+   the agent with a ConfigError instead of a registration nobody routes to), then write it
+   under ``<prefix>/replicas/<name>`` with a fresh lease of ``ttl_s`` (a SIGKILLed agent's
+   key goes when the lease expires);
 2. every tick: renew the lease when a third of the TTL has passed (a lease etcd no longer
    has, e.g. after a long outage, is granted and the record written anew), probe the
    engine (a refused connection, or ``dead_after`` failed probes in a row: the engine is
@@ -16,7 +19,9 @@
    the lease revoked.
 
 etcd being unreachable is no reason to stop: the agent logs it once, keeps its engine
-registered as it was, and retries each tick.
+registered as it was, and retries each tick. etcd refusing a request (``EtcdRefused``: a
+4xx, e.g. a permission) is: the same request would be refused forever, so it ends the
+agent; a lease etcd no longer has is granted anew.
 """
 
 from __future__ import annotations
@@ -31,16 +36,21 @@ from dataclasses import dataclass, field
 import aiohttp
 import msgspec
 
-from isocost.agent.engine import EngineDown, engine_facts, engine_load, ready, warm_up
+from isocost.agent.engine import EngineDown, engine_facts, engine_load, not_ready, warm_up
 from isocost.agent.health import SuccessWindow
+from isocost.core.catalog import Catalog
 from isocost.runtime.discovery.etcd import replicas_prefix
-from isocost.runtime.discovery.records import Registration
-from isocost.runtime.etcd import EtcdClient, EtcdError
+from isocost.runtime.discovery.records import Registration, check_registration
+from isocost.runtime.etcd import EtcdClient, EtcdError, LeaseNotFound
 from isocost.runtime.scrape import ScrapeError
 
-__all__ = ["Agent", "AgentSettings"]
+__all__ = ["MAX_TTL_S", "Agent", "AgentSettings"]
 
 log = logging.getLogger("isocost.agent")
+
+# The lease is how long a SIGKILLed agent's replica keeps its traffic: an hour is already
+# far from a liveness signal (the default is 10 s), and etcd refuses a TTL past 9e9 s.
+MAX_TTL_S = 3600
 
 _TICK_S = 0.25
 _DRAIN_GRACE_S = 0.5
@@ -67,12 +77,32 @@ class AgentSettings:
     min_success_rate: float = 0.5
     dead_after: int = 3
 
+    def record(self, models: list[str], engine: str = "unknown", release: str = "") -> Registration:
+        """The record these settings register for an engine serving ``models``."""
+        return Registration(
+            name=self.name,
+            url=self.advertise_url,
+            models=models,
+            gpu=self.gpu,
+            tp=self.tp,
+            groups=list(self.groups),
+            weight=self.weight,
+            usd_per_hour=self.usd_per_hour,
+            cost_model=self.cost_model,
+            engine=engine,
+            release=release,
+        )
+
 
 class Agent:
     def __init__(
-        self, settings: AgentSettings, on_registered: Callable[[Registration], None]
+        self,
+        settings: AgentSettings,
+        catalog: Catalog,
+        on_registered: Callable[[Registration], None],
     ) -> None:
         self.settings = settings
+        self.catalog = catalog  # the gateways' (``--catalog``): what they can price
         self.key = replicas_prefix(settings.prefix) + settings.name
         self.etcd = EtcdClient(settings.etcd)
         self.on_registered = on_registered
@@ -83,6 +113,8 @@ class Agent:
         self._unwritten = False  # the record changed while etcd was away
 
     async def run(self, stop: asyncio.Event) -> None:
+        """Until ``stop`` (then drain and leave), or until the engine's record turns out to
+        be one gateways refuse (ConfigError) or etcd refuses a request (EtcdRefused)."""
         timeout = aiohttp.ClientTimeout(total=max(2.0, self.settings.ttl_s / 3))
         async with aiohttp.ClientSession(timeout=timeout) as session:
             try:
@@ -101,17 +133,26 @@ class Agent:
                 await self.etcd.close()
 
     async def _wait_ready(self, session: aiohttp.ClientSession, stop: asyncio.Event) -> bool:
-        """Until the engine is ready and warmed up; False when stopped first."""
+        """Until the engine is ready and warmed up; False when stopped first. What it waits
+        for is logged once, and again only when that changes."""
         s = self.settings
+        logged: str | None = None
         while not stop.is_set():
             try:
-                if await ready(session, s.engine_url):
+                reason = await not_ready(session, s.engine_url)
+                if reason is None:
                     if s.warmup_prompt:
                         facts = await engine_facts(session, s.engine_url)
                         await warm_up(session, s.engine_url, facts.models[0], s.warmup_prompt)
                     return True
-            except (EngineDown, *_ENGINE_ERRORS):
-                pass
+            except (EngineDown, *_ENGINE_ERRORS) as exc:
+                reason = str(exc) or type(exc).__name__  # a timeout's text is empty
+            if reason != logged:
+                log.warning(
+                    "waiting for the engine",
+                    extra={"event": "engine_waiting", "engine": s.engine_url, "reason": reason},
+                )
+                logged = reason
             await _wait(stop, _TICK_S)
         return False
 
@@ -120,19 +161,8 @@ class Agent:
         stopped first."""
         s = self.settings
         facts = await engine_facts(session, s.engine_url)
-        self.record = Registration(
-            name=s.name,
-            url=s.advertise_url,
-            models=facts.models,
-            gpu=s.gpu,
-            tp=s.tp,
-            groups=list(s.groups),
-            weight=s.weight,
-            usd_per_hour=s.usd_per_hour,
-            cost_model=s.cost_model,
-            engine=facts.kind,
-            release=facts.release,
-        )
+        self.record = s.record(facts.models, facts.kind, facts.release)
+        check_registration(self.record, self.catalog, source="the engine's record")
         while not await self._write(new_lease=True):
             await _wait(stop, _TICK_S)
             if stop.is_set():
@@ -151,12 +181,18 @@ class Agent:
         return True
 
     async def _write(self, *, new_lease: bool = False) -> bool:
-        """Put the record (under a fresh lease when asked); False when etcd is away."""
+        """Put the record (under a fresh lease when asked); False when etcd is away, or the
+        lease expired meanwhile (the next write takes a new one)."""
         assert self.record is not None
         try:
             if new_lease or not self.lease:
                 self.lease = await self.etcd.grant(self.settings.ttl_s)
             await self.etcd.put(self.key, self.record.encode(), self.lease)
+        except LeaseNotFound:
+            log.warning("lease lost, registering again", extra={"event": "lease_lost"})
+            self.lease = 0
+            self._unwritten = True
+            return False
         except EtcdError as exc:
             self._etcd_state(False, exc)
             self._unwritten = True
@@ -251,7 +287,16 @@ class Agent:
             await self.etcd.delete(self.key)
             await self.etcd.revoke(self.lease)
         except EtcdError as exc:
-            self._etcd_state(False, exc)  # the lease expires on its own
+            log.warning(
+                "not deregistered: etcd unreachable; the key goes when its lease expires",
+                extra={
+                    "event": "deregister_failed",
+                    "key": self.key,
+                    "lease_ttl_s": s.ttl_s,
+                    "error": str(exc),
+                },
+            )
+            return
         log.info("deregistered", extra={"event": "deregistered", "key": self.key})
 
     def _etcd_state(self, ok: bool, error: BaseException | None = None) -> None:

@@ -3,15 +3,30 @@
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 import typer
 
 from isocost.cli._app import app, console, fail
+from isocost.cli._options import CatalogOption
 from isocost.serving import stop_requested
+
+if TYPE_CHECKING:
+    from isocost.core.errors import ConfigError
+
+# The flag that sets each field of the record, where it is not ``--<field>``.
+_FLAG_OF = {"url": "--advertise", "models": "the engine's served model"}
 
 
 def _names(text: str | None) -> list[str]:
     return [part.strip() for part in (text or "").split(",") if part.strip()]
+
+
+def _refused(exc: ConfigError) -> str:
+    """Why gateways would refuse the record, named by the flag that sets the field."""
+    field = (exc.key or "").rpartition(".")[2]
+    reason = str(exc).removeprefix(f"{exc.source}: {exc.key}: ")
+    return f"{_FLAG_OF.get(field, '--' + field.replace('_', '-'))}: {reason}"
 
 
 @app.command()
@@ -32,7 +47,9 @@ def agent(
     cost_model: str | None = typer.Option(
         None, "--cost-model", help="Catalog model (default: the served model name)."
     ),
-    ttl: int = typer.Option(10, "--ttl", help="Lease TTL in seconds (renewed every TTL/3)."),
+    ttl: int = typer.Option(
+        10, "--ttl", help="Lease TTL in seconds, 1 to 3600 (renewed every TTL/3)."
+    ),
     prefix: str = typer.Option("/isocost", "--prefix", help="etcd key prefix."),
     warmup_prompt: str | None = typer.Option(
         None, "--warmup-prompt", help="One completion before registering."
@@ -42,18 +59,24 @@ def agent(
         30.0, "--health-window", help="Seconds the success rate must stay bad to drain."
     ),
     min_success_rate: float = typer.Option(0.5, "--min-success-rate", help="Within [0, 1]."),
+    catalog: CatalogOption = None,
     log_level: str = typer.Option("info", "--log-level", help="debug|info|warning|error"),
 ) -> None:
     """Register an engine in etcd under a lease.
 
-    SIGTERM marks it draining, waits for the engine to go idle, then deregisters.
+    SIGTERM marks it draining, waits for the engine to go idle, then deregisters. The
+    record is checked as the gateways check it (give them the same --catalog) before it is
+    registered: a record they would refuse is one line and exit 2, not a registration.
     """
     import asyncio
     from urllib.parse import urlsplit
 
-    from isocost.agent.registrar import Agent, AgentSettings
-    from isocost.runtime.config import normalize_replica_url
-    from isocost.runtime.discovery.records import Registration
+    from isocost.agent.registrar import MAX_TTL_S, Agent, AgentSettings
+    from isocost.core.errors import ConfigError
+    from isocost.files import load_catalog
+    from isocost.runtime.config import GENERIC_PRIOR_MODEL, normalize_replica_url
+    from isocost.runtime.discovery.records import Registration, check_registration
+    from isocost.runtime.etcd import EtcdRefused
     from isocost.runtime.logs import configure_logging
 
     try:
@@ -66,14 +89,11 @@ def agent(
         fail("--etcd: give at least one endpoint URL")
     checks = [
         (ttl >= 1, "--ttl must be >= 1"),
-        (tp >= 1, "--tp must be >= 1"),
-        (weight > 0, "--weight must be > 0"),
-        (usd_per_hour is None or usd_per_hour >= 0, "--usd-per-hour must be >= 0"),
+        (ttl <= MAX_TTL_S, f"--ttl must be <= {MAX_TTL_S}"),
         (drain_timeout >= 0, "--drain-timeout must be >= 0"),
         (health_window > 0, "--health-window must be > 0"),
         (0 <= min_success_rate <= 1, "--min-success-rate must be within [0, 1]"),
         (prefix.startswith("/"), "--prefix must start with /"),
-        (name is None or (name and "/" not in name), "--name must be non-empty, without /"),
     ]
     for ok, message in checks:
         if not ok:
@@ -82,7 +102,7 @@ def agent(
     settings = AgentSettings(
         engine_url=engine_url,
         advertise_url=advertise_url,
-        name=name or f"{parts.hostname}:{parts.port}",
+        name=f"{parts.hostname}:{parts.port}" if name is None else name,
         etcd=endpoints,
         gpu=gpu,
         tp=tp,
@@ -97,6 +117,14 @@ def agent(
         health_window_s=health_window,
         min_success_rate=min_success_rate,
     )
+    try:
+        cat = load_catalog(catalog or [])
+    except ConfigError as exc:
+        fail(str(exc))
+    try:  # what the engine does not decide, now; its served model once it names one
+        check_registration(settings.record([GENERIC_PRIOR_MODEL]), cat)
+    except ConfigError as exc:
+        fail(_refused(exc))
     configure_logging(log_level)
 
     def registered(record: Registration) -> None:
@@ -109,6 +137,11 @@ def agent(
         sys.stdout.flush()
 
     async def main() -> None:
-        await Agent(settings, registered).run(stop_requested())
+        await Agent(settings, cat, registered).run(stop_requested())
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except ConfigError as exc:  # the served model, as no gateway would take it
+        fail(_refused(exc))
+    except EtcdRefused as exc:
+        fail(f"etcd refused the request, not retried: {exc}")

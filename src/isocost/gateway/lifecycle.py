@@ -21,6 +21,7 @@ gateways on the bus (``isocost.runtime.bus``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import time
@@ -79,6 +80,9 @@ log = logging.getLogger("isocost.gateway")
 _RELOAD_POLL_S = 0.5
 _DISCOVERY_SETTLE_S = 0.02  # changes arriving this close together are applied as one
 _ADMIN_SOURCE = "POST /admin/replicas"
+# A plan looks up every listed replica by its normalized URL, and discovery makes one plan
+# per change: parsing a thousand URLs each time would make a change cost the whole fleet.
+_normalized_url = functools.lru_cache(maxsize=1 << 16)(normalize_replica_url)
 
 
 class Gateway:
@@ -234,14 +238,15 @@ class Gateway:
 
     def apply_config(self, config: GatewayConfig) -> None:
         """Make the live gateway match ``config``, all or nothing: everything that can fail
-        (policies, cost models, name clashes, the auth it turns on) is built or checked by
-        ``_plan`` before the first change; removed replicas drain, then leave."""
+        (policies, cost models, name clashes, the auth it turns on) is checked here or
+        built by ``_plan`` before the first change; removed replicas drain, then leave."""
+        check_references(config, self.catalog)
         self._commit(self._plan(config))
 
     def _plan(self, config: GatewayConfig) -> _Plan:
         """What applying ``config`` would change, touching nothing; IsocostError when any
-        part of it cannot be applied."""
-        check_references(config, self.catalog)
+        part of it cannot be applied. Its references (``check_references``) are the
+        caller's to have checked."""
         now = time.monotonic()
         Authenticator(config.auth, now)  # the intake builds the same from it in _commit
         scheduling_changed = config.scheduling != self.router.scheduling
@@ -267,7 +272,7 @@ class Gateway:
                     for c in shadowed
                 }
             for replica_config in pool_config.replicas:
-                url = normalize_replica_url(replica_config.url)
+                url = _normalized_url(replica_config.url)
                 wanted[url] = (pool_config.model, replica_config)
         configured = {pool.model for pool in config.pools}
         for model, pool in self.pools.items():  # unlisted, but replicas still drain there
@@ -502,10 +507,13 @@ class Gateway:
 
     def _apply_discovered(self) -> None:
         """Apply the merged config as a reload would: new members join, edited ones change
-        in place, those gone drain and then leave (``remove_replica``, as the admin API)."""
+        in place, those gone drain and then leave (``remove_replica``, as the admin API).
+        Its references are not checked again: the file's were at its load, the admin API's
+        replicas' as they were added, and each member's by ``Membership`` once per version,
+        so a change costs what changed, not a pass over every replica's cost model."""
         self._discovery_pending = None
         try:
-            self.apply_config(self._merged(self.file_config))
+            self._commit(self._plan(self._merged(self.file_config)))
         except IsocostError as exc:  # members are checked one by one: not expected
             log.error(
                 "discovered replicas not applied",

@@ -103,13 +103,29 @@ class Pool:
     disaggregation: DisaggMode = DisaggMode.CONDITIONAL  # P/D split with prefill replicas
     kv_link: Link = field(default_factory=lambda: link("tcp"))  # what hand-offs travel
 
-    # Kept by ``roles_changed`` (a replica added, removed or edited), not recomputed per
-    # request: the names of the replicas that only prefill (never given a whole request),
-    # and whether any replica has a split role at all (else the pool is never split).
-    prefill_only: frozenset[str] = frozenset()
-    split_roles: bool = False
+    # The names of the replicas that only prefill (never given a whole request), and
+    # whether any replica has a split role at all (else the pool is never split): not
+    # recomputed per request, but on the first read after ``roles_changed`` (a replica
+    # added, removed or edited), so a thousand replicas joining or leaving at once cost
+    # one pass over the pool, not one per replica.
+    _roles: tuple[frozenset[str], bool] | None = field(default=None, init=False, repr=False)
 
     def roles_changed(self) -> None:
-        replicas = self.replicas.values()
-        self.prefill_only = frozenset(r.name for r in replicas if r.config.role == "prefill")
-        self.split_roles = any(r.config.role != "both" for r in replicas)
+        self._roles = None
+
+    @property
+    def prefill_only(self) -> frozenset[str]:
+        return self._role_sets()[0]
+
+    @property
+    def split_roles(self) -> bool:
+        return self._role_sets()[1]
+
+    def _role_sets(self) -> tuple[frozenset[str], bool]:
+        if self._roles is None:
+            replicas = self.replicas.values()
+            self._roles = (
+                frozenset(r.name for r in replicas if r.config.role == "prefill"),
+                any(r.config.role != "both" for r in replicas),
+            )
+        return self._roles

@@ -154,6 +154,11 @@ _ZMQ_ENDPOINT = re.compile(r"tcp://[^\s:/]+:\d{1,5}|ipc://\S+")
 # A name goes into admin URL paths, Prometheus labels and logs: no slash or space, and no
 # longer than a Kubernetes pod name (253), whose names discovery gives replicas.
 _REPLICA_NAME = re.compile(r"[A-Za-z0-9._:@\[\]-]{1,253}")
+# The GPUs one replica may span: eight nodes of eight, twice the largest single replicas
+# served today (DeepSeek-V3/R1 or Llama-3.1-405B over two to four 8-GPU nodes). A larger
+# tp is a typo or a hostile record: the cost model would price the replica as nearly free
+# and send it all the traffic.
+_MAX_TP = 64
 
 
 class ReplicaConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -435,6 +440,8 @@ def _check_replica_fields(replica: ReplicaConfig, source: str, key: str, *, secr
         raise bad("url", str(exc)) from None
     if replica.tp < 1:
         raise bad("tp", "must be >= 1")
+    if replica.tp > _MAX_TP:
+        raise bad("tp", f"must be <= {_MAX_TP} (the GPUs one replica spans)")
     if not replica.weight > 0 or not math.isfinite(replica.weight):
         raise bad("weight", "must be > 0")
     if replica.max_queue < 1:

@@ -3,7 +3,13 @@
 Only what the registry needs: range over a prefix (with the store's revision), put and
 delete, leases (grant, keep-alive, revoke), a watch from a revision, and a status probe.
 Keys and values travel base64-encoded and 64-bit integers as JSON strings, as the gateway
-writes them. Several endpoints may be given: a call that cannot reach one tries the next.
+writes them; a key read back that is not UTF-8 keeps its bytes as surrogate escapes (PEP
+383), so that one stray key is the reader's to refuse, not an error of the whole read.
+Several endpoints may be given: a call that cannot reach one tries the next. Two failures
+differ: ``EtcdError``, etcd did not answer or failed (no endpoint reached, a 5xx, a broken
+stream), which a retry may get past; ``EtcdRefused``, etcd refused the request itself (a
+4xx: a malformed or out-of-range field, a lease it does not have, a permission), which the
+same request will meet again.
 
 Why not a gRPC client: etcd serves this JSON mapping of the same v3 API on its client port
 (since 3.4 under ``/v3/``), so the gateway's one HTTP stack (aiohttp) reaches it with no
@@ -15,6 +21,7 @@ plain sight here.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -22,11 +29,31 @@ from typing import Any
 
 import aiohttp
 
-__all__ = ["Compacted", "EtcdClient", "EtcdError", "KeyValue", "WatchEvent", "prefix_end"]
+__all__ = [
+    "Compacted",
+    "EtcdClient",
+    "EtcdError",
+    "EtcdRefused",
+    "KeyValue",
+    "LeaseNotFound",
+    "WatchEvent",
+    "prefix_end",
+]
+
+# The 4xx that say "not now" rather than "never": a timed-out or rate-limited request.
+_TRANSIENT_4XX = frozenset({408, 429})
 
 
 class EtcdError(Exception):
-    """etcd answered with an error, or none of its endpoints could be reached."""
+    """etcd could not be reached or failed to answer (no endpoint, a 5xx, a broken stream)."""
+
+
+class EtcdRefused(Exception):
+    """etcd refused the request itself (HTTP 4xx): the same request will be refused again."""
+
+
+class LeaseNotFound(EtcdRefused):
+    """The lease named is not (or no longer) in etcd: it expired or was revoked."""
 
 
 class Compacted(EtcdError):
@@ -39,16 +66,17 @@ class Compacted(EtcdError):
 
 @dataclass(frozen=True, slots=True)
 class KeyValue:
-    key: str
+    key: str  # a key that is not UTF-8 keeps its bytes as surrogate escapes
     value: bytes
     mod_revision: int
+    create_revision: int  # when the key was (last) created: registration order
 
 
 @dataclass(frozen=True, slots=True)
 class WatchEvent:
     """One change under the watched prefix: a put (``value`` set) or a delete (None)."""
 
-    key: str
+    key: str  # as ``KeyValue.key``
     value: bytes | None
     revision: int
 
@@ -70,6 +98,11 @@ def _b64(data: bytes) -> str:
 
 def _unb64(text: str | None) -> bytes:
     return base64.b64decode(text) if text else b""
+
+
+def _key(text: str) -> str:
+    """A key as etcd sent it (base64), decoded without failing on bytes that are not UTF-8."""
+    return _unb64(text).decode("utf-8", "surrogateescape")
 
 
 class EtcdClient:
@@ -97,7 +130,8 @@ class EtcdClient:
         self._current = (self._current + 1) % len(self.endpoints)
 
     async def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        """One unary call; EtcdError when etcd refuses it or no endpoint answers."""
+        """One unary call; EtcdRefused when etcd refuses it, EtcdError when no endpoint
+        answers or etcd fails."""
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         last: Exception | None = None
         for _ in self.endpoints:
@@ -111,9 +145,15 @@ class EtcdClient:
                 continue
             if resp.status != 200 or not isinstance(payload, dict):
                 message = payload.get("message") if isinstance(payload, dict) else payload
-                raise EtcdError(f"{path}: HTTP {resp.status}: {message}")
+                error = f"{path}: HTTP {resp.status}: {message}"
+                if resp.status == 404 and "lease not found" in str(message):
+                    raise LeaseNotFound(error)
+                if 400 <= resp.status < 500 and resp.status not in _TRANSIENT_4XX:
+                    raise EtcdRefused(error)
+                raise EtcdError(error)
             return payload
-        raise EtcdError(f"no etcd endpoint answered {path}: {last}")
+        reason = str(last) or type(last).__name__  # a timeout's text is empty
+        raise EtcdError(f"no etcd endpoint answered {path}: {reason}")
 
     async def range_prefix(self, prefix: str) -> tuple[int, list[KeyValue]]:
         """Every key under ``prefix`` and the store revision they were read at."""
@@ -122,7 +162,12 @@ class EtcdClient:
             "/v3/kv/range", {"key": _b64(raw), "range_end": _b64(prefix_end(raw))}
         )
         kvs = [
-            KeyValue(_unb64(kv["key"]).decode(), _unb64(kv.get("value")), int(kv["mod_revision"]))
+            KeyValue(
+                _key(kv["key"]),
+                _unb64(kv.get("value")),
+                int(kv["mod_revision"]),
+                int(kv["create_revision"]),
+            )
             for kv in reply.get("kvs", [])
         ]
         return int(reply["header"]["revision"]), kvs
@@ -142,7 +187,7 @@ class EtcdClient:
         """A new lease of ``ttl_s`` seconds; its id."""
         reply = await self.call("/v3/lease/grant", {"TTL": str(ttl_s)})
         if reply.get("error"):
-            raise EtcdError(f"lease grant refused: {reply['error']}")
+            raise EtcdRefused(f"lease grant refused: {reply['error']}")
         return int(reply["ID"])
 
     async def keepalive(self, lease: int) -> int:
@@ -153,11 +198,8 @@ class EtcdClient:
 
     async def revoke(self, lease: int) -> None:
         """End ``lease`` now, deleting its keys (an unknown lease is no error)."""
-        try:
+        with contextlib.suppress(LeaseNotFound):
             await self.call("/v3/lease/revoke", {"ID": str(lease)})
-        except EtcdError as exc:
-            if "lease not found" not in str(exc):
-                raise
 
     async def status(self) -> int:
         """The revision of the endpoint now asked: a cheap liveness probe."""
@@ -212,7 +254,7 @@ def _watch_events(message: dict[str, Any]) -> list[WatchEvent]:
         deleted = event.get("type") == "DELETE"
         events.append(
             WatchEvent(
-                _unb64(kv["key"]).decode(),
+                _key(kv["key"]),
                 None if deleted else _unb64(kv.get("value")),
                 int(kv["mod_revision"]),
             )

@@ -23,8 +23,9 @@ log = logging.getLogger("isocost.discovery")
 
 
 class DiscoverySink(Protocol):
-    """Where a provider reports: the records it sees, keyed by their source key, and
-    whether its source is reachable (while it is not, the last records stand)."""
+    """Where a provider reports: the records it sees, keyed by their source key, in the
+    order they registered as far as it knows (a clash between two new ones goes to the
+    first), and whether its source is reachable (while it is not, the last records stand)."""
 
     def replace(self, provider: str, records: Mapping[str, Registration | Malformed]) -> None: ...
 

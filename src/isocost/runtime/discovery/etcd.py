@@ -8,6 +8,11 @@ broken stream, or a failed liveness probe (``/v3/maintenance/status`` every
 from a quiet registry) ends the round, and the next starts with a fresh list, after a
 backoff while etcd does not answer. While etcd is away the last records stand: the data
 plane keeps routing to the replicas it knew, and the re-list reconciles them.
+
+Records are reported in the order they registered (each key's ``create_revision``: the
+list is sorted by it, and a watch adds a new key after all others), which is how a clash
+between two new records is decided. A key that is not UTF-8 is a malformed record, like a
+value that is not JSON: no agent writes one, and it must not fail the whole list.
 """
 
 from __future__ import annotations
@@ -20,13 +25,16 @@ import aiohttp
 from isocost.runtime.config import EtcdDiscoveryConfig
 from isocost.runtime.discovery import DiscoverySink, Reachability
 from isocost.runtime.discovery.records import Malformed, Registration, decode_registration
-from isocost.runtime.etcd import Compacted, EtcdClient, EtcdError
+from isocost.runtime.etcd import Compacted, EtcdClient, EtcdError, EtcdRefused
 
 __all__ = ["EtcdDiscovery", "replicas_prefix"]
 
 log = logging.getLogger("isocost.discovery")
 
 _INITIAL_BACKOFF_S = 0.1
+# What ends a round and is retried after a backoff; a refusal (a permission, say) too: an
+# operator may fix it, and the gateway keeps its last replicas meanwhile.
+_ROUND_FAILURES = (EtcdError, EtcdRefused, aiohttp.ClientError, TimeoutError, ValueError)
 
 
 def replicas_prefix(prefix: str) -> str:
@@ -63,7 +71,7 @@ class EtcdDiscovery:
                                "compact_revision": exc.compact_revision},
                     )  # fmt: skip
                     continue
-                except (EtcdError, aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                except _ROUND_FAILURES as exc:
                     self.reachability.set(False, exc)
                 if self._listed:  # it was healthy: retry at once, back off from there
                     backoff_s = _INITIAL_BACKOFF_S
@@ -74,7 +82,8 @@ class EtcdDiscovery:
 
     async def _round(self) -> None:
         revision, kvs = await self.client.range_prefix(self.prefix)
-        self.records = {kv.key: decode_registration(kv.value) for kv in kvs}
+        kvs.sort(key=lambda kv: kv.create_revision)
+        self.records = {kv.key: _record(kv.key, kv.value) for kv in kvs}
         self.sink.replace(self.name, self.records)
         self._listed = True
         self.reachability.set(True, replicas=len(self.records))
@@ -94,11 +103,21 @@ class EtcdDiscovery:
             for event in events:
                 if event.value is None:
                     self.records.pop(event.key, None)
-                else:
-                    self.records[event.key] = decode_registration(event.value)
+                else:  # a new key goes last: it registered after every other
+                    self.records[event.key] = _record(event.key, event.value)
             self.sink.replace(self.name, self.records)
 
     async def _probe(self) -> None:
         while True:
             await asyncio.sleep(self.config.probe_interval_ms / 1000)
             await self.client.status()
+
+
+def _record(key: str, value: bytes) -> Registration | Malformed:
+    """The record under ``key``; Malformed for a key that is not UTF-8 (its bytes kept as
+    surrogate escapes by the client), whatever its value."""
+    try:
+        key.encode()
+    except UnicodeEncodeError:
+        return Malformed("the key is not UTF-8 text")
+    return decode_registration(value)

@@ -1,10 +1,18 @@
 """Discovered replicas, checked and merged into the static config (see the package doc).
 
-A record is checked as a config-file replica entry is (``check_replica``: URL, tp, weight,
-price, catalog GPU and cost model), then for its URL and name against the file's replicas
-and every member accepted before it (providers in name order, then keys in order): the
-file wins a clash, then the first claimant. A refused record is reported once per reason,
-for one log line and one counted rejection, however often its provider re-lists it.
+A record is checked as ``isocost agent`` checks it before registering
+(``check_registration``: its models, then every check of a config-file replica entry),
+then for its URL and name against the file's replicas and every member accepted before
+it. Who is accepted first decides a clash: the file, then the incumbents (the members of
+the last merge, so a serving replica is never pushed out by a later duplicate), then the
+newcomers, providers in name order, each provider's records in the order they registered.
+URLs are compared as written (normalized, not resolved): ``localhost`` and ``127.0.0.1`` are
+two replicas, as they may be two listeners (``::1`` and ``127.0.0.1``), and a wrong guess
+would refuse a real replica where a missed duplicate only weights one engine twice.
+
+A refused record is reported once per reason, for one log line and one counted rejection,
+however often its provider re-lists it; whatever a record holds, it can only refuse that
+record, never stop the merge of the others.
 """
 
 from __future__ import annotations
@@ -19,11 +27,10 @@ from isocost.runtime.config import (
     GatewayConfig,
     PoolConfig,
     ReplicaConfig,
-    check_replica,
     normalize_replica_url,
     replica_name,
 )
-from isocost.runtime.discovery.records import Malformed, Registration
+from isocost.runtime.discovery.records import Malformed, Registration, check_registration
 
 __all__ = ["Member", "Membership", "Refused", "with_replicas"]
 
@@ -46,6 +53,14 @@ class Refused:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class _Checked:
+    """A record checked on its own: its normalized URL and config entry, or why it fails."""
+
+    record: Registration
+    verdict: tuple[str, ReplicaConfig] | str
+
+
 class Membership:
     """What every provider last reported, and the config that results."""
 
@@ -53,11 +68,11 @@ class Membership:
         self.catalog = catalog
         self._records: dict[str, dict[str, Registration | Malformed]] = {}
         self._refused: dict[tuple[str, str], str] = {}
-        # (provider, key) -> the record last checked on its own, its URL or why it failed
-        self._checked: dict[tuple[str, str], tuple[Registration, str | ValueError]] = {}
+        self._checked: dict[tuple[str, str], _Checked] = {}  # by (provider, key)
         self.members: list[Member] = []
 
     def replace(self, provider: str, records: Mapping[str, Registration | Malformed]) -> None:
+        """``provider``'s records now, in the order they registered (first first)."""
         self._records[provider] = dict(records)
 
     def merge(
@@ -69,27 +84,29 @@ class Membership:
         caller must not route to (its own address)."""
         urls = {normalize_replica_url(r.url) for p in base.pools for r in p.replicas}
         names = {replica_name(r) for p in base.pools for r in p.replicas}
+        incumbents = {(m.provider, m.key) for m in self.members}
+        present = [(p, key) for p in sorted(self._records) for key in self._records[p]]
         members: list[Member] = []
         refused: dict[tuple[str, str], str] = {}
-        checked: dict[tuple[str, str], tuple[Registration, str | ValueError]] = {}
-        for provider in sorted(self._records):
-            records = self._records[provider]
-            for key in sorted(records):
-                record = records[key]
-                if isinstance(record, Malformed):
-                    refused[(provider, key)] = record.reason
-                    continue
-                cached = self._checked.get((provider, key))
-                url = cached[1] if cached and cached[0] == record else self._check(record)
-                checked[(provider, key)] = (record, url)
-                reason = _clash(url, record.name, urls, names, refuse_url)
-                if reason is not None:
-                    refused[(provider, key)] = reason
-                    continue
-                assert isinstance(url, str)
-                members.append(Member(provider, key, record, record.replica_config(), url))
-                urls.add(url)
-                names.add(record.name)
+        checked: dict[tuple[str, str], _Checked] = {}
+        for provider, key in sorted(present, key=lambda at: at not in incumbents):  # stable
+            record = self._records[provider][key]
+            if isinstance(record, Malformed):
+                refused[(provider, key)] = record.reason
+                continue
+            checks = self._checked.get((provider, key))
+            if checks is None or checks.record != record:
+                checks = self._check(record)
+            checked[(provider, key)] = checks
+            reason = _clash(checks.verdict, record.name, urls, names, refuse_url)
+            if reason is not None:
+                refused[(provider, key)] = reason
+                continue
+            assert not isinstance(checks.verdict, str)
+            url, replica = checks.verdict
+            members.append(Member(provider, key, record, replica, url))
+            urls.add(url)
+            names.add(record.name)
         self._checked = checked
         new = [
             Refused(provider, key, reason)
@@ -100,39 +117,37 @@ class Membership:
         self.members = members
         return with_replicas(base, [(m.record.model, m.replica) for m in members]), new
 
-    def _check(self, record: Registration) -> str | ValueError:
-        """The record's normalized URL, or why its fields or references are wrong (the
-        checks that depend on the record alone, so they are made once per version)."""
+    def _check(self, record: Registration) -> _Checked:
+        """The checks that depend on the record alone, made once per version of it. Any
+        exception is the record's fault and refuses it alone (ValueError, a ConfigError,
+        is the expected one; another is named with its type)."""
         try:
-            check_replica(
-                record.replica_config(),
-                record.model,
-                self.catalog,
-                source=f"registration {record.name}",
-                key="registration",
-            )
-            return normalize_replica_url(record.url)
-        except ValueError as exc:  # ConfigError is one
-            return exc
+            url = check_registration(record, self.catalog)
+        except ValueError as exc:
+            return _Checked(record, str(exc))
+        except Exception as exc:  # one record must not stop the merge of the others
+            return _Checked(record, f"{type(exc).__name__}: {exc}")
+        return _Checked(record, (url, record.replica_config()))
 
 
 def _clash(
-    url: str | ValueError,
+    verdict: tuple[str, ReplicaConfig] | str,
     name: str,
     urls: set[str],
     names: set[str],
     refuse_url: Callable[[str], None] | None,
 ) -> str | None:
     """Why a checked record cannot join beside those before it, or None."""
-    if isinstance(url, ValueError):
-        return str(url)
+    if isinstance(verdict, str):
+        return verdict
+    url = verdict[0]
     try:
         if refuse_url is not None:
             refuse_url(url)
     except ValueError as exc:
         return str(exc)
     if url in urls:
-        return f"{url} is already a replica (listed or registered earlier)"
+        return f"{url} is already a replica (listed, or registered before this record)"
     if name in names:
         return f"a replica named {name!r} already exists"
     return None

@@ -4,6 +4,9 @@
 Unknown fields are kept out of the way, not refused, so that a newer agent's record still
 registers with an older gateway; a record that is not JSON, lacks ``url`` or ``models``,
 or has a field of the wrong type is ``Malformed`` with the reason, and is skipped.
+``check_registration`` is what a gateway then requires of a record's content, and what
+``isocost agent`` checks before it registers, so that no agent reports "registered" for a
+record every gateway refuses.
 """
 
 from __future__ import annotations
@@ -13,9 +16,23 @@ from typing import Literal
 
 import msgspec
 
-from isocost.runtime.config import ReplicaConfig
+from isocost.core.catalog import Catalog
+from isocost.core.errors import ConfigError
+from isocost.runtime.config import ReplicaConfig, check_replica, normalize_replica_url
 
-__all__ = ["Malformed", "Registration", "decode_registration"]
+__all__ = [
+    "MAX_MODEL_NAME",
+    "Malformed",
+    "Registration",
+    "check_registration",
+    "decode_registration",
+]
+
+# Served model names are short (a Hugging Face id is at most 96 characters, vLLM's
+# --served-model-name is whatever the operator types); a longer one is a broken or hostile
+# record, and one past the file system's 255-byte name limit cannot even be looked up as
+# a local model folder.
+MAX_MODEL_NAME = 256
 
 
 class Registration(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -75,8 +92,22 @@ def decode_registration(value: bytes) -> Registration | Malformed:
         return Malformed(str(exc))
     except msgspec.DecodeError as exc:
         return Malformed(f"not JSON: {exc}")
-    if not record.models or not all(record.models):
-        return Malformed("models must name at least one model")
-    if not record.name:
-        return Malformed("name must not be empty")
     return record
+
+
+def check_registration(record: Registration, catalog: Catalog, *, source: str = "") -> str:
+    """The record's normalized URL, or a ConfigError (key ``registration.<field>``) for
+    what a gateway refuses: no model, or one named longer than ``MAX_MODEL_NAME``, and every
+    check of a config-file replica entry (``check_replica``: name, URL, tp, weight, price,
+    catalog GPU and cost model). ``source`` begins the message (default: the record's name)."""
+    source = source or f"registration {record.name}"
+    if not record.models or not all(record.models):
+        raise ConfigError(source, "must name at least one model", key="registration.models")
+    if any(len(model) > MAX_MODEL_NAME for model in record.models):
+        raise ConfigError(
+            source,
+            f"a model name is longer than {MAX_MODEL_NAME} characters",
+            key="registration.models",
+        )
+    check_replica(record.replica_config(), record.model, catalog, source=source, key="registration")
+    return normalize_replica_url(record.url)
