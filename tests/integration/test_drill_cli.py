@@ -23,7 +23,7 @@ def _closed_port_url() -> str:
         (["--fault", "explode"], {"ISOCOST_ADMIN_TOKEN": "t"}, "unknown fault 'explode'"),
         (["--fault", "kill"], {}, "ISOCOST_ADMIN_TOKEN"),
         (["--fault", "kill", "--api-key-env", "NOPE"], {"ISOCOST_ADMIN_TOKEN": "t"}, "NOPE"),
-        (["--fault", "kill", "--rate", "0"], {"ISOCOST_ADMIN_TOKEN": "t"}, "rate_rps"),
+        (["--fault", "kill", "--rate", "0"], {"ISOCOST_ADMIN_TOKEN": "t"}, "--rate 0: must be > 0"),
         (["--fault", "kill"], {"ISOCOST_ADMIN_TOKEN": "t"}, "failed"),  # nothing listens
         (["--fault", "restart"], {"ISOCOST_ADMIN_TOKEN": "t"}, "--restart-command"),
     ],

@@ -45,11 +45,19 @@ def bench_command(
     console.print(summary_table(result.summary))
     if records_path is not None:
         encoder = msgspec.json.Encoder()
-        lines = b"".join(encoder.encode(r) + b"\n" for r in result.records)
-        Path(records_path).write_bytes(lines)
+        _write(records_path, b"".join(encoder.encode(r) + b"\n" for r in result.records))
     if json_path is not None:
-        Path(json_path).write_bytes(msgspec.json.format(msgspec.json.encode(result.summary)))
+        _write(json_path, msgspec.json.format(msgspec.json.encode(result.summary)))
     return result
+
+
+def _write(path: str, data: bytes) -> None:
+    """Write ``data``; a ConfigError naming the file if it cannot be written (the CLI
+    checks its paths before the run, so this is a disk that filled or changed since)."""
+    try:
+        Path(path).write_bytes(data)
+    except OSError as exc:
+        raise ConfigError(path, exc.strerror or "cannot be written") from None
 
 
 def run_with_live_view(

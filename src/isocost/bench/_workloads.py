@@ -18,6 +18,7 @@ from isocost.workload import (
     SyntheticSpec,
     TraceFormat,
     WorkloadRequest,
+    check_timed,
     gamma_arrivals,
     speedup,
     synthetic_workload,
@@ -50,8 +51,8 @@ def build_workload(spec: WorkloadSpec, closed_loop: bool) -> Iterator[WorkloadRe
         requests = load_trace(spec.trace, spec.trace_format)
         if spec.rate_rps is not None:
             return with_arrivals(requests, arrivals)
-        if len({r.arrival_s for r in requests}) == 1 and len(requests) > 1 and not closed_loop:
-            raise ConfigError(spec.trace, "the trace has no arrival times; pass --rate")
+        if not closed_loop:
+            check_timed(requests, spec.trace)
         return speedup(requests, spec.speedup)
     assert spec.synthetic is not None
     if spec.rate_rps is None and not closed_loop:

@@ -4,7 +4,9 @@ Errors that isocost raises on purpose (unknown names, bad files, models that do 
 become one line on stderr and exit code 2, never a traceback.
 
 ``_app`` holds the app, its consoles and ``fail``; ``_options`` the options several
-subcommands share; each subcommand has a module of its own (``_engine``, ``_serve``,
+subcommands share and ``checked``, the range check of every numeric flag; ``_outputs`` the
+check of every output path before a command starts; ``_listening`` a server's address
+refused in one line; each subcommand has a module of its own (``_engine``, ``_serve``,
 ``_picker``, ``_agent``, ``_plan`` with ``planview`` for its tables, ``_profile``,
 ``_policies``, ``_demo``, ``_drill``, ``_sim``, ``_autoscale``, ``_bench``), imported here in
 the order ``--help`` lists them.

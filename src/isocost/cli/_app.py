@@ -31,18 +31,30 @@ def fail(message: str, code: int = 2) -> NoReturn:
 
 
 def _print_error(message: str) -> None:
-    """One line, the message as typed: brackets and ":x:" in a user's input stay text."""
-    text = Text.assemble(("error:", "bold red"), " ", message)
+    """One line, the message as typed: brackets and ":x:" in a user's input stay text, and
+    a message of several lines (a YAML parser's, with its excerpt) is joined into one."""
+    text = Text.assemble(("error:", "bold red"), " ", " ".join(message.split()))
     err_console.print(text, highlight=False, soft_wrap=True, emoji=False)
+
+
+def _print_version(version: bool) -> None:
+    """Eager: ``isocost --version`` alone prints it, without asking for a command."""
+    if version:
+        console.print(__version__)
+        raise typer.Exit(0)
 
 
 @app.callback()
 def _root(
-    version: bool = typer.Option(False, "--version", help="Print the version and exit."),
+    version: bool = typer.Option(
+        False,
+        "--version",
+        is_eager=True,
+        callback=_print_version,
+        help="Print the version and exit.",
+    ),
 ) -> None:
-    if version:
-        console.print(__version__)
-        raise typer.Exit(0)
+    pass
 
 
 def main() -> None:

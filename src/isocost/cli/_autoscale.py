@@ -10,6 +10,10 @@ from pathlib import Path
 import typer
 
 from isocost.cli._app import app, console, fail
+from isocost.cli._listening import Listening
+from isocost.cli._options import LogLevelOption, checked
+from isocost.cli._outputs import check_outputs
+from isocost.core.bounds import POSITIVE, Bounds
 
 _LIVE_ACTUATORS = ("local", "command", "kubernetes")
 _DEFAULT_CAPACITY_RPS = 2.0  # without --plan or --capacity-rps
@@ -30,7 +34,10 @@ def autoscale(
         None, "--plan", help="`isocost plan --json` output: each pool's capacity per replica."
     ),
     capacity_rps: float | None = typer.Option(
-        None, "--capacity-rps", help="Requests/s one replica sustains (overrides --plan; 2)."
+        None,
+        "--capacity-rps",
+        callback=checked(POSITIVE),
+        help="Requests/s one replica sustains (overrides --plan; 2).",
     ),
     model: str | None = typer.Option(
         None, "--model", help="local: the pool to grow (default: the gateway's only one)."
@@ -52,9 +59,12 @@ def autoscale(
         None, "--kubeconfig", help="kubernetes: kubeconfig file (default: in-cluster)."
     ),
     metrics_port: int | None = typer.Option(
-        None, "--metrics-port", help="Serve the autoscaler's Prometheus metrics here."
+        None,
+        "--metrics-port",
+        callback=checked(Bounds(1, 65535)),
+        help="Serve the autoscaler's Prometheus metrics here.",
     ),
-    log_level: str = typer.Option("info", "--log-level", help="debug|info|warning|error"),
+    log_level: LogLevelOption = "info",
 ) -> None:
     """Scale replicas ahead of demand; drain on scale-in."""
     import time
@@ -90,13 +100,13 @@ def autoscale(
         (name in _LIVE_ACTUATORS, f"--actuator {name}: valid: {', '.join(_LIVE_ACTUATORS)}"),
         (name != "command" or bool(scale_command), "--actuator command needs --scale-command"),
         (name != "kubernetes" or bool(deployment), "--actuator kubernetes needs --deployment"),
-        (capacity_rps is None or capacity_rps > 0, "--capacity-rps must be > 0"),
         (bool(token), f"--admin-token-env: environment variable {admin_token_env} unset"),
-        (metrics_port is None or 0 < metrics_port < 65536, "--metrics-port: 1..65535"),
     ]
     for ok, message in checks:
         if not ok:
             fail(message)
+    if name == "local":
+        check_outputs(folders={"--log-dir": str(log_dir)})
     if plan_path is not None:
         try:
             plan_text = plan_path.read_text()
@@ -114,7 +124,8 @@ def autoscale(
     configure_logging(log_level)
     metrics = LoopMetrics()
     if metrics_port is not None:
-        start_http_server(metrics_port, "127.0.0.1", registry=metrics.registry)
+        with Listening("127.0.0.1", metrics_port):
+            start_http_server(metrics_port, "127.0.0.1", registry=metrics.registry)
 
     async def pool_model(admin: AdminClient) -> str:
         if model is not None:

@@ -10,6 +10,7 @@ from isocost.cli._options import (
     MaxPromptTokensOption,
     OptionalSloTpotOption,
     OptionalSloTtftOption,
+    OutputTokensOption,
     PromptsPerGroupOption,
     QuestionTokensOption,
     SessionsOption,
@@ -20,9 +21,12 @@ from isocost.cli._options import (
     TraceOption,
     TurnsOption,
     WorkloadOption,
+    checked,
     one_of,
     synthetic_workload,
 )
+from isocost.cli._outputs import check_outputs
+from isocost.core.bounds import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE
 from isocost.core.slo import DEFAULT_SLO_TTFT_PER_1K_MS
 
 bench_app = typer.Typer(
@@ -45,17 +49,30 @@ def bench(
     trace_format: TraceFormatOption = None,
     workload: WorkloadOption = None,
     rate: float | None = typer.Option(
-        None, "--rate", help="Poisson arrivals at this req/s (multi-turn: sessions/s)."
+        None,
+        "--rate",
+        callback=checked(POSITIVE),
+        help="Poisson arrivals at this req/s (multi-turn: sessions/s).",
     ),
-    burstiness: float = typer.Option(1.0, "--burstiness", help="Gap CV with --rate (>1 bursty)."),
+    burstiness: float = typer.Option(
+        1.0, "--burstiness", callback=checked(POSITIVE), help="Gap CV with --rate (>1 bursty)."
+    ),
     speedup: SpeedupOption = 1.0,
-    concurrency: int | None = typer.Option(None, "--concurrency", help="Closed loop: workers."),
-    max_requests: int | None = typer.Option(None, "--max-requests", help="Stop after N."),
-    duration: float | None = typer.Option(None, "--duration", help="No new request after s."),
+    concurrency: int | None = typer.Option(
+        None, "--concurrency", callback=checked(AT_LEAST_ONE), help="Closed loop: workers."
+    ),
+    max_requests: int | None = typer.Option(
+        None, "--max-requests", callback=checked(AT_LEAST_ONE), help="Stop after N."
+    ),
+    duration: float | None = typer.Option(
+        None, "--duration", callback=checked(POSITIVE), help="No new request after s."
+    ),
     model: str | None = typer.Option(None, "--model", help="Default: first of /v1/models."),
     chat: bool = typer.Option(False, "--chat", help="Use /v1/chat/completions."),
     stream: bool = typer.Option(True, "--stream/--no-stream", help="Stream with SSE."),
-    max_tokens: int | None = typer.Option(None, "--max-tokens", help="Fix every output length."),
+    max_tokens: int | None = typer.Option(
+        None, "--max-tokens", callback=checked(AT_LEAST_ONE), help="Fix every output length."
+    ),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Ask for exactly max_tokens."),
     slo_ttft_ms: OptionalSloTtftOption = None,
     slo_ttft_per_1k_ms: SloTtftPer1kOption = DEFAULT_SLO_TTFT_PER_1K_MS,
@@ -63,19 +80,21 @@ def bench(
     send_slo: bool = typer.Option(
         False, "--send-slo", help="Send the targets: x-deadline-ms, x-tpot-ms (SLO admission)."
     ),
-    timeout: float = typer.Option(600.0, "--timeout", help="Per-request timeout, s."),
+    timeout: float = typer.Option(
+        600.0, "--timeout", callback=checked(POSITIVE), help="Per-request timeout, s."
+    ),
     seed: int = typer.Option(0, "--seed", help="Seed of synthetic workloads and arrivals."),
     text_salt: int = typer.Option(0, "--text-salt", help="New prompt text (cold cache)."),
     groups: GroupsOption = 8,
     prompts_per_group: PromptsPerGroupOption = 16,
     sessions: SessionsOption = 16,
     turns: TurnsOption = 4,
-    think_time: float = typer.Option(5.0, "--think-time", help="multi-turn: mean think s."),
+    think_time: float = typer.Option(
+        5.0, "--think-time", callback=checked(NON_NEGATIVE), help="multi-turn: mean think s."
+    ),
     system_tokens: SystemTokensOption = 2048,
     question_tokens: QuestionTokensOption = 128,
-    output_tokens: int = typer.Option(
-        128, "--output-tokens", help="shared-prefix, multi-turn: output length."
-    ),
+    output_tokens: OutputTokensOption = 128,
     max_prompt_tokens: MaxPromptTokensOption = None,
     label: str = typer.Option("bench", "--label", help="Name of this run in comparisons."),
     api_key: str | None = typer.Option(None, "--api-key", help="Bearer token to send."),
@@ -89,6 +108,7 @@ def bench(
 
     if not url:
         fail("give the endpoint with --url")
+    check_outputs(files={"--records": records, "--json": json_out})
     trace_format = one_of("trace format", trace_format, TRACE_FORMATS)
     synthetic = synthetic_workload(workload, max_prompt_tokens, groups, prompts_per_group,
                                    sessions, turns, system_tokens, question_tokens,
@@ -134,4 +154,5 @@ def bench_compare(
     """Compare bench runs side by side."""
     from isocost.bench import compare_command
 
+    check_outputs(plots={"--plot": plot})
     compare_command(files, console, plot)

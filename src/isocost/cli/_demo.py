@@ -11,7 +11,10 @@ from isocost.cli._options import (
     SloTtftPer1kOption,
     TraceFormatOption,
     one_of,
+    policy_names,
 )
+from isocost.cli._outputs import check_outputs
+from isocost.core.bounds import POSITIVE, Bounds
 from isocost.core.slo import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, DEFAULT_SLO_TTFT_PER_1K_MS
 
 
@@ -56,8 +59,13 @@ def demo(
     if discovery is not None:
         if discovery != "etcd":
             fail(f"--discovery {discovery!r}: the only one is etcd")
-        if duration < 9 or rate <= 0:
-            fail("--discovery etcd needs --duration >= 9 and --rate > 0")
+        for flag, value, bounds in (
+            ("--duration", duration, Bounds(9.0)),
+            ("--rate", rate, POSITIVE),
+        ):
+            if (problem := bounds.problem(value)) is not None:
+                fail(f"--discovery etcd: {flag} {problem}")
+        check_outputs(folders={"--out": out})
         run_discovery_demo(
             DiscoveryDemoOptions(Path(out), duration_s=duration, rate_rps=rate, seed=seed),
             console,
@@ -71,7 +79,7 @@ def demo(
         rate_rps=rate,
         trace=trace,
         trace_format=trace_format,
-        policies=tuple(p.strip() for p in policies.split(",") if p.strip()),
+        policies=policy_names(policies),
         time_scale=time_scale,
         seed=seed,
         slo_ttft_ms=slo_ttft_ms,
@@ -80,6 +88,7 @@ def demo(
         port=port,
         keep_running=keep_running,
     )
+    check_outputs(folders={"--out": out})
     try:
         run_demo(options, console)
     except DemoInterrupted:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import typer
 
 from isocost.cli._app import app, console, fail
+from isocost.cli._options import checked
+from isocost.core.bounds import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Bounds
 
 
 @app.command()
@@ -20,17 +22,34 @@ def drill(
     api_key_env: str | None = typer.Option(
         None, "--api-key-env", help="Env var with an API key for the load."
     ),
-    rate: float = typer.Option(8.0, "--rate", help="Steady load, requests/s (Poisson)."),
-    max_tokens: int = typer.Option(32, "--max-tokens", help="Output tokens per request."),
+    rate: float = typer.Option(
+        8.0, "--rate", callback=checked(POSITIVE), help="Steady load, requests/s (Poisson)."
+    ),
+    max_tokens: int = typer.Option(
+        32, "--max-tokens", callback=checked(AT_LEAST_ONE), help="Output tokens per request."
+    ),
     stream: bool = typer.Option(True, "--stream/--no-stream", help="Load streams (SSE)."),
     ignore_eos: bool = typer.Option(
         False, "--ignore-eos", help="Ask for exactly --max-tokens per request."
     ),
-    warmup: float = typer.Option(3.0, "--warmup", help="Seconds of load before the fault."),
-    fault_duration: float = typer.Option(5.0, "--fault-duration", help="Seconds it lasts."),
-    settle: float = typer.Option(10.0, "--settle", help="Longest wait for recovery, s."),
-    slowdown: float = typer.Option(3.0, "--slowdown", help="slow: step time factor."),
-    error_rate: float = typer.Option(1.0, "--error-rate", help="errors: share of 500s."),
+    warmup: float = typer.Option(
+        3.0, "--warmup", callback=checked(NON_NEGATIVE), help="Seconds of load before the fault."
+    ),
+    fault_duration: float = typer.Option(
+        5.0, "--fault-duration", callback=checked(POSITIVE), help="Seconds it lasts."
+    ),
+    settle: float = typer.Option(
+        10.0, "--settle", callback=checked(POSITIVE), help="Longest wait for recovery, s."
+    ),
+    slowdown: float = typer.Option(
+        3.0, "--slowdown", callback=checked(Bounds(1.0)), help="slow: step time factor."
+    ),
+    error_rate: float = typer.Option(
+        1.0,
+        "--error-rate",
+        callback=checked(Bounds(0.0, 1.0, low_open=True)),
+        help="errors: share of 500s.",
+    ),
     restart_command: str | None = typer.Option(
         None, "--restart-command", help="restart: command that starts the replica again."
     ),

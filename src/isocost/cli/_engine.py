@@ -7,6 +7,7 @@ import sys
 import typer
 
 from isocost.cli._app import app, console
+from isocost.cli._listening import Listening
 from isocost.cli._options import CatalogOption
 
 
@@ -49,7 +50,7 @@ def engine(
     hang: bool = typer.Option(False, "--hang", help="Fault: accept, never answer."),
     max_waiting: int | None = typer.Option(None, "--max-waiting", help="Fault: 503 above."),
     write_timeout: float = typer.Option(
-        30.0, "--write-timeout", min=0.001, help="Seconds a stream may wait on its client."
+        30.0, "--write-timeout", help="Seconds a stream may wait on its client."
     ),
     role: str = typer.Option("both", "--role", help="Disaggregation: prefill|decode|both."),
     link: str = typer.Option("tcp", "--link", help="KV pull link: nvlink|infiniband|roce|tcp."),
@@ -109,20 +110,24 @@ def engine(
         read_timeout,
     )
 
+    listening = Listening(host, port)
+
     def ready(urls: list[tuple[ServedReplica, str]]) -> None:
+        listening.ready = True
         for replica, url in urls:
             line = f"isocost engine: {replica.describe()} ready at {url}"
             console.print(line, highlight=False, soft_wrap=True)
         sys.stdout.flush()
 
-    launch(
-        default=default,
-        replicas=replicas,
-        spec_strings=replica_spec or [],
-        replicas_file=replicas_file,
-        port=port,
-        catalog_paths=catalog or [],
-        limits=limits,
-        options=options,
-        on_ready=ready,
-    )
+    with listening:
+        launch(
+            default=default,
+            replicas=replicas,
+            spec_strings=replica_spec or [],
+            replicas_file=replicas_file,
+            port=port,
+            catalog_paths=catalog or [],
+            limits=limits,
+            options=options,
+            on_ready=ready,
+        )

@@ -7,7 +7,8 @@ import sys
 import typer
 
 from isocost.cli._app import app, console, fail
-from isocost.cli._options import CatalogOption
+from isocost.cli._options import CatalogOption, LogLevelOption, checked
+from isocost.core.bounds import NON_NEGATIVE, POSITIVE
 
 
 @app.command()
@@ -23,12 +24,16 @@ def picker(
     fallbacks: int = typer.Option(
         2,
         "--fallbacks",
+        callback=checked(NON_NEGATIVE),
         help="Replicas named after the choice, for the data plane's retries (0: one).",
     ),
     catalog: CatalogOption = None,
-    log_level: str = typer.Option("info", "--log-level", help="debug|info|warning|error"),
+    log_level: LogLevelOption = "info",
     shutdown_timeout: float = typer.Option(
-        10.0, "--shutdown-timeout", help="SIGTERM: seconds open streams get to finish."
+        10.0,
+        "--shutdown-timeout",
+        callback=checked(POSITIVE),
+        help="SIGTERM: seconds open streams get to finish.",
     ),
 ) -> None:
     """Pick replicas for Envoy: a GAIE endpoint picker over ext_proc."""
@@ -44,10 +49,6 @@ def picker(
     from isocost.picker.server import run_picker
     from isocost.runtime.config import parse_config
 
-    if fallbacks < 0:
-        fail("--fallbacks must be 0 or more")
-    if not shutdown_timeout > 0:
-        fail("--shutdown-timeout must be a positive number of seconds")
     for name, value in (("--port", port), ("--metrics-port", metrics_port)):
         if value is not None and not 0 <= value <= 65535:
             fail(f"{name} must be between 0 and 65535")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import typer
 
 from isocost.cli._app import app, console, fail
-from isocost.cli._options import CatalogOption
+from isocost.cli._options import CatalogOption, checked
+from isocost.core.bounds import FRACTION, NON_NEGATIVE, POSITIVE, Bounds
 
 
 @app.command()
@@ -19,12 +20,27 @@ def plan(
     context: int = typer.Option(2048, "--context", help="Mean tokens per request (in + out)."),
     output_tokens: int = typer.Option(256, "--output-tokens", help="Mean output tokens."),
     concurrency: int | None = typer.Option(None, "--concurrency", help="Concurrent requests."),
-    qps: float | None = typer.Option(None, "--qps", help="Target requests per second."),
-    ttft_slo_ms: float | None = typer.Option(None, "--ttft-slo-ms", help="TTFT SLO."),
-    tpot_slo_ms: float | None = typer.Option(None, "--tpot-slo-ms", help="TPOT SLO."),
-    gpu_mem_util: float = typer.Option(0.9, "--gpu-mem-util", help="vLLM memory fraction."),
-    headroom: float = typer.Option(0.15, "--headroom", help="KV pool share kept free."),
-    price: float | None = typer.Option(None, "--price", help="Override $/GPU-hour."),
+    qps: float | None = typer.Option(
+        None, "--qps", callback=checked(POSITIVE), help="Target requests per second."
+    ),
+    ttft_slo_ms: float | None = typer.Option(
+        None, "--ttft-slo-ms", callback=checked(POSITIVE), help="TTFT SLO."
+    ),
+    tpot_slo_ms: float | None = typer.Option(
+        None, "--tpot-slo-ms", callback=checked(POSITIVE), help="TPOT SLO."
+    ),
+    gpu_mem_util: float = typer.Option(
+        0.9, "--gpu-mem-util", callback=checked(FRACTION), help="vLLM memory fraction."
+    ),
+    headroom: float = typer.Option(
+        0.15,
+        "--headroom",
+        callback=checked(Bounds(0.0, 1.0, high_open=True)),
+        help="KV pool share kept free.",
+    ),
+    price: float | None = typer.Option(
+        None, "--price", callback=checked(NON_NEGATIVE), help="Override $/GPU-hour."
+    ),
     catalog: CatalogOption = None,
     explain: bool = typer.Option(False, "--explain", help="Show each figure's derivation."),
     disaggregate: int | None = typer.Option(
@@ -37,7 +53,9 @@ def plan(
     from_record: str | None = typer.Option(
         None, "--from-record", help="A recording: the cheapest fleet for its traffic, simulated."
     ),
-    growth: float = typer.Option(1.0, "--growth", help="With --from-record: traffic x this."),
+    growth: float = typer.Option(
+        1.0, "--growth", callback=checked(POSITIVE), help="With --from-record: traffic x this."
+    ),
     policy: str | None = typer.Option(
         None, "--policy", help="With --from-record: policy (default: the recorded one)."
     ),
@@ -45,7 +63,9 @@ def plan(
         None, "--gpus", help="With --from-record: GPU ids to try (default: the catalog's)."
     ),
     max_replicas: int = typer.Option(64, "--max-replicas", help="With --from-record."),
-    target: float = typer.Option(0.9, "--target", help="With --from-record: share within SLO."),
+    target: float = typer.Option(
+        0.9, "--target", callback=checked(FRACTION), help="With --from-record: share within SLO."
+    ),
     pool: str | None = typer.Option(None, "--pool", help="With --from-record: recorded pool."),
 ) -> None:
     """Size a deployment: VRAM, TP, replicas, throughput, $ per token.

@@ -9,7 +9,9 @@ import typer
 from rich.table import Table
 
 from isocost.cli._app import app, console, err_console, fail
-from isocost.cli._options import CatalogOption
+from isocost.cli._options import CatalogOption, checked
+from isocost.cli._outputs import check_outputs
+from isocost.core.bounds import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Bounds
 from isocost.core.hardware import GpuSpec
 from isocost.core.profile import Profile
 
@@ -25,18 +27,27 @@ def profile(
     like: str = typer.Option(
         "a100-80g", "--like", help="GPU whose unmeasured figures the entry keeps."
     ),
-    usd_per_hour: float | None = typer.Option(None, "--usd-per-hour", help="Its price."),
+    usd_per_hour: float | None = typer.Option(
+        None, "--usd-per-hour", callback=checked(NON_NEGATIVE), help="Its price."
+    ),
     out: str | None = typer.Option(None, "--out", help="Write the catalog YAML here."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
     catalog: CatalogOption = None,
     max_prompt_tokens: int = typer.Option(
-        2048, "--max-prompt-tokens", help="Longest prompt (capped by max_model_len)."
+        2048,
+        "--max-prompt-tokens",
+        callback=checked(Bounds(64)),
+        help="Longest prompt (capped by max_model_len).",
     ),
-    repeats: int = typer.Option(3, "--repeats", help="Requests per length and batch."),
+    repeats: int = typer.Option(
+        3, "--repeats", callback=checked(AT_LEAST_ONE), help="Requests per length and batch."
+    ),
     seed: int | None = typer.Option(
         None, "--seed", help="Seed of the random prompts (default: new each run)."
     ),
-    timeout: float = typer.Option(120.0, "--timeout", help="Seconds per request."),
+    timeout: float = typer.Option(
+        120.0, "--timeout", callback=checked(POSITIVE), help="Seconds per request."
+    ),
     api_key_env: str | None = typer.Option(
         None, "--api-key-env", help="Environment variable holding the API key."
     ),
@@ -60,16 +71,9 @@ def profile(
     from isocost.files import load_catalog, resolve_model
     from isocost.runtime.scrape import kv_capacity_tokens
 
-    if repeats < 1:
-        fail("--repeats must be at least 1")
-    if max_prompt_tokens < 64:
-        fail("--max-prompt-tokens must be at least 64")
-    if timeout <= 0:
-        fail("--timeout must be positive")
     if not gpu_id.strip() or any(c.isspace() for c in gpu_id):
         fail(f"--id {gpu_id!r}: a catalog id has no spaces")
-    if usd_per_hour is not None and usd_per_hour < 0:
-        fail("--usd-per-hour must be >= 0")
+    check_outputs(files={"--out": out})
     priced_as = cost_model or model
     if priced_as is None:
         fail("--cost-model is needed (a catalog id or the model's HF folder), or --model")

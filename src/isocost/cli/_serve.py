@@ -7,7 +7,9 @@ import sys
 import typer
 
 from isocost.cli._app import app, console, fail
-from isocost.cli._options import CatalogOption
+from isocost.cli._listening import Listening
+from isocost.cli._options import CatalogOption, LogLevelOption, checked
+from isocost.core.bounds import AT_LEAST_ONE, POSITIVE, Bounds
 
 
 @app.command()
@@ -16,7 +18,9 @@ def serve(
         None, "--config", "-c", help="Gateway YAML; hot-reloaded when it changes."
     ),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
-    port: int = typer.Option(8080, "--port", help="Port (0: OS picks)."),
+    port: int = typer.Option(
+        8080, "--port", callback=checked(Bounds(0, 65535)), help="Port (0: OS picks)."
+    ),
     replica: list[str] | None = typer.Option(
         None, "--replica", "-r", help="Replica URL (repeatable); without --config."
     ),
@@ -24,7 +28,9 @@ def serve(
         None, "--policy", help="Scheduling policy (default: the file's, else equal_cost)."
     ),
     gpu: str = typer.Option("a100-80g", "--gpu", "-g", help="GPU of --replica replicas."),
-    tp: int = typer.Option(1, "--tp", help="Tensor parallelism of --replica replicas."),
+    tp: int = typer.Option(
+        1, "--tp", callback=checked(AT_LEAST_ONE), help="Tensor parallelism of --replica replicas."
+    ),
     cost_model: str | None = typer.Option(
         None, "--cost-model", help="Catalog model for --replica replicas (default: served name)."
     ),
@@ -35,10 +41,15 @@ def serve(
         None, "--state-bus", help="redis://host:port shared with the other gateways."
     ),
     catalog: CatalogOption = None,
-    discover_timeout: float = typer.Option(30.0, "--discover-timeout", help="Seconds."),
-    log_level: str = typer.Option("info", "--log-level", help="debug|info|warning|error"),
+    discover_timeout: float = typer.Option(
+        30.0, "--discover-timeout", callback=checked(POSITIVE), help="Seconds."
+    ),
+    log_level: LogLevelOption = "info",
     shutdown_timeout: float = typer.Option(
-        10.0, "--shutdown-timeout", help="SIGTERM: seconds in-flight requests get to finish."
+        10.0,
+        "--shutdown-timeout",
+        callback=checked(POSITIVE),
+        help="SIGTERM: seconds in-flight requests get to finish.",
     ),
     workers: int = typer.Option(
         1, "--workers", help="Processes sharing the port (SO_REUSEPORT) and, with a bus, state."
@@ -49,15 +60,22 @@ def serve(
         None, "--record", help="Record traffic and fleet to this directory (isocost sim replays)."
     ),
     record_segment_mb: float = typer.Option(
-        64.0, "--record-segment-mb", help="With --record: a new trace segment past this size."
+        64.0,
+        "--record-segment-mb",
+        callback=checked(POSITIVE),
+        help="With --record: a new trace segment past this size.",
     ),
     record_max_mb: float = typer.Option(
-        1024.0, "--record-max-mb", help="With --record: oldest segments go past this total."
+        1024.0,
+        "--record-max-mb",
+        callback=checked(POSITIVE),
+        help="With --record: oldest segments go past this total.",
     ),
 ) -> None:
     """Run the OpenAI-compatible gateway that routes by equal cost."""
     import asyncio
     import logging
+    import os
     from pathlib import Path
 
     import msgspec
@@ -76,14 +94,12 @@ def serve(
 
     if (config is None) == (not replica):
         fail("give either --config FILE or one or more --replica URL")
-    if not shutdown_timeout > 0:
-        fail("--shutdown-timeout must be a positive number of seconds")
     if workers < 1:
         fail("--workers must be at least 1")
     if (worker_id is None) != (worker_dir is None):
         fail("--worker-id and --worker-dir go together (the supervisor of --workers sets them)")
-    if not 0 < record_segment_mb <= record_max_mb:
-        fail("--record-segment-mb must be positive and at most --record-max-mb")
+    if record_segment_mb > record_max_mb:
+        fail("--record-segment-mb must be at most --record-max-mb")
     if record and workers > 1:
         fail("--record with --workers: not supported (the workers would share one trace)")
     if record:
@@ -93,6 +109,10 @@ def serve(
             fail(f"--record: {exc}")
     if state_bus is not None:
         check_state_bus(StateBusConfig(url=state_bus), "--state-bus")
+    if admin_token_env is not None and not os.environ.get(admin_token_env):
+        fail(f"--admin-token-env: environment variable {admin_token_env} unset")
+    listening = Listening(host, port)
+    listening.probe(reuse_port=workers > 1 or worker_id is not None)
     log = logging.getLogger("isocost.gateway")
     cat = load_catalog(catalog or [])
     if config is not None:
@@ -119,6 +139,7 @@ def serve(
     configure_logging(log_level)
 
     def ready(url: str) -> None:
+        listening.ready = True
         console.print(f"isocost serve: ready at {url}", highlight=False, soft_wrap=True)
         sys.stdout.flush()
 
@@ -140,4 +161,5 @@ def serve(
     )
     gateway = load_gateway(gateway_config, cat, config_path, recording)
     group = None if worker_dir is None else WorkerGroup(worker_id or 0, Path(worker_dir))
-    run_gateway(gateway, host, port, ready, shutdown_timeout_s=shutdown_timeout, workers=group)
+    with listening:
+        run_gateway(gateway, host, port, ready, shutdown_timeout_s=shutdown_timeout, workers=group)

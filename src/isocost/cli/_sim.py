@@ -11,6 +11,7 @@ from isocost.cli._options import (
     CatalogOption,
     GroupsOption,
     MaxPromptTokensOption,
+    OutputTokensOption,
     PromptsPerGroupOption,
     QuestionTokensOption,
     SessionsOption,
@@ -23,9 +24,13 @@ from isocost.cli._options import (
     TraceOption,
     TurnsOption,
     WorkloadOption,
+    checked,
     one_of,
+    policy_names,
     synthetic_workload,
 )
+from isocost.cli._outputs import check_outputs
+from isocost.core.bounds import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE
 from isocost.core.slo import (
     DEFAULT_SLO_SHARE,
     DEFAULT_SLO_TPOT_MS,
@@ -88,7 +93,10 @@ def sim(
         help="Replay each SLO-admission rejection as admitted: precision, recall.",
     ),
     rate: float | None = typer.Option(
-        None, "--rate", help="Mean req/s: scales a trace's time; Poisson for --workload."
+        None,
+        "--rate",
+        callback=checked(POSITIVE),
+        help="Mean req/s: scales a trace's time; Poisson for --workload.",
     ),
     speedup: SpeedupOption = 1.0,
     sweep_rate: str | None = typer.Option(
@@ -101,16 +109,30 @@ def sim(
         0.05, "--precision", help="With --capacity: relative width of the bracket found."
     ),
     target: float = typer.Option(
-        DEFAULT_SLO_SHARE, "--target", help="Share meeting SLOs for capacity."
+        DEFAULT_SLO_SHARE,
+        "--target",
+        callback=checked(FRACTION),
+        help="Share meeting SLOs for capacity.",
     ),
-    max_requests: int | None = typer.Option(None, "--max-requests", help="First N requests."),
-    duration: float | None = typer.Option(None, "--duration", help="Arrivals before s."),
-    network_delay_ms: float | None = typer.Option(None, "--network-delay-ms", help="Each way."),
+    max_requests: int | None = typer.Option(
+        None, "--max-requests", callback=checked(AT_LEAST_ONE), help="First N requests."
+    ),
+    duration: float | None = typer.Option(
+        None, "--duration", callback=checked(POSITIVE), help="Arrivals before s."
+    ),
+    network_delay_ms: float | None = typer.Option(
+        None, "--network-delay-ms", callback=checked(NON_NEGATIVE), help="Each way."
+    ),
     scrape_interval_ms: float | None = typer.Option(
-        None, "--scrape-interval-ms", help="Engine metrics scrape period (0: never)."
+        None,
+        "--scrape-interval-ms",
+        callback=checked(NON_NEGATIVE),
+        help="Engine metrics scrape period (0: never).",
     ),
     seed: int = typer.Option(0, "--seed", help="Seed of policies and synthetic workloads."),
-    jobs: int = typer.Option(2, "--jobs", "-j", help="Parallel processes."),
+    jobs: int = typer.Option(
+        2, "--jobs", "-j", callback=checked(AT_LEAST_ONE), help="Parallel processes."
+    ),
     json_out: str | None = typer.Option(None, "--json", help="Write results JSON."),
     plot: str | None = typer.Option(None, "--plot", help="Write a PNG of CDFs, load, goodput."),
     catalog: CatalogOption = None,
@@ -120,7 +142,7 @@ def sim(
     turns: TurnsOption = 4,
     system_tokens: SystemTokensOption = 2048,
     question_tokens: QuestionTokensOption = 128,
-    output_tokens: int = typer.Option(128, "--output-tokens", help="Synthetic output length."),
+    output_tokens: OutputTokensOption = 128,
     max_prompt_tokens: MaxPromptTokensOption = None,
     autoscale: str | None = typer.Option(
         None, "--autoscale", help="Autoscale YAML: control/ starts and drains replicas."
@@ -163,18 +185,16 @@ def sim(
         check_references(gateway, cat)
         chosen = simulator.gateway_pool(gateway, pool, config)
         scheduling, default_policies = gateway.scheduling, chosen.policy or gateway.policy
-    names = tuple(p.strip() for p in (policies or default_policies).split(",") if p.strip())
+    names = policy_names(policies or default_policies)
     simulator.check_policies(names, scheduling)
-    bounds = "--sweep-rate rates must be positive, --target in (0, 1], --jobs >= 1"
-    if not 0 < target <= 1 or jobs < 1:
-        fail(bounds)
     try:
         rates = tuple(float(r) for r in sweep_rate.split(",")) if sweep_rate else ()
-        slo = SloTargets.from_ms(slo_ttft_ms, slo_tpot_ms, slo_ttft_per_1k_ms, share=target)
     except ValueError as exc:
-        fail(f"--sweep-rate or SLO: {exc}")
-    if any(r <= 0 for r in rates):
-        fail(bounds)
+        fail(f"--sweep-rate {sweep_rate}: {exc}")
+    for rate_rps in rates:
+        if (problem := POSITIVE.problem(rate_rps)) is not None:
+            fail(f"--sweep-rate {sweep_rate}: each rate {problem}")
+    slo = SloTargets.from_ms(slo_ttft_ms, slo_tpot_ms, slo_ttft_per_1k_ms, share=target)
     search = _capacity_spec(capacity, precision, target) if capacity is not None else None
     if search is not None and rates:
         fail("give --capacity or --sweep-rate, not both: --capacity chooses its own rates")
@@ -184,6 +204,7 @@ def sim(
         fail("--autoscale replays the requests at their own rate: not with a sweep or --capacity")
     if audit_admission and not deadlines:
         fail("--audit-admission audits SLO admission, which --no-deadlines turns off")
+    check_outputs(files={"--json": json_out}, plots={"--plot": plot})
     overrides = {
         k: v
         for k, v in (

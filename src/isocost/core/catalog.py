@@ -15,7 +15,8 @@ names the file and the key path::
         # optional efficiency factors and shape terms (GpuSpec), e.g. fitted ones from
         # benchmarks/calibration/fitted-gpus.yaml:
         # mfu_prefill, mbu_decode, step_overhead_ms, prefill_overhead_ms,
-        # kernel_us_per_layer, gemm_half_rate_tokens, elementwise_io_per_layer (all >= 0)
+        # kernel_us_per_layer, gemm_half_rate_tokens, elementwise_io_per_layer (all >= 0;
+        # mfu_prefill and mbu_decode in (0, 1])
     models:
       - id: my-13b
         num_layers: 40
@@ -39,6 +40,14 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from isocost.core.bounds import (
+    AT_LEAST_ONE,
+    FRACTION,
+    NON_NEGATIVE,
+    POSITIVE,
+    Bounds,
+    check_fields,
+)
 from isocost.core.errors import ConfigError, UnknownEntryError
 from isocost.core.hardware import BUILTIN_GPUS, GpuSpec, Interconnect
 from isocost.core.models import BUILTIN_MODELS, ModelSpec
@@ -181,19 +190,43 @@ def parse_catalog_yaml(text: str, source: str) -> _CatalogFile:
     except msgspec.DecodeError as exc:
         raise ConfigError(source, f"not valid YAML: {exc}") from exc
     for i, gpu in enumerate(parsed.gpus):
-        for key in ("memory_gib", "hbm_bandwidth_gb_s", "bf16_tflops"):
-            if getattr(gpu, key) <= 0:
-                raise ConfigError(source, "must be positive", key=f"gpus[{i}].{key}")
-        for key in ("kernel_us_per_layer", "gemm_half_rate_tokens", "elementwise_io_per_layer"):
-            if getattr(gpu, key) < 0:
-                raise ConfigError(source, "must be >= 0", key=f"gpus[{i}].{key}")
+        check_fields(gpu, _GPU_BOUNDS, source, f"gpus[{i}]")
         if gpu.interconnect not in ("nvlink", "pcie"):
             raise ConfigError(source, "must be nvlink or pcie", key=f"gpus[{i}].interconnect")
     for i, model in enumerate(parsed.models):
-        for key in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size"):
-            if getattr(model, key) <= 0:
-                raise ConfigError(source, "must be positive", key=f"models[{i}].{key}")
+        check_fields(model, _MODEL_BOUNDS, source, f"models[{i}]")
+    for gpu_id, price in parsed.prices.items():
+        if (problem := NON_NEGATIVE.problem(price)) is not None:
+            raise ConfigError(source, problem, key=f"prices.{gpu_id}")
     return parsed
+
+
+# Every number of an entry, checked when the catalog is read: a zero utilisation divides by
+# zero in the cost model, a NaN or an infinity poisons every time and price derived from it.
+_GPU_BOUNDS: dict[str, Bounds] = {
+    "memory_gib": POSITIVE,
+    "hbm_bandwidth_gb_s": POSITIVE,
+    "bf16_tflops": POSITIVE,
+    "fp8_tflops": POSITIVE,
+    "usd_per_hour": NON_NEGATIVE,
+    "interconnect_gb_s": POSITIVE,
+    "interconnect_latency_us": NON_NEGATIVE,
+    "max_gpus_per_node": AT_LEAST_ONE,
+    "mfu_prefill": FRACTION,
+    "mbu_decode": FRACTION,
+    "step_overhead_ms": NON_NEGATIVE,
+    "prefill_overhead_ms": NON_NEGATIVE,
+    "kernel_us_per_layer": NON_NEGATIVE,
+    "gemm_half_rate_tokens": NON_NEGATIVE,
+    "elementwise_io_per_layer": NON_NEGATIVE,
+}
+_MODEL_BOUNDS: dict[str, Bounds] = dict.fromkeys(
+    (
+        *("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "head_dim"),
+        *("intermediate_size", "vocab_size", "max_context_tokens"),
+    ),
+    AT_LEAST_ONE,
+)
 
 
 def gpus_catalog_yaml(gpus: Iterable[GpuSpec], comments: Sequence[str] = ()) -> str:

@@ -43,6 +43,7 @@ from isocost.core.hardware import GpuSpec
 from isocost.core.models import ModelSpec
 
 __all__ = [
+    "MAX_CONTEXT_TOKENS",
     "DisaggPlan",
     "PlanRequest",
     "PlanResult",
@@ -54,6 +55,9 @@ __all__ = [
 ]
 
 TP_DEGREES = (1, 2, 4, 8)
+# Beyond the longest context any model serves; a prefill is priced chunk by chunk, so a
+# context of 1e11 tokens would take minutes to price before it is found not to fit.
+MAX_CONTEXT_TOKENS = 10_000_000
 _GIB = 1024**3
 
 
@@ -77,6 +81,8 @@ class PlanRequest:
     def __post_init__(self) -> None:
         if self.context_tokens <= 0 or self.output_tokens <= 0:
             raise ValueError("context and output tokens must be positive")
+        if self.context_tokens > MAX_CONTEXT_TOKENS:
+            raise ValueError(f"--context must be at most {MAX_CONTEXT_TOKENS:,} tokens")
         if self.output_tokens >= self.context_tokens:
             raise ValueError(
                 f"--output-tokens ({self.output_tokens}) must be below --context "

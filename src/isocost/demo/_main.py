@@ -34,6 +34,7 @@ from rich.live import Live
 
 from isocost.bench import BenchOptions, BenchResult, WorkloadSpec, build_workload, run_bench
 from isocost.bench._report import compare_table
+from isocost.core.bounds import POSITIVE, Bounds
 from isocost.core.errors import ConfigError
 from isocost.core.slo import (
     DEFAULT_SLO_TPOT_MS,
@@ -90,14 +91,19 @@ class DemoOptions:
 
     def check(self) -> None:
         """ConfigError for a knob out of range, before anything starts."""
+        numbers = (
+            ("--duration", self.duration_s, POSITIVE),
+            ("--rate", self.rate_rps, POSITIVE),
+            ("--time-scale", self.time_scale, POSITIVE),
+            ("--port", self.port, Bounds(0, 65535)),
+            ("--timeout", self.timeout_s, POSITIVE),
+        )
+        for flag, value, bounds in numbers:
+            if (problem := bounds.problem(value)) is not None:
+                raise ConfigError(flag, problem)
         checks = (
-            ("--duration", self.duration_s > 0, "must be > 0"),
-            ("--rate", self.rate_rps > 0, "must be > 0"),
-            ("--time-scale", self.time_scale > 0, "must be > 0"),
             ("--policies", len(self.policies) >= 1, "name at least one policy"),
             ("--policies", set(self.policies) <= set(BUILTIN_POLICIES), _valid_policies()),
-            ("--port", 0 <= self.port <= 65535, "must be a TCP port"),
-            ("--timeout", self.timeout_s > 0, "must be > 0"),
         )
         for flag, ok, message in checks:
             if not ok:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from isocost.core.bounds import AT_LEAST_ONE, FRACTION, POSITIVE, Bounds
 from isocost.core.costmodel import EngineLimits
 from isocost.core.errors import ConfigError
 from isocost.core.links import LINK_KINDS
@@ -29,20 +30,31 @@ def launch(
 ) -> None:
     """Serve the replicas on ``port``, ``port + 1``, ... (all OS-chosen when ``port`` is
     0) until SIGINT/SIGTERM. Bad flags raise ``ConfigError`` before any port opens."""
-    checks = (
-        ("--time-scale", options.time_scale > 0, "must be > 0"),
-        ("--stream-interval", options.stream_interval >= 1, "must be >= 1"),
-        ("--replicas", replicas >= 1, "must be >= 1"),
-        ("--tp", default.tp >= 1, "must be >= 1"),
-        ("--port", 0 <= port <= 65535, "must be a TCP port"),
+    numbers = (
+        ("--time-scale", options.time_scale, POSITIVE),
+        ("--stream-interval", options.stream_interval, AT_LEAST_ONE),
+        ("--replicas", replicas, AT_LEAST_ONE),
+        ("--tp", default.tp, AT_LEAST_ONE),
+        ("--port", port, Bounds(0, 65535)),
+        ("--output-mean-tokens", options.output_mean_tokens, AT_LEAST_ONE),
+        ("--write-timeout", options.write_timeout_s, Bounds(0.001)),
+        ("--kv-hold-timeout", options.kv_hold_timeout_s, POSITIVE),
+        ("--read-timeout", options.read_timeout_s, POSITIVE),
+        # a step admits no request without a sequence slot and a token to spend: each hangs
+        ("--max-num-seqs", limits.max_num_seqs, AT_LEAST_ONE),
+        ("--max-num-batched-tokens", limits.max_num_batched_tokens, AT_LEAST_ONE),
+        ("--gpu-memory-utilization", limits.gpu_memory_utilization, FRACTION),
+        ("--num-gpu-blocks-override", default.num_gpu_blocks, AT_LEAST_ONE),
+    )
+    for flag, value, bounds in numbers:
+        if value is not None and (wrong := bounds.problem(value)) is not None:
+            raise ConfigError(flag, wrong)
+    names = (
         ("--output-dist", options.output_dist in OUTPUT_DISTRIBUTIONS, "unknown distribution"),
-        ("--output-mean-tokens", options.output_mean_tokens >= 1, "must be >= 1"),
         ("--role", default.role in ROLES, f"must be one of {', '.join(ROLES)}"),
         ("--link", default.link in LINK_KINDS, f"must be one of {', '.join(LINK_KINDS)}"),
-        ("--kv-hold-timeout", options.kv_hold_timeout_s > 0, "must be > 0"),
-        ("--read-timeout", options.read_timeout_s > 0, "must be > 0"),
     )
-    for flag, ok, message in checks:
+    for flag, ok, message in names:
         if not ok:
             raise ConfigError(flag, message)
     problem = default.faults.problem()

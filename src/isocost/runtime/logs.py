@@ -23,7 +23,11 @@ from types import TracebackType
 
 from aiohttp.http_exceptions import HttpProcessingError
 
-__all__ = ["JsonFormatter", "configure_logging", "redact"]
+from isocost.core.errors import ConfigError
+
+__all__ = ["LOG_LEVELS", "JsonFormatter", "check_log_level", "configure_logging", "redact"]
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 _STANDARD_ATTRS = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
 _MAX_FIELD_CHARS = 2000
@@ -81,8 +85,18 @@ def _message(record: logging.LogRecord) -> str:
         return str(record.msg)
 
 
+def check_log_level(level: str) -> str:
+    """``level`` when it is one of ``LOG_LEVELS`` (any case); else a ConfigError naming
+    them, for every command's ``--log-level`` alike (logging's own error is a traceback)."""
+    if level.lower() not in LOG_LEVELS:
+        raise ConfigError("--log-level", f"unknown level {level!r}; valid: {', '.join(LOG_LEVELS)}")
+    return level
+
+
 def configure_logging(level: str) -> None:
-    """Route every logger of the process through one JSON handler on stderr at ``level``."""
+    """Route every logger of the process through one JSON handler on stderr at ``level``
+    (checked by ``check_log_level``)."""
+    check_log_level(level)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter())
     root = logging.getLogger()

@@ -42,6 +42,7 @@ __all__ = [
     "FleetReplica",
     "RecordedRequest",
     "Recorder",
+    "directory_problem",
     "monotonic_epoch_s",
     "recorded_hash_ids",
     "segment_paths",
@@ -82,7 +83,7 @@ class RecordedRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=T
     e2e_ms: float
 
 
-class FleetReplica(msgspec.Struct, frozen=True):
+class FleetReplica(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     name: str
     gpu: str
     cost_model: str
@@ -95,14 +96,15 @@ class FleetReplica(msgspec.Struct, frozen=True):
     itl_factor: float = 1.0  # learned observed / predicted inter-token time
 
 
-class FleetPool(msgspec.Struct, frozen=True):
+class FleetPool(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     model: str
     policy: str
     replicas: list[FleetReplica]
 
 
-class FleetFile(msgspec.Struct, frozen=True):
-    """``fleet.json``: the fleet a recording's traffic met, with its gateway settings."""
+class FleetFile(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """``fleet.json``: the fleet a recording's traffic met, with its gateway settings (a key
+    it does not know is an error: a replay must not silently ignore part of a fleet)."""
 
     pools: list[FleetPool]
     scrape_interval_ms: float = 200.0
@@ -169,12 +171,23 @@ def usable_directory(directory: Path) -> None:
     """Make ``directory`` if it is missing; ValueError, saying why, when it cannot be made
     or written: checked before a recording is said to start, so that a bad ``--record``
     or admin start is refused then rather than found by the writer."""
+    problem = directory_problem(directory)
+    if problem is not None:
+        raise ValueError(f"cannot record into {str(directory)!r}: {problem}")
+
+
+def directory_problem(directory: Path) -> str | None:
+    """Make ``directory`` if it is missing; why it cannot be made or written, else None.
+    Shared by ``--record`` and the CLI's other output folders (``demo --out``)."""
     try:
+        if directory.exists() and not directory.is_dir():
+            return "not a folder"
         directory.mkdir(parents=True, exist_ok=True)
     except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
-        raise ValueError(f"cannot record into {str(directory)!r}: {_reason(exc)}") from None
+        return _reason(exc)
     if not os.access(directory, os.W_OK | os.X_OK):
-        raise ValueError(f"cannot record into {str(directory)!r}: not writable")
+        return "not writable"
+    return None
 
 
 def _reason(exc: Exception) -> str:

@@ -37,7 +37,7 @@ from isocost.control import (
 from isocost.core.catalog import Catalog
 from isocost.core.errors import ConfigError
 from isocost.core.slo import SloTargets
-from isocost.sim._cluster import ClusterConfig, SimReplica, resolve_cluster
+from isocost.sim._cluster import ClusterConfig, SimReplica, resolve_cluster, with_settings
 from isocost.sim._core import SimRecord, Simulator
 from isocost.workload import WorkloadRequest
 
@@ -296,7 +296,7 @@ def parse_autoscale_yaml(text: str, source: str) -> AutoscaleConfig:
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(source, f"not valid YAML: {' '.join(str(exc).split())}") from None
+        raise ConfigError(source, f"not valid YAML: {exc}") from None
     return parse_autoscale_config(raw, source)
 
 
@@ -321,7 +321,7 @@ def autoscaled_cluster(
         group = groups[matching[0]]
         counts[pool.gpu] = min(max(group.count, pool.min), pool.max)
         groups[matching[0]] = msgspec.structs.replace(group, count=pool.max)
-    grown = msgspec.structs.replace(cluster, replicas=groups)
+    grown = with_settings(msgspec.structs.replace(cluster, replicas=groups), source)  # limits
     replicas = resolve_cluster(grown, catalog)
     prompt = round(sum(r.prompt_tokens for r in requests) / len(requests))
     output = round(sum(r.output_tokens for r in requests) / len(requests))

@@ -28,7 +28,9 @@ A replica group expands to ``count`` replicas named ``<name>-<i>`` (``name`` def
 (a quantised variant, another size) behind one name. Replicas with ``start_s: 0`` are
 running when the simulation starts; a later ``start_s`` launches the replica then, ready
 ``cold_start_s`` later, and a recovered replica also pays its cold start, with an empty
-cache. ``slowdown`` multiplies every step time (a degraded node). ``role`` (``prefill``,
+cache. ``slowdown`` multiplies every step time (a degraded node; 0.001 to 1000, as the
+engine's). Every number must be finite; ``sim._limits`` bounds the replicas (10,000 in all),
+the network delay (a minute) and the times (a week). ``role`` (``prefill``,
 ``decode`` or ``both``, the default) is the replica's part in prefill/decode
 disaggregation (``scheduling.disagg``): ``- {gpu: h100-80g, model: llama-3.1-8b, count: 4,
 role: prefill}``; a split request's KV moves over the cluster's ``link``
@@ -52,14 +54,17 @@ from typing import Literal, Protocol, TypeVar, cast
 import msgspec
 import yaml
 
+from isocost.core.bounds import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Bounds, check_fields
 from isocost.core.catalog import Catalog
 from isocost.core.costmodel import CostModel
 from isocost.core.errors import ConfigError
 from isocost.core.links import LINK_KINDS
+from isocost.engine.config import MAX_SLOWDOWN
 from isocost.files import resolve_model
 from isocost.runtime.config import GatewayConfig, PoolConfig, replica_name
 from isocost.scheduling.contract import Role
 from isocost.scheduling.policies import UnknownConfigEntryError
+from isocost.sim._limits import MAX_NETWORK_DELAY_MS, MAX_REPLICAS, MAX_SPAN_S
 
 DisaggregationMode = Literal["colocated", "pd", "conditional"]  # scheduling.disagg.DisaggMode
 
@@ -276,27 +281,41 @@ def served_model(config: ClusterConfig) -> str:
     return config.served_model or config.replicas[0].model
 
 
+# Every number's range (all finite; ``sim._limits`` says why the upper bounds).
+_SLOWDOWN = Bounds(1 / MAX_SLOWDOWN, MAX_SLOWDOWN)
+_SPAN = Bounds(0.0, MAX_SPAN_S)
+_CLUSTER_BOUNDS: dict[str, Bounds] = {
+    "network_delay_ms": Bounds(0.0, MAX_NETWORK_DELAY_MS),
+    "scrape_interval_ms": NON_NEGATIVE,  # 0: never
+    "queue_size": NON_NEGATIVE,
+    "queue_timeout_ms": Bounds(0.0, MAX_SPAN_S * 1000, low_open=True),
+    "max_retries": NON_NEGATIVE,
+}
+_GROUP_BOUNDS: dict[str, Bounds] = {
+    "tp": AT_LEAST_ONE,
+    "count": Bounds(1, MAX_REPLICAS),
+    "slowdown": _SLOWDOWN,
+    "weight": POSITIVE,
+    "max_queue": NON_NEGATIVE,
+    "usd_per_hour": NON_NEGATIVE,
+    "start_s": _SPAN,
+    "cold_start_s": _SPAN,
+}
+_EVENT_BOUNDS: dict[str, Bounds] = {"at_s": _SPAN, "factor": _SLOWDOWN}
+
+
 def _check(config: ClusterConfig, source: str) -> None:
+    check_fields(config, _CLUSTER_BOUNDS, source)
+    for i, group in enumerate(config.replicas):
+        check_fields(group, _GROUP_BOUNDS, source, f"replicas[{i}]")
+    for i, event in enumerate(config.events):
+        check_fields(event, _EVENT_BOUNDS, source, f"events[{i}]")
+    total = sum(g.count for g in config.replicas)
     problems: list[tuple[str, bool, str]] = [
         ("replicas", bool(config.replicas), "must list at least one replica group"),
-        ("network_delay_ms", config.network_delay_ms >= 0, "must be >= 0"),
-        ("scrape_interval_ms", config.scrape_interval_ms >= 0, "must be >= 0 (0: never)"),
-        ("queue_size", config.queue_size >= 0, "must be >= 0"),
-        ("queue_timeout_ms", config.queue_timeout_ms > 0, "must be > 0"),
-        ("max_retries", config.max_retries >= 0, "must be >= 0"),
+        ("replicas", total <= MAX_REPLICAS, f"{total:,}, beyond the limit of {MAX_REPLICAS:,}"),
         ("link", config.link in LINK_KINDS, f"must be one of {', '.join(LINK_KINDS)}"),
     ]
-    for i, g in enumerate(config.replicas):
-        key = f"replicas[{i}]"
-        problems += [
-            (f"{key}.tp", g.tp >= 1, "must be >= 1"),
-            (f"{key}.count", g.count >= 1, "must be >= 1"),
-            (f"{key}.slowdown", g.slowdown > 0, "must be > 0"),
-            (f"{key}.weight", g.weight > 0, "must be > 0"),
-            (f"{key}.max_queue", g.max_queue >= 0, "must be >= 0"),
-            (f"{key}.start_s", g.start_s >= 0, "must be >= 0"),
-            (f"{key}.cold_start_s", g.cold_start_s >= 0, "must be >= 0"),
-        ]
     for key, ok, message in problems:
         if not ok:
             raise ConfigError(source, message, key)
@@ -310,8 +329,6 @@ def _check(config: ClusterConfig, source: str) -> None:
                 f"unknown replica {event.replica!r}; valid: {', '.join(names)}",
                 f"events[{i}].replica",
             )
-        if event.at_s < 0 or (event.action == "slowdown" and event.factor <= 0):
-            raise ConfigError(source, "at_s must be >= 0 and factor > 0", f"events[{i}]")
 
 
 def _names(group: ReplicaGroup) -> list[str]:

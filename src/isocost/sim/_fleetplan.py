@@ -28,6 +28,7 @@ from isocost.core.planner import valid_tp_degrees
 from isocost.core.slo import SloTargets
 from isocost.files import resolve_model
 from isocost.sim._cluster import ClusterConfig, ReplicaGroup, resolve_cluster
+from isocost.sim._limits import MAX_REPLICAS
 from isocost.sim._metrics import PolicySummary
 from isocost.sim._run import SimPlan, run_plan
 from isocost.sim._twin import Recording, recorded_cluster
@@ -79,8 +80,10 @@ def plan_fleet(
     on_trial: Callable[[FleetTrial], None] | None = None,
 ) -> FleetPlan:
     """Sweep fleets (module docstring); ``on_trial`` sees each simulated one."""
-    if not growth > 0 or max_replicas < 1:
-        raise ConfigError("plan", "--growth must be positive and --max-replicas >= 1")
+    if not growth > 0 or not 1 <= max_replicas <= MAX_REPLICAS:
+        raise ConfigError(
+            "plan", f"--growth must be positive and --max-replicas in [1, {MAX_REPLICAS:,}]"
+        )
     if not recording.pool.replicas:
         raise ConfigError("plan", "the recorded pool had no replica to learn a model from")
     name = policy or recording.pool.policy

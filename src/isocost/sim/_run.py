@@ -32,6 +32,7 @@ from isocost.sim._autoscale import FleetUsage, SimAutoscale
 from isocost.sim._capacity import CapacityResult, CapacitySpec, search_capacity
 from isocost.sim._cluster import ClusterConfig, SimReplica, lowest_slowdowns, served_model
 from isocost.sim._core import SimResult, Simulator
+from isocost.sim._limits import check_run_length
 from isocost.sim._metrics import (
     DisaggSummary,
     Isolated,
@@ -78,6 +79,14 @@ class SimPlan:
     jobs: int = 2
     audit_admission: bool = False  # replay each SLO-admission rejection as admitted
     autoscale: SimAutoscale | None = None  # replicas started and drained by control/
+
+    def __post_init__(self) -> None:
+        """Refuse, before any run starts, runs that would not end (``sim._limits``)."""
+        low = min(self.rates_rps, default=None)
+        if self.capacity is not None:
+            low = self.capacity.low_rps
+        control_s = None if self.autoscale is None else self.autoscale.config.interval_s
+        check_run_length(self.requests, low, self.cluster.scrape_interval_ms, control_s)
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,6 +46,7 @@ from random import Random
 
 import msgspec
 
+from isocost.core.bounds import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Bounds, check_fields
 from isocost.core.catalog import Catalog
 from isocost.core.costmodel import CostModel
 from isocost.core.errors import ConfigError
@@ -81,6 +82,22 @@ __all__ = [
 
 
 _outcome = msgspec.json.Decoder(RecordedRequest)
+# fleet.json's numbers, checked when it is read: a calibration factor below 0 has no square
+# root (``calibrated_slowdown``), one of 0 makes a replica that takes no time.
+_FLEET_BOUNDS: dict[str, Bounds] = {
+    "scrape_interval_ms": NON_NEGATIVE,
+    "queue_size": NON_NEGATIVE,
+    "queue_timeout_ms": POSITIVE,
+    "max_retries": NON_NEGATIVE,
+}
+_REPLICA_BOUNDS: dict[str, Bounds] = {
+    "tp": AT_LEAST_ONE,
+    "weight": POSITIVE,
+    "max_queue": NON_NEGATIVE,
+    "usd_per_hour": NON_NEGATIVE,
+    "ttft_factor": POSITIVE,
+    "itl_factor": POSITIVE,
+}
 _FIT_ROUNDS = 3  # slowdowns alone
 _PREFILL_ROUNDS = 5  # then slowdowns and prefill overheads
 _FIT_STEP = (0.25, 4.0)  # bounds of one round's slowdown correction
@@ -114,6 +131,10 @@ def load_recording(directory: str, pool: str | None) -> Recording:
         raise ConfigError(str(fleet_path), f"cannot read: {exc.strerror or exc}") from None
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ConfigError(str(fleet_path), str(exc)) from None
+    check_fields(fleet, _FLEET_BOUNDS, str(fleet_path))
+    for i, recorded_pool in enumerate(fleet.pools):
+        for j, replica in enumerate(recorded_pool.replicas):
+            check_fields(replica, _REPLICA_BOUNDS, str(fleet_path), f"pools[{i}].replicas[{j}]")
     chosen = named_pool(fleet.pools, pool, str(fleet_path), "replay")
     lines: list[str] = []
     outcomes: list[RecordedRequest] = []

@@ -3,8 +3,9 @@
 A trace keeps its own arrival times, compressed by ``speedup`` or scaled so that the mean
 rate of its first ``max_requests`` (the ones simulated) is ``rate_rps`` (the shape of its
 bursts stays); one without times (lengths only) gets Poisson arrivals at ``rate_rps`` from
-``seed``. A synthetic workload draws Poisson arrivals at ``rate_rps`` (default 1/s) from
-``seed``. ``duration_s`` then keeps the requests arriving before it and ``max_requests``
+``seed``, and is refused without it. A synthetic workload draws Poisson arrivals at
+``rate_rps`` (default 1/s) from ``seed``, at most ``MAX_SYNTHETIC_REQUESTS`` of them.
+``duration_s`` then keeps the requests arriving before it and ``max_requests``
 the first so many. A rate sweep replays this same list with its time scaled to each rate,
 so every point has the same requests, and a point at the rate a single run was given is
 that run.
@@ -13,15 +14,18 @@ that run.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from random import Random
 
 from isocost.core.errors import ConfigError
 from isocost.files import load_trace
 from isocost.workload import (
+    MAX_SYNTHETIC_REQUESTS,
     SyntheticSpec,
     TraceFormat,
     WorkloadRequest,
+    check_timed,
     poisson_arrivals,
     scale_to_rate,
     speedup,
@@ -60,6 +64,8 @@ def load_requests(choice: WorkloadChoice) -> list[WorkloadRequest]:
             raise ConfigError("sim", f"{name} must be positive")
     if choice.synthetic is None:
         requests = choice.recorded or load_trace(choice.trace or "", choice.trace_format)
+        if choice.trace is not None and choice.rate_rps is None:
+            check_timed(requests, choice.trace)  # the whole trace: its head may come at once
         requests = requests[: choice.max_requests]  # the whole trace's rate is not its head's
         if choice.rate_rps is not None:
             if len({r.arrival_s for r in requests}) < 2:  # lengths only: Poisson arrivals
@@ -90,11 +96,17 @@ def _synthetic(choice: WorkloadChoice, spec: SyntheticSpec) -> list[WorkloadRequ
     requests = synthetic_workload(spec, rng, poisson_arrivals(rng, choice.rate_rps or 1.0))
     if spec.name != "mix":
         return list(requests)
-    # The mix is endless: cut it by count or time.
-    if choice.max_requests is None and choice.duration_s is None:
-        return list(itertools.islice(requests, _DEFAULT_SYNTHETIC_REQUESTS))
-    if choice.duration_s is not None:
-        limit = choice.max_requests
-        taken = itertools.takewhile(lambda r: r.arrival_s < (choice.duration_s or 0.0), requests)
-        return list(itertools.islice(taken, limit))
-    return list(itertools.islice(requests, choice.max_requests))
+    # The mix is endless: cut it by count or time, made whole as the other workloads are.
+    limit, duration_s = choice.max_requests, choice.duration_s
+    if limit is None and duration_s is None:
+        limit = _DEFAULT_SYNTHETIC_REQUESTS
+    expected = min(limit or math.inf, (choice.rate_rps or 1.0) * (duration_s or math.inf))
+    if expected > MAX_SYNTHETIC_REQUESTS:
+        raise ConfigError(
+            "sim",
+            f"--workload mix: about {expected:.3g} requests (--max-requests, or --rate x "
+            f"--duration), beyond the limit of {MAX_SYNTHETIC_REQUESTS:,}",
+        )
+    if duration_s is not None:
+        requests = itertools.takewhile(lambda r: r.arrival_s < duration_s, requests)
+    return list(itertools.islice(requests, limit))

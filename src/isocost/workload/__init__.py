@@ -5,6 +5,7 @@ source name for errors; nothing here opens a file, reads a clock or uses the glo
 """
 
 from isocost.workload._arrivals import (
+    check_timed,
     gamma_arrivals,
     mean_rate_rps,
     poisson_arrivals,
@@ -22,6 +23,7 @@ from isocost.workload._request import (
     segments_for_blocks,
 )
 from isocost.workload._synthetic import (
+    MAX_SYNTHETIC_REQUESTS,
     SCENARIO_MIX,
     SYNTHETIC_WORKLOADS,
     ScenarioClass,
@@ -40,6 +42,7 @@ from isocost.workload._traces import (
 )
 
 __all__ = [
+    "MAX_SYNTHETIC_REQUESTS",
     "SCENARIO_MIX",
     "SYNTHETIC_WORKLOADS",
     "TRACE_BLOCK_TOKENS",
@@ -51,6 +54,7 @@ __all__ = [
     "TextRenderer",
     "TraceFormat",
     "WorkloadRequest",
+    "check_timed",
     "detect_trace_format",
     "gamma_arrivals",
     "mean_rate_rps",

@@ -19,9 +19,11 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
 from random import Random
 
+from isocost.core.errors import ConfigError
 from isocost.workload._request import WorkloadRequest
 
 __all__ = [
+    "check_timed",
     "gamma_arrivals",
     "mean_rate_rps",
     "poisson_arrivals",
@@ -60,6 +62,14 @@ def with_arrivals(
     """Each request in order, stamped with the next time from ``arrivals``."""
     for request in requests:
         yield replace(request, arrival_s=next(arrivals))
+
+
+def check_timed(requests: Sequence[WorkloadRequest], source: str) -> None:
+    """A ConfigError naming ``source`` when several requests all arrive at one instant: a
+    trace without arrival times (lengths only) replayed at its own pace would send them
+    all at once, where it needs arrivals at a rate."""
+    if len(requests) > 1 and len({r.arrival_s for r in requests}) == 1:
+        raise ConfigError(source, "the trace has no arrival times; pass --rate")
 
 
 def speedup(requests: Iterable[WorkloadRequest], factor: float) -> Iterator[WorkloadRequest]:

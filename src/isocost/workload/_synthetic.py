@@ -43,6 +43,7 @@ from typing import Literal
 from isocost.workload._request import Segment, WorkloadRequest
 
 __all__ = [
+    "MAX_SYNTHETIC_REQUESTS",
     "SCENARIO_MIX",
     "SYNTHETIC_WORKLOADS",
     "ScenarioClass",
@@ -56,6 +57,7 @@ __all__ = [
 
 INPUT_SIGMA = 0.5
 OUTPUT_SIGMA = 0.7
+MAX_SYNTHETIC_REQUESTS = 1_000_000  # shared-prefix and multi-turn are made whole, up front
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,6 +197,22 @@ class SyntheticSpec:
     question_tokens: int = 128
     output_tokens: int = 128
     think_time_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        """A ValueError naming the flags when the workload would hold more requests than
+        ``MAX_SYNTHETIC_REQUESTS``: every one is made before the first is sent."""
+        sizes = {
+            "shared-prefix": (
+                "--groups x --prompts-per-group",
+                self.num_groups * self.prompts_per_group,
+            ),
+            "multi-turn": ("--sessions x --turns", self.sessions * self.turns),
+        }
+        flags, count = sizes.get(self.name, ("", 0))
+        if count > MAX_SYNTHETIC_REQUESTS:
+            raise ValueError(
+                f"{flags}: {count:,} requests, beyond the limit of {MAX_SYNTHETIC_REQUESTS:,}"
+            )
 
 
 def synthetic_workload(

@@ -403,6 +403,26 @@ def test_a_pool_that_grows_takes_back_its_draining_replicas_first() -> None:
             {"pools": [{"gpu": "a", "max": 2}], "max_gpus": 8, "scale_step": 1.5},
             "scale_step: must be in [0, 1)",
         ),
+        (
+            {"pools": [{"gpu": "a", "max": 2}], "max_gpus": 8, "guard_window_s": 0},
+            "guard_window_s: must be > 0",
+        ),
+        (
+            {"pools": [{"gpu": "a", "max": 2}], "max_gpus": 8, "guard_window_s": math.nan},
+            "guard_window_s: must be a finite number > 0",
+        ),
+        (
+            {"pools": [{"gpu": "a", "max": 2}], "max_gpus": 8, "interval_s": 0.0001},
+            "interval_s: must be >= 0.1",
+        ),
+        (
+            {"pools": [{"gpu": "a", "max": 2}], "max_usd_per_hour": math.inf},
+            "max_usd_per_hour: must be a finite number > 0",
+        ),
+        (
+            {"pools": [{"gpu": "a", "max": 2, "cold_start_s": math.nan}], "max_gpus": 8},
+            "pools[0].cold_start_s: must be a finite number >= 0",
+        ),
     ],
 )
 def test_bad_config_is_one_line_naming_the_key(raw: dict[str, object], message: str) -> None:

@@ -119,6 +119,34 @@ def test_malformed_catalog_names_file_and_key(text: str, expected: str) -> None:
         CATALOG.merged(text, "mine.yaml")
 
 
+def _gpu(extra: str = "", bandwidth: str = "1", tflops: str = "1", usd: str = "1") -> str:
+    return (
+        f"gpus:\n  - {{id: x, memory_gib: 1, hbm_bandwidth_gb_s: {bandwidth},"
+        f" bf16_tflops: {tflops}, usd_per_hour: {usd}{extra}}}\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (_gpu(", mbu_decode: 0"), "gpus[0].mbu_decode: must be in (0, 1]"),
+        (_gpu(", mfu_prefill: 2.0"), "gpus[0].mfu_prefill: must be in (0, 1]"),
+        (_gpu(bandwidth=".nan"), "gpus[0].hbm_bandwidth_gb_s: must be a finite number > 0"),
+        (_gpu(tflops=".inf"), "gpus[0].bf16_tflops: must be a finite number > 0"),
+        (_gpu(usd="-1"), "gpus[0].usd_per_hour: must be >= 0"),
+        ("prices: {a100-80g: -1}\n", "prices.a100-80g: must be >= 0"),
+        ("prices: {a100-80g: .nan}\n", "prices.a100-80g: must be a finite number >= 0"),
+        ("models:\n  - {id: m, num_layers: 2, hidden_size: 64, num_attention_heads: 4,"
+         " intermediate_size: 0, vocab_size: 10}\n", "models[0].intermediate_size: must be >= 1"),
+    ],
+)  # fmt: skip
+def test_catalog_numbers_are_finite_and_in_range(text: str, expected: str) -> None:
+    """Each would divide by zero, price at a negative or NaN rate, or exceed a peak."""
+    with pytest.raises(ConfigError) as error:
+        CATALOG.merged(text, "mine.yaml")
+    assert str(error.value) == f"mine.yaml: {expected}"
+
+
 def test_hf_config_reproduces_catalog_shape() -> None:
     config = """{"architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
       "intermediate_size": 14336, "max_position_embeddings": 131072, "model_type": "llama",

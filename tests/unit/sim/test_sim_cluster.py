@@ -32,6 +32,9 @@ def test_the_example_expands_into_named_heterogeneous_replicas() -> None:
     assert [e.action for e in config.events] == ["slowdown", "fail", "recover"]
 
 
+_ONE = "replicas: [{gpu: a100-80g, model: llama-3.1-8b}]"
+
+
 @pytest.mark.parametrize(
     ("text", "needle"),
     [
@@ -50,6 +53,20 @@ def test_the_example_expands_into_named_heterogeneous_replicas() -> None:
             "action",
         ),
         ("replicas: [{gpu: a100-80g", "not valid YAML"),
+        (f"{_ONE}\nnetwork_delay_ms: .inf", "network_delay_ms: must be a finite number"),
+        (_ONE.replace("}", ", slowdown: .inf}"), "replicas[0].slowdown: must be a finite"),
+        (_ONE.replace("}", ", slowdown: 0}"), "replicas[0].slowdown: must be in [0.001, 1000]"),
+        (_ONE.replace("}", ", usd_per_hour: -1}"), "replicas[0].usd_per_hour: must be >= 0"),
+        ("replicas: [{gpu: a100-80g, model: llama-3.1-8b, count: 100000}]", "[1, 10000]"),
+        (
+            "replicas: [{gpu: a100-80g, model: llama-3.1-8b, count: 6000},"
+            " {gpu: l20-48g, model: llama-3.1-8b, count: 6000}]",
+            "replicas: 12,000, beyond the limit of 10,000",
+        ),
+        (
+            f"{_ONE}\nevents: [{{at_s: .nan, replica: llama-3.1-8b-a100-80g-tp1-0, action: fail}}]",
+            "events[0].at_s: must be a finite number",
+        ),
     ],
 )
 def test_bad_cluster_files_are_named_with_the_key(text: str, needle: str) -> None:

@@ -124,6 +124,32 @@ def test_a_directory_without_a_fleet_is_one_clear_error(tmp_path: Path) -> None:
         load_recording(str(tmp_path), None)
 
 
+@pytest.mark.parametrize(
+    ("factors", "key", "message"),
+    [
+        ((1.0, -1.0), "pools[0].replicas[0].itl_factor", "must be > 0"),
+        ((0.0, 1.0), "pools[0].replicas[0].ttft_factor", "must be > 0"),
+    ],
+)
+def test_a_fleet_with_a_factor_out_of_range_is_refused_when_read(
+    tmp_path: Path, factors: tuple[float, float], key: str, message: str
+) -> None:
+    """The replica's slowdown is the square root of their product: none below 0, and a
+    replica of slowdown 0 would take no time at all."""
+    directory = _record(tmp_path / "r", factors)
+    with pytest.raises(ConfigError) as error:
+        load_recording(str(directory), None)
+    assert str(error.value) == f"{directory / FLEET_FILE}: {key}: {message}"
+
+
+def test_a_fleet_with_a_key_it_does_not_know_is_refused(tmp_path: Path) -> None:
+    directory = _record(tmp_path / "r", (1.0, 1.0))
+    fleet = json.loads((directory / FLEET_FILE).read_text())
+    (directory / FLEET_FILE).write_text(json.dumps({**fleet, "bogus": 1}))
+    with pytest.raises(ConfigError, match="unknown field `bogus`"):
+        load_recording(str(directory), None)
+
+
 def test_the_cheapest_fleet_meets_the_slos_and_one_fewer_does_not(tmp_path: Path) -> None:
     recording = load_recording(str(_record(tmp_path / "rec", (1.0, 1.0))), None)
     result = plan_fleet(recording, Catalog.builtin(), SLO, gpus=["a100-80g"], max_replicas=32)
