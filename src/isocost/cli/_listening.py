@@ -8,6 +8,7 @@ a failure of the running server and propagates as it would.
 
 from __future__ import annotations
 
+import errno
 import socket
 from types import TracebackType
 from typing import NoReturn
@@ -51,8 +52,18 @@ class Listening:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if isinstance(exc, OSError) and not self.ready:
+        if isinstance(exc, OSError) and not self.ready and _refused_bind(exc):
             self._refuse(exc)
 
     def _refuse(self, exc: OSError) -> NoReturn:
         fail(f"cannot listen on {self.host}:{self.port}: {exc.strerror or exc}")
+
+
+# What the OS answers a bind it refuses: taken, not this host's, not allowed, no address.
+# Any other OSError before the server is ready (a replica unreachable, a file) is not the
+# address's fault and is reported where it arises.
+_BIND_ERRNOS = frozenset({errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES, errno.EINVAL})
+
+
+def _refused_bind(exc: OSError) -> bool:
+    return isinstance(exc, socket.gaierror) or exc.errno in _BIND_ERRNOS
