@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 import typer
 
 from isocost.cli._app import app, console, fail
-from isocost.cli._options import CatalogOption
+from isocost.cli._options import CatalogOption, LogLevelOption, checked
+from isocost.core.bounds import NON_NEGATIVE, POSITIVE, SHARE
 from isocost.serving import stop_requested
 
 if TYPE_CHECKING:
@@ -54,13 +55,20 @@ def agent(
     warmup_prompt: str | None = typer.Option(
         None, "--warmup-prompt", help="One completion before registering."
     ),
-    drain_timeout: float = typer.Option(60.0, "--drain-timeout", help="Seconds, on SIGTERM."),
-    health_window: float = typer.Option(
-        30.0, "--health-window", help="Seconds the success rate must stay bad to drain."
+    drain_timeout: float = typer.Option(
+        60.0, "--drain-timeout", callback=checked(NON_NEGATIVE), help="Seconds, on SIGTERM."
     ),
-    min_success_rate: float = typer.Option(0.5, "--min-success-rate", help="Within [0, 1]."),
+    health_window: float = typer.Option(
+        30.0,
+        "--health-window",
+        callback=checked(POSITIVE),
+        help="Seconds the success rate must stay bad to drain.",
+    ),
+    min_success_rate: float = typer.Option(
+        0.5, "--min-success-rate", callback=checked(SHARE), help="Within [0, 1]."
+    ),
     catalog: CatalogOption = None,
-    log_level: str = typer.Option("info", "--log-level", help="debug|info|warning|error"),
+    log_level: LogLevelOption = "info",
 ) -> None:
     """Register an engine in etcd under a lease.
 
@@ -90,9 +98,6 @@ def agent(
     checks = [
         (ttl >= 1, "--ttl must be >= 1"),
         (ttl <= MAX_TTL_S, f"--ttl must be <= {MAX_TTL_S}"),
-        (drain_timeout >= 0, "--drain-timeout must be >= 0"),
-        (health_window > 0, "--health-window must be > 0"),
-        (0 <= min_success_rate <= 1, "--min-success-rate must be within [0, 1]"),
         (prefix.startswith("/"), "--prefix must start with /"),
     ]
     for ok, message in checks:

@@ -85,12 +85,14 @@ async def discover_config(
     timeout_s: float,
 ) -> GatewayConfig:
     """A config with one pool per served model, read from each replica's ``/v1/models``."""
-    normalized = []
+    normalized: list[str] = []
     for url in urls:
         try:
             normalized.append(normalize_replica_url(url))
         except ValueError as exc:
             raise ConfigError("--replica", str(exc)) from None
+        if normalized[-1] in normalized[:-1]:  # as a config file listing it twice is refused
+            raise ConfigError("--replica", f"replica {normalized[-1]} is given twice")
     deadline = time.monotonic() + timeout_s
     timeout = aiohttp.ClientTimeout(total=2.0)
     async with aiohttp.ClientSession(timeout=timeout) as session:

@@ -111,6 +111,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from isocost.core.bounds import NON_NEGATIVE, POSITIVE, SHARE, check_fields
 from isocost.core.catalog import Catalog
 from isocost.core.costmodel import CostModel
 from isocost.core.errors import ConfigError, IsocostError
@@ -484,15 +485,9 @@ def _check(config: GatewayConfig, source: str, secrets: bool) -> None:
             raise bad(f"pools[{i}].model", f"duplicate pool for model {pool.model!r}")
         seen_models.add(pool.model)
         if pool.slo is not None:
-            slo = pool.slo
-            if slo.ttft_ms is None and slo.tpot_ms is None:
+            if pool.slo.ttft_ms is None and pool.slo.tpot_ms is None:
                 raise bad(f"pools[{i}].slo", "give ttft_ms, tpot_ms or both")
-            for field in ("ttft_ms", "tpot_ms"):
-                value = getattr(slo, field)
-                if value is not None and value <= 0:
-                    raise bad(f"pools[{i}].slo.{field}", "must be positive")
-            if slo.ttft_per_1k_ms < 0:
-                raise bad(f"pools[{i}].slo.ttft_per_1k_ms", "must be >= 0")
+            check_fields(pool.slo, _SLO_BOUNDS, source, f"pools[{i}].slo")
         modes = [mode.value for mode in DisaggMode]
         if pool.disaggregation not in modes:
             raise bad(f"pools[{i}].disaggregation", f"must be one of {', '.join(modes)}")
@@ -511,19 +506,9 @@ def _check(config: GatewayConfig, source: str, secrets: bool) -> None:
             if name in seen_names:
                 raise bad(f"{key}.name", f"a replica named {name!r} is listed twice")
             seen_names.add(name)
-    limits = config.limits
-    for field in LimitsConfig.__struct_fields__:
-        value = getattr(limits, field)
-        if value < 0 or (value == 0 and field not in ("max_retries", "max_queue")):
-            raise bad(f"limits.{field}", "must be positive")
-    health = config.health
-    if not 0 <= health.min_success_rate <= 1:
-        raise bad("health.min_success_rate", "must be within [0, 1]")
-    for field in ("interval_ms", "timeout_ms", "failure_threshold", "window_size", "open_ms"):
-        if getattr(health, field) <= 0:
-            raise bad(f"health.{field}", "must be positive")
-    if config.scrape_interval_ms <= 0:
-        raise bad("scrape_interval_ms", "must be positive")
+    check_fields(config.limits, _LIMITS_BOUNDS, source, "limits")
+    check_fields(config.health, _HEALTH_BOUNDS, source, "health")
+    check_fields(config, {"scrape_interval_ms": POSITIVE}, source)
     _check_discovery(config.discovery, source)
     if config.state_bus is not None:
         check_state_bus(config.state_bus, source)
@@ -531,16 +516,31 @@ def _check(config: GatewayConfig, source: str, secrets: bool) -> None:
     env = auth.admin_token_env
     if secrets and env is not None and env not in os.environ:
         raise bad("auth.admin_token_env", f"environment variable {env} unset")
+    key_names: set[str] = set()
     for i, api_key in enumerate(auth.api_keys):
         key = f"auth.api_keys[{i}]"
         if (api_key.key is None) == (api_key.key_env is None):
             raise bad(key, "give exactly one of key and key_env")
         if secrets and api_key.key_env is not None and api_key.key_env not in os.environ:
             raise bad(f"{key}.key_env", f"environment variable {api_key.key_env} unset")
-        for field in ("requests_per_minute", "tokens_per_minute"):
-            value = getattr(api_key, field)
-            if value is not None and value <= 0:
-                raise bad(f"{key}.{field}", "must be positive")
+        check_fields(api_key, _KEY_BOUNDS, source, key)
+        if api_key.name in key_names:  # its budgets and metrics go by its name
+            raise bad(f"{key}.name", f"a key named {api_key.name!r} is listed twice")
+        key_names.add(api_key.name)
+
+
+# Every number in a gateway config is finite (NaN passes a "> 0" check and then turns a
+# timeout into none at all); these are the ranges.
+_SLO_BOUNDS = {"ttft_ms": POSITIVE, "tpot_ms": POSITIVE, "ttft_per_1k_ms": NON_NEGATIVE}
+_LIMITS_BOUNDS = {
+    field: NON_NEGATIVE if field in ("max_retries", "max_queue") else POSITIVE
+    for field in LimitsConfig.__struct_fields__
+}
+_HEALTH_BOUNDS = {
+    field: SHARE if field == "min_success_rate" else POSITIVE
+    for field in HealthConfig.__struct_fields__
+}
+_KEY_BOUNDS = {"requests_per_minute": POSITIVE, "tokens_per_minute": POSITIVE}
 
 
 def _check_shadow(shadow: ShadowConfig, running: str, source: str, key: str) -> None:

@@ -37,6 +37,7 @@ from typing import Any
 import msgspec
 import yaml
 
+from isocost.core.bounds import NON_NEGATIVE, POSITIVE, SHARE, check_fields
 from isocost.core.errors import ConfigError, UnknownEntryError
 from isocost.scheduling.framework import AdmissionSettings, Policy
 from isocost.scheduling.interface import Filter, Picker, Scorer
@@ -87,6 +88,13 @@ class AdmissionDecl(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     min_available_fraction: float = 0.0
     retry_after_s: float = 1.0
     hold: bool = True
+
+
+_ADMISSION_BOUNDS = {"min_available_fraction": SHARE, "retry_after_s": POSITIVE}
+_ROUTE_BOUNDS = {
+    field: NON_NEGATIVE
+    for field in ("min_prompt_tokens", "max_prompt_tokens", "min_max_tokens", "max_max_tokens")
+}
 
 
 class PolicyProfile(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -232,16 +240,15 @@ def build_policy(
         make(f, f"filters[{i}]", "filter")  # type: ignore[misc]
         for i, f in enumerate(profile.filters)
     ]
+    for i, s in enumerate(profile.scorers):
+        check_fields(s, {"weight": NON_NEGATIVE}, source, f"{key}.scorers[{i}]")
     scorers: list[tuple[str, Scorer, float]] = [
         (s.plugin, make(s.plugin, f"scorers[{i}].plugin", "scorer"), s.weight)  # type: ignore[misc]
         for i, s in enumerate(profile.scorers)
     ]
     picker: Picker = make(profile.picker, "picker", "picker")  # type: ignore[assignment]
     a = profile.admission
-    if not 0.0 <= a.min_available_fraction <= 1.0 or a.retry_after_s <= 0:
-        raise ConfigError(
-            source, "min_available_fraction must be in [0, 1], retry_after_s > 0", key
-        )
+    check_fields(a, _ADMISSION_BOUNDS, source, f"{key}.admission")
     return Policy(
         name,
         filters=filters,
@@ -254,7 +261,19 @@ def build_policy(
 
 
 def _check(config: SchedulingConfig, source: str) -> None:
-    """Build every policy once so that bad references fail at load, not at first use."""
+    """Names once each, numbers in range, and every policy built once, so that bad
+    references fail at load, not at first use."""
+    for kind, names in (
+        ("plugins", [d.name for d in config.plugins]),
+        ("policies", [p.name for p in config.policies]),
+        ("routes", [r.name for r in config.routes]),
+    ):
+        for i, name in enumerate(names):
+            if not name or name in names[:i]:  # references go by name
+                problem = "must not be empty" if not name else "is listed twice"
+                raise ConfigError(source, f"name {name!r} {problem}", f"{kind}[{i}].name")
+    for i, route in enumerate(config.routes):
+        check_fields(route, _ROUTE_BOUNDS, source, f"routes[{i}]")
     for i, decl in enumerate(config.plugins):
         entry = PLUGIN_TYPES.get(decl.type)
         if entry is None:

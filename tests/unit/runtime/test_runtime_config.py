@@ -114,7 +114,18 @@ def test_the_shipped_example_parses(monkeypatch: pytest.MonkeyPatch) -> None:
         ),
         ("pools: [{model: m, kv_link: wifi}]", "pools[0].kv_link", "infiniband"),
         ("pools: [{model: m, disaggregation: always}]", "pools[0].disaggregation", "pd"),
-        ("limits: {max_body_bytes: 0}", "limits.max_body_bytes", "positive"),
+        ("limits: {max_body_bytes: 0}", "limits.max_body_bytes", "> 0"),
+        # NaN passes "> 0" checks: a timeout that never fires
+        ("limits: {idle_timeout_ms: .nan}", "limits.idle_timeout_ms", "finite"),
+        ("limits: {queue_timeout_ms: .inf}", "limits.queue_timeout_ms", "finite"),
+        ("pools: [{model: m, slo: {ttft_ms: .nan}}]", "pools[0].slo.ttft_ms", "finite"),
+        ("health: {open_ms: .nan}", "health.open_ms", "finite"),
+        ("scrape_interval_ms: .nan", "scrape_interval_ms", "finite"),
+        (
+            "auth: {api_keys: [{name: a, key: k1}, {name: a, key: k2}]}",
+            "auth.api_keys[1].name",
+            "listed twice",  # budgets and metrics go by the name
+        ),
         ("limits: {max_tokens: many}", "limits.max_tokens", "int"),
         ("health: {min_success_rate: 2}", "health.min_success_rate", "[0, 1]"),
         ("auth: {api_keys: [{name: a}]}", "auth.api_keys[0]", "exactly one"),

@@ -196,6 +196,22 @@ def test_a_scorer_used_as_picker_is_rejected() -> None:
             "affinity_slack",
         ),
         ("routes:\n  - {name: r, min_tokens: 3}\n", "min_tokens"),
+        # numbers a check of "> 0" lets through, names references cannot tell apart
+        (
+            "policies:\n  - {name: p, scorers: [{plugin: queue-scorer, weight: .nan}]}\n",
+            r"policies\[0\]\.scorers\[0\]\.weight: must be a finite",
+        ),
+        (
+            "policies:\n  - {name: p, scorers: [{plugin: queue-scorer, weight: -1}]}\n",
+            r"scorers\[0\]\.weight: must be >= 0",
+        ),
+        (
+            "policies:\n  - {name: p, admission: {slo: true, retry_after_s: .nan}}\n",
+            r"admission\.retry_after_s: must be a finite",
+        ),
+        ("policies:\n  - {name: p}\n  - {name: p}\n", r"policies\[1\]\.name: .*listed twice"),
+        ("policies:\n  - {name: ''}\n", r"policies\[0\]\.name: .*must not be empty"),
+        ("routes:\n  - {name: r, max_prompt_tokens: -5}\n", r"routes\[0\]\.max_prompt_tokens"),
     ],
 )
 def test_bad_keys_and_values_are_config_errors(text: str, key: str) -> None:
