@@ -29,14 +29,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import ipaddress
-import re
 
 import aiohttp
 import msgspec
 from aiohttp import web
 from yarl import URL
 
+from isocost.core.hosts import is_host
 from isocost.core.links import kv_transfer_s
 from isocost.engine.intake import expect_continue, read_body
 from isocost.engine.records import RequestSpec
@@ -56,9 +55,6 @@ __all__ = [
 
 PULL_PATH = "/kv/pull"
 _PULL_TIMEOUT_S = 10.0
-# RFC 1123 host names: dot-separated labels of letters, digits and inner hyphens
-_HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(?:\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*")
-_MAX_HOST_NAME_CHARS = 253
 
 
 class _PullRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -100,24 +96,12 @@ def kv_source(replica: ServedReplica, params: KvTransferParams | None) -> KvSour
     host, port, remote_id = params.remote_host, params.remote_port, params.remote_request_id
     if not host or port is None or not remote_id:
         raise _bad_params("do_remote_prefill needs remote_host, remote_port and remote_request_id")
-    if not _is_host(host):
+    if not is_host(host):
         raise _bad_params(f"remote_host must be a host name or an IP address, got {host[:100]!r}")
     if not 1 <= port <= 65535:
         raise _bad_params(f"remote_port must be a TCP port (1..65535), got {port}")
     url = URL.build(scheme="http", host=host, port=port, path=PULL_PATH)
     return KvSource(url, remote_id, params.remote_engine_id)
-
-
-def _is_host(text: str) -> bool:
-    """A bare host name or IP literal: no port, path, user info, brackets, IPv6 zone (it
-    may hold any character) or spaces."""
-    if "%" in text:
-        return False
-    try:
-        ipaddress.ip_address(text)
-    except ValueError:
-        return len(text) <= _MAX_HOST_NAME_CHARS and _HOST_NAME.fullmatch(text) is not None
-    return True
 
 
 def _bad_params(message: str) -> ApiError:

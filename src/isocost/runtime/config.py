@@ -103,7 +103,6 @@ file gets the same one-line error from either.
 
 from __future__ import annotations
 
-import ipaddress
 import math
 import os
 import re
@@ -115,6 +114,7 @@ from isocost.core.bounds import NON_NEGATIVE, POSITIVE, SHARE, check_fields
 from isocost.core.catalog import Catalog
 from isocost.core.costmodel import CostModel
 from isocost.core.errors import ConfigError, IsocostError
+from isocost.core.hosts import is_host
 from isocost.core.links import LINK_KINDS
 from isocost.core.slo import SloTargets
 from isocost.files import is_model_path, resolve_model
@@ -323,7 +323,7 @@ def normalize_replica_url(url: str) -> str:
         raise ValueError(f"{url!r} must name a host and no credentials")
     if parts.query or parts.fragment or parts.path not in ("", "/"):
         raise ValueError(f"{url!r} must be scheme://host:port only, without a path")
-    if not _connectable_host(parts.hostname):
+    if not is_host(parts.hostname):
         raise ValueError(f"{url!r} must name a DNS host name or an IP address")
     try:
         port = parts.port
@@ -334,26 +334,6 @@ def normalize_replica_url(url: str) -> str:
     port = port or (443 if parts.scheme == "https" else 80)
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
     return f"{parts.scheme}://{host}:{port}"
-
-
-_DNS_LABEL = re.compile(r"(?!-)[a-z0-9_-]{1,63}(?<!-)")
-
-
-def _connectable_host(host: str) -> bool:
-    """An IP address or a DNS name whose last label is not all digits: the shorthand
-    IPv4 forms (``127.1``, ``2130706433``, ``0``) that some resolvers take and the HTTP
-    client refuses are neither."""
-    try:
-        ipaddress.ip_address(host)
-        return True
-    except ValueError:
-        pass
-    labels = host.rstrip(".").split(".")
-    return (
-        len(host) <= 253
-        and all(_DNS_LABEL.fullmatch(label) for label in labels)
-        and not labels[-1].isdigit()
-    )
 
 
 def replica_name(replica: ReplicaConfig) -> str:
