@@ -520,10 +520,26 @@ def _no_tracebacks(events: list[dict[str, Any]]) -> None:
 
 def test_messages_after_the_pick_hold_nothing(stack: Stack) -> None:
     """A second end-of-stream body after the pick (eager STREAMED) is answered, not picked
-    again: when the stream ends nothing is left in flight."""
-    before = _in_flight_total(stack)
-    answers = list(_process(stack, [_raw_headers(), _raw_body(_COMPLETION), _raw_body(b"")]))
-    wait_for(lambda: _in_flight_total(stack) == before, what="the stream's one hold released")
+    again: the stream holds one request in flight (the gauge reads the live count) and
+    nothing once it ends. The earlier tests' holds must be gone first, so a leak there
+    fails here too instead of shifting the count."""
+    wait_for(lambda: _in_flight_total(stack) == 0, what="the earlier streams' holds released")
+    picked = threading.Event()
+    held: list[float] = []
+
+    def messages() -> Iterator[ext_proc.ProcessingRequest]:
+        yield _raw_headers()
+        yield _raw_body(_COMPLETION)
+        picked.wait(timeout=30)
+        held.append(_in_flight_total(stack))
+        yield _raw_body(b"")
+
+    answers = []
+    for answer in _process(stack, messages()):
+        answers.append(answer)
+        picked.set()  # the pick comes first
+    assert held == [1]
+    wait_for(lambda: _in_flight_total(stack) == 0, what="the stream's one hold released")
     kinds = [a.WhichOneof("response") for a in answers]
     assert kinds == ["request_headers", "request_body", "request_body"]  # the pick, 2 chunks
 

@@ -83,7 +83,12 @@ class Monitor:
         self._scrape_interval_s = config.scrape_interval_ms / 1000
 
     def watch(self, upstream: Upstream) -> None:
+        """Start the upstream's checks; its in-flight gauge reads the live count at each
+        scrape (a value mirrored once per round would lag a request's start and end)."""
         health = self._health
+        self.metrics.in_flight.labels(upstream.pool, upstream.name).set_function(
+            lambda: upstream.num_in_flight
+        )
         self._tasks[upstream.url] = supervise(
             f"monitor {upstream.name}",
             lambda: self._run(upstream, health),
@@ -248,7 +253,6 @@ class Monitor:
         now = time.monotonic()
         labels = (upstream.pool, upstream.name)
         self.metrics.replica_healthy.labels(*labels).set(1 if upstream.routable(now) else 0)
-        self.metrics.in_flight.labels(*labels).set(upstream.num_in_flight)
         age = upstream.scrape_age_s(now)
         if age is not None:
             self.metrics.scrape_age.labels(*labels).set(age)
