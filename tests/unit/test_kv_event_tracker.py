@@ -167,3 +167,22 @@ def test_index_discard_forgets_only_what_was_held() -> None:
     assert index.match_replica(0, blocks) == 1
     assert index.match_replica(1, blocks) == 2  # the shared block is still replica 1's
     assert int(index.block_counts[0]) == len(blocks) - 1
+
+
+def test_an_engine_that_never_removes_costs_bounded_memory() -> None:
+    """Stored blocks past twice the replica's capacity forget the oldest engine hashes: a
+    publisher that stores without end (200 blocks on a 10-block replica) holds 20, and the
+    newest still chain (a block stored again counts as new)."""
+    index = PrefixIndex()
+    index.add_replica(0, 10)
+    tracker = KvEventTracker(index, 0, INDEX_BLOCK)
+    for i in range(200):
+        apply(tracker, i, stored([i], [i] * ENGINE_BLOCK))
+    apply(tracker, 200, stored([5], [5] * ENGINE_BLOCK))  # the oldest, stored again
+    assert len(tracker._blocks) == 20
+    assert tracker.counts.forgotten_blocks == 200 + 1 - 20
+    assert 5 in tracker._blocks and 199 in tracker._blocks and 180 not in tracker._blocks
+    assert apply(tracker, 201, stored([900], PROMPT[:ENGINE_BLOCK], parent=199))
+    assert tracker.counts.unplaced_blocks == 0
+    assert apply(tracker, 202, stored([901], PROMPT[:ENGINE_BLOCK], parent=181))
+    assert tracker.counts.unplaced_blocks == 1  # its parent was forgotten

@@ -218,6 +218,14 @@ class GatewayMetrics:
             ["pool", "replica"],
             registry=r,
         )
+        self.kv_event_dropped = Counter(
+            "isocost_kv_event_dropped",
+            "KV-event messages not applied: not a batch (frames, msgpack, shape), a repeated"
+            " sequence number, or another gap right after one (the entries were rebuilt at"
+            " the first; until the stream is in order the index runs on dispatches alone).",
+            ["pool", "replica"],
+            registry=r,
+        )
         self.prefix_predictions = Counter(
             "isocost_prefix_predictions",
             "Answers whose engine reported its prefix-cache hit, by how the gateway's"

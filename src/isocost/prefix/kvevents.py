@@ -25,10 +25,17 @@ that keeps claiming blocks evicted while events were lost. Stored blocks that ca
 placed (a parent stored before the tracker started, a block size that is no multiple of
 the index's) are skipped and counted in ``unplaced_blocks``: a match walks from a prompt's
 first block, so a block whose ancestors are unknown could never be matched anyway.
+
+The engine hashes remembered are bounded by twice the replica's capacity in index blocks
+(each engine block is at least one): an engine that stores and never removes (a bug, or a
+publisher that is no engine) would otherwise grow them without end. Past the bound the
+oldest are forgotten, counted in ``forgotten_blocks``; the index's own LRU has let their
+blocks go long before, and a removal of one forgotten is ignored.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import msgspec
@@ -106,6 +113,7 @@ class TrackerCounts:
     stored_blocks: int = 0
     removed_blocks: int = 0
     unplaced_blocks: int = 0
+    forgotten_blocks: int = 0
     resyncs: int = 0
 
 
@@ -169,9 +177,14 @@ class KvEventTracker:
             tokens = event.token_ids[i * size : (i + 1) * size]
             blocks = token_block_hashes(tokens, self.block_tokens, parent)
             self.index.insert(self.slot, blocks)
+            self._blocks.pop(engine_hash, None)  # stored again: the newest, not the oldest
             self._blocks[engine_hash] = tuple(blocks)
             parent = blocks[-1]
         self.counts.stored_blocks += len(event.block_hashes)
+        excess = len(self._blocks) - 2 * max(self.index.capacity_blocks(self.slot), 1)
+        for engine_hash in list(itertools.islice(self._blocks, max(excess, 0))):
+            del self._blocks[engine_hash]
+        self.counts.forgotten_blocks += max(excess, 0)
 
     def _remove(self, event: BlockRemoved) -> None:
         if event.medium not in _PRIMARY_MEDIA:
