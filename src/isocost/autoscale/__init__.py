@@ -13,7 +13,7 @@ from isocost.autoscale._actuators import (
     KubernetesActuator,
     LocalActuator,
 )
-from isocost.autoscale._admin import AdminClient, GatewayError
+from isocost.autoscale._admin import AdminClient, GatewayError, read_snapshot
 from isocost.autoscale._loop import AutoscaleLoop, LoopMetrics, Tick
 from isocost.autoscale._plan import offers_from_plan
 
@@ -29,4 +29,5 @@ __all__ = [
     "LoopMetrics",
     "Tick",
     "offers_from_plan",
+    "read_snapshot",
 ]

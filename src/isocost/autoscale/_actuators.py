@@ -2,7 +2,8 @@
 
 * ``LocalActuator``: one ``isocost engine`` process per replica on a free 127.0.0.1 port,
   added to the gateway once it answers, stopped (process group) after the gateway
-  drained it. ``runtime.processes.Services`` owns the processes.
+  drained it; on close, removed from the gateway before it is stopped.
+  ``runtime.processes.Services`` owns the processes.
 * ``CommandActuator``: ``--scale-command`` run with the desired count of the GPU type as
   its last argument and in ``ISOCOST_DESIRED_REPLICAS`` (``ISOCOST_GPU`` names the type);
   the platform starts and stops replicas and they join the gateway through discovery.
@@ -15,16 +16,19 @@ A failure is an ``ActuatorError``; the loop retries it with backoff.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shlex
+import signal
+import time
 from pathlib import Path
 from typing import Protocol
 
 from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from isocost.autoscale._admin import AdminClient
+from isocost.autoscale._admin import AdminClient, GatewayError, read_snapshot
 from isocost.core.errors import IsocostError
 from isocost.runtime.processes import Service, ServiceError, Services, free_port
 
@@ -39,6 +43,8 @@ __all__ = [
 log = logging.getLogger("isocost.autoscale")
 
 _HOST = "127.0.0.1"
+_CLOSE_POLL_S = 0.25
+_OUTPUT_TAIL = 4096  # bytes of a scale command's output kept for its error message
 
 
 class ActuatorError(IsocostError):
@@ -65,11 +71,13 @@ class LocalActuator:
         log_dir: Path,
         engine_args: list[str],
         ready_timeout_s: float = 120.0,
+        close_wait_s: float = 30.0,
     ) -> None:
         self.admin = admin
         self.model = model
         self.engine_args = engine_args
         self.ready_timeout_s = ready_timeout_s
+        self.close_wait_s = close_wait_s
         self.services = Services(log_dir, grace_s=10.0)
         self.running: dict[str, Service] = {}
 
@@ -77,11 +85,14 @@ class LocalActuator:
         port = free_port(_HOST)
         name = f"autoscale-{gpu}-{port}"
         args = ["engine", "--host", _HOST, "--port", str(port), "--model", self.model]
-        service = self.services.start(name, [*args, "--gpu", gpu, *self.engine_args])
+        try:
+            service = self.services.start(name, [*args, "--gpu", gpu, *self.engine_args])
+        except (ServiceError, OSError) as exc:  # no isocost command, a log dir not writable
+            raise ActuatorError(f"engine {name} could not be run: {exc}") from None
         try:
             (url,) = await asyncio.to_thread(service.wait_ready, 1, self.ready_timeout_s)
             await self.admin.add(self.model, {"url": url, "name": name, "gpu": gpu})
-        except (ServiceError, IsocostError) as exc:
+        except (ServiceError, IsocostError, OSError) as exc:
             self.services.stop(service)
             raise ActuatorError(f"engine {name} did not start: {exc}") from None
         except asyncio.CancelledError:
@@ -95,12 +106,40 @@ class LocalActuator:
             await asyncio.to_thread(self.services.stop, service)
 
     async def close(self) -> None:
+        """Take the engines it started out of the gateway before stopping them: removed,
+        they get no new work and leave once idle (waited up to ``close_wait_s``), so none
+        stays listed there, dead, and no answer in flight is cut short."""
+        names = set(self.running)
+        for name in sorted(names):
+            try:
+                await self.admin.remove(name)
+            except GatewayError as exc:
+                log.warning(
+                    "engine not removed from the gateway",
+                    extra={"event": "autoscale_failure", "action": "remove", "error": str(exc)},
+                )
+        deadline = time.monotonic() + self.close_wait_s
+        while names and time.monotonic() < deadline:
+            try:
+                names &= {row.name for row in read_snapshot(await self.admin.snapshot()).replicas}
+            except GatewayError:
+                break  # nothing to wait on: stopped now
+            if names:
+                await asyncio.sleep(_CLOSE_POLL_S)
         await asyncio.to_thread(self.services.stop_all)
 
 
 class CommandActuator:
+    """Each run is a process group of its own: one that outlives ``timeout_s`` is killed
+    with whatever it started (a child left holding its output would otherwise keep the
+    run waiting for good), and only the tail of its output is kept (a chatty command must
+    not fill the autoscaler's memory)."""
+
     def __init__(self, command: str, timeout_s: float = 120.0) -> None:
-        self.argv = shlex.split(command)
+        try:
+            self.argv = shlex.split(command)
+        except ValueError as exc:
+            raise ActuatorError(f"--scale-command: {exc}") from None
         if not self.argv:
             raise ActuatorError("--scale-command is empty")
         self.timeout_s = timeout_s
@@ -115,13 +154,15 @@ class CommandActuator:
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,
             )
         except OSError as exc:
             raise ActuatorError(f"cannot run {self.argv[0]}: {exc.strerror}") from None
         try:
-            output, _ = await asyncio.wait_for(process.communicate(), self.timeout_s)
+            output = await asyncio.wait_for(_output_tail(process), self.timeout_s)
         except (TimeoutError, asyncio.CancelledError) as exc:
-            process.kill()
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
             await process.wait()
             if isinstance(exc, asyncio.CancelledError):
                 raise
@@ -140,6 +181,16 @@ class CommandActuator:
 
     async def close(self) -> None:
         """Nothing to release: each run is its own process."""
+
+
+async def _output_tail(process: asyncio.subprocess.Process) -> bytes:
+    """The last ``_OUTPUT_TAIL`` bytes of ``process``'s output, once it ended and closed it."""
+    assert process.stdout is not None
+    tail = b""
+    while chunk := await process.stdout.read(1 << 16):
+        tail = (tail + chunk)[-_OUTPUT_TAIL:]
+    await process.wait()
+    return tail
 
 
 class KubernetesActuator:

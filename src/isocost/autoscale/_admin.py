@@ -2,44 +2,104 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 
 import aiohttp
+import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
 from isocost.core.errors import IsocostError
 
-__all__ = ["AdminClient", "GatewayError", "answered_by_replica", "slo_verdicts"]
+__all__ = [
+    "AdminClient",
+    "FleetSnapshot",
+    "GatewayError",
+    "ReplicaRow",
+    "answered_by_replica",
+    "read_snapshot",
+    "slo_verdicts",
+]
+
+# A count past 2**53 is no count (nor exact as a float): junk, not a fleet to decide on.
+_MAX_COUNT = 2**53
+_Count = Annotated[int, msgspec.Meta(ge=0, le=_MAX_COUNT)]
 
 
 class GatewayError(IsocostError):
-    """The gateway refused or could not be reached."""
+    """The gateway refused, could not be reached, or answered something unusable."""
+
+
+class ReplicaRow(msgspec.Struct, frozen=True):
+    """The fields of a ``/admin/snapshot`` replica the loop reads (others are ignored)."""
+
+    name: str
+    state: str
+    in_flight: _Count
+    gpu: str = ""  # none: on no pool's GPU, not the autoscaler's
+    engine_waiting: _Count | None = None
+
+
+class PoolRow(msgspec.Struct, frozen=True):
+    queue_depth: _Count
+    model: str = ""
+
+
+class FleetSnapshot(msgspec.Struct, frozen=True):
+    """``/admin/snapshot`` as checked data: a loop deciding on junk would scale on junk."""
+
+    pools: list[PoolRow]
+    replicas: list[ReplicaRow]
+
+
+def read_snapshot(raw: object) -> FleetSnapshot:
+    """``raw`` checked; a GatewayError (the round fails, reported) for a wrong shape, a
+    missing key, a wrong type or a count that is negative or absurd."""
+    try:
+        return msgspec.convert(raw, FleetSnapshot)
+    except msgspec.ValidationError as exc:
+        raise GatewayError(f"GET /admin/snapshot: unusable answer: {exc}") from None
+
+
+def _samples(metrics_text: str, name: str) -> list[tuple[dict[str, str], int]]:
+    """The samples of counter ``name``: other families' lines are not parsed (one of them
+    malformed costs nothing); a malformed or non-count one of ``name`` is a GatewayError."""
+    lines = [
+        line for line in metrics_text.splitlines() if line.startswith((name + "{", name + " "))
+    ]
+    try:
+        families = list(text_string_to_metric_families("".join(f"{x}\n" for x in lines)))
+    except ValueError as exc:
+        raise GatewayError(f"GET /metrics: malformed {name}: {exc}") from None
+    samples = []
+    for sample in (s for family in families for s in family.samples):
+        if not (math.isfinite(sample.value) and 0 <= sample.value <= _MAX_COUNT):
+            raise GatewayError(f"GET /metrics: {name}{sample.labels} is {sample.value}")
+        samples.append((sample.labels, int(sample.value)))
+    return samples
 
 
 def answered_by_replica(metrics_text: str) -> dict[str, tuple[int, int]]:
-    """``isocost_requests_total`` per replica label: (answered, of which status 200)."""
+    """``isocost_requests_total`` per replica label: (answered, of which status 200). A
+    gateway declares the family before its first request; a text without it is something
+    else (a proxy's error page), and counting it as no traffic would scale in."""
+    if "# TYPE isocost_requests_total " not in metrics_text:
+        raise GatewayError("GET /metrics: no isocost_requests_total: not a gateway's metrics")
     counts: dict[str, tuple[int, int]] = {}
-    for family in text_string_to_metric_families(metrics_text):
-        for sample in family.samples:
-            if sample.name != "isocost_requests_total":
-                continue
-            replica = sample.labels.get("replica", "")
-            total, ok = counts.get(replica, (0, 0))
-            value = int(sample.value)
-            counts[replica] = (total + value, ok + value * (sample.labels.get("status") == "200"))
+    for labels, value in _samples(metrics_text, "isocost_requests_total"):
+        replica = labels.get("replica", "")
+        total, ok = counts.get(replica, (0, 0))
+        counts[replica] = (total + value, ok + value * (labels.get("status") == "200"))
     return counts
 
 
 def slo_verdicts(metrics_text: str) -> tuple[int, int]:
     """``isocost_slo_requests_total`` over every pool: (met, judged)."""
     met = judged = 0
-    for family in text_string_to_metric_families(metrics_text):
-        for sample in family.samples:
-            if sample.name == "isocost_slo_requests_total":
-                value = int(sample.value)
-                judged += value
-                met += value * (sample.labels.get("verdict") == "met")
+    for labels, value in _samples(metrics_text, "isocost_slo_requests_total"):
+        judged += value
+        met += value * (labels.get("verdict") == "met")
     return met, judged
 
 
@@ -64,6 +124,8 @@ class AdminClient:
                 return await response.json()
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise GatewayError(f"{method} {path}: {exc or type(exc).__name__}") from None
+        except ValueError as exc:  # not JSON, or not UTF-8, whatever its content type says
+            raise GatewayError(f"{method} {path}: unreadable answer: {exc}") from None
 
     async def snapshot(self) -> dict[str, Any]:
         result: dict[str, Any] = await self._call("GET", "/admin/snapshot")

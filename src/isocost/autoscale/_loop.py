@@ -6,7 +6,9 @@ Every ``interval_s`` one ``tick``:
    gateway's queue) and ``/metrics`` (``isocost_requests_total``: its growth is the
    interval's arrivals, its status-200 growth per replica the completions per GPU type);
    replicas on a GPU type no pool names are not the autoscaler's and are left alone, and
-   one being stopped is already gone (it must not be undrained half-way through);
+   one being stopped is already gone (it must not be undrained half-way through); an
+   answer of the wrong shape, a missing key or a count that is no count fails the round
+   (reported, the next one as scheduled), as an unreachable gateway does;
 2. turns them into a ``control.Observation`` (a drained or removing replica, or one this
    loop is draining, is ``draining``; a start not yet seen in the gateway is ``pending``,
    and the first new replica of its GPU type that appears resolves it: that wait is the
@@ -23,7 +25,11 @@ in flight there or ``drain_deadline_s`` has passed, stops it through the actuato
 removes it from the gateway: no request is killed by the autoscaler unless the deadline
 ends its drain. Every action is retried with exponential backoff; each failure is a log
 line and ``isocost_autoscale_failures_total``. A stop that fails for good undrains the
-replica, so none is left half-drained.
+replica, so none is left half-drained; what still fails after the retries (an undrain, a
+removal, a drain whose answer was lost) is tried again once a round until the gateway
+shows it done. A gateway that cannot be read during a drain is waited out to the
+deadline, not taken as the drain's end. A start whose replica never shows up is given up
+after a few cold starts (it would otherwise count as capacity for good).
 
 GPU-hours and $ count every managed replica, pending ones included (their GPUs are held
 while they warm up), between ticks.
@@ -38,12 +44,19 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from isocost.autoscale._actuators import Actuator, ActuatorError
-from isocost.autoscale._admin import GatewayError, answered_by_replica, slo_verdicts
+from isocost.autoscale._admin import (
+    GatewayError,
+    ReplicaRow,
+    answered_by_replica,
+    read_snapshot,
+    slo_verdicts,
+)
 from isocost.control import (
     AutoscaleConfig,
     Observation,
@@ -60,6 +73,15 @@ log = logging.getLogger("isocost.autoscale")
 
 _STATES: dict[str, ReplicaState] = {"drained": "draining", "removing": "draining"}
 _FAILURES = (ActuatorError, GatewayError)
+# A start still not seen in the gateway this many cold starts (or intervals, if more) after
+# its actuator finished is given up: a platform that never delivers must not hold the pool.
+_ROUTABLE_WAITS = 3
+
+
+def _increase(value: int, before: int) -> int:
+    """A counter's growth since ``before``; one that went down was reset (the gateway
+    restarted), so all of it is new."""
+    return value - before if value >= before else value
 
 
 class FleetGateway(Protocol):
@@ -159,6 +181,9 @@ class AutoscaleLoop:
         self._first_seen: dict[str, float] = {}
         self._draining: dict[str, asyncio.Task[None]] = {}
         self._stopping: set[str] = set()  # drained and idle: leaving, not to be undrained
+        self._gone: set[str] = set()  # stopped: out of the fleet until the gateway drops it
+        self._undrain_owed: set[str] = set()  # a drain given up: undrained once seen drained
+        self._cold_start_s = {p.gpu: p.cold_start_s for p in config.pools}
         self._answered: dict[str, tuple[int, int]] | None = None
         self._verdicts: tuple[int, int] | None = None  # (met, judged) at the last tick
         self._last_s: float | None = None
@@ -170,29 +195,30 @@ class AutoscaleLoop:
 
     async def _observe(self) -> Observation:
         now = self.clock()
-        snapshot = await self.gateway.snapshot()
+        snapshot = read_snapshot(await self.gateway.snapshot())
         metrics_text = await self.gateway.metrics()
         answered = answered_by_replica(metrics_text)
         verdicts = slo_verdicts(metrics_text)
+        await self._reconcile(snapshot.replicas)
         last_met, last_judged = self._verdicts or verdicts
-        met, judged = verdicts[0] - last_met, verdicts[1] - last_judged  # < 0: it restarted
+        if verdicts[0] < last_met or verdicts[1] < last_judged:  # the gateway restarted
+            last_met = last_judged = 0
+        met, judged = verdicts[0] - last_met, verdicts[1] - last_judged
         self._verdicts = verdicts
-        rows = [
-            row
-            for row in snapshot["replicas"]
-            if row.get("gpu") in self.offers and row["name"] not in self._stopping
-        ]
+        leaving = self._stopping | self._gone
+        rows = [r for r in snapshot.replicas if r.gpu in self.offers and r.name not in leaving]
         for row in rows:
-            if row["name"] not in self._first_seen:
-                self._first_seen[row["name"]] = now
-                self._resolve_pending(row["gpu"], now)
+            if row.name not in self._first_seen:
+                self._first_seen[row.name] = now
+                self._resolve_pending(row.gpu, now)
+        self._expire_pending(now)
         replicas = [
             ReplicaStatus(
-                row["name"],
-                row["gpu"],
-                "draining" if row["name"] in self._draining else _STATES.get(row["state"], "ready"),
-                self._first_seen[row["name"]],
-                int(row["in_flight"]),
+                row.name,
+                row.gpu,
+                "draining" if row.name in self._draining else _STATES.get(row.state, "ready"),
+                self._first_seen[row.name],
+                row.in_flight,
             )
             for row in rows
         ]
@@ -201,27 +227,63 @@ class AutoscaleLoop:
         ]
         previous = self._answered if self._answered is not None else answered
         self._answered = answered
-        gpu_of = {row["name"]: row["gpu"] for row in rows}
+        gpu_of = {row.name: row.gpu for row in rows}
+        arrivals = 0
         completions: dict[str, int] = {}
-        for name, (_, ok) in answered.items():
-            if name in gpu_of:
-                gained = max(0, ok - previous.get(name, (0, 0))[1])  # 0 after a restart
-                completions[gpu_of[name]] = completions.get(gpu_of[name], 0) + gained
-        arrivals = sum(t for t, _ in answered.values()) - sum(t for t, _ in previous.values())
-        queued = sum(int(pool["queue_depth"]) for pool in snapshot["pools"]) + sum(
-            int(row["engine_waiting"] or 0) for row in rows
+        for name, (total, ok) in answered.items():
+            total_before, ok_before = previous.get(name, (0, 0))
+            arrivals += _increase(total, total_before)
+            if (gpu := gpu_of.get(name)) is not None:
+                completions[gpu] = completions.get(gpu, 0) + _increase(ok, ok_before)
+        queued = sum(pool.queue_depth for pool in snapshot.pools) + sum(
+            row.engine_waiting or 0 for row in rows
         )
         self._account(now, replicas)
         return Observation(
             now=now,
             interval_s=self.config.interval_s,
-            arrivals=max(arrivals, 0),
+            arrivals=arrivals,
             queued=queued,
             attainment=met / judged if judged > 0 else None,
-            settled=max(judged, 0),
+            settled=judged,
             completions=completions,
             replicas=replicas,
         )
+
+    async def _reconcile(self, rows: Sequence[ReplicaRow]) -> None:
+        """Finish what a drain left after its retries, one try each per round: a stopped
+        replica the gateway still lists is removed, one left drained is undrained; a name
+        the gateway no longer lists (or shows done) needs nothing more."""
+        state = {row.name: row.state for row in rows}
+        self._gone &= state.keys()
+        self._undrain_owed = {n for n in self._undrain_owed if state.get(n) == "drained"}
+        for name in sorted(self._gone):
+            if state[name] != "removing":
+                with contextlib.suppress(*_FAILURES):
+                    await self._attempt("remove", partial(self.gateway.remove, name), tries=1)
+        for name in sorted(self._undrain_owed - self._draining.keys()):
+            with contextlib.suppress(*_FAILURES):
+                await self._attempt("undrain", partial(self.gateway.undrain, name), tries=1)
+                self._undrain_owed.discard(name)
+
+    def _expire_pending(self, now: float) -> None:
+        """Give up the starts whose actuator finished long ago but whose replica never
+        showed up: counted as pending for good, they would keep the pool from growing."""
+        for pending in list(self._pending):
+            wait_s = _ROUTABLE_WAITS * max(self._cold_start_s[pending.gpu], self.config.interval_s)
+            done = pending.task is None or pending.task.done()
+            if done and now - pending.started_s > wait_s:
+                self._pending.remove(pending)
+                self.metrics.failures.labels("routable").inc()
+                log.warning(
+                    "started replica never became routable",
+                    extra={
+                        "event": "autoscale_failure",
+                        "action": "routable",
+                        "gpu": pending.gpu,
+                        "waited_s": round(now - pending.started_s, 2),
+                    },
+                )
 
     def _resolve_pending(self, gpu: str, now: float) -> None:
         """A new replica of ``gpu`` is routable: the oldest start of that type led to it."""
@@ -323,10 +385,13 @@ class AutoscaleLoop:
 
     # -- actions -------------------------------------------------------------------------
 
-    async def _attempt(self, action: str, call: Callable[[], Awaitable[None]]) -> None:
-        """``call`` until it succeeds, ``attempts`` times with doubling waits; the last
-        failure is raised."""
-        for attempt in range(1, self.attempts + 1):
+    async def _attempt(
+        self, action: str, call: Callable[[], Awaitable[None]], tries: int | None = None
+    ) -> None:
+        """``call`` until it succeeds, ``tries`` (default ``attempts``) times with doubling
+        waits; the last failure is raised."""
+        tries = tries or self.attempts
+        for attempt in range(1, tries + 1):
             try:
                 await call()
                 return
@@ -341,7 +406,7 @@ class AutoscaleLoop:
                         "error": str(exc),
                     },
                 )
-                if attempt == self.attempts:
+                if attempt == tries:
                     raise
                 await self.sleep(self.backoff_s * 2 ** (attempt - 1))
 
@@ -353,28 +418,61 @@ class AutoscaleLoop:
                 self._pending.remove(pending)  # given up: it will not come
 
     async def _drain_and_stop(self, name: str, gpu: str, desired: int) -> None:
+        """Drain, wait until idle, stop, remove. What fails for good is left to
+        ``_reconcile``, so the replica ends serving or gone, never half-drained."""
         try:
-            await self._attempt("drain", lambda: self.gateway.drain(name))
-            deadline = self.clock() + self.config.drain_deadline_s
-            while self.clock() < deadline and await self._in_flight(name) > 0:
-                await self.sleep(self.poll_s)
+            try:
+                await self._attempt("drain", partial(self.gateway.drain, name))
+            except _FAILURES:
+                self._undrain_owed.add(name)  # its answer may be what was lost, not the drain
+                raise
+            await self._wait_idle(name)
             self._stopping.add(name)
             try:
-                await self._attempt("stop", lambda: self.actuator.stop(name, gpu, desired))
+                await self._attempt("stop", partial(self.actuator.stop, name, gpu, desired))
             except _FAILURES:
-                await self._attempt("undrain", lambda: self.gateway.undrain(name))
+                self._undrain_owed.add(name)
+                await self._attempt("undrain", partial(self.gateway.undrain, name))
+                self._undrain_owed.discard(name)
                 return
-            await self._attempt("remove", lambda: self.gateway.remove(name))
+            self._gone.add(name)  # stopped: never undrained, removed until the gateway agrees
             self._first_seen.pop(name, None)
+            await self._attempt("remove", partial(self.gateway.remove, name))
         except _FAILURES:
-            pass  # reported by each attempt; the next decision sees the fleet as it is
+            pass  # reported by each attempt; ``_reconcile`` tries again each round
         finally:
             self._draining.pop(name, None)
             self._stopping.discard(name)
 
+    async def _wait_idle(self, name: str) -> None:
+        """Until nothing is in flight on ``name`` or the drain deadline. A gateway that
+        cannot be read meanwhile is waited out (each failed read counted, the first of an
+        outage logged): unknown is not idle, and it is no reason to abandon the drain."""
+        deadline = self.clock() + self.config.drain_deadline_s
+        unreadable = False
+        while self.clock() < deadline:
+            try:
+                if await self._in_flight(name) == 0:
+                    return
+                unreadable = False
+            except GatewayError as exc:
+                self.metrics.failures.labels("drain_poll").inc()
+                if not unreadable:
+                    log.warning(
+                        "gateway unreadable during a drain",
+                        extra={
+                            "event": "autoscale_failure",
+                            "action": "drain_poll",
+                            "replica": name,
+                            "error": str(exc),
+                        },
+                    )
+                unreadable = True
+            await self.sleep(self.poll_s)
+
     async def _in_flight(self, name: str) -> int:
-        rows: list[Mapping[str, Any]] = (await self.gateway.snapshot())["replicas"]
-        return sum(int(row["in_flight"]) for row in rows if row["name"] == name)
+        rows = read_snapshot(await self.gateway.snapshot()).replicas
+        return sum(row.in_flight for row in rows if row.name == name)
 
     # -- running -------------------------------------------------------------------------
 
@@ -401,6 +499,10 @@ class AutoscaleLoop:
             await self.settle()
 
     async def settle(self) -> None:
-        """Wait for the starts and drains under way (a drain is never abandoned half-way)."""
+        """Wait for the starts and drains under way (a drain is never abandoned half-way),
+        then one last try at what they left undone."""
         tasks = [p.task for p in self._pending if p.task is not None]
         await asyncio.gather(*tasks, *self._draining.values(), return_exceptions=True)
+        if self._gone or self._undrain_owed:
+            with contextlib.suppress(*_FAILURES):
+                await self._reconcile(read_snapshot(await self.gateway.snapshot()).replicas)

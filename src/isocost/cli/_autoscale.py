@@ -6,6 +6,7 @@ import dataclasses
 import os
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import typer
 
@@ -82,6 +83,7 @@ def autoscale(
         LoopMetrics,
         Tick,
         offers_from_plan,
+        read_snapshot,
     )
     from isocost.control import Autoscaler, PoolOffer
     from isocost.core.catalog import Catalog
@@ -93,6 +95,11 @@ def autoscale(
         text = config_path.read_text()
     except OSError as exc:
         fail(f"--config {config_path}: {exc.strerror}")
+    except UnicodeDecodeError:
+        fail(f"--config {config_path}: not UTF-8 text")
+    url = urlsplit(gateway)
+    if url.scheme not in ("http", "https") or not url.netloc:
+        fail(f"--gateway {gateway}: not an http(s):// URL")
     config = parse_autoscale_yaml(text, str(config_path))
     name = actuator_name or config.actuator
     token = os.environ.get(admin_token_env)
@@ -112,6 +119,8 @@ def autoscale(
             plan_text = plan_path.read_text()
         except OSError as exc:
             fail(f"--plan {plan_path}: {exc.strerror}")
+        except UnicodeDecodeError:
+            fail(f"--plan {plan_path}: not UTF-8 text")
         offers = offers_from_plan(plan_text, f"--plan {plan_path}", config.pools)
     else:
         catalog = Catalog.builtin()
@@ -130,10 +139,10 @@ def autoscale(
     async def pool_model(admin: AdminClient) -> str:
         if model is not None:
             return model
-        pools = [pool["model"] for pool in (await admin.snapshot())["pools"]]
+        pools = [pool.model for pool in read_snapshot(await admin.snapshot()).pools]
         if len(pools) != 1:
             fail(f"--model: the gateway serves {len(pools)} pools; name one")
-        return str(pools[0])
+        return pools[0]
 
     async def make_actuator(admin: AdminClient) -> Actuator:
         if name == "local":

@@ -17,7 +17,7 @@
     drain_deadline_s: 600        # a draining replica is stopped by then, idle or not
     scale_step: 0                # least share of the fleet one scale event adds or removes
     pools:
-      - {gpu: a100-80g, min: 16, max: 64, cold_start_s: 180}
+      - {gpu: a100-80g, min: 16, max: 64, cold_start_s: 180}  # lead until measured; <= 1 day
 """
 
 from __future__ import annotations
@@ -86,10 +86,15 @@ def parse_autoscale_config(raw: object, source: str) -> AutoscaleConfig:
         ),
         ("pools", len(set(gpus)) == len(gpus), "one pool per GPU type"),
     ]
-    problems += [
-        (f"pools[{i}]", pool.min <= pool.max, f"min ({pool.min}) > max ({pool.max})")
-        for i, pool in enumerate(config.pools)
-    ]
+    for i, pool in enumerate(config.pools):
+        problems += [
+            (f"pools[{i}]", pool.min <= pool.max, f"min ({pool.min}) > max ({pool.max})"),
+            (
+                f"pools[{i}].cold_start_s",
+                pool.cold_start_s <= _MAX_COLD_START_S,
+                f"must be <= {_MAX_COLD_START_S:g} (a day)",
+            ),
+        ]
     for key, ok, message in problems:
         if not ok:
             raise ConfigError(source, message, key)
@@ -98,8 +103,11 @@ def parse_autoscale_config(raw: object, source: str) -> AutoscaleConfig:
 
 # Every number's range (all finite). A decision loop faster than _MIN_INTERVAL_S outruns the
 # scrapes it decides on, and in the simulator only multiplies the ticks; a guard window of
-# 0 s holds no sample to compare.
+# 0 s holds no sample to compare. The forecast looks one warm-up lead ahead in steps of a
+# minute: a lead past _MAX_COLD_START_S (a day) is no warm-up, and an absurd one (1e300 s)
+# would stall every decision.
 _MIN_INTERVAL_S = 0.1
+_MAX_COLD_START_S = 86_400.0
 _BOUNDS: dict[str, Bounds] = {
     "interval_s": Bounds(_MIN_INTERVAL_S),
     "headroom": Bounds(0.0, 10.0, high_open=True),
