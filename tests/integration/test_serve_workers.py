@@ -146,6 +146,9 @@ def test_a_killed_worker_is_replaced_and_nothing_is_refused(fleet: Fleet) -> Non
         status, headers, answer = http("POST", fleet.gateway.url + path, body, ADMIN)
         assert status == 200 and "x-isocost-workers-failed" not in headers, answer
     os.kill(before[1]["pid"], signal.SIGKILL)
+    # Until the killed worker has exited, its listening socket still takes its share of
+    # new connections, and resets them as it closes: wait for it to be gone.
+    wait_for(lambda: not _alive(before[1]["pid"]), 10, "the killed worker to exit")
     client = fleet.client()
     for i in range(30):  # the kernel sends new connections to the live socket only
         client.completions.create(model=MODEL, prompt=f"after the kill {i}", max_tokens=2)

@@ -26,7 +26,7 @@ def _chain(prompt: list[int]) -> list[int]:
     return [hash(tuple(prompt[: i + 1])) for i in range(len(prompt))]
 
 
-@settings(max_examples=200, derandomize=True)
+@settings(max_examples=200, derandomize=True, deadline=None)
 @given(ops=_ops, capacity=st.integers(0, 12), query=st.lists(st.integers(0, 5), max_size=8))
 def test_match_never_exceeds_what_is_held(
     ops: list[tuple[str, int, list[int]]], capacity: int, query: list[int]
@@ -77,7 +77,7 @@ _model_ops = st.lists(
 )
 
 
-@settings(max_examples=300, derandomize=True)
+@settings(max_examples=300, derandomize=True, deadline=None)
 @given(
     ops=_model_ops,
     capacities=st.lists(st.integers(0, 12), min_size=4, max_size=4),

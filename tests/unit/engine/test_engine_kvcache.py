@@ -132,7 +132,7 @@ _pool_ops = st.lists(
 )
 
 
-@settings(max_examples=300, derandomize=True)
+@settings(max_examples=300, derandomize=True, deadline=None)
 @given(ops=_pool_ops, num_blocks=st.integers(1, 24))
 def test_pool_agrees_with_a_plain_list_model(
     ops: list[tuple[str, list[int], int]], num_blocks: int

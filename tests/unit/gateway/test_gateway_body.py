@@ -118,14 +118,14 @@ def test_bad_bodies(body: bytes, is_chat: bool, param: str | None) -> None:
         assert info.value.param is not None and info.value.param.startswith(param)
 
 
-@settings(max_examples=150, derandomize=True)
+@settings(max_examples=150, derandomize=True, deadline=None)
 @given(st.binary(max_size=200))
 def test_arbitrary_bytes_never_escape_as_other_errors(data: bytes) -> None:
     with contextlib.suppress(RequestError):
         routing_view(data, chat=True, block_tokens=16)
 
 
-@settings(max_examples=100, derandomize=True)
+@settings(max_examples=100, derandomize=True, deadline=None)
 @given(st.text(max_size=300), st.text(max_size=300))
 def test_shared_prefix_shares_block_hashes(prefix: str, rest: str) -> None:
     a = routing_view(chat(prefix + rest), chat=True, block_tokens=4)

@@ -74,7 +74,7 @@ def test_low_success_rate_over_a_full_window_opens() -> None:
     assert b.state(4.0) is BreakerState.OPEN
 
 
-@settings(max_examples=200, derandomize=True)
+@settings(max_examples=200, derandomize=True, deadline=None)
 @given(
     st.lists(
         st.tuples(
