@@ -183,6 +183,7 @@ class AutoscaleLoop:
         self._stopping: set[str] = set()  # drained and idle: leaving, not to be undrained
         self._gone: set[str] = set()  # stopped: out of the fleet until the gateway drops it
         self._undrain_owed: set[str] = set()  # a drain given up: undrained once seen drained
+        self._shutdown = asyncio.Event()  # set as ``run`` ends: drains still waiting undrain
         self._cold_start_s = {p.gpu: p.cold_start_s for p in config.pools}
         self._answered: dict[str, tuple[int, int]] | None = None
         self._verdicts: tuple[int, int] | None = None  # (met, judged) at the last tick
@@ -426,14 +427,14 @@ class AutoscaleLoop:
             except _FAILURES:
                 self._undrain_owed.add(name)  # its answer may be what was lost, not the drain
                 raise
-            await self._wait_idle(name)
+            if not await self._wait_idle(name):  # shutting down: serve again, not left drained
+                await self._serve_again(name)
+                return
             self._stopping.add(name)
             try:
                 await self._attempt("stop", partial(self.actuator.stop, name, gpu, desired))
             except _FAILURES:
-                self._undrain_owed.add(name)
-                await self._attempt("undrain", partial(self.gateway.undrain, name))
-                self._undrain_owed.discard(name)
+                await self._serve_again(name)
                 return
             self._gone.add(name)  # stopped: never undrained, removed until the gateway agrees
             self._first_seen.pop(name, None)
@@ -444,16 +445,27 @@ class AutoscaleLoop:
             self._draining.pop(name, None)
             self._stopping.discard(name)
 
-    async def _wait_idle(self, name: str) -> None:
-        """Until nothing is in flight on ``name`` or the drain deadline. A gateway that
-        cannot be read meanwhile is waited out (each failed read counted, the first of an
-        outage logged): unknown is not idle, and it is no reason to abandon the drain."""
+    async def _serve_again(self, name: str) -> None:
+        """Undrain a replica whose drain is given up; owed to ``_reconcile`` until done."""
+        self._undrain_owed.add(name)
+        await self._attempt("undrain", partial(self.gateway.undrain, name))
+        self._undrain_owed.discard(name)
+
+    async def _wait_idle(self, name: str) -> bool:
+        """Until nothing is in flight on ``name`` or the drain deadline (True: stop it), or
+        until the loop shuts down first (False). A gateway that cannot be read meanwhile
+        is waited out (each failed read counted, the first of an outage logged): unknown is
+        not idle, and it is no reason to abandon the drain. A shutdown is: a drain can take
+        ``drain_deadline_s`` (10 minutes by default), far past the grace a process manager
+        gives before SIGKILL, which would leave the replica drained for good."""
         deadline = self.clock() + self.config.drain_deadline_s
         unreadable = False
         while self.clock() < deadline:
+            if self._shutdown.is_set():
+                return False
             try:
                 if await self._in_flight(name) == 0:
-                    return
+                    return True
                 unreadable = False
             except GatewayError as exc:
                 self.metrics.failures.labels("drain_poll").inc()
@@ -469,6 +481,7 @@ class AutoscaleLoop:
                     )
                 unreadable = True
             await self.sleep(self.poll_s)
+        return True
 
     async def _in_flight(self, name: str) -> int:
         rows = read_snapshot(await self.gateway.snapshot()).replicas
@@ -496,11 +509,13 @@ class AutoscaleLoop:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), self.config.interval_s)
         finally:
+            self._shutdown.set()
             await self.settle()
 
     async def settle(self) -> None:
-        """Wait for the starts and drains under way (a drain is never abandoned half-way),
-        then one last try at what they left undone."""
+        """Wait for the starts and drains under way (a drain that is still waiting for its
+        replica to go idle undrains it once the loop shuts down; one that reached the stop
+        finishes), then one last try at what they left undone."""
         tasks = [p.task for p in self._pending if p.task is not None]
         await asyncio.gather(*tasks, *self._draining.values(), return_exceptions=True)
         if self._gone or self._undrain_owed:

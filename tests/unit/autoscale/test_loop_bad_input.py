@@ -319,6 +319,52 @@ def test_a_gateway_unreadable_mid_drain_is_waited_out_not_left_half_drained() ->
     asyncio.run(scenario())
 
 
+def test_a_shutdown_during_a_drain_undrains_the_replica_at_once() -> None:
+    """SIGTERM while a drain waits for its replica to go idle: the replica serves again
+    and the loop ends, instead of waiting out ``drain_deadline_s`` (past any process
+    manager's grace, after which SIGKILL leaves it drained for good) and then stopping a
+    replica with requests in flight."""
+
+    async def scenario() -> None:
+        clock, gateway = Clock(), Gateway(["r0", "r1"])
+        loop = make_loop(gateway, clock)
+        victim = await scale_in(loop, clock)
+        gateway.rows[victim]["in_flight"] = 10**6  # busy for longer than the deadline
+        await until(lambda: ("drain", victim) in gateway.calls)
+        stop = asyncio.Event()
+        stop.set()
+        started_s = clock.now
+        await asyncio.wait_for(loop.run(stop, lambda tick: None), 10)
+        assert [call for call, name in gateway.calls if name == victim] == ["drain", "undrain"]
+        assert gateway.rows[victim]["state"] == "healthy"
+        assert clock.now - started_s < CONFIG.drain_deadline_s
+
+    asyncio.run(scenario())
+
+
+def test_demand_back_during_a_drain_takes_the_replica_back_and_ends_the_drain() -> None:
+    """The scaler wants the draining replica again: it is undrained (warm) and its drain
+    task ends where it stands, never reaching the stop."""
+
+    async def scenario() -> None:
+        clock, gateway = Clock(), Gateway(["r0", "r1"])
+        loop = make_loop(gateway, clock)
+        victim = await scale_in(loop, clock)
+        gateway.rows[victim]["in_flight"] = 10**6
+        await until(lambda: ("drain", victim) in gateway.calls)
+        for _ in range(20):  # traffic back: ten answers a second, a replica takes one
+            gateway.answered += 10
+            clock.now += CONFIG.interval_s
+            await loop.tick()
+            if victim not in loop._draining:
+                break
+        await loop.settle()
+        assert [call for call, name in gateway.calls if name == victim] == ["drain", "undrain"]
+        assert gateway.rows[victim]["state"] == "healthy"
+
+    asyncio.run(scenario())
+
+
 def test_a_drain_whose_answer_was_lost_is_undrained_next_round() -> None:
     """The gateway drained it but every answer was lost: the loop gives the drain up, and
     the next round, seeing it drained, undrains it before it decides again."""
