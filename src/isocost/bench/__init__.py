@@ -4,6 +4,7 @@ Talks HTTP only, so it measures an engine, the gateway, vLLM or another router a
 ``run_bench`` from Python (the demo and drills do); the CLI wraps it with a live view.
 """
 
+from isocost.bench._client import MAX_BODY_BYTES, error_snippet, read_capped
 from isocost.bench._main import bench_command, compare_command, run_with_live_view
 from isocost.bench._records import BenchRecord, BenchSummary, meets_slo, summarize_bench
 from isocost.bench._report import (
@@ -25,6 +26,7 @@ from isocost.bench._workloads import WorkloadSpec, build_workload
 from isocost.workload import TRACE_FORMATS
 
 __all__ = [
+    "MAX_BODY_BYTES",
     "TRACE_FORMATS",
     "BenchOptions",
     "BenchProgress",
@@ -37,11 +39,13 @@ __all__ = [
     "build_workload",
     "compare_command",
     "compare_table",
+    "error_snippet",
     "live_table",
     "load_summary",
     "meets_slo",
     "normalize_url",
     "plot_comparison",
+    "read_capped",
     "run_bench",
     "run_with_live_view",
     "summarize_bench",

@@ -5,29 +5,37 @@ Error kinds (``BenchRecord.error_kind``):
 - ``connect``: no connection (refused, reset before a response, DNS).
 - ``timeout``: no complete answer within the per-request timeout.
 - ``http_<status>``: a response other than 200 (``http_429``, ``http_503``...); redirects
-  are not followed, so that no other server is ever contacted.
-- ``bad_json``: a body or an SSE event that is not the JSON an OpenAI server sends.
-- ``bad_sse``: a line in the stream that is not SSE (``data:``, ``event:``, ``id:``, ``:``).
+  are not followed, so that no other server is ever contacted (the error names where to).
+- ``bad_json``: a body or an SSE event that is not the JSON an OpenAI server sends, or
+  usage that is not a count of the tokens asked for.
+- ``bad_sse``: a line in the stream that is not SSE (``data:``, ``event:``, ``id:``, ``:``),
+  or one longer than aiohttp's line limit.
+- ``too_large``: a whole (non-streamed) answer over ``MAX_BODY_BYTES``.
 - ``stream_error``: an ``{"error": ...}`` event inside a stream.
 - ``truncated``: the stream ended without ``data: [DONE]`` (or the server hung up).
 - ``empty``: a 200 answer that carried no generated text at all.
 
-A request is recorded whatever happens, so a misbehaving server never stops a run.
+A request is recorded whatever happens, so a misbehaving server never stops a run; and
+nothing a server sends is held in full unless it is small, so none can exhaust memory.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeGuard
 
 import aiohttp
 import msgspec
+from aiohttp.http_exceptions import LineTooLong
 
 from isocost.bench._records import BenchRecord
 from isocost.openai import sse
 
-__all__ = ["send_request"]
+__all__ = ["MAX_BODY_BYTES", "error_snippet", "read_capped", "send_request"]
+
+MAX_BODY_BYTES = 16 * 1024 * 1024  # a whole answer larger than this is not an OpenAI one
+_SNIPPET_BYTES = 4096  # of an error answer's body, enough for its message
 
 _json = msgspec.json.Decoder()
 _encode = msgspec.json.Encoder().encode
@@ -56,14 +64,16 @@ async def send_request(
                 url, data=_encode(payload), headers=headers, allow_redirects=False
             ) as response:
                 record.status = response.status
-                record.replica = response.headers.get("x-isocost-replica")
+                record.replica = _printable(response.headers.get("x-isocost-replica"))
                 if response.status != 200:
-                    body = (await response.text(errors="replace"))[:200]
-                    raise _Garbage(f"http_{response.status}", body.strip())
+                    raise _Garbage(f"http_{response.status}", await error_snippet(response))
                 if payload.get("stream"):
                     await _read_stream(response, clock, record)
                 else:
-                    _read_body(await response.read(), clock, record)
+                    body = await read_capped(response, MAX_BODY_BYTES)
+                    if body is None:
+                        raise _Garbage("too_large", f"an answer over {MAX_BODY_BYTES} bytes")
+                    _read_body(body, clock, record)
     except _Garbage as exc:
         record.error_kind, record.error = exc.kind, str(exc)
     except TimeoutError:
@@ -72,13 +82,45 @@ async def send_request(
         record.error_kind, record.error = "truncated", str(exc) or type(exc).__name__
     except aiohttp.ClientError as exc:
         record.error_kind, record.error = "connect", str(exc) or type(exc).__name__
-    except ValueError as exc:  # aiohttp's reader refuses an endless line
-        record.error_kind, record.error = "bad_sse", str(exc)
+    except (LineTooLong, ValueError):  # aiohttp's reader refuses an endless line (LineTooLong
+        # since aiohttp 3.13, ValueError before); it holds no more than its limit meanwhile
+        record.error_kind, record.error = "bad_sse", "a line longer than the reader's limit"
     if record.error_kind is None and record.first_token_s is None:
         record.error_kind, record.error = "empty", "the answer carried no generated text"
     if record.error_kind is not None:
         record.end_s = None
     return record
+
+
+def _printable(header: str | None) -> str | None:
+    """A header as text that can be printed and written as JSON: aiohttp keeps bytes that
+    are not UTF-8 as lone surrogates, which neither the console nor msgspec accept."""
+    if header is None:
+        return None
+    return header.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
+async def read_capped(response: aiohttp.ClientResponse, limit: int) -> bytes | None:
+    """The whole body, or None once it is over ``limit`` bytes (the rest is not read)."""
+    if response.content_length is not None and response.content_length > limit:
+        return None
+    body = bytearray()
+    async for chunk in response.content.iter_chunked(65536):
+        body += chunk
+        if len(body) > limit:
+            return None
+    return bytes(body)
+
+
+async def error_snippet(response: aiohttp.ClientResponse) -> str:
+    """The start of an error answer's body as one line of text, and where a redirect points
+    (it is not followed); the rest of the body is never read, however long."""
+    text = (await response.content.read(_SNIPPET_BYTES)).decode(errors="replace")
+    snippet = " ".join(text.split())[:200]
+    location = response.headers.get("location")
+    if 300 <= response.status < 400 and location:
+        return f"redirects to {_printable(location)} (not followed) {snippet}".strip()
+    return snippet
 
 
 def _decode(data: bytes) -> dict[str, Any]:
@@ -106,14 +148,26 @@ def _text(event: dict[str, Any]) -> str:
     return text if isinstance(text, str) else ""
 
 
+def _count(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _usage(event: dict[str, Any], record: BenchRecord) -> None:
+    """The server's token counts; a count that cannot be true (negative, or more output
+    than asked for) would skew every rate of the summary, so it fails the request."""
     usage = event.get("usage")
     if isinstance(usage, dict):
         prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-        if isinstance(prompt, int):
+        if _count(prompt):
             record.usage_prompt_tokens = prompt
-        if isinstance(completion, int):
-            record.output_tokens = completion
+        if completion is None:
+            return
+        if not _count(completion) or completion > record.max_tokens:
+            raise _Garbage(
+                "bad_json", f"usage.completion_tokens {str(completion)[:40]} with max_tokens "
+                f"{record.max_tokens}"
+            )  # fmt: skip
+        record.output_tokens = completion
 
 
 def _resumes(event: dict[str, Any], record: BenchRecord) -> None:

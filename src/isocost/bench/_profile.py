@@ -30,11 +30,13 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import aiohttp
 import msgspec
+from aiohttp.http_exceptions import LineTooLong
 
+from isocost.bench._client import error_snippet, read_capped
 from isocost.bench._runner import EndpointError, normalize_url, served_model
 from isocost.core.profile import DecodeSample, PrefillSample
 from isocost.openai import sse
@@ -87,7 +89,29 @@ class _Answer:
     cached_tokens: int | None  # prompt tokens found cached, where the engine says
 
 
-_json = msgspec.json.Decoder()
+class _Details(msgspec.Struct):
+    cached_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
+
+
+class _Usage(msgspec.Struct):
+    completion_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    prompt_tokens_details: _Details | None = None
+
+
+class _Choice(msgspec.Struct):
+    text: str | None = None
+
+
+class _Event(msgspec.Struct):
+    """One stream event, as far as a probe reads it: a shape it does not expect is a
+    ``msgspec.ValidationError`` naming the field, not a crash further on."""
+
+    choices: list[_Choice] = []
+    usage: _Usage | None = None
+    error: Any = None
+
+
+_events = msgspec.json.Decoder(_Event)
 
 
 class _Probe:
@@ -123,6 +147,8 @@ class _Probe:
             raise EndpointError(f"{what} failed: {str(exc) or type(exc).__name__}") from None
         except (msgspec.DecodeError, ValueError) as exc:
             raise EndpointError(f"{what}: not an OpenAI completion answer ({exc})") from None
+        except LineTooLong:  # aiohttp >= 3.13 (ValueError before)
+            raise EndpointError(f"{what}: a line longer than the reader's limit") from None
 
     async def _exchange(self, payload: dict[str, Any]) -> _Answer:
         url = f"{self.base}/v1/completions"
@@ -131,26 +157,30 @@ class _Probe:
             url, data=msgspec.json.encode(payload), headers=self.headers, allow_redirects=False
         ) as response:
             if response.status != 200:
-                body = (await response.text(errors="replace"))[:300].strip()
-                raise EndpointError(f"{url} answered {response.status}: {body}")
+                raise EndpointError(f"{url} answered {response.status}: "
+                                    f"{await error_snippet(response)}")  # fmt: skip
             events: list[float] = []
-            usage: dict[str, Any] = {}
+            usage = _Usage()
             async for raw in response.content:
                 data = sse.line_data(raw)
-                if data is None or data == sse.DONE:
+                if data is None:
                     continue
-                event = _json.decode(data)
-                choices = event.get("choices")
-                if choices and choices[0].get("text") is not None:  # a token, maybe ""
+                if data == sse.DONE:
+                    break
+                event = _events.decode(data)
+                if event.error is not None:
+                    raise ValueError(f"an error event: {str(event.error)[:200]}")
+                if event.choices and event.choices[0].text is not None:  # a token, maybe ""
                     events.append(time.perf_counter() - sent)
-                usage = event.get("usage") or usage
+                usage = event.usage or usage
+            else:
+                raise ValueError("the stream ended without data: [DONE]")
         if not events:
             raise ValueError("no output token")
-        tokens = usage.get("completion_tokens")  # a stream without usage: one per event
-        tokens = tokens if isinstance(tokens, int) and tokens > 0 else len(events)
-        details = usage.get("prompt_tokens_details")
-        cached = details.get("cached_tokens") if isinstance(details, dict) else None
-        return _Answer(tuple(events), tokens, cached if isinstance(cached, int) else None)
+        tokens = usage.completion_tokens  # a stream without usage: one per event
+        tokens = tokens if tokens else len(events)
+        details = usage.prompt_tokens_details
+        return _Answer(tuple(events), tokens, None if details is None else details.cached_tokens)
 
     async def prefill(self, lengths: Sequence[int]) -> tuple[list[PrefillSample], list[str]]:
         samples: list[PrefillSample] = []
@@ -165,8 +195,9 @@ class _Probe:
                 longer = prompt + self.prompt(self.plan.cached_suffix_tokens)
                 answer = await self.send(longer, 1)
                 self.progress("prefill")
-                if answer.cached_tokens:
-                    cached_by[n].append((answer.cached_tokens, answer.events_s[0]))
+                hit = answer.cached_tokens
+                if hit and hit < len(longer):  # more than it was sent is not a cache hit
+                    cached_by[n].append((hit, answer.events_s[0]))
         for n in lengths:
             uncached, cached = uncached_by[n], cached_by[n]
             samples.append(PrefillSample(n, 0, min(uncached)))
@@ -220,14 +251,27 @@ class _Probe:
         return max(a.events_s[-1] for a in answers)  # each timed from its send: all at once
 
 
-async def _get(
+_METRICS_BYTES = 8 * 1024 * 1024  # an engine's /metrics is a few hundred KiB at most
+
+
+async def _scrape(
     session: aiohttp.ClientSession, url: str, headers: dict[str, str], timeout_s: float
-) -> tuple[int, bytes]:
+) -> tuple[str | None, str | None]:
+    """``/metrics`` as text, or a note why not: it comes after every probe and only adds
+    the KV capacity, so a missing or broken one must not cost the measurements."""
     try:
-        async with asyncio.timeout(timeout_s), session.get(url, headers=headers) as response:
-            return response.status, await response.read()
+        async with (
+            asyncio.timeout(timeout_s),
+            session.get(url, headers=headers, allow_redirects=False) as response,
+        ):
+            if response.status != 200:
+                return None, f"{url} answered {response.status}: no KV capacity"
+            body = await read_capped(response, _METRICS_BYTES)
     except (aiohttp.ClientError, TimeoutError) as exc:
-        raise EndpointError(f"cannot reach {url}: {str(exc) or type(exc).__name__}") from None
+        return None, f"{url} failed ({str(exc) or type(exc).__name__}): no KV capacity"
+    if body is None:
+        return None, f"{url} answered over {_METRICS_BYTES} bytes: no KV capacity"
+    return body.decode(errors="replace"), None
 
 
 def _probe_count(plan: ProfilePlan, lengths: int) -> int:
@@ -273,6 +317,6 @@ async def measure_replica(
             tick("warm-up")
         prefill, notes = await probe.prefill(lengths)
         decode = await probe.decode()
-        status, text = await _get(session, f"{base}/metrics", headers, plan.timeout_s)
-        metrics = text.decode(errors="replace") if status == 200 else None
+        metrics, failed = await _scrape(session, f"{base}/metrics", headers, plan.timeout_s)
+        notes += [failed] if failed else []
     return Measurements(served, longest, tuple(prefill), tuple(decode), metrics, tuple(notes))

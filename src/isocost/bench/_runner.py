@@ -32,7 +32,7 @@ import aiohttp
 import msgspec
 import numpy as np
 
-from isocost.bench._client import send_request
+from isocost.bench._client import MAX_BODY_BYTES, error_snippet, read_capped, send_request
 from isocost.bench._records import BenchRecord, BenchSummary, summarize_bench
 from isocost.core.errors import ConfigError, IsocostError
 from isocost.core.slo import SloTargets
@@ -157,10 +157,12 @@ async def served_model(
             asyncio.timeout(timeout_s),
             session.get(url, headers=headers, allow_redirects=False) as response,
         ):
-            body = await response.read()
             status = response.status
+            if 300 <= status < 400:  # the wrong URL: say where, rather than "pass --model"
+                raise EndpointError(f"{url} answered {status}: {await error_snippet(response)}")
+            body = await read_capped(response, MAX_BODY_BYTES) or b""
     except (aiohttp.ClientError, TimeoutError) as exc:
-        reason = str(exc) or type(exc).__name__
+        reason = " ".join((str(exc) or type(exc).__name__).split())
         raise EndpointError(f"cannot reach {base}: {reason}") from None
     try:
         listed = msgspec.json.decode(body)["data"]

@@ -38,12 +38,15 @@ import aiohttp
 import msgspec
 
 from isocost.bench import (
+    MAX_BODY_BYTES,
     BenchOptions,
     BenchProgress,
     BenchRecord,
     WorkloadSpec,
     build_workload,
+    error_snippet,
     normalize_url,
+    read_capped,
     run_bench,
 )
 from isocost.core.errors import ConfigError, IsocostError
@@ -136,6 +139,26 @@ class DrillReport(msgspec.Struct, kw_only=True):
     max_factor_ratio: float | None  # highest target factor / its value at injection
 
 
+class _Row(msgspec.Struct):
+    """What a drill reads of a replica row of ``GET /admin/replicas``; a gateway answering
+    another shape (another version, the wrong port) is a DrillError naming the field."""
+
+    url: str
+    name: str
+    state: str
+    in_flight: int = 0
+    pool: str | None = None
+    ttft_factor: float | None = None
+    itl_factor: float | None = None
+
+
+class _Replicas(msgspec.Struct):
+    replicas: list[_Row]
+
+
+_replicas = msgspec.json.Decoder(_Replicas)
+
+
 @dataclass(slots=True)
 class _Timeline:
     injected_at: float | None = None
@@ -154,27 +177,41 @@ class _Admin:
         self.gateway = gateway
         self.headers = {"Authorization": f"Bearer {token}"}
 
-    async def rows(self) -> dict[str, dict[str, Any]]:
+    async def rows(self) -> dict[str, _Row]:
         """Every replica row keyed by its URL."""
         url = f"{self.gateway}/admin/replicas"
         try:
-            async with self.session.get(url, headers=self.headers) as resp:
-                body = await resp.read()
+            async with self.session.get(url, headers=self.headers, allow_redirects=False) as resp:
                 if resp.status != 200:
-                    raise DrillError(f"GET {url} answered {resp.status}: {body[:200]!r}")
+                    raise DrillError(
+                        f"GET {url} answered {resp.status}: {await error_snippet(resp)}"
+                    )
+                body = await read_capped(resp, MAX_BODY_BYTES)
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise DrillError(f"GET {url} failed: {exc or type(exc).__name__}") from None
-        return {row["url"]: row for row in msgspec.json.decode(body)["replicas"]}
+            raise DrillError(f"GET {url} failed: {_reason(exc)}") from None
+        if body is None:
+            raise DrillError(f"GET {url} answered over {MAX_BODY_BYTES} bytes")
+        try:
+            listed = _replicas.decode(body)
+        except msgspec.DecodeError as exc:
+            raise DrillError(f"GET {url}: not an isocost replica list ({exc})") from None
+        return {row.url: row for row in listed.replicas}
 
     async def fault(self, engine: str, body: dict[str, Any]) -> None:
         url = f"{engine}/admin/fault"
         try:
-            async with self.session.post(url, json=body) as resp:
-                answer = await resp.read()
+            async with self.session.post(url, json=body, allow_redirects=False) as resp:
                 if resp.status != 200:
-                    raise DrillError(f"POST {url} answered {resp.status}: {answer[:200]!r}")
+                    raise DrillError(
+                        f"POST {url} answered {resp.status}: {await error_snippet(resp)}"
+                    )
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise DrillError(f"POST {url} failed: {exc or type(exc).__name__}") from None
+            raise DrillError(f"POST {url} failed: {_reason(exc)}") from None
+
+
+def _reason(exc: BaseException) -> str:
+    """One line saying why: a timeout's own text is empty."""
+    return " ".join((str(exc) or type(exc).__name__).split())
 
 
 def _gated(
@@ -197,23 +234,23 @@ def _gated(
 _FACTORS = ("ttft_factor", "itl_factor")
 
 
-def _factor_ratio(row: dict[str, Any], baseline: dict[str, Any] | None) -> float | None:
+def _factor_ratio(row: _Row, baseline: _Row | None) -> float | None:
     """The larger of ``row``'s factors over the same factor in ``baseline``."""
     if baseline is None:
         return None
-    ratios = [row[n] / baseline[n] for n in _FACTORS if row.get(n) and baseline.get(n)]
-    return max(ratios, default=None)
+    pairs = [(getattr(row, n), getattr(baseline, n)) for n in _FACTORS]
+    return max((now / then for now, then in pairs if now and then), default=None)
 
 
-def _detected(fault: Fault, ratio: float | None, row: dict[str, Any], flag: float) -> bool:
-    if row["state"] != _HEALTHY:
+def _detected(fault: Fault, ratio: float | None, row: _Row, flag: float) -> bool:
+    if row.state != _HEALTHY:
         return True
     return fault == "slow" and ratio is not None and ratio >= flag
 
 
-def _recovered(fault: Fault, ratio: float | None, row: dict[str, Any], flag: float) -> bool:
+def _recovered(fault: Fault, ratio: float | None, row: _Row, flag: float) -> bool:
     slow = fault == "slow" and ratio is not None and ratio >= flag
-    return row["state"] == _HEALTHY and not slow
+    return row.state == _HEALTHY and not slow
 
 
 async def _observe(
@@ -225,22 +262,22 @@ async def _observe(
 ) -> _Timeline:
     """Poll the admin API through the phases; inject and clear the fault on time."""
     timeline = _Timeline()
-    baselines: dict[str, dict[str, Any]] = {}  # each target's row at injection
+    baselines: dict[str, _Row] = {}  # each target's row at injection
     fault, flag = options.fault, options.flag_factor
     while True:
         all_rows = await admin.rows()
         now = clock()
         present = [all_rows[url] for url in engines if url in all_rows]
-        ratios = [_factor_ratio(row, baselines.get(row["url"])) for row in present]
+        ratios = [_factor_ratio(row, baselines.get(row.url)) for row in present]
         if timeline.injected_at is not None:
             seen = [r for r in ratios if r is not None]
             timeline.max_factor_ratio = max([*seen, timeline.max_factor_ratio or 0.0]) or None
         if timeline.injected_at is None:
             if now >= options.warmup_s:
-                unhealthy = [row["name"] for row in present if row["state"] != _HEALTHY]
+                unhealthy = [row.name for row in present if row.state != _HEALTHY]
                 if unhealthy or len(present) < len(engines):
                     raise DrillError(f"targets not healthy before the fault: {unhealthy}")
-                baselines = {row["url"]: row for row in present}
+                baselines = {row.url: row for row in present}
                 await asyncio.gather(*(admin.fault(e, options.fault_body()) for e in engines))
                 timeline.injected_at = clock()
         else:
@@ -256,7 +293,7 @@ async def _observe(
             if (
                 timeline.detected_at is not None
                 and timeline.drained_at is None
-                and all(row["in_flight"] == 0 for row in present)
+                and all(row.in_flight == 0 for row in present)
             ):
                 timeline.drained_at = now
             if timeline.cleared_at is None:
@@ -303,7 +340,10 @@ async def run_drill(
         unknown = [url for url in targets if url not in rows]
         if unknown:
             raise DrillError(f"not replicas of {base}: {', '.join(unknown)}")
-        names = [rows[url]["name"] for url in targets]
+        names = [rows[url].name for url in targets]
+        model = options.model or rows[targets[0]].pool
+        if model is None:
+            raise DrillError(f"{base} names no model pool for {targets[0]}: pass the model")
         stop = asyncio.Event()
         started: asyncio.Future[float] = loop.create_future()
         spec = WorkloadSpec(
@@ -312,7 +352,7 @@ async def run_drill(
             seed=options.seed,
         )
         bench_options = BenchOptions(
-            model=options.model or rows[targets[0]]["pool"],
+            model=model,
             max_tokens=options.max_tokens,
             stream=options.stream,
             ignore_eos=options.ignore_eos,
