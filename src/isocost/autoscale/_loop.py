@@ -275,15 +275,11 @@ class AutoscaleLoop:
             done = pending.task is None or pending.task.done()
             if done and now - pending.started_s > wait_s:
                 self._pending.remove(pending)
-                self.metrics.failures.labels("routable").inc()
-                log.warning(
+                self._failed(
+                    "routable",
                     "started replica never became routable",
-                    extra={
-                        "event": "autoscale_failure",
-                        "action": "routable",
-                        "gpu": pending.gpu,
-                        "waited_s": round(now - pending.started_s, 2),
-                    },
+                    gpu=pending.gpu,
+                    waited_s=round(now - pending.started_s, 2),
                 )
 
     def _resolve_pending(self, gpu: str, now: float) -> None:
@@ -338,11 +334,7 @@ class AutoscaleLoop:
         try:
             await self.gateway.post_status(status)
         except GatewayError as exc:
-            self.metrics.failures.labels("status").inc()
-            log.warning(
-                "autoscaler status not posted",
-                extra={"event": "autoscale_failure", "action": "status", "error": str(exc)},
-            )
+            self._failed("status", "autoscaler status not posted", error=str(exc))
 
     def _report(self, decision: ScaleDecision, observation: Observation) -> None:
         m = self.metrics
@@ -386,6 +378,13 @@ class AutoscaleLoop:
 
     # -- actions -------------------------------------------------------------------------
 
+    def _failed(self, action: str, message: str, *, warn: bool = True, **fields: Any) -> None:
+        """One failure of ``action``: counted in ``isocost_autoscale_failures_total``, and
+        a warning unless ``warn`` is False (a repeat the first one already told)."""
+        self.metrics.failures.labels(action).inc()
+        if warn:
+            log.warning(message, extra={"event": "autoscale_failure", "action": action, **fields})
+
     async def _attempt(
         self, action: str, call: Callable[[], Awaitable[None]], tries: int | None = None
     ) -> None:
@@ -397,16 +396,7 @@ class AutoscaleLoop:
                 await call()
                 return
             except _FAILURES as exc:
-                self.metrics.failures.labels(action).inc()
-                log.warning(
-                    "autoscale action failed",
-                    extra={
-                        "event": "autoscale_failure",
-                        "action": action,
-                        "attempt": attempt,
-                        "error": str(exc),
-                    },
-                )
+                self._failed(action, "autoscale action failed", attempt=attempt, error=str(exc))
                 if attempt == tries:
                     raise
                 await self.sleep(self.backoff_s * 2 ** (attempt - 1))
@@ -468,17 +458,13 @@ class AutoscaleLoop:
                     return True
                 unreadable = False
             except GatewayError as exc:
-                self.metrics.failures.labels("drain_poll").inc()
-                if not unreadable:
-                    log.warning(
-                        "gateway unreadable during a drain",
-                        extra={
-                            "event": "autoscale_failure",
-                            "action": "drain_poll",
-                            "replica": name,
-                            "error": str(exc),
-                        },
-                    )
+                self._failed(
+                    "drain_poll",
+                    "gateway unreadable during a drain",
+                    warn=not unreadable,  # the first failed read of an outage
+                    replica=name,
+                    error=str(exc),
+                )
                 unreadable = True
             await self.sleep(self.poll_s)
         return True
@@ -497,15 +483,7 @@ class AutoscaleLoop:
                 try:
                     on_tick(await self.tick())
                 except GatewayError as exc:
-                    self.metrics.failures.labels("observe").inc()
-                    log.warning(
-                        "gateway unreadable",
-                        extra={
-                            "event": "autoscale_failure",
-                            "action": "observe",
-                            "error": str(exc),
-                        },
-                    )
+                    self._failed("observe", "gateway unreadable", error=str(exc))
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), self.config.interval_s)
         finally:
