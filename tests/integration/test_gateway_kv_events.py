@@ -103,14 +103,27 @@ def route(gateway: Proc, prompt: str) -> dict[str, Any]:
     return result
 
 
-@pytest.fixture
-def gateway(tmp_path: Path, procs: list[Proc], publisher: Publisher, tokenizer_path: Path) -> Proc:
-    """Two engines, ``events`` (following the publisher) and ``plain`` (no events)."""
+def start_following_gateway(
+    tmp_path: Path,
+    procs: list[Proc],
+    publisher: Publisher,
+    tokenizer_path: Path,
+    *,
+    plain: bool,
+) -> Proc:
+    """A gateway over an engine ``events`` that follows the publisher and, with ``plain``,
+    a second engine ``plain`` without events."""
     engines = []
-    for _ in range(2):
+    for _ in range(2 if plain else 1):
         args = ["engine", "--port", "0", "--model", MODEL, "--gpu", "a100-80g"]
         engines.append(start_isocost(args, "isocost engine"))
         procs.append(engines[-1])
+    replicas = (
+        f"      - {{url: '{engines[0].url}', name: events,"
+        f" kv_events: 'tcp://127.0.0.1:{publisher.port}'}}\n"
+    )
+    if plain:
+        replicas += f"      - {{url: '{engines[1].url}', name: plain}}\n"
     config = gateway_config(
         [],
         model=MODEL,
@@ -118,19 +131,19 @@ def gateway(tmp_path: Path, procs: list[Proc], publisher: Publisher, tokenizer_p
         api_key=KEY,
         policy="prefix",
         pool_fields=f"    tokenizer: {tokenizer_path}",
-    ).replace(
-        "    replicas:\n",
-        "    replicas:\n"
-        f"      - {{url: '{engines[0].url}', name: events,"
-        f" kv_events: 'tcp://127.0.0.1:{publisher.port}'}}\n"
-        f"      - {{url: '{engines[1].url}', name: plain}}\n",
-    )
+    ).replace("    replicas:\n", "    replicas:\n" + replicas)
     path = tmp_path / "gateway.yaml"
     path.write_text(config)
     with (tmp_path / "gateway.log").open("a") as log:
         proc = start_isocost(["serve", "--config", str(path), "--port", "0"], stderr=log)
     procs.append(proc)
     return proc
+
+
+@pytest.fixture
+def gateway(tmp_path: Path, procs: list[Proc], publisher: Publisher, tokenizer_path: Path) -> Proc:
+    """Two engines, ``events`` (following the publisher) and ``plain`` (no events)."""
+    return start_following_gateway(tmp_path, procs, publisher, tokenizer_path, plain=True)
 
 
 def connected(gateway: Proc, publisher: Publisher) -> None:

@@ -13,10 +13,9 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from gateway_harness import gateway_config, http, wait_for
-from isocost_procs import Proc, start_isocost
+from gateway_harness import http, wait_for
+from isocost_procs import Proc
 from test_gateway_kv_events import (
-    ADMIN,
     KEY,
     MODEL,
     WORDS,
@@ -25,6 +24,7 @@ from test_gateway_kv_events import (
     metric,
     publisher,
     route,
+    start_following_gateway,
     tokenizer_path,
 )
 
@@ -34,28 +34,7 @@ __all__ = ["publisher", "tokenizer_path"]  # fixtures
 @pytest.fixture
 def gateway(tmp_path: Path, procs: list[Proc], publisher: Publisher, tokenizer_path: Path) -> Proc:
     """One engine, ``events``, following the publisher."""
-    args = ["engine", "--port", "0", "--model", MODEL, "--gpu", "a100-80g"]
-    engine = start_isocost(args, "isocost engine")
-    procs.append(engine)
-    config = gateway_config(
-        [],
-        model=MODEL,
-        admin_token=ADMIN["Authorization"].split()[1],
-        api_key=KEY,
-        policy="prefix",
-        pool_fields=f"    tokenizer: {tokenizer_path}",
-    ).replace(
-        "    replicas:\n",
-        "    replicas:\n"
-        f"      - {{url: '{engine.url}', name: events,"
-        f" kv_events: 'tcp://127.0.0.1:{publisher.port}'}}\n",
-    )
-    path = tmp_path / "gateway.yaml"
-    path.write_text(config)
-    with (tmp_path / "gateway.log").open("a") as log:
-        proc = start_isocost(["serve", "--config", str(path), "--port", "0"], stderr=log)
-    procs.append(proc)
-    return proc
+    return start_following_gateway(tmp_path, procs, publisher, tokenizer_path, plain=False)
 
 
 def count(gateway: Proc, name: str) -> float:

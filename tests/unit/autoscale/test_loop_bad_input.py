@@ -20,6 +20,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from gateway_harness import wait_for
+from test_autoscale_loop import CONFIG, GPU, OFFERS, Clock
 
 from isocost.autoscale import (
     ActuatorError,
@@ -30,40 +31,12 @@ from isocost.autoscale import (
     LocalActuator,
 )
 from isocost.control import (
-    AutoscaleConfig,
     Autoscaler,
-    PoolConfig,
-    PoolOffer,
     parse_autoscale_config,
 )
 from isocost.core.errors import ConfigError
 
-GPU = "a100-80g"
-CONFIG = AutoscaleConfig(
-    pools=[PoolConfig(gpu=GPU, min=1, max=3, cold_start_s=5)],
-    interval_s=1.0,
-    max_gpus=8,
-    scale_up_cooldown_s=0,
-    scale_down_cooldown_s=0,
-    scale_in_after_s=3,
-    drain_deadline_s=30,
-)
-OFFERS = [PoolOffer(GPU, 1, 2.0, capacity_rps=1.0)]
 Snapshot = dict[str, Any]
-
-
-class Clock:
-    """The loop's clock and sleep: a sleep moves time on at once."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    async def sleep(self, seconds: float) -> None:
-        self.now += seconds
-        await asyncio.sleep(0)
 
 
 class Gateway:
