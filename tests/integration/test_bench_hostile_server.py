@@ -15,7 +15,8 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from hostile_openai import hostile_app, in_thread, raw_server, serving
+from gateway_harness import serving
+from hostile_openai import hostile_app, in_thread, raw_server
 
 from isocost.bench import (
     BenchOptions,

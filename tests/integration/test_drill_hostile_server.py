@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from hostile_openai import hostile_app, in_thread, serving
+from gateway_harness import serving
+from hostile_openai import hostile_app, in_thread
 
 from isocost.drill import DrillError, DrillOptions, run_drill
 

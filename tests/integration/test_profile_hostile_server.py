@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from hostile_openai import hostile_app, in_thread, serving
+from gateway_harness import serving
+from hostile_openai import hostile_app, in_thread
 
 from isocost.bench import EndpointError
 from isocost.bench._profile import Measurements, ProfilePlan, measure_replica

@@ -8,12 +8,15 @@ Suites add their own lines: per-replica fields, more ``limits``, ``health`` and
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
+
+from aiohttp import web
 
 
 def gateway_config(
@@ -114,3 +117,16 @@ def wait_for(
             seen = "" if state is None else f"; saw {state()}"
             raise AssertionError(f"timed out waiting for {what}{seen}")
         time.sleep(interval_s)
+
+
+@contextlib.asynccontextmanager
+async def serving(app: web.Application) -> AsyncIterator[str]:
+    """``app`` on a random port of 127.0.0.1 in this event loop; its base URL."""
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()

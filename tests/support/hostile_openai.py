@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequen
 from typing import Any
 
 from aiohttp import web
+from gateway_harness import serving
 
 MODEL = "hostile-model"
 BIG = 4 * 1024 * 1024  # an "enormous" line: far over any reader's line limit
@@ -217,19 +218,6 @@ def hostile_app(
     app.router.add_get("/metrics", scrape)
     app.router.add_get("/admin/replicas", admin)
     return app
-
-
-@contextlib.asynccontextmanager
-async def serving(app: web.Application) -> AsyncIterator[str]:
-    """``app`` on a random port of 127.0.0.1 in this event loop; its base URL."""
-    runner = web.AppRunner(app, shutdown_timeout=0.1)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
 
 
 TLS_ALERT = b"\x15\x03\x01\x00\x02\x02\x46"  # what a TLS port says to a plain-HTTP hello

@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 import aiohttp
 import pytest
 from aiohttp import web
+from gateway_harness import serving
 from isocost_procs import free_port
 from typer.testing import CliRunner
 
@@ -62,14 +63,8 @@ async def fake_etcd(routes: dict[str, tuple[int, dict[str, object]]]) -> AsyncIt
     app = web.Application()
     for path in routes:
         app.router.add_post(path, answer)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
+    async with serving(app) as url:
+        yield url
 
 
 def etcd_error(status: int, message: str, code: int) -> tuple[int, dict[str, object]]:

@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from gateway_harness import wait_for
+from gateway_harness import serving, wait_for
 from test_autoscale_loop import CONFIG, GPU, OFFERS, Clock
 
 from isocost.autoscale import (
@@ -506,18 +506,10 @@ def test_an_unreadable_admin_answer_is_a_gateway_error(body: bytes, content_type
 
         app = web.Application()
         app.router.add_get("/admin/snapshot", answer)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = runner.addresses[0][1]
-        try:
-            async with aiohttp.ClientSession() as session:
-                admin = AdminClient(session, f"http://127.0.0.1:{port}", "t")
-                with pytest.raises(GatewayError, match="unreadable answer"):
-                    await admin.snapshot()
-        finally:
-            await runner.cleanup()
+        async with serving(app) as url, aiohttp.ClientSession() as session:
+            admin = AdminClient(session, url, "t")
+            with pytest.raises(GatewayError, match="unreadable answer"):
+                await admin.snapshot()
 
     asyncio.run(scenario())
 
