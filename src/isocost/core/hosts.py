@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from typing import TypeGuard
 
-__all__ = ["is_host"]
+__all__ = ["is_host", "is_port"]
 
 _LABEL = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)")
 _MAX_NAME_CHARS = 253
+_MAX_PORT = 65535
 
 
 def is_host(text: str) -> bool:
@@ -34,3 +36,8 @@ def is_host(text: str) -> bool:
         and all(_LABEL.fullmatch(label) for label in labels)
         and not labels[-1].isdigit()
     )
+
+
+def is_port(value: object) -> TypeGuard[int]:
+    """``value`` is a TCP port a URL can name: an integer (not a bool) in 1..65535."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 < value <= _MAX_PORT

@@ -35,7 +35,7 @@ import msgspec
 from aiohttp import web
 from yarl import URL
 
-from isocost.core.hosts import is_host
+from isocost.core.hosts import is_host, is_port
 from isocost.core.links import kv_transfer_s
 from isocost.engine.intake import expect_continue, read_body
 from isocost.engine.records import RequestSpec
@@ -98,7 +98,7 @@ def kv_source(replica: ServedReplica, params: KvTransferParams | None) -> KvSour
         raise _bad_params("do_remote_prefill needs remote_host, remote_port and remote_request_id")
     if not is_host(host):
         raise _bad_params(f"remote_host must be a host name or an IP address, got {host[:100]!r}")
-    if not 1 <= port <= 65535:
+    if not is_port(port):
         raise _bad_params(f"remote_port must be a TCP port (1..65535), got {port}")
     url = URL.build(scheme="http", host=host, port=port, path=PULL_PATH)
     return KvSource(url, remote_id, params.remote_engine_id)

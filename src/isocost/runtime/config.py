@@ -114,7 +114,7 @@ from isocost.core.bounds import NON_NEGATIVE, POSITIVE, SHARE, check_fields
 from isocost.core.catalog import Catalog
 from isocost.core.costmodel import CostModel
 from isocost.core.errors import ConfigError, IsocostError
-from isocost.core.hosts import is_host
+from isocost.core.hosts import is_host, is_port
 from isocost.core.links import LINK_KINDS
 from isocost.core.slo import SloTargets
 from isocost.files import is_model_path, resolve_model
@@ -564,7 +564,7 @@ def _check_discovery(discovery: DiscoveryConfig, source: str) -> None:
             raise ConfigError(
                 source, "give exactly one of service and label_selector", key="discovery.kubernetes"
             )
-        if kube.port is not None and not 0 < kube.port < 65536:
+        if kube.port is not None and not is_port(kube.port):
             raise ConfigError(source, "must be within 1..65535", key="discovery.kubernetes.port")
         if not kube.max_backoff_ms > 0:
             raise ConfigError(source, "must be positive", key="discovery.kubernetes.max_backoff_ms")

@@ -40,7 +40,7 @@ import aiohttp
 from aiohttp.http_exceptions import LineTooLong
 from kubernetes_asyncio import client, config
 
-from isocost.core.hosts import is_host
+from isocost.core.hosts import is_host, is_port
 from isocost.runtime.config import KubernetesDiscoveryConfig
 from isocost.runtime.discovery import DiscoverySink, Reachability
 from isocost.runtime.discovery.records import Malformed, Registration
@@ -94,13 +94,6 @@ def _field(meta: Mapping[str, Any], name: str) -> str | None:
     return None
 
 
-def _port(value: object) -> int | None:
-    """A TCP port, or None for anything else (a string, a bool, 0, 70000)."""
-    if isinstance(value, int) and not isinstance(value, bool) and 0 < value < 65536:
-        return value
-    return None
-
-
 def _slice_port(
     endpoint_slice: Mapping[str, Any], settings: KubernetesDiscoveryConfig
 ) -> int | str:
@@ -117,8 +110,7 @@ def _slice_port(
         value = ports[0].get("port")
     else:
         return "no port: set discovery.kubernetes.port or port_name"
-    port = _port(value)
-    return f"port {value!r} is not a TCP port" if port is None else port
+    return value if is_port(value) else f"port {value!r} is not a TCP port"
 
 
 def _host(address: object, address_type: object) -> str | None:
