@@ -4,7 +4,7 @@ Talks HTTP only, so it measures an engine, the gateway, vLLM or another router a
 ``run_bench`` from Python (the demo and drills do); the CLI wraps it with a live view.
 """
 
-from isocost.bench._client import MAX_BODY_BYTES, error_snippet, read_capped
+from isocost.bench._client import MAX_BODY_BYTES, error_snippet
 from isocost.bench._main import bench_command, compare_command, run_with_live_view
 from isocost.bench._records import BenchRecord, BenchSummary, meets_slo, summarize_bench
 from isocost.bench._report import (
@@ -23,6 +23,7 @@ from isocost.bench._runner import (
     run_bench,
 )
 from isocost.bench._workloads import WorkloadSpec, build_workload
+from isocost.openai.http import read_capped
 from isocost.workload import TRACE_FORMATS
 
 __all__ = [

@@ -31,8 +31,9 @@ from aiohttp.http_exceptions import LineTooLong
 
 from isocost.bench._records import BenchRecord
 from isocost.openai import sse
+from isocost.openai.http import read_capped
 
-__all__ = ["MAX_BODY_BYTES", "error_snippet", "read_capped", "send_request"]
+__all__ = ["MAX_BODY_BYTES", "error_snippet", "send_request"]
 
 MAX_BODY_BYTES = 16 * 1024 * 1024  # a whole answer larger than this is not an OpenAI one
 _SNIPPET_BYTES = 4096  # of an error answer's body, enough for its message
@@ -98,18 +99,6 @@ def _printable(header: str | None) -> str | None:
     if header is None:
         return None
     return header.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
-
-
-async def read_capped(response: aiohttp.ClientResponse, limit: int) -> bytes | None:
-    """The whole body, or None once it is over ``limit`` bytes (the rest is not read)."""
-    if response.content_length is not None and response.content_length > limit:
-        return None
-    body = bytearray()
-    async for chunk in response.content.iter_chunked(65536):
-        body += chunk
-        if len(body) > limit:
-            return None
-    return bytes(body)
 
 
 async def error_snippet(response: aiohttp.ClientResponse) -> str:

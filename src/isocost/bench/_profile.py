@@ -36,10 +36,11 @@ import aiohttp
 import msgspec
 from aiohttp.http_exceptions import LineTooLong
 
-from isocost.bench._client import error_snippet, read_capped
+from isocost.bench._client import error_snippet
 from isocost.bench._runner import EndpointError, normalize_url, served_model
 from isocost.core.profile import DecodeSample, PrefillSample
 from isocost.openai import sse
+from isocost.openai.http import read_capped
 
 __all__ = ["Measurements", "ProfilePlan", "measure_replica"]
 

@@ -32,10 +32,11 @@ import aiohttp
 import msgspec
 import numpy as np
 
-from isocost.bench._client import MAX_BODY_BYTES, error_snippet, read_capped, send_request
+from isocost.bench._client import MAX_BODY_BYTES, error_snippet, send_request
 from isocost.bench._records import BenchRecord, BenchSummary, summarize_bench
 from isocost.core.errors import ConfigError, IsocostError
 from isocost.core.slo import SloTargets
+from isocost.openai.http import read_capped
 from isocost.workload import TextRenderer, WorkloadRequest
 
 __all__ = [

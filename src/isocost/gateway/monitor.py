@@ -34,6 +34,7 @@ from isocost.gateway.metrics import GatewayMetrics
 from isocost.gateway.routing import Router
 from isocost.gateway.supervise import describe, supervise
 from isocost.gateway.upstreams import Upstream
+from isocost.openai.http import read_capped
 from isocost.runtime.config import GatewayConfig, HealthConfig
 from isocost.runtime.scrape import (
     MAX_BODY_BYTES,
@@ -290,9 +291,7 @@ async def _read_capped(resp: aiohttp.ClientResponse) -> bytes:
     encoding = resp.headers.get("Content-Encoding", "identity").strip().lower()
     if encoding != "identity":
         raise ScrapeError(f"/metrics sent {encoding[:40]!r}-encoded, not plain text")
-    body = bytearray()
-    async for chunk in resp.content.iter_chunked(1 << 16):
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise ScrapeError(f"/metrics body over {MAX_BODY_BYTES} bytes")
-    return bytes(body)
+    body = await read_capped(resp, MAX_BODY_BYTES)
+    if body is None:
+        raise ScrapeError(f"/metrics body over {MAX_BODY_BYTES} bytes")
+    return body

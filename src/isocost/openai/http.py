@@ -10,6 +10,9 @@
   ``send_continue`` sends the ``100 Continue`` when the server is ready for the body.
 * ``read_whole``: a body read whole within a deadline; 408 when it arrives too slowly,
   400 when it is cut short or its ``Content-Encoding`` does not decode it.
+* ``read_capped``, the client's side: an answer read whole only while it stays under a
+  bound, so that no server (a scraped engine, the Kubernetes API, one a tool is pointed
+  at) can fill this process's memory.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ __all__ = [
     "UNREADABLE",
     "JsonErrorHandler",
     "body_timeout",
+    "read_capped",
     "read_whole",
     "refuse_expectation",
     "send_continue",
@@ -110,3 +114,15 @@ def unreadable(exc: BaseException, request: web.BaseRequest) -> ApiError:
         400, f"the request body could not be read (Content-Encoding {encoding!r}): {exc}",
         code="bad_body",
     )  # fmt: skip
+
+
+async def read_capped(response: aiohttp.ClientResponse, limit: int) -> bytes | None:
+    """The whole body, or None once it is over ``limit`` bytes (the rest is not read)."""
+    if response.content_length is not None and response.content_length > limit:
+        return None
+    body = bytearray()
+    async for chunk in response.content.iter_chunked(1 << 16):
+        body += chunk
+        if len(body) > limit:
+            return None
+    return bytes(body)

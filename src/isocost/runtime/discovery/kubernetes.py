@@ -41,6 +41,7 @@ from aiohttp.http_exceptions import LineTooLong
 from kubernetes_asyncio import client, config
 
 from isocost.core.hosts import is_host, is_port
+from isocost.openai.http import read_capped
 from isocost.runtime.config import KubernetesDiscoveryConfig
 from isocost.runtime.discovery import DiscoverySink, Reachability
 from isocost.runtime.discovery.records import Malformed, Registration
@@ -218,14 +219,12 @@ def _template(
 
 async def _answer(response: aiohttp.ClientResponse, limit: int) -> bytes:
     """The body of a successful answer, at most ``limit`` bytes; ApiError for a failure."""
-    body = bytearray()
-    async for chunk in response.content.iter_chunked(1 << 16):
-        body += chunk
-        if len(body) > limit:
-            raise ValueError(f"an answer over {limit} bytes")
+    body = await read_capped(response, limit)
+    if body is None:
+        raise ValueError(f"an answer over {limit} bytes")
     if response.status != 200:
-        raise ApiError(response.status, _status_message(bytes(body)) or str(response.reason))
-    return bytes(body)
+        raise ApiError(response.status, _status_message(body) or str(response.reason))
+    return body
 
 
 async def _line(response: aiohttp.ClientResponse) -> bytes:
