@@ -335,7 +335,7 @@ def test_admin_snapshot_describes_every_replica(cluster: Cluster) -> None:
 
 def test_the_autoscalers_status_shows_in_the_snapshot_then_goes_stale(cluster: Cluster) -> None:
     status = {"desired": 3, "ready": 2, "pending": 1, "draining": 0, "forecast_rps": 4.2}
-    for wrong in ({"interval_s": 0}, {"pending": -1}, {"forecast_rps": -0.5}):
+    for wrong in ({"interval_s": 0}, {"pending": -1}, {"ejected": -1}, {"forecast_rps": -0.5}):
         bad = json.dumps(status | {"interval_s": 1.0} | wrong).encode()
         code, _, answer = http("POST", cluster.gateway.url + "/admin/autoscaler", bad, ADMIN)
         _assert_error(code, answer, 400, "invalid_request")

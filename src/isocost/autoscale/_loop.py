@@ -10,7 +10,10 @@ Every ``interval_s`` one ``tick``:
    answer of the wrong shape, a missing key or a count that is no count fails the round
    (reported, the next one as scheduled), as an unreachable gateway does;
 2. turns them into a ``control.Observation`` (a drained or removing replica, or one this
-   loop is draining, is ``draining``; a start not yet seen in the gateway is ``pending``,
+   loop is draining, is ``draining``; one the gateway's breaker has held out for
+   ``replace_ejected_after_s`` after it served is ``ejected``, and replaced; one held out
+   for less, or that never served, is ``pending``; a start not yet seen in the gateway is
+   ``pending``,
    and the first new replica of its GPU type that appears resolves it: that wait is the
    measured warm-up lead, fed back to the scaler) and asks the scaler, with ``now`` from
    the injected clock;
@@ -45,7 +48,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Protocol
+from typing import Any, Protocol, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -179,6 +182,8 @@ class AutoscaleLoop:
         self.leads: list[tuple[str, float]] = []  # (gpu, start -> routable seconds)
         self._pending: deque[_Pending] = deque()
         self._first_seen: dict[str, float] = {}
+        self._ejected_since: dict[str, float] = {}  # held out by the gateway's breaker
+        self._served: set[str] = set()  # seen serving: an ejection of these is a failure
         self._draining: dict[str, asyncio.Task[None]] = {}
         self._stopping: set[str] = set()  # drained and idle: leaving, not to be undrained
         self._gone: set[str] = set()  # stopped: out of the fleet until the gateway drops it
@@ -213,13 +218,10 @@ class AutoscaleLoop:
                 self._first_seen[row.name] = now
                 self._resolve_pending(row.gpu, now)
         self._expire_pending(now)
+        self._track_ejections(rows, answered, now)
         replicas = [
             ReplicaStatus(
-                row.name,
-                row.gpu,
-                "draining" if row.name in self._draining else _STATES.get(row.state, "ready"),
-                self._first_seen[row.name],
-                row.in_flight,
+                row.name, row.gpu, self._state(row, now), self._first_seen[row.name], row.in_flight
             )
             for row in rows
         ]
@@ -250,6 +252,36 @@ class AutoscaleLoop:
             completions=completions,
             replicas=replicas,
         )
+
+    def _track_ejections(
+        self, rows: Sequence[ReplicaRow], answered: Mapping[str, tuple[int, int]], now: float
+    ) -> None:
+        """Since when each replica has been ejected, and which have ever served (seen
+        healthy by this loop, or answered a request with 200 at the gateway: a restarted
+        autoscaler knows those too)."""
+        self._served |= {row.name for row in rows if row.state == "healthy"}
+        self._served |= {name for name, (_, ok) in answered.items() if ok > 0}
+        self._served &= {row.name for row in rows}
+        self._ejected_since = {
+            row.name: self._ejected_since.get(row.name, now)
+            for row in rows
+            if row.state == "ejected"
+        }
+
+    def _state(self, row: ReplicaRow, now: float) -> ReplicaState:
+        """The scaler's view of a gateway replica. One ejected for less than
+        ``replace_ejected_after_s``, or that never served, is ``pending``: no capacity
+        now, expected back (a breaker's blip, a replica still warming), so none is
+        started for it; a broken start must not make the pool grow to its max. One
+        ejected for longer after serving is ``ejected``: replaced."""
+        if row.name in self._draining:
+            return "draining"
+        if row.state != "ejected":
+            return _STATES.get(row.state, "ready")
+        held_out_s = now - self._ejected_since[row.name]
+        if row.name in self._served and held_out_s >= self.config.replace_ejected_after_s:
+            return "ejected"
+        return "pending"
 
     async def _reconcile(self, rows: Sequence[ReplicaRow]) -> None:
         """Finish what a drain left after its retries, one try each per round: a stopped
@@ -327,6 +359,7 @@ class AutoscaleLoop:
             "ready": states.count("ready"),
             "pending": states.count("pending"),
             "draining": states.count("draining"),
+            "ejected": states.count("ejected"),
             "forecast_rps": round(decision.forecast_rps, 4),
             "interval_s": self.config.interval_s,
             "dry_run": self.dry_run,
@@ -343,7 +376,7 @@ class AutoscaleLoop:
         m.events.inc(decision.changes)
         for gpu, target in decision.targets.items():
             m.desired.labels(gpu).set(target)
-            for state in ("ready", "pending", "draining"):
+            for state in get_args(ReplicaState):
                 count = sum(r.gpu == gpu and r.state == state for r in observation.replicas)
                 m.replicas.labels(gpu, state).set(count)
 

@@ -16,6 +16,7 @@
     attainment_target: 0.9       # reactive guard: recent SLO attainment below this
     drain_deadline_s: 600        # a draining replica is stopped by then, idle or not
     scale_step: 0                # least share of the fleet one scale event adds or removes
+    replace_ejected_after_s: 60  # a replica its gateway's breaker holds out this long is replaced
     pools:
       - {gpu: a100-80g, min: 16, max: 64, cold_start_s: 180}  # lead until measured; <= 1 day
 """
@@ -64,6 +65,7 @@ class AutoscaleConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     attainment_target: float = 0.9
     drain_deadline_s: float = 600.0
     scale_step: float = 0.0
+    replace_ejected_after_s: float = 60.0
 
 
 def parse_autoscale_config(raw: object, source: str) -> AutoscaleConfig:
@@ -122,6 +124,7 @@ _BOUNDS: dict[str, Bounds] = {
     "attainment_target": FRACTION,
     "drain_deadline_s": POSITIVE,
     "scale_step": Bounds(0.0, 1.0, high_open=True),
+    "replace_ejected_after_s": NON_NEGATIVE,
 }
 _POOL_BOUNDS: dict[str, Bounds] = {
     "min": NON_NEGATIVE,

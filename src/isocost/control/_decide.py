@@ -31,7 +31,10 @@ or +4 per 15 s) and a scale-down stabilization window (the highest desire in it 
 ``plan_changes`` turns targets into actions: draining replicas of a pool that must grow are
 undrained first (they are warm), then new ones started; a pool that must shrink loses its
 pending replicas first (they serve nothing yet), then its ready ones with the least work
-in flight, newest first.
+in flight, newest first. Ejected replicas (held out by the gateway's
+breaker for longer than the loop's ``replace_ejected_after_s``) are neither capacity nor
+victims: the pool grows to replace them, within its max counting them, and one that
+recovers is ready again, so the scale-in that follows removes the surplus.
 """
 
 from __future__ import annotations
@@ -58,7 +61,10 @@ __all__ = [
     "plan_changes",
 ]
 
-ReplicaState = Literal["pending", "ready", "draining"]
+# ``ejected``: its gateway's breaker has held it out of traffic for a while (the loop
+# decides how long): it serves nothing, so it is no capacity and is replaced, but its GPUs
+# are still held, so it counts against the pool's max and the budgets.
+ReplicaState = Literal["pending", "ready", "ejected", "draining"]
 _MIN_SETTLED = 50
 
 
@@ -121,7 +127,12 @@ class Scaler(Protocol):
 
 
 def _active(replicas: Sequence[ReplicaStatus], gpu: str) -> int:
-    return sum(1 for r in replicas if r.gpu == gpu and r.state != "draining")
+    """Replicas that serve or will: neither leaving nor held out by their breaker."""
+    return sum(1 for r in replicas if r.gpu == gpu and r.state in ("ready", "pending"))
+
+
+def _count(replicas: Sequence[ReplicaStatus], gpu: str, state: ReplicaState) -> int:
+    return sum(1 for r in replicas if r.gpu == gpu and r.state == state)
 
 
 class Autoscaler:
@@ -159,10 +170,8 @@ class Autoscaler:
     def decide(self, observation: Observation) -> ScaleDecision:
         cfg, now = self.config, observation.now
         active = {o.gpu: _active(observation.replicas, o.gpu) for o in self.offers}
-        ready = {
-            o.gpu: sum(1 for r in observation.replicas if r.gpu == o.gpu and r.state == "ready")
-            for o in self.offers
-        }
+        ready = {o.gpu: _count(observation.replicas, o.gpu, "ready") for o in self.offers}
+        ejected = {o.gpu: _count(observation.replicas, o.gpu, "ejected") for o in self.offers}
         self.forecast.observe(now, observation.arrivals / observation.interval_s)
         total_ready = sum(ready.values())
         saturated = observation.queued > cfg.queue_per_replica * max(total_ready, 1)
@@ -186,12 +195,12 @@ class Autoscaler:
             )
             if guarded > need:
                 need, reason = guarded, "guard"
-        targets = self._bounded(dict(active))
+        targets = self._bounded(dict(active), ejected)
         if targets != active:
             reason = "bounds"
         if need > self._supply(targets):
             if now - self._last_up >= cfg.scale_up_cooldown_s:
-                targets = self._grow(targets, need, self._least_step(active))
+                targets = self._grow(targets, need, self._least_step(active), ejected)
         elif targets == active:
             ahead = self.forecast.peak(now, 2 * horizon) * (1 + cfg.headroom)
             targets = self._shrink(targets, now, max(need, ahead), self._least_step(active))
@@ -243,15 +252,20 @@ class Autoscaler:
     def _supply(self, counts: Mapping[str, int]) -> float:
         return sum(counts[o.gpu] * self.capacity.rps(o.gpu) for o in self.offers)
 
-    def _bounded(self, targets: dict[str, int]) -> dict[str, int]:
+    def _bounded(self, targets: dict[str, int], held: Mapping[str, int]) -> dict[str, int]:
+        """Each pool within its min and max. Ejected replicas (``held``) hold GPUs, so
+        they count against the max when the pool would grow, but never make it drain a
+        replica that serves."""
         for pool in self.config.pools:
-            targets[pool.gpu] = min(max(targets[pool.gpu], pool.min), pool.max)
+            current = targets[pool.gpu]
+            ceiling = max(pool.max - held[pool.gpu], min(current, pool.max))
+            targets[pool.gpu] = min(max(current, pool.min), ceiling)
         return targets
 
-    def _within_budget(self, targets: Mapping[str, int]) -> bool:
+    def _within_budget(self, targets: Mapping[str, int], held: Mapping[str, int]) -> bool:
         cfg = self.config
-        gpus = sum(targets[o.gpu] * o.gpus_per_replica for o in self.offers)
-        usd = sum(targets[o.gpu] * o.usd_per_hour for o in self.offers)
+        gpus = sum((targets[o.gpu] + held[o.gpu]) * o.gpus_per_replica for o in self.offers)
+        usd = sum((targets[o.gpu] + held[o.gpu]) * o.usd_per_hour for o in self.offers)
         return (cfg.max_gpus is None or gpus <= cfg.max_gpus) and (
             cfg.max_usd_per_hour is None or usd <= cfg.max_usd_per_hour + 1e-9
         )
@@ -264,8 +278,10 @@ class Autoscaler:
         """The fewest replicas one scale event moves (``scale_step`` of the fleet)."""
         return max(1, math.ceil(self.config.scale_step * sum(active.values()) - 1e-9))
 
-    def _grow(self, targets: dict[str, int], need: float, least: int) -> dict[str, int]:
-        limits = {p.gpu: p.max for p in self.config.pools}
+    def _grow(
+        self, targets: dict[str, int], need: float, least: int, held: Mapping[str, int]
+    ) -> dict[str, int]:
+        limits = {p.gpu: p.max - held[p.gpu] for p in self.config.pools}
         added = 0
         for offer in self._by_value():
             while targets[offer.gpu] < limits[offer.gpu] and (
@@ -273,7 +289,7 @@ class Autoscaler:
             ):
                 targets[offer.gpu] += 1
                 added += 1
-                if not self._within_budget(targets):
+                if not self._within_budget(targets, held):
                     targets[offer.gpu] -= 1
                     added -= 1
                     break
@@ -377,7 +393,7 @@ def plan_changes(
     drain: list[str] = []
     for gpu, target in targets.items():
         mine = [r for r in replicas if r.gpu == gpu]
-        active = [r for r in mine if r.state != "draining"]
+        active = [r for r in mine if r.state in ("ready", "pending")]
         gap = target - len(active)
         if gap > 0:
             warm = sorted((r for r in mine if r.state == "draining"), key=lambda r: r.in_flight)

@@ -71,10 +71,12 @@ class _AutoscalerStatus(msgspec.Struct, forbid_unknown_fields=True, frozen=True)
     forecast_rps: float
     interval_s: float
     dry_run: bool = False
+    ejected: int = 0  # an autoscaler older than this field sends none
 
 
 _STALE_INTERVALS = 3
-_COUNTS = ("desired", "ready", "pending", "draining")  # replicas, in an autoscaler status
+# Replica counts in an autoscaler status.
+_COUNTS = ("desired", "ready", "pending", "draining", "ejected")
 
 
 class _SwitchPolicy(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

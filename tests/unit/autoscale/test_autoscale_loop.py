@@ -215,6 +215,7 @@ def test_each_tick_posts_its_status_and_a_refusal_does_not_stop_the_loop() -> No
             "ready": 1,
             "pending": 2,
             "draining": 0,
+            "ejected": 0,
             "forecast_rps": round(tick.decision.forecast_rps, 4),
             "interval_s": CONFIG.interval_s,
             "dry_run": False,

@@ -32,8 +32,11 @@ from isocost.core.slo import SloTargets
 INTERVAL = 15.0
 
 
-def _fleet(gpu: str, ready: int, pending: int = 0, draining: int = 0) -> list[ReplicaStatus]:
+def _fleet(
+    gpu: str, ready: int, pending: int = 0, draining: int = 0, ejected: int = 0
+) -> list[ReplicaStatus]:
     states = ["ready"] * ready + ["pending"] * pending + ["draining"] * draining
+    states += ["ejected"] * ejected
     return [
         ReplicaStatus(f"{gpu}-{i}", gpu, state, started_s=float(i), in_flight=i % 3)  # type: ignore[arg-type]
         for i, state in enumerate(states)
@@ -222,6 +225,20 @@ def test_the_pool_bounds_and_the_gpu_budget_cap_the_fleet() -> None:
     assert bounded.targets == {"a": 40}
     floor = _scaler(capacity=1.0).decide(_observe(15.0, 0.0, _fleet("a", 0)))
     assert floor.targets == {"a": 2} and floor.reason == "bounds"
+
+
+def test_ejected_replicas_are_replaced_within_the_max_and_budget_counting_them() -> None:
+    need_10 = 10.0 / 1.2  # req/s that 10 replicas of 1 req/s cover with 20% headroom
+    replaced = _scaler(capacity=1.0).decide(_observe(15.0, need_10, _fleet("a", 8, ejected=2)))
+    assert replaced.start == {"a": 2} and replaced.drain == ()
+    capped = _scaler(_config(pools=[PoolConfig(gpu="a", min=2, max=10)]), capacity=1.0)
+    at_max = capped.decide(_observe(15.0, need_10, _fleet("a", 8, ejected=2)))
+    assert not at_max.changes  # 8 serving + 2 held = the max
+    budget = _scaler(_config(max_gpus=11), capacity=1.0)
+    within = budget.decide(_observe(15.0, need_10, _fleet("a", 8, ejected=2)))
+    assert within.start == {"a": 1}  # 9 + 2 held = 11 GPUs
+    over = capped.decide(_observe(30.0, 0.5 * need_10, _fleet("a", 10, ejected=3)))
+    assert over.drain == ()  # ejected ones past the max never drain a serving replica
 
 
 def test_the_cheapest_goodput_is_added_first_and_the_dearest_removed_first() -> None:

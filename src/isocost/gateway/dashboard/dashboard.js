@@ -210,6 +210,7 @@
       el("b", {}, fmt(status.desired)),
       `, ready ${fmt(status.ready)}, pending ${fmt(status.pending)}`,
       status.draining ? `, draining ${fmt(status.draining)}` : "",
+      status.ejected ? `, ejected ${fmt(status.ejected)}` : "",
       `, forecast ${fmt(status.forecast_rps, 1)} req/s, ${fmt(status.age_s)} s ago`,
       status.stale ? " (stale)" : "",
     );
