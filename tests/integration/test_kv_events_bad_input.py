@@ -1,9 +1,9 @@
-"""``isocost serve`` following a KV-event publisher that sends junk, out of order, or too
-much, over a real ZMQ socket to one ``isocost engine`` replica (so every completion is
-dispatched to the replica whose events are followed). What must hold: no request fails,
-the follower keeps going, each bad message is counted, and a stream that stays bad costs
-one resync, not one per message (a resync drops the dispatches' entries too, which would
-leave the replica worse off than without events).
+"""``isocost serve`` following a KV-event publisher that sends junk, out of order, too
+much, or too big, over a real ZMQ socket to one ``isocost engine`` replica (so every
+completion is dispatched to the replica whose events are followed). What must hold: no
+request fails, the follower keeps going, each bad message is counted, and a stream that
+stays bad costs one resync, not one per message (a resync drops the dispatches' entries
+too, which would leave the replica worse off than without events).
 """
 
 from __future__ import annotations
@@ -13,9 +13,11 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import zmq
 from gateway_harness import http, wait_for
 from isocost_procs import Proc
 from test_gateway_kv_events import (
+    ENGINE_BLOCK,
     KEY,
     MODEL,
     WORDS,
@@ -25,8 +27,12 @@ from test_gateway_kv_events import (
     publisher,
     route,
     start_following_gateway,
+    stored,
+    token_ids,
     tokenizer_path,
 )
+
+from isocost.gateway.kvevents import MAX_FRAME_BYTES
 
 __all__ = ["publisher", "tokenizer_path"]  # fixtures
 
@@ -119,3 +125,68 @@ def test_sequence_numbers_out_of_order_or_repeated_resync_once(
     publisher.send()
     wait_for(lambda: count(gateway, "batches") == received + 25, 5, "in order again")
     assert (count(gateway, "resyncs"), count(gateway, "dropped")) == (2, 22)
+
+
+def test_a_message_over_the_bound_is_dropped_and_later_events_are_applied(
+    gateway: Proc, publisher: Publisher, tokenizer_path: Path, tmp_path: Path
+) -> None:
+    """Before: a frame of any size was taken whole (a 2 GiB one cost 2 GiB); a bound alone
+    would have ended the replica's events for good, as libzmq drops the connection on a
+    frame over ZMQ_MAXMSGSIZE and never connects again."""
+    prompt = " ".join(WORDS[:70])  # BOS + 70 words: two whole engine blocks
+    blocks = stored([101, 102], token_ids(tokenizer_path, prompt)[: 2 * ENGINE_BLOCK])
+    # a good batch but for its size (an unknown field is skipped)
+    oversize = _batch([blocks | {"padding": bytes(MAX_FRAME_BYTES)}])
+    connected(gateway, publisher)
+
+    def dropped(total: int) -> bool:
+        sequence = publisher.sequence.to_bytes(8, "big")
+        publisher.socket.send_multipart([b"", sequence, oversize])  # to each connection
+        publisher.sequence += 1
+        return count(gateway, "dropped") >= total
+
+    wait_for(lambda: dropped(3), 30, "3 connections dropped, and made again", interval_s=0.2)
+    assert count(gateway, "resyncs") == 1  # one run of bad messages
+    assert route(gateway, prompt)["cached_tokens"] == 0  # never applied
+
+    def applied() -> bool:
+        publisher.send(blocks)
+        cached: int = route(gateway, prompt)["cached_tokens"]
+        return cached == 2 * ENGINE_BLOCK
+
+    wait_for(applied, 10, "a stored block after them applied", interval_s=0.1)
+    assert count(gateway, "resyncs") == 2  # and the gap the lost batches left, as always
+    log = (tmp_path / "gateway.log").read_text()
+    assert log.count('"kv_events_malformed"') == 1 and "Traceback" not in log
+    assert f"a frame over {MAX_FRAME_BYTES} bytes" in log
+
+
+def test_a_restarted_publisher_is_no_dropped_message(
+    gateway: Proc, publisher: Publisher, tokenizer_path: Path, tmp_path: Path
+) -> None:
+    """libzmq connects again by itself after a lost connection: only a connection it gives
+    up on (a frame over the bound) is a dropped message, connected again by the follower."""
+    prompt = " ".join(WORDS[:70])
+    blocks = stored([101, 102], token_ids(tokenizer_path, prompt)[: 2 * ENGINE_BLOCK])
+    connected(gateway, publisher)
+    publisher.socket.close(linger=0)
+    publisher.socket = publisher.context.socket(zmq.PUB)
+
+    def bound() -> bool:  # the old socket's port is freed in ZMQ's own thread
+        try:
+            publisher.socket.bind(f"tcp://127.0.0.1:{publisher.port}")
+        except zmq.ZMQError:
+            return False
+        return True
+
+    wait_for(bound, 5, "the publisher's port free again")
+    publisher.sequence += 1000  # its numbers do not follow on
+
+    def applied() -> bool:
+        publisher.send(blocks)
+        cached: int = route(gateway, prompt)["cached_tokens"]
+        return cached == 2 * ENGINE_BLOCK
+
+    wait_for(applied, 10, "the restarted publisher's blocks applied", interval_s=0.1)
+    assert (count(gateway, "dropped"), count(gateway, "resyncs")) == (0, 1)  # the gap
+    assert '"kv_events_malformed"' not in (tmp_path / "gateway.log").read_text()

@@ -123,7 +123,7 @@ class Gateway:
         self._session: aiohttp.ClientSession | None = None
         self._forwarder: Forwarder | None = None
         self._monitor: Monitor | None = None
-        self.membership = Membership(catalog)
+        self.membership = Membership(catalog, config.discovery.max_replicas)
         self._admin_added: dict[str, tuple[str, ReplicaConfig]] = {}  # by URL, kept on apply
         self._member_draining: dict[str, bool] = {}  # by URL, as last applied
         self._discovery: list[asyncio.Task[None]] = []
@@ -525,7 +525,8 @@ class Gateway:
     def _merged(self, file_config: GatewayConfig) -> GatewayConfig:
         """``file_config``, plus the replicas the admin API added (those whose URL or name
         the file now lists are the file's), plus every acceptable member; each refused
-        record logged (once per reason) and counted."""
+        record logged (once per reason) and counted, and registrations past
+        ``discovery.max_replicas`` shown (``_show_dropped``)."""
         listed = [r for pool in file_config.pools for r in pool.replicas]
         taken = {normalize_replica_url(r.url) for r in listed} | {replica_name(r) for r in listed}
         admin = [
@@ -534,6 +535,7 @@ class Gateway:
             if url not in taken and replica_name(replica) not in taken
         ]
         base = with_replicas(file_config, admin)
+        dropped_before = self.membership.dropped
         config, refused = self.membership.merge(base, self.intake.listen.check)
         for skip in refused:
             log.warning(
@@ -549,7 +551,32 @@ class Gateway:
         counts = Counter(member.provider for member in self.membership.members)
         for name in self._providers:
             self.metrics.discovery_replicas.labels(name).set(counts[name])
+            self._show_dropped(name, dropped_before.get(name, 0))
         return config
+
+    def _show_dropped(self, provider: str, before: int) -> None:
+        """``provider``'s registrations past ``discovery.max_replicas`` on the gauge, and
+        one log line when their number changes: a flood is a warning per step, not one
+        per watch event or re-list, and its end is said once."""
+        dropped = self.membership.dropped.get(provider, 0)
+        self.metrics.discovery_dropped.labels(provider).set(dropped)
+        if dropped == before:
+            return
+        extra = {
+            "provider": provider,
+            "dropped": dropped,
+            "max_replicas": self.membership.max_replicas,
+        }
+        if dropped:
+            log.warning(
+                "registrations past discovery.max_replicas ignored",
+                extra={"event": "discovery_over_limit", **extra},
+            )
+        else:
+            log.info(
+                "registrations within discovery.max_replicas again",
+                extra={"event": "discovery_within_limit", **extra},
+            )
 
     def _sync_member_draining(self) -> None:
         """Drain or undrain members whose registered state changed (an admin drain of a

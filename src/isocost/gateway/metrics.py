@@ -199,6 +199,13 @@ class GatewayMetrics:
             ["provider"],
             registry=r,
         )
+        self.discovery_dropped = Gauge(
+            "isocost_discovery_dropped",
+            "Registrations the discovery provider lists past discovery.max_replicas, ignored"
+            " while they last (the replicas already routed to stay).",
+            ["provider"],
+            registry=r,
+        )
         self.discovery_rejected = Counter(
             "isocost_discovery_rejected",
             "Registrations skipped (malformed, unknown GPU or model, URL or name taken).",
@@ -220,8 +227,9 @@ class GatewayMetrics:
         )
         self.kv_event_dropped = Counter(
             "isocost_kv_event_dropped",
-            "KV-event messages not applied: not a batch (frames, msgpack, shape), a repeated"
-            " sequence number, or another gap right after one (the entries were rebuilt at"
+            "KV-event messages not applied: not a batch (frames, msgpack, shape), a frame over"
+            " the bound (the connection ZMQ dropped for it), a repeated sequence number, or"
+            " another gap right after one (the entries were rebuilt at"
             " the first; until the stream is in order the index runs on dispatches alone).",
             ["pool", "replica"],
             registry=r,

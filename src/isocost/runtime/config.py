@@ -73,6 +73,7 @@ A full file, every key optional except ``pools[].model`` and ``replicas[].url``:
           requests_per_minute: 600
           tokens_per_minute: 200000
     discovery:                        # replicas that register themselves, beside pools
+      max_replicas: 1024              # per provider: past it, registrations are ignored
       etcd:                           # `isocost agent` registrations (see runtime.discovery)
         endpoints: [http://10.0.0.2:2379]
         prefix: /isocost              # keys <prefix>/replicas/<name>
@@ -124,6 +125,7 @@ from isocost.scheduling.policies import SchedulingConfig, build_policy
 
 __all__ = [
     "GENERIC_PRIOR_MODEL",
+    "MAX_DISCOVERED_REPLICAS",
     "ApiKeyConfig",
     "AuthConfig",
     "DiscoveryConfig",
@@ -160,6 +162,11 @@ _REPLICA_NAME = re.compile(r"[A-Za-z0-9._:@\[\]-]{1,253}")
 # tp is a typo or a hostile record: the cost model would price the replica as nearly free
 # and send it all the traffic.
 _MAX_TP = 64
+# The replicas one discovery provider may add by default: the largest fleet the scheduling
+# benchmarks measure (1,024). Past it, a scrape, a probe, a prefix index and a shadow row
+# per replica would melt the gateway down on one wrong selector or a registration loop,
+# instead of leaving it routing to the replicas it has.
+MAX_DISCOVERED_REPLICAS = 1024
 
 
 class ReplicaConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -272,6 +279,7 @@ class KubernetesDiscoveryConfig(msgspec.Struct, forbid_unknown_fields=True, froz
 
 
 class DiscoveryConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    max_replicas: int = MAX_DISCOVERED_REPLICAS  # per provider
     etcd: EtcdDiscoveryConfig | None = None
     kubernetes: KubernetesDiscoveryConfig | None = None
 
@@ -546,6 +554,10 @@ def _check_shadow(shadow: ShadowConfig, running: str, source: str, key: str) -> 
 
 def _check_discovery(discovery: DiscoveryConfig, source: str) -> None:
     etcd, kube = discovery.etcd, discovery.kubernetes
+    if discovery.max_replicas < 1:
+        raise ConfigError(
+            source, "must be >= 1 (replicas each provider may add)", key="discovery.max_replicas"
+        )
     if etcd is not None:
         if not etcd.endpoints:
             raise ConfigError(source, "give at least one endpoint", key="discovery.etcd.endpoints")

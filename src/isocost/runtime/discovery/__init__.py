@@ -5,8 +5,9 @@ EndpointSlices) follows its source and hands every change to a ``DiscoverySink``
 whole membership it now sees (``replace``): a re-list after a reconnect or a compaction is
 then the same call as one watch event, and nothing it no longer lists can linger.
 ``Membership`` (``membership``) checks each record as the config file's replica entries are
-checked and merges the survivors into the static config, so a data plane applies discovery
-through the very path a config reload takes (drain, then remove, for what left).
+checked and merges the survivors, at most ``discovery.max_replicas`` per provider, into the
+static config, so a data plane applies discovery through the very path a config reload
+takes (drain, then remove, for what left), and one bound holds for every provider.
 """
 
 from __future__ import annotations

@@ -13,10 +13,18 @@ would refuse a real replica where a missed duplicate only weights one engine twi
 A refused record is reported once per reason, for one log line and one counted rejection,
 however often its provider re-lists it; whatever a record holds, it can only refuse that
 record, never stop the merge of the others.
+
+Each provider adds at most ``max_replicas`` members (``discovery.max_replicas``), whatever
+its source lists: a selector matching a whole namespace, or a registration loop, must leave
+the gateway routing to the replicas it has, not scraping and pricing tens of thousands. The
+order that decides a clash decides who stays (the incumbents, then the first registered),
+so a flood never evicts a replica already routed to, and every re-list keeps the same ones;
+the registrations past the bound are not even checked, and ``dropped`` counts them.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -24,6 +32,7 @@ import msgspec
 
 from isocost.core.catalog import Catalog
 from isocost.runtime.config import (
+    MAX_DISCOVERED_REPLICAS,
     GatewayConfig,
     PoolConfig,
     ReplicaConfig,
@@ -64,12 +73,14 @@ class _Checked:
 class Membership:
     """What every provider last reported, and the config that results."""
 
-    def __init__(self, catalog: Catalog) -> None:
+    def __init__(self, catalog: Catalog, max_replicas: int = MAX_DISCOVERED_REPLICAS) -> None:
         self.catalog = catalog
+        self.max_replicas = max_replicas  # members per provider
         self._records: dict[str, dict[str, Registration | Malformed]] = {}
         self._refused: dict[tuple[str, str], str] = {}
         self._checked: dict[tuple[str, str], _Checked] = {}  # by (provider, key)
         self.members: list[Member] = []
+        self.dropped: dict[str, int] = {}  # by provider: registrations past max_replicas
 
     def replace(self, provider: str, records: Mapping[str, Registration | Malformed]) -> None:
         """``provider``'s records now, in the order they registered (first first)."""
@@ -79,9 +90,10 @@ class Membership:
         self, base: GatewayConfig, refuse_url: Callable[[str], None] | None = None
     ) -> tuple[GatewayConfig, list[Refused]]:
         """``base`` with every acceptable member added to the pool of its model (a new pool
-        for a model ``base`` lacks); ``members`` is set to those. Also the records refused
-        for a reason not reported before. ``refuse_url`` raises ValueError for a URL the
-        caller must not route to (its own address)."""
+        for a model ``base`` lacks); ``members`` is set to those, at most ``max_replicas``
+        per provider, and ``dropped`` to the number of registrations past that. Also the
+        records refused for a reason not reported before. ``refuse_url`` raises ValueError
+        for a URL the caller must not route to (its own address)."""
         urls = {normalize_replica_url(r.url) for p in base.pools for r in p.replicas}
         names = {replica_name(r) for p in base.pools for r in p.replicas}
         incumbents = {(m.provider, m.key) for m in self.members}
@@ -89,10 +101,15 @@ class Membership:
         members: list[Member] = []
         refused: dict[tuple[str, str], str] = {}
         checked: dict[tuple[str, str], _Checked] = {}
+        accepted: Counter[str] = Counter()
+        dropped: Counter[str] = Counter()
         for provider, key in sorted(present, key=lambda at: at not in incumbents):  # stable
             record = self._records[provider][key]
             if isinstance(record, Malformed):
                 refused[(provider, key)] = record.reason
+                continue
+            if accepted[provider] >= self.max_replicas:
+                dropped[provider] += 1
                 continue
             checks = self._checked.get((provider, key))
             if checks is None or checks.record != record:
@@ -105,6 +122,7 @@ class Membership:
             assert not isinstance(checks.verdict, str)
             url, replica = checks.verdict
             members.append(Member(provider, key, record, replica, url))
+            accepted[provider] += 1
             urls.add(url)
             names.add(record.name)
         self._checked = checked
@@ -115,6 +133,7 @@ class Membership:
         ]
         self._refused = refused
         self.members = members
+        self.dropped = dict(dropped)
         return with_replicas(base, [(m.record.model, m.replica) for m in members]), new
 
     def _check(self, record: Registration) -> _Checked:
