@@ -29,6 +29,7 @@ RUNS: list[list[str]] = [
      "--probes", "500"],
     ["gateway_overhead.py", "--requests", "300", "--duration", "5"],
     ["stream_relay.py"],
+    ["grpc_floor.py", "--streams", "3000"],
     ["sim_scale.py"],
     ["discovery/watch_overhead.py", "--requests", "400"],
 ]  # fmt: skip
