@@ -30,7 +30,7 @@ import openai
 import pytest
 from etcd_server import ETCD, EtcdServer
 from gateway_harness import http, wait_for
-from isocost_procs import ISOCOST, Proc, free_port, ready_urls, start_isocost
+from isocost_procs import ISOCOST, Proc, free_port, ready_urls, start_gateway_with, start_isocost
 
 from isocost.runtime.discovery.records import Registration
 from isocost.runtime.etcd import Compacted, EtcdClient
@@ -79,12 +79,7 @@ auth: {{admin_token: {ADMIN["Authorization"].split()[1]}}}
 
 
 def start_gateway(tmp: Path, etcd: EtcdServer, procs: list[Proc], **fields: int) -> Proc:
-    config = tmp / "gateway.yaml"
-    config.write_text(gateway_yaml(etcd.url, **fields))
-    with (tmp / "gateway.log").open("a") as log:
-        gateway = start_isocost(["serve", "--config", str(config), "--port", "0"], stderr=log)
-    procs.append(gateway)
-    return gateway
+    return start_gateway_with(gateway_yaml(etcd.url, **fields), tmp, procs)
 
 
 def start_engine(procs: list[Proc], *extra: str, port: int = 0) -> Proc:

@@ -7,13 +7,11 @@ machines)."""
 from __future__ import annotations
 
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 from gateway_harness import http, wait_for
-from isocost_procs import Proc, start_isocost
+from isocost_procs import Proc, start_gateway_with, start_isocost
 from kube_api import KubeApi
 
 MODEL = "llama-3.1-8b"
@@ -22,37 +20,17 @@ NAMESPACE = "inference"
 SERVICE = {"kubernetes.io/service-name": "vllm"}
 
 
-@pytest.fixture
-def kube() -> Iterator[KubeApi]:
-    api = KubeApi()
-    api.start()
-    yield api
-    api.close()
-
-
 def start_gateway(tmp: Path, kube: KubeApi, procs: list[Proc]) -> Proc:
-    kubeconfig = tmp / "kubeconfig"
-    kubeconfig.write_text(f"""
-apiVersion: v1
-kind: Config
-clusters: [{{name: test, cluster: {{server: 'http://127.0.0.1:{kube.port}'}}}}]
-users: [{{name: test, user: {{token: kube-token-5d1}}}}]
-contexts: [{{name: test, context: {{cluster: test, user: test}}}}]
-current-context: test
-""")
-    config = tmp / "gateway.yaml"
-    config.write_text(f"""
+    kubeconfig = kube.write_kubeconfig(tmp / "kubeconfig", "kube-token-5d1")
+    config = f"""
 scrape_interval_ms: 100
 discovery:
   kubernetes: {{namespace: {NAMESPACE}, service: vllm, port_name: http,
                 kubeconfig: '{kubeconfig}', max_backoff_ms: 300}}
 health: {{interval_ms: 100, timeout_ms: 300, open_ms: 300}}
 auth: {{admin_token: {ADMIN["Authorization"].split()[1]}}}
-""")
-    with (tmp / "gateway.log").open("a") as log:
-        gateway = start_isocost(["serve", "--config", str(config), "--port", "0"], stderr=log)
-    procs.append(gateway)
-    return gateway
+"""
+    return start_gateway_with(config, tmp, procs)
 
 
 def start_engine(procs: list[Proc]) -> Proc:

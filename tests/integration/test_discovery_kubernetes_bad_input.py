@@ -134,15 +134,7 @@ def kube() -> Iterator[HostileKubeApi]:
 @pytest.fixture
 def start(tmp_path: Path, kube: HostileKubeApi) -> Iterator[Any]:
     started: list[Provider] = []
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(f"""
-apiVersion: v1
-kind: Config
-clusters: [{{name: test, cluster: {{server: 'http://127.0.0.1:{kube.port}'}}}}]
-users: [{{name: test, user: {{token: kube-token-bad}}}}]
-contexts: [{{name: test, context: {{cluster: test, user: test}}}}]
-current-context: test
-""")
+    kubeconfig = kube.write_kubeconfig(tmp_path / "kubeconfig", "kube-token-bad")
 
     def run() -> Provider:
         settings = KubernetesDiscoveryConfig(

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from etcd_server import ETCD, EtcdServer
 from gateway_harness import http, wait_for
-from isocost_procs import Proc, spawn_ready, start_isocost
+from isocost_procs import Proc, spawn_ready, start_gateway_with
 from kube_api import KubeApi
 from test_discovery_kubernetes import ADMIN, MODEL, NAMESPACE, SERVICE, healthy, rows
 
@@ -36,14 +36,6 @@ def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
     server.stop()
 
 
-@pytest.fixture
-def kube() -> Iterator[KubeApi]:
-    api = KubeApi()
-    api.start()
-    yield api
-    api.close()
-
-
 def start_engines(procs: list[Proc], count: int) -> list[str]:
     """One `isocost engine` process serving ``count`` replicas; their URLs."""
     args = ["engine", "--port", "0", "--replicas", str(count), "--model", MODEL]
@@ -53,18 +45,14 @@ def start_engines(procs: list[Proc], count: int) -> list[str]:
 
 
 def start_gateway(tmp: Path, discovery: str, procs: list[Proc]) -> Proc:
-    config = tmp / "gateway.yaml"
-    config.write_text(f"""
+    config = f"""
 scrape_interval_ms: 100
 discovery:
 {discovery}
 health: {{interval_ms: 100, timeout_ms: 300, open_ms: 300}}
 auth: {{admin_token: {ADMIN["Authorization"].split()[1]}}}
-""")
-    with (tmp / "gateway.log").open("a") as log:
-        gateway = start_isocost(["serve", "--config", str(config), "--port", "0"], stderr=log)
-    procs.append(gateway)
-    return gateway
+"""
+    return start_gateway_with(config, tmp, procs)
 
 
 def names(gateway: Proc) -> list[str]:
@@ -161,15 +149,7 @@ def test_a_kubernetes_relist_past_the_bound_keeps_the_replicas_routed_to(
     tmp_path: Path, kube: KubeApi, procs: list[Proc]
 ) -> None:
     ports = [int(url.rsplit(":", 1)[1]) for url in start_engines(procs, 5)]
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(f"""
-apiVersion: v1
-kind: Config
-clusters: [{{name: test, cluster: {{server: 'http://127.0.0.1:{kube.port}'}}}}]
-users: [{{name: test, user: {{token: kube-token-b0d}}}}]
-contexts: [{{name: test, context: {{cluster: test, user: test}}}}]
-current-context: test
-""")
+    kubeconfig = kube.write_kubeconfig(tmp_path / "kubeconfig", "kube-token-b0d")
 
     def put_slice(name: str, port: int) -> None:
         kube.put_slice(

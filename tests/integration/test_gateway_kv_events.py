@@ -22,7 +22,7 @@ import msgspec
 import pytest
 import zmq
 from gateway_harness import gateway_config, http, wait_for
-from isocost_procs import Proc, free_port, start_isocost
+from isocost_procs import Proc, free_port, start_gateway_with, start_isocost
 from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
@@ -132,12 +132,7 @@ def start_following_gateway(
         policy="prefix",
         pool_fields=f"    tokenizer: {tokenizer_path}",
     ).replace("    replicas:\n", "    replicas:\n" + replicas)
-    path = tmp_path / "gateway.yaml"
-    path.write_text(config)
-    with (tmp_path / "gateway.log").open("a") as log:
-        proc = start_isocost(["serve", "--config", str(path), "--port", "0"], stderr=log)
-    procs.append(proc)
-    return proc
+    return start_gateway_with(config, tmp_path, procs)
 
 
 @pytest.fixture

@@ -77,6 +77,17 @@ def start_isocost(
     return Proc(popen, url)
 
 
+def start_gateway_with(config_text: str, tmp: Path, procs: list[Proc]) -> Proc:
+    """``isocost serve`` on a random port with ``config_text`` as its file
+    (``tmp/gateway.yaml``) and its log in ``tmp/gateway.log``; added to ``procs``."""
+    config = tmp / "gateway.yaml"
+    config.write_text(config_text)
+    with (tmp / "gateway.log").open("a") as log:
+        gateway = start_isocost(["serve", "--config", str(config), "--port", "0"], stderr=log)
+    procs.append(gateway)
+    return gateway
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (the kernel's pick)."""
     with socket.socket() as sock:

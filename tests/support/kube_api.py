@@ -1,15 +1,20 @@
-"""A small Kubernetes API server: EndpointSlices (list, watch) and Deployments' scale.
+"""A small Kubernetes API server: EndpointSlices, InferencePools and Pods (list, watch),
+and Deployments' scale.
 
 No kube-apiserver can run here, so the Kubernetes provider is tested against this: the
-``discovery.k8s.io/v1`` EndpointSlice collection of a namespace, with ``labelSelector``
-(equality terms), ``resourceVersion`` on every object and list, watches that replay the
-history after the requested version, then stream changes, ``BOOKMARK`` events carrying the
-current version (``allowWatchBookmarks``), an end after ``timeoutSeconds``, and the
-``410 Gone`` ``Status`` event (reason ``Expired``) for a version older than the kept
-history. The ``autoscaling/v1`` ``scale`` subresource of Deployments (GET and merge or
-strategic-merge PATCH, ``Status`` failures) serves the autoscaler's actuator. It runs in a
-thread with its own event loop; the test changes its state through the thread-safe methods
-and reads what clients asked (``lists``, ``watches``, ``scale_patches``).
+``discovery.k8s.io/v1`` EndpointSlice, ``inference.networking.k8s.io/v1`` InferencePool and
+``v1`` Pod collections of a namespace, with ``labelSelector`` and ``fieldSelector``
+(equality terms; ``metadata.name`` and ``metadata.namespace`` fields), one
+``resourceVersion`` sequence for every object and list, watches that replay the history
+after the requested version, then stream changes (an object that starts or stops matching
+the selectors is ``ADDED`` or ``DELETED``, as the API server's watch cache sends it),
+``BOOKMARK`` events carrying the current version (``allowWatchBookmarks``), an end after
+``timeoutSeconds``, and the ``410 Gone`` ``Status`` event (reason ``Expired``) for a version
+older than the kept history. The ``autoscaling/v1`` ``scale`` subresource of Deployments
+(GET and merge or strategic-merge PATCH, ``Status`` failures) serves the autoscaler's
+actuator. It runs in a thread with its own event loop; the test changes its state through
+the thread-safe methods and reads what clients asked (``lists`` and ``watches`` of slices,
+``queries`` of every collection, ``scale_patches``).
 """
 
 from __future__ import annotations
@@ -19,20 +24,47 @@ import copy
 import json
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
-_PATH = "/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices"
 _SCALE_PATH = "/apis/apps/v1/namespaces/{namespace}/deployments/{name}/scale"
 _MERGE_PATCHES = {"application/merge-patch+json", "application/strategic-merge-patch+json"}
+
+
+@dataclass(frozen=True)
+class Resource:
+    """A collection the server lists and watches."""
+
+    plural: str
+    kind: str
+    api_version: str
+    path: str
+
+
+SLICES = Resource(
+    "endpointslices",
+    "EndpointSlice",
+    "discovery.k8s.io/v1",
+    "/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices",
+)
+POOLS = Resource(
+    "inferencepools",
+    "InferencePool",
+    "inference.networking.k8s.io/v1",
+    "/apis/inference.networking.k8s.io/v1/namespaces/{namespace}/inferencepools",
+)
+PODS = Resource("pods", "Pod", "v1", "/api/v1/namespaces/{namespace}/pods")
 
 
 @dataclass
 class _Event:
     version: int
     kind: str  # ADDED | MODIFIED | DELETED
+    resource: str  # its plural
     obj: dict[str, Any]
+    before: dict[str, Any] | None  # the object as it was (a MODIFIED may stop matching)
 
 
 @dataclass
@@ -40,10 +72,13 @@ class KubeApi:
     bookmark_s: float = 0.2
     version: int = 1000
     oldest: int = 1000  # a watch from before this version gets 410 Gone
-    slices: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    # plural -> (namespace, name) -> the object
+    objects: dict[str, dict[tuple[str, str], dict[str, Any]]] = field(default_factory=dict)
     history: list[_Event] = field(default_factory=list)
-    lists: list[dict[str, str]] = field(default_factory=list)  # query of each list
-    watches: list[dict[str, str]] = field(default_factory=list)  # query of each watch
+    lists: list[dict[str, str]] = field(default_factory=list)  # query of each slice list
+    watches: list[dict[str, str]] = field(default_factory=list)  # query of each slice watch
+    # (plural, "list" or "watch", query) of every collection's requests
+    queries: list[tuple[str, str, dict[str, str]]] = field(default_factory=list)
     bookmarks_sent: list[int] = field(default_factory=list)
     authorization: set[str] = field(default_factory=set)
     # Deployments' scale subresource: (namespace, name) -> spec.replicas; the patches asked
@@ -73,6 +108,18 @@ class KubeApi:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         self._loop.close()
+
+    def write_kubeconfig(self, path: Path, token: str) -> Path:
+        """A kubeconfig at ``path`` naming this server, with ``token`` as its bearer token."""
+        path.write_text(f"""
+apiVersion: v1
+kind: Config
+clusters: [{{name: test, cluster: {{server: 'http://127.0.0.1:{self.port}'}}}}]
+users: [{{name: test, user: {{token: {token}}}}}]
+contexts: [{{name: test, context: {{cluster: test, user: test}}}}]
+current-context: test
+""")
+        return path
 
     def go_down(self) -> None:
         """Stop answering: open watches end, the port refuses connections."""
@@ -116,6 +163,75 @@ class KubeApi:
     def delete_slice(self, namespace: str, name: str) -> None:
         self._call(self._change(namespace, name, None))
 
+    def put_pool(
+        self, namespace: str, name: str, *, match_labels: dict[str, str], ports: list[int]
+    ) -> None:
+        """An ``inference.networking.k8s.io/v1`` InferencePool selecting those pods."""
+        body = {
+            "kind": POOLS.kind,
+            "apiVersion": POOLS.api_version,
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {
+                "selector": {"matchLabels": match_labels},
+                "targetPorts": [{"number": port} for port in ports],
+                "endpointPickerRef": {"name": "isocost-picker", "port": {"number": 9002}},
+            },
+        }
+        self.put_raw(POOLS, namespace, name, body)
+
+    def put_pod(
+        self,
+        namespace: str,
+        name: str,
+        *,
+        ip: str | None,
+        labels: dict[str, str],
+        ready: bool = True,
+        phase: str = "Running",
+        annotations: dict[str, str] | None = None,
+        deleting: bool = False,
+    ) -> None:
+        """A Pod as the kubelet reports it: its phase, IP and ``Ready`` condition."""
+        metadata: dict[str, Any] = {
+            "name": name,
+            "namespace": namespace,
+            "labels": labels,
+            "annotations": annotations or {},
+        }
+        if deleting:
+            metadata["deletionTimestamp"] = "2025-01-01T00:00:00Z"
+        status: dict[str, Any] = {
+            "phase": phase,
+            "conditions": [
+                {"type": "PodScheduled", "status": "True"},
+                {"type": "Ready", "status": "True" if ready else "False"},
+            ],
+        }
+        if ip is not None:
+            status["podIP"] = ip
+            status["podIPs"] = [{"ip": ip}]
+        body = {
+            "kind": PODS.kind,
+            "apiVersion": PODS.api_version,
+            "metadata": metadata,
+            "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai"}]},
+            "status": status,
+        }
+        self.put_raw(PODS, namespace, name, body)
+
+    def put_raw(self, resource: Resource, namespace: str, name: str, body: dict[str, Any]) -> None:
+        """Store ``body`` as it is (listed, and sent to watches)."""
+        self._call(self._change(namespace, name, body, resource))
+
+    def delete(self, resource: Resource, namespace: str, name: str) -> None:
+        self._call(self._change(namespace, name, None, resource))
+
+    def queried(self, resource: Resource, verb: str) -> list[dict[str, str]]:
+        """The queries of each ``verb`` ("list" or "watch") of ``resource``."""
+        return [
+            query for plural, v, query in self.queries if (plural, v) == (resource.plural, verb)
+        ]
+
     def bump(self) -> int:
         """A change elsewhere in the cluster: the version moves, no watched object does."""
         return int(self._call(self._bump()))
@@ -136,7 +252,9 @@ class KubeApi:
 
     async def _serve(self) -> None:
         app = web.Application()
-        app.router.add_get(_PATH, self._collection)
+        app.router.add_get(SLICES.path, self._collection)
+        app.router.add_get(POOLS.path, self._pools)
+        app.router.add_get(PODS.path, self._pods)
         app.router.add_get(_SCALE_PATH, self._scale)
         app.router.add_patch(_SCALE_PATH, self._scale)
         self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0)
@@ -163,18 +281,26 @@ class KubeApi:
         await asyncio.sleep(0.05)
         self._cut = asyncio.Event()
 
-    async def _change(self, namespace: str, name: str, body: dict[str, Any] | None) -> None:
+    async def _change(
+        self,
+        namespace: str,
+        name: str,
+        body: dict[str, Any] | None,
+        resource: Resource = SLICES,
+    ) -> None:
         self.version += 1
         key = (namespace, name)
+        stored = self.objects.setdefault(resource.plural, {})
+        before = copy.deepcopy(stored.get(key))
         if body is None:
-            obj = copy.deepcopy(self.slices.pop(key))
+            obj = copy.deepcopy(stored.pop(key))
             kind = "DELETED"
         else:
-            kind = "MODIFIED" if key in self.slices else "ADDED"
+            kind = "MODIFIED" if key in stored else "ADDED"
             obj = body
-            self.slices[key] = obj
+            stored[key] = obj
         obj["metadata"]["resourceVersion"] = str(self.version)
-        self.history.append(_Event(self.version, kind, copy.deepcopy(obj)))
+        self.history.append(_Event(self.version, kind, resource.plural, copy.deepcopy(obj), before))
         self._notify()
 
     async def _bump(self) -> int:
@@ -224,30 +350,50 @@ class KubeApi:
         )
 
     async def _collection(self, request: web.Request) -> web.StreamResponse:
+        return await self._list_or_watch(request, SLICES)
+
+    async def _pools(self, request: web.Request) -> web.StreamResponse:
+        return await self._list_or_watch(request, POOLS)
+
+    async def _pods(self, request: web.Request) -> web.StreamResponse:
+        return await self._list_or_watch(request, PODS)
+
+    async def _list_or_watch(self, request: web.Request, resource: Resource) -> web.StreamResponse:
         self.authorization.add(request.headers.get("Authorization", ""))
         namespace = request.match_info["namespace"]
         query = dict(request.query)
-        wanted = _selector(query.get("labelSelector", ""))
+        labels_wanted = _selector(query.get("labelSelector", ""))
+        fields_wanted = _selector(query.get("fieldSelector", ""))
 
-        def matches(obj: dict[str, Any]) -> bool:
+        def matches(obj: dict[str, Any] | None) -> bool:
+            if obj is None:
+                return False
             meta = obj["metadata"]
             labels = meta.get("labels") or {}
-            return meta["namespace"] == namespace and all(
-                labels.get(k) == v for k, v in wanted.items()
+            fields = {"metadata.name": meta.get("name"), "metadata.namespace": meta["namespace"]}
+            return (
+                meta["namespace"] == namespace
+                and all(labels.get(k) == v for k, v in labels_wanted.items())
+                and all(fields.get(k) == v for k, v in fields_wanted.items())
             )
 
-        if query.get("watch") not in ("true", "True", "1"):
-            self.lists.append(query)
-            items = [obj for obj in self.slices.values() if matches(obj)]
+        watching = query.get("watch") in ("true", "True", "1")
+        self.queries.append((resource.plural, "watch" if watching else "list", query))
+        if not watching:
+            if resource is SLICES:
+                self.lists.append(query)
+            stored = self.objects.get(resource.plural, {})
+            items = [obj for obj in stored.values() if matches(obj)]
             return web.json_response(
                 {
-                    "kind": "EndpointSliceList",
-                    "apiVersion": "discovery.k8s.io/v1",
+                    "kind": f"{resource.kind}List",
+                    "apiVersion": resource.api_version,
                     "metadata": {"resourceVersion": str(self.version)},
                     "items": items,
                 }
             )
-        self.watches.append(query)
+        if resource is SLICES:
+            self.watches.append(query)
         response = web.StreamResponse(headers={"Content-Type": "application/json"})
         await response.prepare(request)
 
@@ -275,8 +421,10 @@ class KubeApi:
         cut = self._cut
         while self._serving and not cut.is_set() and loop.time() < ends_at:
             for event in [e for e in self.history if e.version > since]:
-                if matches(event.obj):
-                    await send(event.kind, event.obj)
+                if event.resource == resource.plural:
+                    kind = _seen_as(event.kind, matches(event.before), matches(event.obj))
+                    if kind is not None:
+                        await send(kind, event.obj)
                 since = event.version
             changed = self._changed
             try:
@@ -287,13 +435,23 @@ class KubeApi:
                     await send(
                         "BOOKMARK",
                         {
-                            "kind": "EndpointSlice",
-                            "apiVersion": "discovery.k8s.io/v1",
+                            "kind": resource.kind,
+                            "apiVersion": resource.api_version,
                             "metadata": {"resourceVersion": str(self.version)},
                         },
                     )
                     since = max(since, self.version)
         return response
+
+
+def _seen_as(kind: str, matched_before: bool, matches_now: bool) -> str | None:
+    """What a watch with selectors sees of a change: a MODIFIED object that starts matching
+    is ADDED, one that stops is DELETED; a change it never matched, nothing."""
+    if kind == "MODIFIED" and matched_before != matches_now:
+        return "ADDED" if matches_now else "DELETED"
+    if kind == "DELETED":
+        return kind if matched_before else None
+    return kind if matches_now else None
 
 
 def _status(code: int, reason: str, message: str) -> web.Response:

@@ -46,6 +46,14 @@ def _metric_names(expr: str) -> set[str]:
     return {re.sub(r"_(total|bucket|sum|count)$", "", n) for n in names}
 
 
+def grants(role: dict[str, Any], group: str, resource: str, verbs: set[str]) -> bool:
+    """``role`` lets its subjects use ``verbs`` on ``resource`` of API group ``group``."""
+    return any(
+        group in rule["apiGroups"] and resource in rule["resources"] and verbs <= set(rule["verbs"])
+        for rule in role["rules"]
+    )
+
+
 def test_picker_config_is_a_valid_isocost_config(
     picker: dict[str, dict[str, Any]], pool: dict[str, dict[str, Any]]
 ) -> None:
@@ -53,10 +61,9 @@ def test_picker_config_is_a_valid_isocost_config(
     config = parse_config(text, "deploy/kubernetes/picker.yaml")
     kubernetes = config.discovery.kubernetes
     assert kubernetes is not None
-    spec = pool["InferencePool"]["spec"]
-    selector = ",".join(f"{k}={v}" for k, v in spec["selector"]["matchLabels"].items())
-    assert kubernetes.label_selector == selector  # the pool's members are the picker's
-    assert kubernetes.port == spec["targetPorts"][0]["number"]
+    meta = pool["InferencePool"]["metadata"]
+    # the picker reads the very pool the route sends to: its selector and ports are the pool's
+    assert (kubernetes.inference_pool, kubernetes.namespace) == (meta["name"], meta["namespace"])
 
 
 def test_manifests_point_at_each_other(
@@ -80,8 +87,12 @@ def test_manifests_point_at_each_other(
         "InferencePool",
         pool["InferencePool"]["metadata"]["name"],
     )
-    (rule,) = picker["Role"]["rules"]
-    assert rule["resources"] == ["endpointslices"] and set(rule["verbs"]) == {"list", "watch"}
+    role = picker["Role"]
+    assert role["metadata"]["namespace"] == pool["InferencePool"]["metadata"]["namespace"]
+    # what the provider calls in inference_pool mode: list and watch of both collections
+    assert grants(role, "inference.networking.k8s.io", "inferencepools", {"list", "watch"})
+    assert grants(role, "", "pods", {"list", "watch"})
+    assert picker["RoleBinding"]["roleRef"]["name"] == role["metadata"]["name"]
     account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
     assert picker["RoleBinding"]["subjects"][0]["name"] == account
 

@@ -136,22 +136,36 @@ def test_config_is_a_valid_isocost_config(mode: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "sets",
+    ("sets", "labels", "port"),
     [
-        [],
-        ["config.discovery.kubernetes.label_selector=app.kubernetes.io/name=vllm\\,tier=h200"],
-        ["config.discovery.kubernetes.port=8200"],
+        ([], {"app": "vllm-llama-3-1-8b"}, 8000),
+        (
+            ["config.discovery.kubernetes.label_selector=app.kubernetes.io/name=vllm\\,tier=h200"],
+            {"app.kubernetes.io/name": "vllm", "tier": "h200"},
+            8000,
+        ),
+        (["config.discovery.kubernetes.port=8200"], {"app": "vllm-llama-3-1-8b"}, 8200),
     ],
 )
-def test_inference_pool_selects_what_the_picker_discovers(sets: list[str]) -> None:
+def test_the_picker_discovers_through_the_inference_pool_it_renders(
+    sets: list[str], labels: dict[str, str], port: int
+) -> None:
+    """The pool is made from the config's label_selector and port; the picker's discovery
+    then names the pool (its selector and ports), not that selector and port."""
     manifests = _render("mode=picker", *sets)
     kubernetes = _config(manifests).discovery.kubernetes
-    assert kubernetes is not None and kubernetes.label_selector is not None
-    spec = manifests["InferencePool"]["spec"]
-    terms = dict(term.split("=", 1) for term in kubernetes.label_selector.split(","))
-    assert spec["selector"]["matchLabels"] == terms
-    assert [p["number"] for p in spec["targetPorts"]] == [kubernetes.port]
-    assert kubernetes.namespace == manifests["InferencePool"]["metadata"]["namespace"]
+    assert kubernetes is not None
+    pool = manifests["InferencePool"]
+    assert kubernetes.inference_pool == pool["metadata"]["name"]
+    assert kubernetes.namespace == pool["metadata"]["namespace"]
+    assert (kubernetes.label_selector, kubernetes.port, kubernetes.service) == (None, None, None)
+    assert pool["spec"]["selector"]["matchLabels"] == labels
+    assert [p["number"] for p in pool["spec"]["targetPorts"]] == [port]
+    without_pool = _config(_render("mode=picker", "inferencePool.enabled=false", *sets))
+    kubernetes = without_pool.discovery.kubernetes
+    assert kubernetes is not None  # no pool: the selector and port, as the values give them
+    assert (kubernetes.inference_pool, kubernetes.port) == (None, port)
+    assert kubernetes.label_selector == ",".join(f"{k}={v}" for k, v in labels.items())
 
 
 @pytest.mark.parametrize(
@@ -240,16 +254,29 @@ def test_pool_and_route_only_in_picker_mode_when_enabled(gateway: Manifests) -> 
     assert "InferencePool" in without_route and "HTTPRoute" not in without_route
 
 
+def _grants(role: dict[str, Any], group: str, resource: str) -> bool:
+    """``role`` lets its subjects list and watch ``resource`` of API group ``group``."""
+    return any(
+        group in rule["apiGroups"]
+        and resource in rule["resources"]
+        and {"list", "watch"} <= set(rule["verbs"])
+        for rule in role["rules"]
+    )
+
+
 @pytest.mark.parametrize(
     "sets",
     [
         ["mode=gateway"],
         ["mode=picker"],
+        ["mode=picker", "inferencePool.enabled=false"],
         # model servers in a namespace of their own: the rights are granted there
         ["mode=gateway", "config.discovery.kubernetes.namespace=models"],
     ],
 )
-def test_rbac_lets_the_pod_watch_endpointslices(sets: list[str]) -> None:
+def test_rbac_grants_what_discovery_calls(sets: list[str]) -> None:
+    """EndpointSlices for a selector or Service; the InferencePool and its Pods for
+    ``inference_pool``, and then nothing else."""
     manifests = _render(*sets)
     account = _pod(manifests)["spec"]["serviceAccountName"]
     assert manifests["ServiceAccount"]["metadata"]["name"] == account
@@ -257,12 +284,11 @@ def test_rbac_lets_the_pod_watch_endpointslices(sets: list[str]) -> None:
     assert kubernetes is not None
     role, binding = manifests["Role"], manifests["RoleBinding"]
     assert role["metadata"]["namespace"] == kubernetes.namespace  # where discovery lists
-    assert any(
-        "discovery.k8s.io" in rule["apiGroups"]
-        and "endpointslices" in rule["resources"]
-        and {"list", "watch"} <= set(rule["verbs"])
-        for rule in role["rules"]
-    )
+    follows_pool = kubernetes.inference_pool is not None
+    assert follows_pool == ("mode=picker" in sets and "inferencePool.enabled=false" not in sets)
+    assert _grants(role, "inference.networking.k8s.io", "inferencepools") == follows_pool
+    assert _grants(role, "", "pods") == follows_pool
+    assert _grants(role, "discovery.k8s.io", "endpointslices") != follows_pool
     assert binding["metadata"]["namespace"] == role["metadata"]["namespace"]
     assert (binding["roleRef"]["kind"], binding["roleRef"]["name"]) == (
         "Role",

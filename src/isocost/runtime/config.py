@@ -82,7 +82,8 @@ A full file, every key optional except ``pools[].model`` and ``replicas[].url``:
         max_backoff_ms: 5000          # longest wait between reconnection attempts
       kubernetes:                     # ready endpoints of EndpointSlices, isocost.io/* annotations
         namespace: inference
-        service: vllm                 # or label_selector: app=vllm
+        service: vllm                 # or label_selector: app=vllm, or inference_pool: NAME
+                                      # (its selector's ready Pods on its targetPorts)
         port_name: http               # or port: 8000 (default: the slice's first port)
         model: llama-3.1-8b           # default: the isocost.io/model annotation
         kubeconfig: ~/.kube/config    # default: in-cluster, else the default kubeconfig
@@ -267,10 +268,17 @@ class EtcdDiscoveryConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=Tru
     max_backoff_ms: float = 5000
 
 
+# A Kubernetes object name (DNS-1123 subdomain): what a ``metadata.name=`` field selector holds.
+_OBJECT_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
 class KubernetesDiscoveryConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     namespace: str = "default"
     service: str | None = None
     label_selector: str | None = None
+    # The InferencePool (inference.networking.k8s.io/v1) whose selector picks the pods and
+    # whose targetPorts give their ports; instead of service/label_selector and port.
+    inference_pool: str | None = None
     port: int | None = None
     port_name: str | None = None
     model: str | None = None
@@ -572,14 +580,34 @@ def _check_discovery(discovery: DiscoveryConfig, source: str) -> None:
             if not getattr(etcd, field) > 0:
                 raise ConfigError(source, "must be positive", key=f"discovery.etcd.{field}")
     if kube is not None:
-        if (kube.service is None) == (kube.label_selector is None):
+        if kube.inference_pool is not None:
+            _check_inference_pool(kube, source)
+        elif (kube.service is None) == (kube.label_selector is None):
             raise ConfigError(
-                source, "give exactly one of service and label_selector", key="discovery.kubernetes"
+                source,
+                "give exactly one of service, label_selector and inference_pool",
+                key="discovery.kubernetes",
             )
         if kube.port is not None and not is_port(kube.port):
             raise ConfigError(source, "must be within 1..65535", key="discovery.kubernetes.port")
         if not kube.max_backoff_ms > 0:
             raise ConfigError(source, "must be positive", key="discovery.kubernetes.max_backoff_ms")
+
+
+def _check_inference_pool(kube: KubernetesDiscoveryConfig, source: str) -> None:
+    """The pool names its pods and ports: a key that names them too is a contradiction."""
+    key = "discovery.kubernetes.inference_pool"
+    name = kube.inference_pool or ""
+    if len(name) > 253 or not _OBJECT_NAME.fullmatch(name):
+        raise ConfigError(source, f"{name[:100]!r} is not a Kubernetes object name", key=key)
+    for field in ("service", "label_selector", "port", "port_name"):
+        if getattr(kube, field) is not None:
+            raise ConfigError(
+                source,
+                f"cannot be given with {field}: the InferencePool's selector and targetPorts"
+                " pick the pods and their ports",
+                key=key,
+            )
 
 
 def check_state_bus(bus: StateBusConfig, source: str) -> None:

@@ -61,15 +61,30 @@ its own.
 {{- end -}}
 
 {{/*
+Whether this release renders an InferencePool: picker mode with inferencePool.enabled.
+*/}}
+{{- define "isocost.rendersPool" -}}
+{{- if and (eq (include "isocost.mode" .) "picker") .Values.inferencePool.enabled -}}true{{- end -}}
+{{- end -}}
+
+{{/*
 The config file as rendered: .Values.config, with discovery.kubernetes.namespace
 defaulting to the release's namespace, and auth.admin_token_env set when the admin token
-comes from a Secret (gateway mode).
+comes from a Secret (gateway mode). With the release's InferencePool, discovery follows
+that pool (inference_pool: its name) in place of the selector and port it is made from,
+so the picker reads the very object the Gateway routes to.
 */}}
 {{- define "isocost.config" -}}
 {{- $config := deepCopy (.Values.config | default dict) -}}
 {{- $kube := dig "discovery" "kubernetes" dict $config -}}
 {{- if $kube -}}
 {{- $_ := set $kube "namespace" ($kube.namespace | default .Release.Namespace) -}}
+{{- if include "isocost.rendersPool" . -}}
+{{- range $key := list "service" "label_selector" "port" "port_name" -}}
+{{- $_ := unset $kube $key -}}
+{{- end -}}
+{{- $_ := set $kube "inference_pool" (include "isocost.fullname" .) -}}
+{{- end -}}
 {{- end -}}
 {{- if .Values.adminToken.existingSecret -}}
 {{- if ne (include "isocost.mode" .) "gateway" -}}
@@ -90,13 +105,21 @@ The rendered config's discovery.kubernetes section as YAML ("{}" without one).
 {{- end -}}
 
 {{/*
-The InferencePool's matchLabels, from discovery.kubernetes.label_selector ("a=b,c=d"),
-so that the pool and the picker's discovery cannot name different model servers.
+The model servers the InferencePool selects, as .Values.config names them (before the
+rendered config points discovery at the pool): discovery.kubernetes as YAML ("{}" without).
+*/}}
+{{- define "isocost.poolMembers" -}}
+{{- toYaml (dig "discovery" "kubernetes" dict (.Values.config | default dict)) -}}
+{{- end -}}
+
+{{/*
+The InferencePool's matchLabels, from config.discovery.kubernetes.label_selector
+("a=b,c=d").
 */}}
 {{- define "isocost.poolMatchLabels" -}}
-{{- $kube := include "isocost.kubeDiscovery" . | fromYaml -}}
+{{- $kube := include "isocost.poolMembers" . | fromYaml -}}
 {{- if not $kube.label_selector -}}
-{{- fail "inferencePool.enabled needs config.discovery.kubernetes.label_selector: the pool selects the model servers the picker discovers" -}}
+{{- fail "inferencePool.enabled needs config.discovery.kubernetes.label_selector: the pool's selector is made from it" -}}
 {{- end -}}
 {{- $labels := dict -}}
 {{- range $term := splitList "," $kube.label_selector -}}

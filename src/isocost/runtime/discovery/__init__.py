@@ -1,9 +1,10 @@
 """Discovery: replicas that register themselves, merged into the gateway's static pools.
 
 A provider (``etcd``: the keys ``isocost agent`` writes; ``kubernetes``: ready endpoints of
-EndpointSlices) follows its source and hands every change to a ``DiscoverySink`` as the
-whole membership it now sees (``replace``): a re-list after a reconnect or a compaction is
-then the same call as one watch event, and nothing it no longer lists can linger.
+EndpointSlices, or the ready Pods an InferencePool selects) follows its source and hands
+every change to a ``DiscoverySink`` as the whole membership it now sees (``replace``): a
+re-list after a reconnect or a compaction is then the same call as one watch event, and
+nothing it no longer lists can linger.
 ``Membership`` (``membership``) checks each record as the config file's replica entries are
 checked and merges the survivors, at most ``discovery.max_replicas`` per provider, into the
 static config, so a data plane applies discovery through the very path a config reload
