@@ -3,7 +3,10 @@
 * ``LocalActuator``: one ``isocost engine`` process per replica on a free 127.0.0.1 port,
   added to the gateway once it answers, stopped (process group) after the gateway
   drained it; on close, removed from the gateway before it is stopped.
-  ``runtime.processes.Services`` owns the processes.
+  ``runtime.processes.Services`` owns the processes. Each engine's pid is kept in
+  ``<log-dir>/<name>.pid``: engines run in sessions of their own and outlive an
+  autoscaler that was SIGKILLed, and the next one started with the same ``--log-dir``
+  inherits them (``inherited``) and can stop them, instead of leaving them running unseen.
 * ``CommandActuator``: ``--scale-command`` run with the desired count of the GPU type as
   its last argument and in ``ISOCOST_DESIRED_REPLICAS`` (``ISOCOST_GPU`` names the type);
   the platform starts and stops replicas and they join the gateway through discovery.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import shlex
@@ -45,6 +49,7 @@ log = logging.getLogger("isocost.autoscale")
 _HOST = "127.0.0.1"
 _CLOSE_POLL_S = 0.25
 _OUTPUT_TAIL = 4096  # bytes of a scale command's output kept for its error message
+_PID_SUFFIX = ".pid"  # <log-dir>/<engine>.pid: the engines a LocalActuator started
 
 
 class ActuatorError(IsocostError):
@@ -58,6 +63,11 @@ class Actuator(Protocol):
 
     async def stop(self, name: str, gpu: str, desired: int) -> None:
         """Stop the drained, idle replica ``name`` (``desired`` of ``gpu`` remain)."""
+        ...
+
+    def inherited(self) -> set[str]:
+        """Replicas an earlier autoscaler started through this actuator that still run and
+        that ``stop`` can stop: a drained one is that autoscaler's drain to finish."""
         ...
 
     async def close(self) -> None: ...
@@ -90,20 +100,74 @@ class LocalActuator:
         except (ServiceError, OSError) as exc:  # no isocost command, a log dir not writable
             raise ActuatorError(f"engine {name} could not be run: {exc}") from None
         try:
+            self._pid_file(name).write_text(f"{service.popen.pid}\n")
             (url,) = await asyncio.to_thread(service.wait_ready, 1, self.ready_timeout_s)
             await self.admin.add(self.model, {"url": url, "name": name, "gpu": gpu})
         except (ServiceError, IsocostError, OSError) as exc:
-            self.services.stop(service)
+            self._stop_started(service)
             raise ActuatorError(f"engine {name} did not start: {exc}") from None
         except asyncio.CancelledError:
-            self.services.stop(service)
+            self._stop_started(service)
             raise
         self.running[name] = service
 
     async def stop(self, name: str, gpu: str, desired: int) -> None:
         service = self.running.pop(name, None)
         if service is not None:
-            await asyncio.to_thread(self.services.stop, service)
+            await asyncio.to_thread(self._stop_started, service)
+        elif (pid := self._inherited_pid(name)) is not None:
+            await self._stop_inherited(name, pid)
+
+    def inherited(self) -> set[str]:
+        names = {path.name.removesuffix(_PID_SUFFIX) for path in self._pid_files()}
+        return {n for n in names - self.running.keys() if self._inherited_pid(n) is not None}
+
+    def _pid_files(self) -> list[Path]:
+        try:
+            return list(self.services.log_dir.glob(f"*{_PID_SUFFIX}"))
+        except OSError:
+            return []
+
+    def _pid_file(self, name: str) -> Path:
+        return self.services.log_dir / f"{name}{_PID_SUFFIX}"
+
+    def _stop_started(self, service: Service) -> None:
+        self.services.stop(service)
+        self._pid_file(service.name).unlink(missing_ok=True)
+
+    def _inherited_pid(self, name: str) -> int | None:
+        """The pid of an engine a predecessor started as ``name``, if it still runs as that
+        engine (a pid reused by another process is not it: its file is stale)."""
+        try:
+            pid = int(self._pid_file(name).read_text())
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            return None
+        port = name.rsplit("-", 1)[-1].encode()
+        ours = b"engine" in args and any(
+            flag == b"--port" and value == port for flag, value in itertools.pairwise(args)
+        )
+        return pid if ours else None
+
+    async def _stop_inherited(self, name: str, pid: int) -> None:
+        """SIGTERM the engine's process group (its session: started with one of its own),
+        SIGKILL after the grace; it is not this process's child, so it is polled, not
+        waited for."""
+        for sig, wait_s in ((signal.SIGTERM, self.services.grace_s), (signal.SIGKILL, 10.0)):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, sig)
+            deadline = time.monotonic() + wait_s
+            while self._inherited_pid(name) == pid and time.monotonic() < deadline:
+                await asyncio.sleep(_CLOSE_POLL_S)
+            if self._inherited_pid(name) != pid:
+                break
+        else:
+            raise ActuatorError(f"engine {name} (pid {pid}) still runs after SIGKILL")
+        log.info(
+            "engine started by an earlier autoscaler stopped",
+            extra={"event": "autoscale_inherited_stop", "replica": name, "pid": pid},
+        )
+        self._pid_file(name).unlink(missing_ok=True)
 
     async def close(self) -> None:
         """Take the engines it started out of the gateway before stopping them: removed,
@@ -127,6 +191,8 @@ class LocalActuator:
             if names:
                 await asyncio.sleep(_CLOSE_POLL_S)
         await asyncio.to_thread(self.services.stop_all)
+        for name in self.running:
+            self._pid_file(name).unlink(missing_ok=True)
 
 
 class CommandActuator:
@@ -178,6 +244,10 @@ class CommandActuator:
 
     async def stop(self, name: str, gpu: str, desired: int) -> None:
         await self._run(gpu, desired)
+
+    def inherited(self) -> set[str]:
+        """None: the platform picks which replica a lower count stops."""
+        return set()
 
     async def close(self) -> None:
         """Nothing to release: each run is its own process."""
@@ -238,6 +308,10 @@ class KubernetesActuator:
 
     async def stop(self, name: str, gpu: str, desired: int) -> None:
         await self._scale(gpu, desired)
+
+    def inherited(self) -> set[str]:
+        """None: the Deployment's controller picks which Pod a lower count stops."""
+        return set()
 
     async def close(self) -> None:
         if self._api is not None:

@@ -34,6 +34,10 @@ shows it done. A gateway that cannot be read during a drain is waited out to the
 deadline, not taken as the drain's end. A start whose replica never shows up is given up
 after a few cold starts (it would otherwise count as capacity for good).
 
+What an earlier autoscaler left of the replicas it started (``Actuator.inherited``: the
+``local`` actuator's engines outlive a SIGKILL) is taken over: a drain it left is
+finished, a start it cut short is stopped.
+
 GPU-hours and $ count every managed replica, pending ones included (their GPUs are held
 while they warm up), between ticks.
 """
@@ -184,6 +188,8 @@ class AutoscaleLoop:
         self._first_seen: dict[str, float] = {}
         self._ejected_since: dict[str, float] = {}  # held out by the gateway's breaker
         self._served: set[str] = set()  # seen serving: an ejection of these is a failure
+        self._first_round = True  # what an earlier autoscaler left is taken over then
+        self._unlisted_stops: list[asyncio.Task[None]] = []  # its starts cut short
         self._draining: dict[str, asyncio.Task[None]] = {}
         self._stopping: set[str] = set()  # drained and idle: leaving, not to be undrained
         self._gone: set[str] = set()  # stopped: out of the fleet until the gateway drops it
@@ -206,6 +212,8 @@ class AutoscaleLoop:
         answered = answered_by_replica(metrics_text)
         verdicts = slo_verdicts(metrics_text)
         await self._reconcile(snapshot.replicas)
+        if not self.dry_run:
+            self._take_over(snapshot.replicas)
         last_met, last_judged = self._verdicts or verdicts
         if verdicts[0] < last_met or verdicts[1] < last_judged:  # the gateway restarted
             last_met = last_judged = 0
@@ -267,6 +275,31 @@ class AutoscaleLoop:
             for row in rows
             if row.state == "ejected"
         }
+
+    def _take_over(self, rows: Sequence[ReplicaRow]) -> None:
+        """Finish what an earlier autoscaler (SIGKILLed, say) left of the replicas it
+        started (``Actuator.inherited``): one left drained has its drain resumed, to its
+        stop; one never listed in the gateway (its start was cut short) is stopped, on the
+        first round only (later, one of this loop's own starts may be on its way)."""
+        inherited = self.actuator.inherited()
+        first, self._first_round = self._first_round, False
+        if not inherited:
+            return
+        listed = {row.name: row for row in rows}
+        busy = self._draining.keys() | self._stopping | self._gone | self._undrain_owed
+        for name in sorted(inherited - busy):
+            row = listed.get(name)
+            if row is not None and row.state == "drained" and row.gpu in self.offers:
+                serving = sum(r.gpu == row.gpu and r.state == "healthy" for r in rows)
+                log.info(
+                    "drain taken over", extra={"event": "autoscale_drain_adopted", "replica": name}
+                )
+                self._draining[name] = asyncio.create_task(
+                    self._drain_and_stop(name, row.gpu, serving)
+                )
+            elif row is None and first:
+                stop = partial(self.actuator.stop, name, "", 0)
+                self._unlisted_stops.append(asyncio.create_task(self._attempt("stop", stop)))
 
     def _state(self, row: ReplicaRow, now: float) -> ReplicaState:
         """The scaler's view of a gateway replica. One ejected for less than
@@ -528,7 +561,9 @@ class AutoscaleLoop:
         replica to go idle undrains it once the loop shuts down; one that reached the stop
         finishes), then one last try at what they left undone."""
         tasks = [p.task for p in self._pending if p.task is not None]
-        await asyncio.gather(*tasks, *self._draining.values(), return_exceptions=True)
+        await asyncio.gather(
+            *tasks, *self._draining.values(), *self._unlisted_stops, return_exceptions=True
+        )
         if self._gone or self._undrain_owed:
             with contextlib.suppress(*_FAILURES):
                 await self._reconcile(read_snapshot(await self.gateway.snapshot()).replicas)

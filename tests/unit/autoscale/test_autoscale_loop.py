@@ -103,17 +103,23 @@ class FakeActuator:
         self.started: list[int] = []
         self.stopped: list[str] = []
         self.failing_stops = failing_stops
+        self.left: set[str] = set()  # what an earlier autoscaler started, still running
 
     async def start(self, gpu: str, desired: int) -> None:
         self.started.append(desired)
 
     async def stop(self, name: str, gpu: str, desired: int) -> None:
         self.gateway.calls.append(("stop", name))
-        assert self.gateway.rows[name]["in_flight"] == 0, "stopped with requests in flight"
+        row = self.gateway.rows.get(name)  # None: one the gateway never listed
+        assert row is None or row["in_flight"] == 0, "stopped with requests in flight"
         if self.failing_stops:
             self.failing_stops -= 1
             raise ActuatorError("stop refused")
         self.stopped.append(name)
+        self.left.discard(name)
+
+    def inherited(self) -> set[str]:
+        return set(self.left)
 
     async def close(self) -> None:
         pass

@@ -118,6 +118,9 @@ class Actuator:
         if self.refuse_stops:
             raise ActuatorError("stop refused")
 
+    def inherited(self) -> set[str]:
+        return set()
+
     async def close(self) -> None:
         pass
 
