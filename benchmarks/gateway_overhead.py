@@ -186,7 +186,7 @@ def _start_envoy_rows(
             envoy_config(
                 listen_port=free_port(),
                 admin_port=free_port(),
-                picker_port=port,
+                picker_ports=[port],
                 engine_ports=[engine_port],
                 **body_mode,
             ),

@@ -84,7 +84,7 @@ def main() -> None:
         envoy_config(
             listen_port=free_port(),
             admin_port=free_port(),
-            picker_port=picker_port,
+            picker_ports=[picker_port],
             engine_ports=[int(engine.url.rsplit(":", 1)[1])],
         ),
         workdir / "envoy.yaml",

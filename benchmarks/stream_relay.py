@@ -113,7 +113,7 @@ def _start_envoys(engine_url: str, workdir: Path) -> tuple[list[Callable[[], Non
             envoy_config(
                 listen_port=free_port(),
                 admin_port=free_port(),
-                picker_port=picker_port,
+                picker_ports=[picker_port],
                 engine_ports=[engine_port],
                 picker=with_picker,
             ),

@@ -108,7 +108,7 @@ def _running_stack(tmp: Path, engine_args: Sequence[Sequence[str]] = ((), ())) -
             envoy_config(
                 listen_port=free_port(),
                 admin_port=free_port(),
-                picker_port=picker_port,
+                picker_ports=[picker_port],
                 engine_ports=[_port(e) for e in engines],
             ),
             tmp / "envoy.yaml",
@@ -284,7 +284,7 @@ def test_other_body_modes(stack: Stack, mode: str) -> None:
         envoy_config(
             listen_port=free_port(),
             admin_port=free_port(),
-            picker_port=stack.picker_port,
+            picker_ports=[stack.picker_port],
             engine_ports=[_port(e) for e in stack.engines],
             **{mode: True},
         ),
@@ -715,7 +715,7 @@ def test_picker_killed_under_load_then_restarted(stack: Stack) -> None:
             envoy_config(
                 listen_port=free_port(),
                 admin_port=free_port(),
-                picker_port=stack.picker_port,
+                picker_ports=[stack.picker_port],
                 engine_ports=[_port(e) for e in stack.engines],
                 fail_open=False,
             ),

@@ -1,6 +1,6 @@
 """A real Envoy for the picker's suites and benchmarks: deploy/envoy/picker.yaml, rewired.
 
-The file's ports become the caller's (listener, admin, picker, the pool's engines);
+The file's ports become the caller's (listener, admin, the pickers, the pool's engines);
 ``fail_open`` sets ``failure_mode_allow``; the request body goes to the picker STREAMED
 without waiting for the headers' answer (the file's), or ``full_duplex``
 (FULL_DUPLEX_STREAMED: Envoy then fails closed whatever ``failure_mode_allow`` says), or
@@ -38,7 +38,7 @@ def envoy_config(
     *,
     listen_port: int,
     admin_port: int,
-    picker_port: int,
+    picker_ports: Sequence[int],
     engine_ports: Sequence[int],
     fail_open: bool = True,
     full_duplex: bool = False,
@@ -62,8 +62,13 @@ def envoy_config(
     if not picker:
         filters.remove(ext_proc)
     clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
-    (picker_host,) = clusters["picker"]["load_assignment"]["endpoints"][0]["lb_endpoints"]
-    picker_host["endpoint"]["address"] = _address("127.0.0.1", picker_port)
+    clusters["picker"]["load_assignment"]["endpoints"] = [
+        {
+            "lb_endpoints": [
+                {"endpoint": {"address": _address("127.0.0.1", p)}} for p in picker_ports
+            ]
+        }
+    ]
     clusters["pool"]["load_assignment"]["endpoints"] = [
         {
             "lb_endpoints": [

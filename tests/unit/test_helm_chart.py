@@ -324,6 +324,15 @@ def test_bad_mode_fails_with_a_clear_message(mode: str) -> None:
     assert f'mode must be gateway or picker, not "{mode}"' in _failure(f"mode={mode}")
 
 
+def test_several_pickers_need_a_state_bus() -> None:
+    message = "picker mode with replicaCount > 1 needs config.state_bus"
+    assert message in _failure("mode=picker", "replicaCount=2")
+    shared = _render("mode=picker", "replicaCount=3", "config.state_bus.url=redis://redis:6379")
+    assert shared["Deployment"]["spec"]["replicas"] == 3
+    assert _config(shared).state_bus is not None
+    assert _render("mode=gateway", "replicaCount=2")["Deployment"]["spec"]["replicas"] == 2
+
+
 def test_config_checksum_rolls_the_pods_on_config_changes_only(gateway: Manifests) -> None:
     def checksum(manifests: Manifests) -> str:
         return _pod(manifests)["metadata"]["annotations"]["checksum/config"]
