@@ -35,7 +35,7 @@ def test_a_killed_autoscalers_drained_engine_is_stopped_by_the_next(
         first.wait()
         load.end()
     (name,) = [row["name"] for row in replicas(gateway) if row["name"].startswith("autoscale-")]
-    pid = int((tmp_path / "engines" / f"{name}.pid").read_text())
+    pid, _ = map(int, (tmp_path / "engines" / f"{name}.pid").read_text().split())
     assert _alive(pid)  # outlived the autoscaler that started it
     headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
     status, _, answer = http("POST", f"{gateway.url}/admin/replicas/{name}/drain", b"", headers)

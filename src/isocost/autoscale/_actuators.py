@@ -3,10 +3,11 @@
 * ``LocalActuator``: one ``isocost engine`` process per replica on a free 127.0.0.1 port,
   added to the gateway once it answers, stopped (process group) after the gateway
   drained it; on close, removed from the gateway before it is stopped.
-  ``runtime.processes.Services`` owns the processes. Each engine's pid is kept in
-  ``<log-dir>/<name>.pid``: engines run in sessions of their own and outlive an
-  autoscaler that was SIGKILLed, and the next one started with the same ``--log-dir``
-  inherits them (``inherited``) and can stop them, instead of leaving them running unseen.
+  ``runtime.processes.Services`` owns the processes. Each engine's pid (and the
+  autoscaler's) is kept in ``<log-dir>/<name>.pid``: engines run in sessions of their own
+  and outlive an autoscaler that was SIGKILLed, and the next one started with the same
+  ``--log-dir`` inherits them (``inherited``) and can stop them, instead of leaving them
+  running unseen; an autoscaler still running keeps its own.
 * ``CommandActuator``: ``--scale-command`` run with the desired count of the GPU type as
   its last argument and in ``ISOCOST_DESIRED_REPLICAS`` (``ISOCOST_GPU`` names the type);
   the platform starts and stops replicas and they join the gateway through discovery.
@@ -100,7 +101,7 @@ class LocalActuator:
         except (ServiceError, OSError) as exc:  # no isocost command, a log dir not writable
             raise ActuatorError(f"engine {name} could not be run: {exc}") from None
         try:
-            self._pid_file(name).write_text(f"{service.popen.pid}\n")
+            self._pid_file(name).write_text(f"{service.popen.pid} {os.getpid()}\n")
             (url,) = await asyncio.to_thread(service.wait_ready, 1, self.ready_timeout_s)
             await self.admin.add(self.model, {"url": url, "name": name, "gpu": gpu})
         except (ServiceError, IsocostError, OSError) as exc:
@@ -137,17 +138,19 @@ class LocalActuator:
 
     def _inherited_pid(self, name: str) -> int | None:
         """The pid of an engine a predecessor started as ``name``, if it still runs as that
-        engine (a pid reused by another process is not it: its file is stale)."""
+        engine (a pid reused by another process is not it: its file is stale) and the
+        autoscaler that started it is gone (one still running, sharing ``--log-dir`` by
+        mistake, keeps its own)."""
         try:
-            pid = int(self._pid_file(name).read_text())
-            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            pid, owner = map(int, self._pid_file(name).read_text().split())
         except (OSError, ValueError):
             return None
         port = name.rsplit("-", 1)[-1].encode()
+        args = _command_line(pid)
         ours = b"engine" in args and any(
             flag == b"--port" and value == port for flag, value in itertools.pairwise(args)
         )
-        return pid if ours else None
+        return pid if ours and b"autoscale" not in _command_line(owner) else None
 
     async def _stop_inherited(self, name: str, pid: int) -> None:
         """SIGTERM the engine's process group (its session: started with one of its own),
@@ -193,6 +196,14 @@ class LocalActuator:
         await asyncio.to_thread(self.services.stop_all)
         for name in self.running:
             self._pid_file(name).unlink(missing_ok=True)
+
+
+def _command_line(pid: int) -> list[bytes]:
+    """A running process's arguments (none: no such process, or a zombie)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return []
 
 
 class CommandActuator:

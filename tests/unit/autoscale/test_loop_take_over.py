@@ -1,13 +1,21 @@
 """An autoscaler started after one that was SIGKILLed takes over what that one left of the
 replicas it started (``Actuator.inherited``): a drain left half-done is finished to the
 stop, a start cut short before its replica reached the gateway is stopped; a replica
-drained that the actuator did not start (an operator's drain) is left as it is."""
+drained that the actuator did not start (an operator's drain) is left as it is. And the
+local actuator's pid files: what it inherits, and how it stops it."""
 
 from __future__ import annotations
 
 import asyncio
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
-from test_autoscale_loop import Clock, FakeActuator, FakeGateway, _ticks, make_loop
+import aiohttp
+from test_autoscale_loop import GPU, Clock, FakeActuator, FakeGateway, _ticks, make_loop
+
+from isocost.autoscale import AdminClient, LocalActuator
 
 
 def test_a_drain_left_by_an_earlier_autoscaler_is_finished() -> None:
@@ -56,3 +64,43 @@ def test_a_dry_run_takes_nothing_over() -> None:
         assert actuator.stopped == [] and gateway.calls == []
 
     asyncio.run(scenario())
+
+
+def _sleeper(*args: str) -> subprocess.Popen[bytes]:
+    """A process whose command line ends in ``args``, in a session of its own."""
+    code = "import time; time.sleep(120)"
+    return subprocess.Popen([sys.executable, "-c", code, *args], start_new_session=True)
+
+
+def test_a_local_engine_is_inherited_once_its_autoscaler_is_gone(tmp_path: Path) -> None:
+    """The pid file names the engine and the autoscaler that started it: while that one
+    runs (two sharing a ``--log-dir`` by mistake) the engine is its; once it is gone, the
+    next one's ``stop`` ends the engine's process group. A pid now another program's is
+    not taken for the engine."""
+    engine = _sleeper("engine", "--port", "40123")
+    owner = _sleeper("autoscale")
+    other = _sleeper("something", "--port", "40124")
+    name = f"autoscale-{GPU}-40123"
+    try:
+        tmp_path.joinpath(f"{name}.pid").write_text(f"{engine.pid} {owner.pid}\n")
+        tmp_path.joinpath(f"autoscale-{GPU}-40124.pid").write_text(f"{other.pid} 1\n")
+
+        async def scenario() -> None:
+            async with aiohttp.ClientSession() as session:
+                admin = AdminClient(session, "http://127.0.0.1:9", "t")
+                actuator = LocalActuator(admin, "m", tmp_path, [])
+                assert actuator.inherited() == set()  # its autoscaler still runs
+                owner.kill()
+                owner.wait()
+                assert actuator.inherited() == {name}
+                await actuator.stop(name, GPU, 1)
+                assert actuator.inherited() == set()
+
+        asyncio.run(scenario())
+        assert engine.wait(timeout=10) == -signal.SIGTERM
+        assert not tmp_path.joinpath(f"{name}.pid").exists()
+        assert other.poll() is None  # never signalled
+    finally:
+        for proc in (engine, owner, other):
+            proc.kill()
+            proc.wait()
