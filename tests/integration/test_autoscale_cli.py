@@ -175,8 +175,9 @@ def test_bad_config_or_flags_are_one_line_and_exit_2(
         ("{", "not JSON"),
         ('{"gpu": "a100-80g"}', "not `isocost plan --json` output"),
         ("[]", "pools[0]: no plan for a100-80g"),
+        ("[" * 100_000, "not JSON (nested too deep"),
     ],
-    ids=["missing", "not-json", "not-a-plan", "no-such-gpu"],
+    ids=["missing", "not-json", "not-a-plan", "no-such-gpu", "nested-too-deep"],
 )
 def test_a_bad_plan_file_is_one_line_and_exit_2(
     tmp_path: Path, plan: str | None, message: str

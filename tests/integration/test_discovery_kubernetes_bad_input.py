@@ -275,10 +275,11 @@ def test_slices_the_client_models_refuse_do_not_stop_the_others(
         b'{"type": "MODIFIED", "object": {"metadata": {"resourceVersion": "9"}}}\n',
         b'{"type": "BOOKMARK", "object": {}}\n{"type": 7}\n',
         b'{"type": "ADDED", "object": {"metadata": {"name": "x"}, "junk": "' + b"j" * (5 << 20),
+        b'{"type": "ADDED", "object": ' + b"[" * 100_000 + b"\n",
     ],
     ids=[
         "not-json", "cut-off", "array", "null", "error-no-reason", "error-not-status",
-        "unknown-type", "no-name", "bookmark-then-junk", "line-over-4mib",
+        "unknown-type", "no-name", "bookmark-then-junk", "line-over-4mib", "nested-too-deep",
     ],
 )  # fmt: skip
 def test_a_watch_line_that_cannot_be_applied_lists_again(

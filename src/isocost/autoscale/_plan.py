@@ -16,6 +16,7 @@ import msgspec
 
 from isocost.control import PoolConfig, PoolOffer
 from isocost.core.errors import ConfigError
+from isocost.core.jsontext import parse_json
 
 __all__ = ["offers_from_plan"]
 
@@ -33,7 +34,7 @@ def offers_from_plan(text: str, source: str, pools: Sequence[PoolConfig]) -> lis
     """Each pool's offer from the plan on its GPU; ConfigError (one line) for a file that
     is not a plan, a figure that is not positive, or a pool whose GPU no plan covers."""
     try:
-        raw = json.loads(text)
+        raw = parse_json(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(source, f"not JSON ({exc.msg}, line {exc.lineno})") from None
     try:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from isocost.core.errors import ConfigError
+from isocost.core.jsontext import parse_json
 
 __all__ = ["BUILTIN_MODELS", "MlaShape", "ModelSpec", "MoeShape", "model_from_hf_config"]
 
@@ -227,7 +228,7 @@ def model_from_hf_config(text: str, source: str, model_id: str) -> ModelSpec:
     DeepSeek MLA. Errors name ``source`` and the missing or malformed key.
     """
     try:
-        raw = json.loads(text)
+        raw = parse_json(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(source, f"not valid JSON ({exc.msg} at line {exc.lineno})") from exc
     if not isinstance(raw, dict):

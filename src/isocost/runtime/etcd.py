@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+
+from isocost.core.jsontext import parse_json
 
 __all__ = [
     "Compacted",
@@ -229,7 +230,7 @@ class EtcdClient:
                     *lines, pending = (pending + chunk).split(b"\n")
                     for line in lines:
                         if line.strip():
-                            events = _watch_events(json.loads(line))
+                            events = _watch_events(parse_json(line))
                             if events:
                                 yield events
                 raise EtcdError("etcd ended the watch stream")
@@ -238,8 +239,10 @@ class EtcdClient:
             raise
 
 
-def _watch_events(message: dict[str, Any]) -> list[WatchEvent]:
+def _watch_events(message: object) -> list[WatchEvent]:
     """The events of one watch message; raises for a compaction, a cancel or an error."""
+    if not isinstance(message, dict):
+        raise EtcdError(f"a watch message that is no object: {str(message)[:100]}")
     if "error" in message:
         raise EtcdError(f"watch failed: {message['error'].get('message', message['error'])}")
     result = message.get("result", {})

@@ -160,6 +160,7 @@ def test_hf_config_reproduces_catalog_shape() -> None:
     ("text", "expected"),
     [
         ("{not json", r"cfg\.json: not valid JSON"),
+        ("[" * 100_000, r"cfg\.json: not valid JSON \(nested too deep"),
         ("[1, 2]", r"cfg\.json: expected a JSON object"),
         ('{"hidden_size": 64}', r"cfg\.json: num_attention_heads: expected a positive integer"),
         ('{"hidden_size": "big", "num_attention_heads": 2}', r"cfg\.json: hidden_size"),

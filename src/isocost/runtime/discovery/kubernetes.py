@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any, Generic, TypeVar, cast
@@ -41,6 +40,7 @@ import aiohttp
 from aiohttp.http_exceptions import LineTooLong
 from kubernetes_asyncio import client, config
 
+from isocost.core.jsontext import parse_json
 from isocost.openai.http import read_capped
 from isocost.runtime.config import KubernetesDiscoveryConfig
 from isocost.runtime.discovery import DiscoverySink, Reachability
@@ -129,7 +129,7 @@ class _Collection(Generic[_Item]):
     async def list(self) -> None:
         response = await self._open(aiohttp.ClientTimeout(total=_LIST_TIMEOUT_S))
         async with response:
-            listing = as_mapping(json.loads(await _answer(response, _MAX_LIST_BYTES)))
+            listing = as_mapping(parse_json(await _answer(response, _MAX_LIST_BYTES)))
         version = as_text(as_mapping(listing.get("metadata")).get("resourceVersion"))
         items = listing.get("items")
         if version is None or not isinstance(items, list):
@@ -175,7 +175,7 @@ class _Collection(Generic[_Item]):
         """Apply one watch event and move ``version`` on. _Expired for 410 Gone, _BadEvent
         for an event that cannot be applied (another ``ERROR`` among them)."""
         try:
-            event = json.loads(line)
+            event = parse_json(line)
         except ValueError:
             raise _BadEvent(f"not JSON: {line[:100]!r}") from None
         event = as_mapping(event)
@@ -223,7 +223,7 @@ async def _line(response: aiohttp.ClientResponse) -> bytes:
 def _status_message(body: bytes) -> str | None:
     """The ``message`` of a ``Status`` failure body, if it is one."""
     try:
-        status = json.loads(body)
+        status = parse_json(body)
     except ValueError:
         return None
     return as_text(as_mapping(status).get("message"))
