@@ -11,6 +11,7 @@ import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
 from isocost.core.errors import IsocostError
+from isocost.core.jsontext import parse_json
 
 __all__ = [
     "AdminClient",
@@ -121,7 +122,7 @@ class AdminClient:
                     raise GatewayError(f"{method} {path}: HTTP {response.status} {text}")
                 if path == "/metrics":
                     return await response.text()
-                return await response.json()
+                return parse_json(await response.read())
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise GatewayError(f"{method} {path}: {exc or type(exc).__name__}") from None
         except ValueError as exc:  # not JSON, or not UTF-8, whatever its content type says

@@ -139,7 +139,7 @@ class EtcdClient:
             url = self.endpoints[self._current] + path
             try:
                 async with self.session.post(url, json=body, timeout=timeout) as resp:
-                    payload = await resp.json(content_type=None)
+                    payload = parse_json(await resp.read())
             except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
                 last = exc
                 self._rotate()

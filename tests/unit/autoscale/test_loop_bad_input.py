@@ -499,8 +499,12 @@ def test_a_local_engine_that_cannot_even_be_run_is_an_actuator_error(tmp_path: P
 
 @pytest.mark.parametrize(
     ("body", "content_type"),
-    [(b"<html>oops", "application/json"), (b"\xff\xfe{", "application/json")],
-    ids=["not-json", "not-utf8"],
+    [
+        (b"<html>oops", "application/json"),
+        (b"\xff\xfe{", "application/json"),
+        (b"[" * 100_000, "application/json"),
+    ],
+    ids=["not-json", "not-utf8", "nested-too-deep"],
 )
 def test_an_unreadable_admin_answer_is_a_gateway_error(body: bytes, content_type: str) -> None:
     async def scenario() -> None:
