@@ -77,15 +77,21 @@ def test_a_redirect_is_not_followed_with_the_admin_token() -> None:
     assert "answered 302: redirects to http://127.0.0.1:9/steal (not followed)" in str(raised.value)
 
 
+def drill_refused(url: str) -> str:
+    """``isocost drill`` on a gateway at ``url``: exit 2 and its one error line."""
+    done = subprocess.run(
+        [str(ISOCOST), "drill", "--gateway", url, "--replica-admin", url, "--fault", "kill"],
+        capture_output=True, text=True, timeout=120, check=False,
+        env={**os.environ, "ISOCOST_ADMIN_TOKEN": "t", "COLUMNS": "200"},
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    return lines[0]
+
+
 def test_the_cli_ends_a_wrong_shape_in_one_line() -> None:
     app, slot = _admin(lambda u: {"replicas": [{"name": "r0"}]})
     with in_thread(app) as url:
         slot.append(url)
-        done = subprocess.run(
-            [str(ISOCOST), "drill", "--gateway", url, "--replica-admin", url, "--fault", "kill"],
-            capture_output=True, text=True, timeout=120, check=False,
-            env={**os.environ, "ISOCOST_ADMIN_TOKEN": "t", "COLUMNS": "200"},
-        )  # fmt: skip
-    assert done.returncode == 2, done.stderr
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "not an isocost replica list" in lines[0], done.stderr
+        assert "not an isocost replica list" in drill_refused(url)

@@ -23,6 +23,9 @@ from gateway_harness import serving
 MODEL = "hostile-model"
 BIG = 4 * 1024 * 1024  # an "enormous" line: far over any reader's line limit
 ENDLESS = 40 * 1024 * 1024  # an "endless" body: this much, then a hang (the test stays cheap)
+# JSON nested deeper than any decoder follows (RecursionError, not a DecodeError), in a field
+# a typed decoder skips, and short enough for a reader's line limit (64 KiB)
+DEEP = b'{"choices": [], "deep": ' + b"[" * 50_000
 
 Handler = Callable[[web.Request, dict[str, Any]], Awaitable[web.StreamResponse]]
 
@@ -169,6 +172,8 @@ ANSWERS: dict[str, Handler] = {
     "redirect": _respond(307, b"", "text/plain", location="http://127.0.0.1:9/v1/completions"),
     "body_wrong_shape": _respond(200, b'{"choices": "none"}', "application/json"),
     "body_list": _respond(200, b"[1, 2]", "application/json"),
+    "deep_nesting": _stream([_chunk(" tok"), b"data: " + DEEP]),
+    "deep_body": _respond(200, DEEP, "application/json"),
 }
 
 MODELS: dict[str, Callable[[], web.StreamResponse]] = {
@@ -178,6 +183,7 @@ MODELS: dict[str, Callable[[], web.StreamResponse]] = {
     "html": lambda: web.Response(status=200, body=b"<html>hi</html>", content_type="text/html"),
     "bad_len": lambda: web.json_response({"data": [{"id": MODEL, "max_model_len": "big"}]}),
     "redirect": lambda: web.Response(status=302, headers={"location": "http://127.0.0.1:9/"}),
+    "deep": lambda: web.Response(status=200, body=b"[" * 100_000, content_type="application/json"),
 }
 
 

@@ -25,6 +25,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from isocost.core.jsontext import UNDECODABLE
 from isocost.runtime.scrape import ScrapeError, parse_engine_metrics
 
 __all__ = [
@@ -92,7 +93,7 @@ async def not_ready(session: aiohttp.ClientSession, base: str) -> str | None:
         return f"/v1/models answered HTTP {status}"
     try:
         models = msgspec.json.decode(body, type=_ModelList).data
-    except msgspec.DecodeError as exc:
+    except UNDECODABLE as exc:
         return f"/v1/models is not a model list: {exc}"
     return None if models else "/v1/models lists no model"
 

@@ -39,6 +39,7 @@ import msgspec
 from isocost.agent.engine import EngineDown, engine_facts, engine_load, not_ready, warm_up
 from isocost.agent.health import SuccessWindow
 from isocost.core.catalog import Catalog
+from isocost.core.jsontext import UNDECODABLE
 from isocost.runtime.discovery.etcd import replicas_prefix
 from isocost.runtime.discovery.records import Registration, check_registration
 from isocost.runtime.etcd import EtcdClient, EtcdError, LeaseNotFound
@@ -54,7 +55,7 @@ MAX_TTL_S = 3600
 
 _TICK_S = 0.25
 _DRAIN_GRACE_S = 0.5
-_ENGINE_ERRORS = (aiohttp.ClientError, TimeoutError, ScrapeError, msgspec.DecodeError)
+_ENGINE_ERRORS = (aiohttp.ClientError, TimeoutError, ScrapeError, *UNDECODABLE)
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,7 @@ import msgspec
 from aiohttp.http_exceptions import LineTooLong
 
 from isocost.bench._records import BenchRecord
+from isocost.core.jsontext import UNDECODABLE
 from isocost.openai import sse
 from isocost.openai.http import read_capped
 
@@ -115,7 +116,7 @@ async def error_snippet(response: aiohttp.ClientResponse) -> str:
 def _decode(data: bytes) -> dict[str, Any]:
     try:
         value = _json.decode(data)
-    except msgspec.DecodeError as exc:
+    except UNDECODABLE as exc:  # nested too deep included
         raise _Garbage("bad_json", f"{exc}: {data[:80]!r}") from None
     if not isinstance(value, dict):
         raise _Garbage("bad_json", f"expected a JSON object: {data[:80]!r}")

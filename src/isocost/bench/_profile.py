@@ -38,6 +38,7 @@ from aiohttp.http_exceptions import LineTooLong
 
 from isocost.bench._client import error_snippet
 from isocost.bench._runner import EndpointError, normalize_url, served_model
+from isocost.core.jsontext import UNDECODABLE
 from isocost.core.profile import DecodeSample, PrefillSample
 from isocost.openai import sse
 from isocost.openai.http import read_capped
@@ -146,7 +147,7 @@ class _Probe:
             raise EndpointError(f"{what}: no answer in {self.plan.timeout_s:g} s") from None
         except aiohttp.ClientError as exc:
             raise EndpointError(f"{what} failed: {str(exc) or type(exc).__name__}") from None
-        except (msgspec.DecodeError, ValueError) as exc:
+        except (*UNDECODABLE, ValueError) as exc:  # nested too deep included
             raise EndpointError(f"{what}: not an OpenAI completion answer ({exc})") from None
         except LineTooLong:  # aiohttp >= 3.13 (ValueError before)
             raise EndpointError(f"{what}: a line longer than the reader's limit") from None

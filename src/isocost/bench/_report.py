@@ -11,6 +11,7 @@ from rich.table import Table
 from isocost.bench._records import BenchSummary
 from isocost.bench._runner import BenchProgress
 from isocost.core.errors import ConfigError
+from isocost.core.jsontext import UNDECODABLE
 from isocost.files import read_text
 from isocost.tables import Fitted, in_chunks
 
@@ -103,7 +104,7 @@ def load_summary(path: str) -> BenchSummary:
     """A ``--json`` file of ``isocost bench``, or a ConfigError naming it."""
     try:
         return msgspec.json.decode(read_text(path), type=BenchSummary)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (*UNDECODABLE, msgspec.ValidationError) as exc:
         raise ConfigError(path, f"not an isocost bench --json summary ({exc})") from None
 
 

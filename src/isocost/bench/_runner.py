@@ -35,6 +35,7 @@ import numpy as np
 from isocost.bench._client import MAX_BODY_BYTES, error_snippet, send_request
 from isocost.bench._records import BenchRecord, BenchSummary, summarize_bench
 from isocost.core.errors import ConfigError, IsocostError
+from isocost.core.jsontext import UNDECODABLE
 from isocost.core.slo import SloTargets
 from isocost.openai.http import read_capped
 from isocost.workload import TextRenderer, WorkloadRequest
@@ -168,7 +169,7 @@ async def served_model(
     try:
         listed = msgspec.json.decode(body)["data"]
         entries = [e for e in listed if isinstance(e, dict) and isinstance(e.get("id"), str)]
-    except (msgspec.DecodeError, KeyError, TypeError):
+    except (*UNDECODABLE, KeyError, TypeError):
         entries = []
     if model is None:
         if not entries:

@@ -50,6 +50,7 @@ from isocost.bench import (
     run_bench,
 )
 from isocost.core.errors import ConfigError, IsocostError
+from isocost.core.jsontext import UNDECODABLE
 from isocost.workload import SyntheticSpec, WorkloadRequest
 
 __all__ = ["FAULTS", "DrillError", "DrillOptions", "DrillReport", "Fault", "Restart", "run_drill"]
@@ -193,7 +194,7 @@ class _Admin:
             raise DrillError(f"GET {url} answered over {MAX_BODY_BYTES} bytes")
         try:
             listed = _replicas.decode(body)
-        except msgspec.DecodeError as exc:
+        except UNDECODABLE as exc:  # nested too deep included
             raise DrillError(f"GET {url}: not an isocost replica list ({exc})") from None
         return {row.url: row for row in listed.replicas}
 

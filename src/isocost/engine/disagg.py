@@ -36,6 +36,7 @@ from aiohttp import web
 from yarl import URL
 
 from isocost.core.hosts import is_host, is_port
+from isocost.core.jsontext import UNDECODABLE
 from isocost.core.links import kv_transfer_s
 from isocost.engine.intake import expect_continue, read_body
 from isocost.engine.records import RequestSpec
@@ -138,7 +139,7 @@ async def pull_kv(
         raise _transfer_failed(
             f"the prefill replica is unreachable ({type(exc).__name__})"
         ) from None
-    except msgspec.DecodeError:
+    except UNDECODABLE:
         raise _transfer_failed("the prefill replica's answer is not a pull result") from None
     ready = min(num_tokens, spec.prompt_tokens)
     moved = max(0, ready - local_tokens)

@@ -58,6 +58,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from isocost.core.jsontext import UNDECODABLE
 from isocost.gateway.body import routing_view, summarize
 from isocost.gateway.health import status_fault
 from isocost.gateway.loops import HOPS_HEADER, hops
@@ -271,7 +272,7 @@ class _StreamReader:
         JSON object (the stream is broken there)."""
         try:
             event = stream_event(payload)
-        except msgspec.DecodeError:
+        except UNDECODABLE:
             self.broken = "event is not a JSON object"
             return False
         self.events += 1
@@ -637,7 +638,7 @@ class Forwarder:
         if ok:
             try:
                 usage = answer_usage(data)
-            except msgspec.DecodeError:
+            except UNDECODABLE:
                 kind = upstream.content_type or "no content type"
                 raise _AttemptFailed(f"answer is not a JSON object ({kind})") from None
             result.output_tokens = usage.completion_tokens if usage else 0
@@ -946,7 +947,7 @@ def _handoff_params(answer: bytes | bytearray) -> dict[str, Any] | None:
     """The ``kv_transfer_params`` of a prefill step's answer, when it hands the KV off."""
     try:
         decoded = msgspec.json.decode(answer)
-    except msgspec.DecodeError:
+    except UNDECODABLE:
         return None
     params = decoded.get("kv_transfer_params") if isinstance(decoded, dict) else None
     if isinstance(params, dict) and params.get("do_remote_prefill"):
@@ -967,7 +968,7 @@ async def _is_lost_handoff(upstream: aiohttp.ClientResponse) -> bool:
     try:
         data = await upstream.content.read(_ERROR_PEEK_BYTES)
         error = msgspec.json.decode(data).get("error", {})
-    except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError, AttributeError):
+    except (aiohttp.ClientError, TimeoutError, *UNDECODABLE, AttributeError):
         return False
     return isinstance(error, dict) and error.get("code") == "kv_transfer_failed"
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import msgspec
 
+from isocost.core.jsontext import UNDECODABLE
 from isocost.openai import sse
 from isocost.openai.continuation import continuation, with_usage_stats
 from isocost.openai.usage import cached_prompt_tokens, choice_generated
@@ -98,7 +99,7 @@ class StreamLedger:
         """The client's event for one upstream event's payload (None: dropped)."""
         try:
             event = _decode.decode(payload)
-        except msgspec.DecodeError:
+        except UNDECODABLE:
             raise SegmentError("event is not a JSON object") from None
         if not isinstance(event, dict):
             raise SegmentError("event is not a JSON object")

@@ -31,6 +31,7 @@ from aiohttp.web_protocol import RequestHandler
 
 from isocost.core.catalog import Catalog
 from isocost.core.errors import ConfigError, IsocostError
+from isocost.core.jsontext import UNDECODABLE
 from isocost.gateway.app import build_app
 from isocost.gateway.lifecycle import Gateway
 from isocost.gateway.recording import RecordingSettings
@@ -66,7 +67,7 @@ async def _served_model(session: aiohttp.ClientSession, url: str, deadline: floa
                     models = msgspec.json.decode(await resp.read(), type=_ModelList).data
                     if models:
                         return models[0].id
-        except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError):
+        except (aiohttp.ClientError, TimeoutError, *UNDECODABLE):
             pass
         if time.monotonic() >= deadline:
             raise ConfigError(url, "no answer with a model from GET /v1/models")

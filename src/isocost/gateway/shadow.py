@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from isocost.core.jsontext import UNDECODABLE
 from isocost.gateway.metrics import GatewayMetrics
 from isocost.gateway.recording import trace_line
 from isocost.gateway.supervise import describe
@@ -211,7 +212,7 @@ async def run_replay(
             raise ReplayFailed(f"the simulator exited {process.returncode}: {reason}")
         try:
             rows = msgspec.json.decode(out.read_bytes(), type=list[dict[str, Any]])
-        except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except (OSError, *UNDECODABLE, msgspec.ValidationError) as exc:  # too deep included
             raise ReplayFailed(f"unreadable replay output: {exc}") from None
     return rows
 

@@ -51,6 +51,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from isocost.core.errors import IsocostError
+from isocost.core.jsontext import parse_json
 from isocost.runtime.processes import isocost_command
 from isocost.serving import run_serving, stop_requested
 
@@ -113,9 +114,10 @@ class WorkerGroup:
         for path in self.directory.glob("worker-*.json"):
             try:
                 worker_id = int(path.stem.removeprefix("worker-"))
-                url = json.loads(path.read_text())["url"]
-            except (OSError, ValueError, KeyError, TypeError):
+                recorded = parse_json(path.read_text())
+            except (OSError, ValueError):
                 continue
+            url = recorded.get("url") if isinstance(recorded, dict) else None
             if worker_id != self.worker_id and isinstance(url, str):
                 found[worker_id] = url
         return found
@@ -175,7 +177,7 @@ class WorkerGroup:
             for worker_id, url in sorted(self.siblings().items()):
                 try:
                     async with session.get(url + "/admin/changes", headers=headers) as reply:
-                        listed = await reply.json() if reply.status == 200 else None
+                        listed = await reply.json(loads=parse_json) if reply.status == 200 else None
                 except (aiohttp.ClientError, TimeoutError, ValueError):
                     listed = None
                 if listed is None:

@@ -85,11 +85,13 @@ _event_decoder = msgspec.json.Decoder(StreamEvent)
 
 
 def stream_event(payload: bytes | bytearray) -> StreamEvent:
-    """One stream event's payload, read; msgspec.DecodeError when it is not a JSON object."""
+    """One stream event's payload, read; one of ``core.jsontext.UNDECODABLE`` when it is not
+    a JSON object (RecursionError when it is nested too deep)."""
     return _event_decoder.decode(payload)
 
 
 def answer_usage(body: bytes | bytearray) -> Usage | None:
     """The usage of a JSON answer or of one stream event's payload (None when it carries
-    none); msgspec.DecodeError when ``body`` is not a JSON object, so it is the check too."""
+    none); one of ``core.jsontext.UNDECODABLE`` when ``body`` is not a JSON object (nested
+    too deep: RecursionError), so it is the check too."""
     return _decoder.decode(body).usage

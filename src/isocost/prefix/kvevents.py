@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from isocost.core.jsontext import UNDECODABLE
 from isocost.prefix.hashing import ROOT_HASH, token_block_hashes
 from isocost.prefix.index import PrefixIndex
 
@@ -97,7 +98,7 @@ _PRIMARY_MEDIA = {None, "GPU"}
 def decode_batch(payload: bytes) -> EventBatch:
     try:
         return _decoder.decode(payload)
-    except msgspec.DecodeError as exc:
+    except UNDECODABLE as exc:
         raise KvEventError(f"not a KV-event batch: {exc}") from None
 
 

@@ -52,6 +52,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from isocost.core.jsontext import UNDECODABLE
 from isocost.runtime.config import StateBusConfig, redacted
 from isocost.scheduling.contract import InFlight, RequestView
 from isocost.scheduling.state import ReplicaSet
@@ -514,7 +515,7 @@ class StateBus:
         except msgspec.ValidationError as exc:
             self.views.reject("invalid", now, str(exc))
             return
-        except msgspec.DecodeError as exc:
+        except UNDECODABLE as exc:  # RecursionError: nested deeper than msgspec follows
             self.views.reject("undecodable", now, str(exc))
             return
         if batch.gateway != self.gateway_id:

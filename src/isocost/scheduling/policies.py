@@ -39,6 +39,7 @@ import yaml
 
 from isocost.core.bounds import NON_NEGATIVE, POSITIVE, SHARE, check_fields
 from isocost.core.errors import ConfigError, UnknownEntryError
+from isocost.core.yamltext import load_yaml
 from isocost.scheduling.framework import AdmissionSettings, Policy
 from isocost.scheduling.interface import Filter, Picker, Scorer
 from isocost.scheduling.plugins import PLUGIN_TYPES
@@ -189,10 +190,7 @@ BUILTIN_POLICIES: dict[str, PolicyProfile] = {
 
 def parse_scheduling_yaml(text: str, source: str) -> SchedulingConfig:
     """Decode a scheduling config (YAML text read from ``source``) and check every reference."""
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(source, f"not valid YAML: {exc}") from None
+    raw = load_yaml(text, source)
     try:
         config = msgspec.convert(raw if raw is not None else {}, SchedulingConfig)
     except msgspec.ValidationError as exc:

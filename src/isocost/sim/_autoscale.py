@@ -20,7 +20,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
-import yaml
 
 from isocost.control import (
     AutoscaleConfig,
@@ -37,6 +36,7 @@ from isocost.control import (
 from isocost.core.catalog import Catalog
 from isocost.core.errors import ConfigError
 from isocost.core.slo import SloTargets
+from isocost.core.yamltext import load_yaml
 from isocost.sim._cluster import ClusterConfig, SimReplica, resolve_cluster, with_settings
 from isocost.sim._core import SimRecord, Simulator
 from isocost.workload import WorkloadRequest
@@ -293,10 +293,7 @@ class SimAutoscale:
 
 def parse_autoscale_yaml(text: str, source: str) -> AutoscaleConfig:
     """Decode and check an autoscale file (``control.AutoscaleConfig``)."""
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(source, f"not valid YAML: {exc}") from None
+    raw = load_yaml(text, source)
     return parse_autoscale_config(raw, source)
 
 

@@ -52,13 +52,13 @@ from dataclasses import dataclass
 from typing import Literal, Protocol, TypeVar, cast
 
 import msgspec
-import yaml
 
 from isocost.core.bounds import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Bounds, check_fields
 from isocost.core.catalog import Catalog
 from isocost.core.costmodel import CostModel
 from isocost.core.errors import ConfigError
 from isocost.core.links import LINK_KINDS
+from isocost.core.yamltext import load_yaml
 from isocost.engine.config import MAX_SLOWDOWN
 from isocost.files import resolve_model
 from isocost.runtime.config import GatewayConfig, PoolConfig, replica_name
@@ -140,10 +140,7 @@ class SimReplica:
 
 def parse_cluster_yaml(text: str, source: str) -> ClusterConfig:
     """Decode and check a cluster file; errors name ``source`` and the key."""
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(source, f"not valid YAML: {exc}") from None
+    raw = load_yaml(text, source)
     try:
         config = msgspec.convert(raw, ClusterConfig)
     except msgspec.ValidationError as exc:

@@ -50,6 +50,7 @@ from isocost.core.bounds import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Bounds, ch
 from isocost.core.catalog import Catalog
 from isocost.core.costmodel import CostModel
 from isocost.core.errors import ConfigError
+from isocost.core.jsontext import UNDECODABLE
 from isocost.runtime.recording import (
     FLEET_FILE,
     FleetFile,
@@ -129,7 +130,7 @@ def load_recording(directory: str, pool: str | None) -> Recording:
         fleet = msgspec.json.decode(fleet_path.read_bytes(), type=FleetFile)
     except OSError as exc:
         raise ConfigError(str(fleet_path), f"cannot read: {exc.strerror or exc}") from None
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (*UNDECODABLE, msgspec.ValidationError) as exc:  # nested too deep included
         raise ConfigError(str(fleet_path), str(exc)) from None
     check_fields(fleet, _FLEET_BOUNDS, str(fleet_path))
     for i, recorded_pool in enumerate(fleet.pools):
@@ -148,7 +149,7 @@ def load_recording(directory: str, pool: str | None) -> Recording:
                 continue
             try:
                 outcome = _outcome.decode(line)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            except (*UNDECODABLE, msgspec.ValidationError) as exc:
                 raise ConfigError(f"{path}:{number}", str(exc)) from None
             if outcome.model == chosen.model:
                 lines.append(line)

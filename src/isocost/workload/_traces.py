@@ -32,6 +32,7 @@ from typing import Literal
 import msgspec
 
 from isocost.core.errors import ConfigError
+from isocost.core.jsontext import UNDECODABLE
 from isocost.workload._request import Segment, WorkloadRequest, segments_for_blocks
 
 __all__ = ["TRACE_FORMATS", "TraceFormat", "detect_trace_format", "parse_trace"]
@@ -114,7 +115,7 @@ def _mooncake(lines: Iterable[str], source: str) -> Iterator[WorkloadRequest]:
                 segments,
                 row.session_id,
             )
-        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+        except (*UNDECODABLE, msgspec.ValidationError, ValueError) as exc:  # too deep included
             raise ConfigError(where, str(exc)) from None
         index += 1
 

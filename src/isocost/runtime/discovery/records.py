@@ -18,6 +18,7 @@ import msgspec
 
 from isocost.core.catalog import Catalog
 from isocost.core.errors import ConfigError
+from isocost.core.jsontext import UNDECODABLE
 from isocost.runtime.config import ReplicaConfig, check_replica, normalize_replica_url
 
 __all__ = [
@@ -90,7 +91,7 @@ def decode_registration(value: bytes) -> Registration | Malformed:
         record = msgspec.json.decode(value, type=Registration)
     except msgspec.ValidationError as exc:
         return Malformed(str(exc))
-    except msgspec.DecodeError as exc:
+    except UNDECODABLE as exc:
         return Malformed(f"not JSON: {exc}")
     return record
 
