@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gateway_harness import gateway_config, http, wait_for
+from gateway_harness import admin_replicas, gateway_config, wait_for
 from isocost_procs import ISOCOST, Proc, start_isocost
 
 MODEL = "llama-3.1-8b"
@@ -58,11 +58,7 @@ def test_bad_input_is_one_line_and_exit_2(
 
 
 def replicas(gateway: Proc) -> list[dict[str, Any]]:
-    headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-    status, _, answer = http("GET", gateway.url + "/admin/replicas", None, headers)
-    assert status == 200, answer
-    rows: list[dict[str, Any]] = answer["replicas"]
-    return rows
+    return admin_replicas(gateway.url, ADMIN_TOKEN)
 
 
 def test_sigterm_takes_the_engines_it_started_out_of_the_gateway(

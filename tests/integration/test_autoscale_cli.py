@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gateway_harness import gateway_config, http, wait_for
+from gateway_harness import admin_replicas, gateway_config, http, wait_for
 from isocost_procs import ISOCOST, Proc, start_isocost
 
 MODEL = "llama-3.1-8b"
@@ -90,11 +90,7 @@ def cluster(tmp_path: Path, procs: list[Proc]) -> Iterator[tuple[Proc, Load]]:
 
 
 def replicas(gateway: Proc) -> list[dict[str, Any]]:
-    headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-    status, _, answer = http("GET", gateway.url + "/admin/replicas", None, headers)
-    assert status == 200, answer
-    rows: list[dict[str, Any]] = answer["replicas"]
-    return rows
+    return admin_replicas(gateway.url, ADMIN_TOKEN)
 
 
 def start_autoscale(tmp: Path, gateway: Proc, *extra: str) -> tuple[subprocess.Popen[str], Path]:

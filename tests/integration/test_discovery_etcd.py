@@ -29,7 +29,7 @@ from typing import Any
 import openai
 import pytest
 from etcd_server import ETCD, EtcdServer
-from gateway_harness import http, wait_for
+from gateway_harness import admin_replicas, http, wait_for
 from isocost_procs import ISOCOST, Proc, free_port, ready_urls, start_gateway_with, start_isocost
 
 from isocost.runtime.discovery.records import Registration
@@ -38,7 +38,8 @@ from isocost.runtime.etcd import Compacted, EtcdClient
 pytestmark = pytest.mark.skipif(ETCD is None, reason="no etcd binary (make test installs it)")
 
 MODEL = "llama-3.1-8b"
-ADMIN = {"Authorization": "Bearer admin-discovery-51c2"}
+ADMIN_TOKEN = "admin-discovery-51c2"
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 TTL_S = 2
 PREFIX = "/isocost-test"
 OUTAGE_S = float(os.environ.get("ISOCOST_ETCD_OUTAGE_S", "4"))
@@ -99,10 +100,7 @@ def start_agent(tmp: Path, etcd: EtcdServer, engine: Proc, name: str, procs: lis
 
 
 def replicas(gateway: Proc) -> list[dict[str, Any]]:
-    status, _, body = http("GET", gateway.url + "/admin/replicas", headers=ADMIN)
-    assert status == 200, body
-    rows: list[dict[str, Any]] = body["replicas"]
-    return rows
+    return admin_replicas(gateway.url, ADMIN_TOKEN)
 
 
 def get_text(url: str) -> str:

@@ -10,7 +10,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from gateway_harness import http, wait_for
+from gateway_harness import admin_replicas, wait_for
 from isocost_procs import Proc, start_gateway_with, start_isocost
 from kube_api import KubeApi
 
@@ -45,9 +45,8 @@ def port_of(proc: Proc) -> int:
 
 
 def rows(gateway: Proc) -> dict[str, dict[str, Any]]:
-    status, _, body = http("GET", gateway.url + "/admin/replicas", headers=ADMIN)
-    assert status == 200, body
-    return {row["name"]: row for row in body["replicas"]}
+    token = ADMIN["Authorization"].split()[1]
+    return {row["name"]: row for row in admin_replicas(gateway.url, token)}
 
 
 def healthy(gateway: Proc) -> list[str]:

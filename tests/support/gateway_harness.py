@@ -100,6 +100,16 @@ def http(
     return status, got, json.loads(raw) if raw else None
 
 
+def admin_replicas(url: str, token: str) -> list[dict[str, Any]]:
+    """The rows of a gateway's ``GET /admin/replicas`` (asserted answered)."""
+    status, _, body = http(
+        "GET", url + "/admin/replicas", headers={"Authorization": f"Bearer {token}"}
+    )
+    assert status == 200, body
+    rows: list[dict[str, Any]] = body["replicas"]
+    return rows
+
+
 def wait_for(
     predicate: Callable[[], bool],
     timeout_s: float = 20,
