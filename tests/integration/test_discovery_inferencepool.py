@@ -8,11 +8,12 @@ target ports, then the Pods they pick. Not run against a real cluster here."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
-from gateway_harness import wait_for
+from gateway_harness import http, wait_for
 from isocost_procs import Proc, free_port, start_gateway_with, start_isocost
 from kube_api import PODS, POOLS, KubeApi
 from test_discovery_kubernetes import ADMIN, MODEL, NAMESPACE, discovery_up, healthy, rows
@@ -95,6 +96,52 @@ def test_ready_pods_of_the_pool_join_with_their_annotations_and_leave_when_not_r
     wait_for(lambda: list(rows(gateway)) == ["pod-b"], 10, "pod-a gone with its pod")
     assert len(kube.queried(PODS, "list")) == 1  # one list, then the watch carried it all
     assert discovery_up(gateway) == 1
+
+
+def test_the_api_server_gone_under_load_leaves_the_pools_replicas_serving(
+    tmp_path: Path, kube: KubeApi, procs: list[Proc]
+) -> None:
+    """The API server goes away while requests flow: discovery is reported down, the last
+    known Pods keep serving (every request answered), and what changed meanwhile (the
+    pool's selector) is followed once it is back."""
+    port = free_port()
+    start_engine(procs, "127.0.0.1", port)
+    start_engine(procs, "127.0.0.2", port)
+    kube.put_pool(NAMESPACE, POOL, match_labels={**VLLM, "tier": "a"}, ports=[port])
+    kube.put_pod(NAMESPACE, "pod-a", ip="127.0.0.1", labels={**VLLM, "tier": "a"},
+                 annotations=ANNOTATIONS)  # fmt: skip
+    kube.put_pod(NAMESPACE, "pod-b", ip="127.0.0.2", labels={**VLLM, "tier": "b"},
+                 annotations=ANNOTATIONS)  # fmt: skip
+    gateway = start_gateway(tmp_path, kube, procs)
+    wait_for(lambda: healthy(gateway) == ["pod-a"], 15, "pod-a routable")
+    statuses: list[int] = []
+    stop = threading.Event()
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode()
+
+    def send() -> None:
+        while not stop.is_set():
+            status, _, _ = http("POST", gateway.url + "/v1/completions", body,
+                                {"Content-Type": "application/json"})  # fmt: skip
+            statuses.append(status)
+
+    senders = [threading.Thread(target=send) for _ in range(3)]
+    for sender in senders:
+        sender.start()
+    try:
+        kube.go_down()
+        wait_for(lambda: discovery_up(gateway) == 0, 10, "the API seen down")
+        kube.put_pool(NAMESPACE, POOL, match_labels={**VLLM, "tier": "b"}, ports=[port])
+        served = len(statuses)
+        wait_for(lambda: len(statuses) >= served + 20, 10, "requests served while it is down")
+        assert healthy(gateway) == ["pod-a"]  # the last known membership stands
+        kube.come_up()
+        wait_for(lambda: healthy(gateway) == ["pod-b"], 15, "the new selector followed")
+        wait_for(lambda: discovery_up(gateway) == 1, 5, "the API seen up")
+    finally:
+        stop.set()
+        for sender in senders:
+            sender.join(timeout=30)
+    assert statuses and set(statuses) == {200}, sorted(set(statuses))
 
 
 def test_two_target_ports_are_two_replicas_per_pod_and_follow_the_pools_ports(

@@ -53,6 +53,7 @@ class Pair:
     picker_ports: list[int]
     metrics_urls: list[str]
     envoy: Envoy
+    redis: RedisServer
 
 
 @pytest.fixture
@@ -86,7 +87,7 @@ def pair(tmp_path: Path, procs: list[Proc]) -> Iterator[Pair]:
             tmp_path / "envoy.yaml",
         )
         urls = [f"http://127.0.0.1:{m}/metrics" for m in metrics]
-        yield Pair(engines, pickers, ports, urls, envoy)
+        yield Pair(engines, pickers, ports, urls, envoy, redis)
     finally:
         if envoy is not None:
             envoy.stop()
@@ -200,3 +201,25 @@ def test_one_picker_killed_under_load_the_other_picks_everything(pair: Pair) -> 
         raw = client.completions.with_raw_response.create(model=MODEL, prompt="x", max_tokens=1)
         assert raw.headers["x-isocost-replica"] in {_endpoint(e) for e in pair.engines}
     assert isinstance(raw.parse(), openai.types.Completion)
+
+
+def test_the_bus_killed_under_load_leaves_both_pickers_picking(pair: Pair) -> None:
+    """Redis SIGKILLed while requests flow: each picker reports the bus down and goes on
+    picking on its own view; every request is answered and picked."""
+    load = _Load(pair.envoy.url)
+    try:
+        wait_for(lambda: any(p for _, _, p in load.answers), what="picked answers")
+        pair.redis.kill()
+        killed_at = time.monotonic()
+        for url in pair.metrics_urls:
+            wait_for(lambda url=url: _metric(url, "isocost_state_bus_up") == 0, what="bus down")
+        wait_for(
+            lambda: len([1 for t, _, p in load.answers if t > killed_at and p]) >= 20,
+            timeout_s=30,
+            what="answers picked with the bus gone",
+        )
+    finally:
+        load.stop()
+    failed = [status for _, status, _ in load.answers if status != 200]
+    assert not failed, f"{len(failed)} of {len(load.answers)} requests failed: {failed[:5]}"
+    assert all(p for _, _, p in load.answers), "an answer went unpicked"
