@@ -67,6 +67,10 @@ def test_the_pool_card_shows_each_candidates_predicted_change(
             assert line is not None
             text = line.inner_text()
             lines = page.inner_text(".card").splitlines()
+            # Response events reach Python after the page may have drawn from them; one
+            # more snapshot's event means the drawn one's has been delivered.
+            with page.expect_response(lambda r: r.url.endswith("/admin/snapshot")):
+                pass
             answers = [r.json() for r in snapshots if r.url.endswith("/admin/snapshot") and r.ok]
             drawn = [_shadow_line(a["shadow"][MODEL]) for a in answers]
         finally:
