@@ -46,12 +46,13 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from isocost.core.errors import IsocostError
-from isocost.core.jsontext import parse_json
+from isocost.core.jsontext import UNDECODABLE, parse_json
 from isocost.runtime.processes import isocost_command
 from isocost.serving import run_serving, stop_requested
 
@@ -83,6 +84,16 @@ class AdminChange:
     method: str
     path: str  # with its query string
     body: str
+
+
+class _ChangesList(msgspec.Struct, forbid_unknown_fields=True):
+    """``GET /admin/changes`` as a sibling answers it (``WorkerGroup.changes_view``)."""
+
+    changes: list[AdminChange]
+    complete: bool
+
+
+_CHANGES = msgspec.json.Decoder(_ChangesList)
 
 
 class WorkerGroup:
@@ -168,7 +179,9 @@ class WorkerGroup:
     async def catch_up(self, own_url: str, admin: Mapping[str, str], start: int = 0) -> int:
         """Make on this worker (through ``own_url``, its private port) the admin changes
         the first sibling that answers has made, from its ``start``-th on; how many that
-        sibling had made (the next call's ``start``). No admin token, no sibling, or a
+        sibling had made (the next call's ``start``). A sibling whose answer is not such a
+        list (another version, another process on its port) is logged and skipped. No
+        admin token, no sibling, or a
         sibling whose list overflowed: nothing is made (logged), as a fresh worker."""
         if not admin:
             return 0
@@ -177,19 +190,25 @@ class WorkerGroup:
             for worker_id, url in sorted(self.siblings().items()):
                 try:
                     async with session.get(url + "/admin/changes", headers=headers) as reply:
-                        listed = await reply.json(loads=parse_json) if reply.status == 200 else None
-                except (aiohttp.ClientError, TimeoutError, ValueError):
+                        body = await reply.read() if reply.status == 200 else None
+                    listed = None if body is None else _CHANGES.decode(body)
+                except (aiohttp.ClientError, TimeoutError, *UNDECODABLE) as exc:
+                    log.warning(
+                        "a sibling's admin changes could not be read",
+                        extra={"event": "worker_catch_up_unreadable", "worker": worker_id,
+                               "error": str(exc)[:200]},
+                    )  # fmt: skip
                     listed = None
                 if listed is None:
                     continue
-                if not listed.get("complete", False):
+                if not listed.complete:
                     log.warning(
                         "a sibling's admin changes overflowed: this worker starts from the "
                         "config file alone",
                         extra={"event": "worker_catch_up_skipped", "worker": worker_id},
                     )
                     return 0
-                changes = [AdminChange(**c) for c in listed["changes"]]
+                changes = listed.changes
                 for change in changes[start:]:
                     await self._repeat(session, own_url, change, headers)
                 return len(changes)
