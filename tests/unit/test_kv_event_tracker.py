@@ -99,6 +99,22 @@ def test_a_sequence_gap_drops_the_replicas_entries(
     assert matched_tokens(index, PROMPT) == ENGINE_BLOCK
 
 
+def test_after_a_resync_the_next_batch_starts_the_order_afresh(
+    tracked: tuple[PrefixIndex, KvEventTracker],
+) -> None:
+    """A bad message resyncs (the gateway's follower); the batch after it is out of order
+    for the lost one, and resyncing again would wipe what dispatches entered since."""
+    index, tracker = tracked
+    apply(tracker, 0, stored([1, 2, 3], PROMPT))
+    tracker.resync()
+    index.insert(0, token_block_hashes([9] * 32, INDEX_BLOCK))  # a dispatch's own entries
+    assert apply(tracker, 2, stored([11], PROMPT[:ENGINE_BLOCK]))
+    assert tracker.counts.resyncs == 1
+    assert index.num_blocks(0) == 2 + 4  # the dispatch's two index blocks, the event's four
+    assert not apply(tracker, 4)  # and a gap after that is one again
+    assert tracker.counts.resyncs == 2
+
+
 @pytest.mark.parametrize(
     "event",
     [

@@ -133,10 +133,10 @@ class KvEventTracker:
     def apply(self, sequence: int, batch: EventBatch) -> bool:
         """Apply one batch; False when a gap before it forced a resync first."""
         in_order = self._last_sequence is None or sequence == self._last_sequence + 1
-        self._last_sequence = sequence
-        self.counts.batches += 1
         if not in_order:
             self.resync()
+        self._last_sequence = sequence
+        self.counts.batches += 1
         for event in batch.events:
             if isinstance(event, BlockStored):
                 self._store(event)
@@ -147,8 +147,10 @@ class KvEventTracker:
         return in_order
 
     def resync(self) -> None:
-        """Forget this replica's entries: what is cached is unknown until events rebuild it."""
+        """Forget this replica's entries: what is cached is unknown until events rebuild it.
+        The next batch starts the order afresh (no second resync for the gap it follows)."""
         self.counts.resyncs += 1
+        self._last_sequence = None
         self._clear()
 
     def _clear(self) -> None:
