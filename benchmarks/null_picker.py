@@ -43,6 +43,9 @@ class _NullBrain:
     def ready(self) -> bool:
         return True
 
+    def reload_requested(self) -> None:
+        pass
+
     def check_body_size(self, size: int) -> None:
         pass
 

@@ -67,6 +67,9 @@ class _Brain:
     def ready(self) -> bool:
         return True
 
+    def reload_requested(self) -> None:
+        pass
+
     def check_body_size(self, size: int) -> None:
         if size > LIMIT:
             raise ApiError(413, f"request body exceeds {LIMIT} bytes", code="request_too_large")

@@ -625,6 +625,23 @@ class Gateway:
                 extra={"event": "state_bus_unchanged", "file": source},
             )
 
+    def reload_requested(self) -> None:
+        """SIGHUP: reload the config file now, not at the watcher's next poll (as nginx
+        does); without one (``--replica``) there is nothing to reload, and the gateway
+        goes on."""
+        if self.config_path is None:
+            log.warning(
+                "SIGHUP: no config file to reload (started with --replica); still serving",
+                extra={"event": "reload_unavailable"},
+            )
+            return
+        log.info(
+            "reload requested (SIGHUP)",
+            extra={"event": "reload_requested", "file": str(self.config_path)},
+        )
+        self._config_digest = _digest(self.config_path)  # the watcher takes it as applied
+        self.reload()
+
     async def _watch_config(self) -> None:
         """Reload the file once new content has held still for one poll.
 

@@ -74,6 +74,9 @@ class GatewayPicker:
         gateway = self.gateway
         return not gateway.draining and any(r.routable(now) for r in gateway.replicas.values())
 
+    def reload_requested(self) -> None:
+        self.gateway.reload_requested()
+
     def check_body_size(self, size: int) -> None:
         """413 once a body arriving in pieces passes the limit, not when it is whole."""
         with self._counting_rejections():

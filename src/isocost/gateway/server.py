@@ -3,7 +3,8 @@
 Shutdown (SIGTERM or SIGINT) is graceful: readiness fails first (``GET /health`` answers
 503 ``draining``), the listening socket closes (no new connections; idle keep-alive ones
 close), the requests in flight get ``shutdown_timeout_s`` to finish (streams included),
-then the process exits 0; a request still running at the deadline is cancelled.
+then the process exits 0; a request still running at the deadline is cancelled. SIGHUP
+reloads the config file at once (it is also watched), as nginx does; it never stops.
 
 The HTTP server's own guards: a deadline for the headers of every request of a
 connection (``limits.body_timeout_ms``), a keep-alive timeout between requests
@@ -119,8 +120,9 @@ def run_gateway(
     workers: WorkerGroup | None = None,
 ) -> None:
     """Serve until SIGINT/SIGTERM, then drain: in-flight requests get
-    ``shutdown_timeout_s`` to finish. As one of ``--workers`` (``workers``) it shares the
-    port and listens on a private one for its siblings (``gateway.workers``)."""
+    ``shutdown_timeout_s`` to finish (SIGHUP reloads the config file). As one of
+    ``--workers`` (``workers``) it shares the port and listens on a private one for its
+    siblings (``gateway.workers``)."""
     run_serving(_serve(gateway, host, port, on_ready, shutdown_timeout_s, workers))
 
 
@@ -132,7 +134,7 @@ async def _serve(
     shutdown_timeout_s: float,
     workers: WorkerGroup | None,
 ) -> None:
-    stop = stop_requested()
+    stop = stop_requested(hangup=gateway.reload_requested)
     loop = asyncio.get_running_loop()
     raise_fd_limit()
     source = str(gateway.config_path or "--replica")

@@ -10,7 +10,8 @@ so it takes no connection), starts the workers (``isocost serve`` again with
 ``--worker-id`` and ``--worker-dir``), prints its ready line once every worker is ready,
 restarts a worker that dies (more than ``_MAX_RESTARTS`` deaths within
 ``_RESTART_WINDOW_S`` stop them all, exit 1), and passes SIGTERM/SIGINT on, then waits for
-every worker to drain. A worker whose supervisor is gone (SIGKILLed) stops by itself.
+every worker to drain; SIGHUP it passes on too (each worker reloads its config file). A
+worker whose supervisor is gone (SIGKILLed) stops by itself.
 
 Each worker also listens on a private 127.0.0.1 port, written to
 ``<worker-dir>/worker-<id>.json``; through it the workers look like one gateway:
@@ -35,6 +36,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import tempfile
@@ -364,7 +366,7 @@ class _Supervisor:
             raise IsocostError(f"worker {worker_id} not ready in {_READY_TIMEOUT_S:g} s") from None
 
     async def run(self, url: str, on_ready: Callable[[str], None], status: list[int]) -> None:
-        stop = stop_requested()
+        stop = stop_requested(hangup=self._hang_up)
         try:
             await asyncio.gather(*(self._start(i) for i in range(self.workers)))
         except IsocostError as exc:
@@ -393,6 +395,13 @@ class _Supervisor:
                 task.cancel()
             stopping.cancel()
             await self._stop_all()
+
+    def _hang_up(self) -> None:
+        """SIGHUP on to every worker: each reloads its config file."""
+        for proc in self.procs.values():
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGHUP)
 
     async def _drain(self, worker_id: int) -> int:
         """Read worker ``worker_id``'s stdout to its end; its exit status."""

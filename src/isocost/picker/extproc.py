@@ -106,6 +106,8 @@ class Brain(Protocol):
 
     def ready(self) -> bool: ...
 
+    def reload_requested(self) -> None: ...  # SIGHUP: the config file read again now
+
     def check_body_size(self, size: int) -> None: ...  # ApiError (413) past the body limit
 
     async def pick(

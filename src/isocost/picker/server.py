@@ -43,7 +43,7 @@ def run_picker(
     on_ready: Callable[[str], None],
     shutdown_timeout_s: float = 10.0,
 ) -> None:
-    """Serve until SIGINT/SIGTERM."""
+    """Serve until SIGINT/SIGTERM; SIGHUP reloads the brain's config file."""
     run_serving(_serve(brain, host, port, on_ready, shutdown_timeout_s))
 
 
@@ -54,7 +54,7 @@ async def _serve(
     on_ready: Callable[[str], None],
     shutdown_timeout_s: float,
 ) -> None:
-    stop = stop_requested()
+    stop = stop_requested(hangup=brain.reload_requested)
     server = grpc.aio.server(options=_SERVER_OPTIONS)
     add_processor(Processor(brain), server)
     health = HealthServicer()
