@@ -32,7 +32,9 @@ Mode keys (``POST /_fake/mode`` merges them into the current mode):
 * ``completion_tokens``: what a whole answer's ``usage`` says it generated (2);
 * ``model``: the model ``/v1/models`` lists (``fake-model``).
 
-Run as a script: ``python fake_upstream.py [--port 0]`` prints ``fake upstream ready at URL``.
+Run as a script: ``python fake_upstream.py [--port 0]`` prints ``fake upstream ready at URL``;
+with ``--tls-cert FILE --tls-key FILE`` it serves HTTPS, and with ``--tls-client-ca FILE``
+too it requires a client certificate signed by that CA.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import argparse
 import asyncio
 import json
 import socket
+import ssl
 import struct
 import subprocess
 import sys
@@ -247,10 +250,11 @@ def hits(url: str) -> tuple[float, list[tuple[str, float]]]:
     return answer["now"], [(path, at) for path, at in answer["hits"]]
 
 
-def start_fake_upstream(timeout_s: float = 20) -> Proc:
-    """Start this script in its own process; a ``Proc`` with its URL once it listens."""
+def start_fake_upstream(timeout_s: float = 20, tls: list[str] | None = None) -> Proc:
+    """Start this script in its own process; a ``Proc`` with its URL once it listens.
+    ``tls``: more arguments, ``--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]``."""
     popen = subprocess.Popen(
-        [sys.executable, str(Path(__file__)), "--port", "0"],
+        [sys.executable, str(Path(__file__)), "--port", "0", *(tls or [])],
         stdout=subprocess.PIPE, text=True, bufsize=1,
     )  # fmt: skip
     try:
@@ -262,18 +266,36 @@ def start_fake_upstream(timeout_s: float = 20) -> Proc:
     return Proc(popen, url)
 
 
-async def _serve(port: int) -> None:
+async def _serve(port: int, tls: ssl.SSLContext | None) -> None:
     runner = web.AppRunner(_app(), access_log=None, handler_cancellation=True)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", port)
+    site = web.TCPSite(runner, "127.0.0.1", port, ssl_context=tls)
     await site.start()
     sockets = site._server.sockets if site._server is not None else []  # type: ignore[union-attr]
     bound = sockets[0].getsockname()[1]
-    print(f"fake upstream ready at http://127.0.0.1:{bound}", flush=True)
+    scheme = "https" if tls is not None else "http"
+    print(f"fake upstream ready at {scheme}://127.0.0.1:{bound}", flush=True)
     await asyncio.Event().wait()
+
+
+def _server_tls(cert: str | None, key: str | None, client_ca: str | None) -> ssl.SSLContext | None:
+    """HTTPS with this certificate and key; with ``client_ca``, a client certificate that
+    chains to it is required (mutual TLS)."""
+    if cert is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    if client_ca is not None:
+        context.load_verify_locations(client_ca)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, default=0)
-    asyncio.run(_serve(parser.parse_args().port))
+    parser.add_argument("--tls-cert")
+    parser.add_argument("--tls-key")
+    parser.add_argument("--tls-client-ca")
+    args = parser.parse_args()
+    asyncio.run(_serve(args.port, _server_tls(args.tls_cert, args.tls_key, args.tls_client_ca)))

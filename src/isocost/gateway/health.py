@@ -86,6 +86,7 @@ class Breaker:
         self._cooldown_s = open_s
         self.last_error: str | None = None
         self.needs_live_probe = False
+        self.ejections = 0  # closed -> open, ever: the monitor logs and counts each
 
     def configure(
         self, *, failure_threshold: int, min_success_rate: float, window_size: int, open_s: float
@@ -160,6 +161,7 @@ class Breaker:
             or (window_full and self.success_rate() < self.min_success_rate)
         ):
             self.needs_live_probe = not hard and not probe
+            self.ejections += 1
             self._open(now, self.open_s)
 
     def _open(self, now: float, cooldown_s: float) -> None:

@@ -66,6 +66,7 @@ from isocost.runtime.discovery import DiscoveryProvider, Malformed, Registration
 from isocost.runtime.discovery.etcd import EtcdDiscovery
 from isocost.runtime.discovery.membership import Membership, with_replicas
 from isocost.runtime.recording import FleetFile, FleetPool, FleetReplica
+from isocost.runtime.tls import upstream_ssl
 from isocost.scheduling.contract import ReplicaSpec
 from isocost.scheduling.disagg import DisaggMode
 from isocost.scheduling.framework import Policy
@@ -130,6 +131,8 @@ class Gateway:
         self._providers: list[str] = []
         self._running_discovery = config.discovery  # read at start only
         self._running_state_bus = config.state_bus  # read at start only
+        self._running_upstream_tls = config.upstream_tls  # read at start only
+        self._upstream_ssl = upstream_ssl(config.upstream_tls, str(config_path or "--replica"))
         self._discovery_pending: asyncio.TimerHandle | None = None
         self._bus_tasks: list[asyncio.Task[None]] = []
         self.recording = Recording(
@@ -141,7 +144,9 @@ class Gateway:
     # -- lifecycle ----------------------------------------------------------------------
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30)
+        connector = aiohttp.TCPConnector(
+            limit=0, limit_per_host=0, keepalive_timeout=30, ssl=self._upstream_ssl
+        )
         self._session = aiohttp.ClientSession(
             connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)
         )
@@ -614,16 +619,16 @@ class Gateway:
             return
         self.metrics.config_reloads.labels("ok").inc()
         log.info("config reloaded", extra={"event": "reloaded", "file": source})
-        if file_config.discovery != self._running_discovery:
-            log.warning(
-                "discovery settings changed: they take effect at the next start",
-                extra={"event": "discovery_unchanged", "file": source},
-            )
-        if file_config.state_bus != self._running_state_bus:
-            log.warning(
-                "state_bus settings changed: they take effect at the next start",
-                extra={"event": "state_bus_unchanged", "file": source},
-            )
+        for section, running, read in (
+            ("discovery", self._running_discovery, file_config.discovery),
+            ("state_bus", self._running_state_bus, file_config.state_bus),
+            ("upstream_tls", self._running_upstream_tls, file_config.upstream_tls),
+        ):
+            if read != running:
+                log.warning(
+                    f"{section} settings changed: they take effect at the next start",
+                    extra={"event": f"{section}_unchanged", "file": source},
+                )
 
     def reload_requested(self) -> None:
         """SIGHUP: reload the config file now, not at the watcher's next poll (as nginx

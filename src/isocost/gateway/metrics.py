@@ -234,6 +234,14 @@ class GatewayMetrics:
             ["pool", "replica"],
             registry=r,
         )
+        self.ejections = Counter(
+            "isocost_replica_ejections",
+            "Times the replica's circuit opened from closed: taken out of service by failed"
+            " requests or checks (its last_error in /admin/replicas and the replica_ejected"
+            " log line say why).",
+            ["pool", "replica"],
+            registry=r,
+        )
         self.prefix_predictions = Counter(
             "isocost_prefix_predictions",
             "Answers whose engine reported its prefix-cache hit, by how the gateway's"

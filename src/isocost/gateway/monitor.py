@@ -33,7 +33,7 @@ from isocost.gateway.kvevents import follow_kv_events
 from isocost.gateway.metrics import GatewayMetrics
 from isocost.gateway.routing import Router
 from isocost.gateway.supervise import describe, supervise
-from isocost.gateway.upstreams import Upstream
+from isocost.gateway.upstreams import Upstream, connect_failure
 from isocost.openai.http import read_capped
 from isocost.runtime.config import GatewayConfig, HealthConfig
 from isocost.runtime.scrape import (
@@ -59,6 +59,8 @@ class _Watch:
     scrape_at: float = 0.0
     logged_scrape_error: str | None = None
     logged_failure: str | None = None
+    ejections: int = 0  # the breaker's, as last logged
+    ejected: bool = False  # logged ejected, not yet logged back
 
 
 class Monitor:
@@ -116,6 +118,7 @@ class Monitor:
             self.metrics.in_flight,
             self.metrics.scrape_age,
             self.metrics.view_divergence,
+            self.metrics.ejections,
         ):
             with contextlib.suppress(KeyError):  # never published
                 gauge.remove(upstream.pool, upstream.name)
@@ -165,9 +168,31 @@ class Monitor:
                     self.router.wake_all()
         now = time.monotonic()
         self.router.sync_health(upstream, now)
+        self._log_ejection(upstream, watch, now)
         self._publish(upstream)
         cooled_at = breaker.probe_due_at(now)
         return cooled_at if cooled_at is not None else min(watch.probe_at, watch.scrape_at)
+
+    def _log_ejection(self, upstream: Upstream, watch: _Watch, now: float) -> None:
+        """Log and count each time the breaker opened since the last round (by live traffic
+        or a check), with why, and its closing again: the one place an operator reads
+        why a replica stopped taking work."""
+        breaker = upstream.breaker
+        opened = breaker.ejections - watch.ejections
+        if opened > 0:
+            watch.ejections, watch.ejected = breaker.ejections, True
+            self.metrics.ejections.labels(upstream.pool, upstream.name).inc(opened)
+            log.warning(
+                "replica ejected",
+                extra={"event": "replica_ejected", "replica": upstream.name,
+                       "error": breaker.last_error},
+            )  # fmt: skip
+        elif watch.ejected and breaker.state(now) is BreakerState.CLOSED:
+            watch.ejected = False
+            log.info(
+                "replica healthy again",
+                extra={"event": "replica_restored", "replica": upstream.name},
+            )
 
     def _round_failed(self, upstream: Upstream, watch: _Watch, exc: Exception) -> None:
         """Count the failed round, record it as the scrape error, log it unless repeated."""
@@ -211,8 +236,9 @@ class Monitor:
                 await resp.read()
                 ok = resp.status == 200
                 reason = f"probe status {resp.status}"
-        except aiohttp.ClientConnectorError:
-            breaker.record_failure(time.monotonic(), "probe refused", hard=True, probe=True)
+        except aiohttp.ClientConnectorError as exc:
+            failure = f"probe {connect_failure(exc)}"
+            breaker.record_failure(time.monotonic(), failure, hard=True, probe=True)
             return
         except (TimeoutError, aiohttp.ClientError) as exc:
             ok, reason = False, f"probe {type(exc).__name__}"
@@ -232,10 +258,10 @@ class Monitor:
                     raise ScrapeError(f"/metrics status {resp.status}")
                 text = decode_exposition(await _read_capped(resp), resp.charset)
             scrape = parse_engine_metrics(text)
-        except aiohttp.ClientConnectorError:
-            upstream.scrape_error = "refused"
+        except aiohttp.ClientConnectorError as exc:
+            upstream.scrape_error = connect_failure(exc)
             upstream.breaker.record_failure(
-                time.monotonic(), "/metrics refused", hard=True, probe=True
+                time.monotonic(), f"/metrics {upstream.scrape_error}", hard=True, probe=True
             )
             return False
         except (TimeoutError, aiohttp.ClientError, ScrapeError) as exc:

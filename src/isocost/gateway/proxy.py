@@ -64,7 +64,7 @@ from isocost.gateway.health import status_fault
 from isocost.gateway.loops import HOPS_HEADER, hops
 from isocost.gateway.resume import SegmentError, StreamLedger
 from isocost.gateway.routing import GatewayRequest, Grant, Router
-from isocost.gateway.upstreams import Upstream
+from isocost.gateway.upstreams import Upstream, connect_failure
 from isocost.openai import sse
 from isocost.openai.continuation import not_resumable
 from isocost.openai.errors import ApiError
@@ -533,6 +533,8 @@ class Forwarder:
             upstream = await self.session.post(
                 replica.url + http.path, data=body, headers=headers, timeout=timeout
             )
+        except aiohttp.ClientSSLError as exc:
+            raise _AttemptFailed(f"connect: {connect_failure(exc)}", hard=True) from None
         except aiohttp.ClientConnectorError as exc:
             raise _AttemptFailed(f"connect: {exc.os_error.strerror or exc}", hard=True) from None
         except (aiohttp.ServerDisconnectedError, ConnectionResetError):

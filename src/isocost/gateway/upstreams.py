@@ -10,9 +10,12 @@ runs there) belongs to the brain; this object holds what only the data plane kno
 from __future__ import annotations
 
 import os
+import ssl
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import aiohttp
 
 from isocost.core.links import Link, link
 from isocost.core.slo import SloTargets
@@ -24,7 +27,7 @@ from isocost.scheduling.disagg import DisaggMode
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-__all__ = ["Pool", "Upstream"]
+__all__ = ["Pool", "Upstream", "connect_failure"]
 
 _RECENT = 64  # latency samples kept per replica for the admin snapshot
 
@@ -81,6 +84,18 @@ class Upstream:
 
     def scrape_age_s(self, now: float) -> float | None:
         return None if self.scraped_at is None else now - self.scraped_at
+
+
+def connect_failure(exc: aiohttp.ClientConnectorError) -> str:
+    """Why a connection to a replica failed, for ``last_error`` and logs: a TLS failure
+    (a certificate the gateway cannot verify, a handshake the replica refused) by its
+    own reason, which "refused" would hide from whoever has to fix the certificates."""
+    error = exc.os_error
+    if isinstance(error, ssl.SSLCertVerificationError):
+        return f"TLS: certificate verify failed: {error.verify_message}"
+    if isinstance(error, ssl.SSLError):
+        return f"TLS: {error.reason or error}"
+    return "refused"
 
 
 def _upstream_headers(config: ReplicaConfig) -> dict[str, str]:

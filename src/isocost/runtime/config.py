@@ -93,6 +93,11 @@ A full file, every key optional except ``pools[].model`` and ``replicas[].url``:
       heartbeat_ms: 500               # liveness and view publication period
       peer_timeout_ms: 2000           # a peer silent this long is forgotten; the bus too
       max_backoff_ms: 2000            # longest wait between reconnection attempts
+    upstream_tls:                     # TLS to https:// replicas (probes, scrapes, requests);
+      ca_file: /etc/isocost/ca.pem    # the CA their certificates chain to (default: the
+                                      # system's store); read at start
+      cert_file: /etc/isocost/gw.pem  # a client certificate, where they require one (mTLS)
+      key_file: /etc/isocost/gw.key   # its key (default: in cert_file)
 
 Secrets are read from environment variables (``*_env``) or given inline (``admin_token``,
 ``key``) for tests; they never appear in logs.
@@ -306,6 +311,12 @@ class CalibrationConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True)
     prefill_fit: bool = False
 
 
+class UpstreamTlsConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+
+
 class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     pools: list[PoolConfig] = []
     policy: str = "equal_cost"
@@ -317,6 +328,7 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     discovery: DiscoveryConfig = DiscoveryConfig()
     state_bus: StateBusConfig | None = None
     calibration: CalibrationConfig = CalibrationConfig()
+    upstream_tls: UpstreamTlsConfig = UpstreamTlsConfig()
 
 
 _PATH_RE = re.compile(r"\$((?:\.[A-Za-z_]\w*|\[\d+\])+)")
@@ -508,6 +520,9 @@ def _check(config: GatewayConfig, source: str, secrets: bool) -> None:
     _check_discovery(config.discovery, source)
     if config.state_bus is not None:
         check_state_bus(config.state_bus, source)
+    tls = config.upstream_tls
+    if tls.key_file is not None and tls.cert_file is None:
+        raise bad("upstream_tls.key_file", "give cert_file too: the key is for a certificate")
     auth = config.auth
     env = auth.admin_token_env
     if secrets and env is not None and env not in os.environ:
