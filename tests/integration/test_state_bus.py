@@ -1,10 +1,11 @@
-"""Gateways sharing one view through the state bus, end to end: a real redis-server, real
-`isocost engine` replicas and `isocost serve` gateways on 127.0.0.1.
+"""Gateways sharing one view through the state bus, end to end: a real bus server (every
+test twice: redis-server and nats-server), real `isocost engine` replicas and `isocost
+serve` gateways on 127.0.0.1.
 
 Checked, each by polling against a deadline: a prefix dispatched through gateway A is
 matched by gateway B's index (B's decision reports the cached tokens, on A's replica); a
 request in flight through A shows in B's shadow state (B's own count staying 0) and leaves
-it when A's request ends; redis SIGKILLed under load through both gateways fails no
+it when A's request ends; the bus server SIGKILLed under load through both gateways fails no
 request, both report the bus down and come back to sharing once it returns; a gateway
 SIGKILLed mid-request has its in-flight forgotten by its peer within the peer timeout; a
 made-up peer's junk (a request dispatched twice, a count out of bounds, a send time of nan)
@@ -28,16 +29,25 @@ from typing import Any
 import msgspec
 import openai
 import pytest
-import redis
 from gateway_harness import http, wait_for
 from isocost_procs import ISOCOST, Proc, ready_urls, start_isocost
+from nats_server import NATS_SERVER, NatsServer
 from redis_server import REDIS_SERVER, RedisServer
 
 from isocost.runtime.bus import Batch, Cancel, Dispatch, Heartbeat
 
-pytestmark = pytest.mark.skipif(
-    REDIS_SERVER is None, reason="no redis-server binary (make redis installs it)"
-)
+BUS_SERVERS = [
+    pytest.param(
+        RedisServer,
+        id="redis",
+        marks=pytest.mark.skipif(REDIS_SERVER is None, reason="no redis-server (make redis)"),
+    ),
+    pytest.param(
+        NatsServer,
+        id="nats",
+        marks=pytest.mark.skipif(NATS_SERVER is None, reason="no nats-server (make nats)"),
+    ),
+]
 
 MODEL = "llama-3.1-8b"
 TOKEN = "bus-admin-7f3a"
@@ -48,7 +58,7 @@ PEER_TIMEOUT_MS = 800
 
 @dataclass
 class Cluster:
-    redis: RedisServer
+    bus: RedisServer | NatsServer
     engines: list[str]
     config: Path
     procs: list[Proc] = field(default_factory=list)
@@ -60,12 +70,15 @@ class Cluster:
         return proc
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """Redis, two engine replicas and the gateways' shared config; A and B started."""
+@pytest.fixture(scope="module", params=BUS_SERVERS)
+def cluster(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Cluster]:
+    """The bus server, two engine replicas and the gateways' shared config; A and B
+    started."""
     tmp = tmp_path_factory.mktemp("bus")
-    redis = RedisServer(tmp / "redis")
-    redis.start()
+    bus = request.param(tmp / "server")
+    bus.start()
     args = ["engine", "--port", "0", "--replicas", "2", "--model", MODEL, "--gpu", "a100-80g"]
     popen = subprocess.Popen(
         [ISOCOST, *args, "--output-dist", "max"], stdout=subprocess.PIPE, text=True
@@ -85,13 +98,13 @@ limits: {{retry_backoff_ms: 5, max_retries: 3}}
 health: {{interval_ms: 100, timeout_ms: 500, open_ms: 300}}
 auth: {{admin_token: {TOKEN}}}
 state_bus:
-  url: {redis.url}
+  url: {bus.url}
   heartbeat_ms: {HEARTBEAT_MS}
   peer_timeout_ms: {PEER_TIMEOUT_MS}
   max_backoff_ms: 200
 """
     )
-    built = Cluster(redis, urls, config)
+    built = Cluster(bus, urls, config)
     try:
         a, b = built.gateway("a"), built.gateway("b")
         for gateway in (a, b):
@@ -101,7 +114,7 @@ state_bus:
         for proc in reversed(built.procs):
             proc.stop(signal.SIGKILL)
         engines.stop(signal.SIGKILL)
-        redis.kill()
+        bus.kill()
 
 
 def metrics_text(gateway: Proc) -> str:
@@ -234,16 +247,18 @@ class Load:
         wait_for(lambda: self.answers >= target, 20, f"{count} more answers")
 
 
-def test_redis_killed_under_load_fails_nothing_and_sharing_resumes(cluster: Cluster) -> None:
+def test_bus_server_killed_under_load_fails_nothing_and_sharing_resumes(
+    cluster: Cluster,
+) -> None:
     a, b = gateways(cluster)
     with Load([a, b]) as load:
         load.more(10)
-        cluster.redis.kill()
+        cluster.bus.kill()
         for gateway in (a, b):
             wait_for(lambda g=gateway: metric(g, "isocost_state_bus_up") == 0, 5, "bus down")
         assert metric(b, "isocost_state_bus_peers") == 0
         load.more(20)  # served on scrapes alone
-        cluster.redis.start()
+        cluster.bus.start()
         for gateway in (a, b):
             wait_for(lambda g=gateway: metric(g, "isocost_state_bus_up") == 1, 5, "bus up")
             wait_for(lambda g=gateway: metric(g, "isocost_state_bus_peers") == 1, 5, "peer back")
@@ -300,9 +315,8 @@ def test_a_peer_sending_junk_is_counted_and_dropped_and_the_bus_stays_up(
         Batch("junk", 3, time.time(), [Heartbeat({replica: 2**62})]),  # dropped whole: ...
         Batch("junk", 4, time.time(), [Cancel("dup1")]),  # ... a gap, its dup1 forgotten
     ]
-    with redis.Redis.from_url(cluster.redis.url) as client:
-        for message in junk:
-            client.publish("isocost:state", msgspec.msgpack.encode(message))
+    for message in junk:
+        cluster.bus.publish("isocost:state", msgspec.msgpack.encode(message))
 
     def counted() -> bool:
         return (

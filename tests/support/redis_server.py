@@ -53,6 +53,18 @@ class RedisServer:
         except OSError:
             return False
 
+    def publish(self, channel: str, payload: bytes) -> None:
+        """``payload`` on ``channel``, as a misbehaving peer would send it."""
+        with socket.create_connection(("127.0.0.1", self.port), timeout=5) as sock:
+            command = b"*3\r\n$7\r\nPUBLISH\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (
+                len(channel),
+                channel.encode(),
+                len(payload),
+                payload,
+            )
+            sock.sendall(command)
+            assert sock.recv(64).startswith(b":")  # the count of receivers
+
     def kill(self) -> None:
         """SIGKILL, as a crash."""
         if self.popen is not None and self.popen.poll() is None:

@@ -38,7 +38,9 @@ def serve(
         None, "--admin-token-env", help="Env variable holding the admin token (--replica mode)."
     ),
     state_bus: str | None = typer.Option(
-        None, "--state-bus", help="redis://host:port shared with the other gateways."
+        None,
+        "--state-bus",
+        help="redis://host:port or nats://host:port shared with the other gateways.",
     ),
     catalog: CatalogOption = None,
     discover_timeout: float = typer.Option(

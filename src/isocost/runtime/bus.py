@@ -9,8 +9,9 @@ hooks local traffic takes (``ForeignSink``: ``on_dispatch``, ``on_first_token``,
 prefix-matched exactly like one's own, and the scrape merge counts it as known load rather
 than as unexplained foreign load.
 
-The transport is Redis pub/sub on one channel: fire and forget, one hop on loopback, no
-storage to trim. The state is soft, so nothing needs replaying: a message lost (a peer's
+The transport is Redis pub/sub or NATS core (``runtime.bus_transport``, by the URL's
+scheme), on one channel or subject: fire and forget, one hop on loopback, no storage to
+trim. The state is soft, so nothing needs replaying: a message lost (a peer's
 publish that failed, a reconnect) shows as a gap in that peer's sequence numbers, and the
 receiver then drops every contribution of that peer (the scrape truth covers them) and
 tracks its new dispatches exactly from there on. A peer silent for ``peer_timeout_ms`` is
@@ -47,12 +48,9 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Protocol
 
 import msgspec
-from redis import asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
 
 from isocost.core.jsontext import UNDECODABLE
+from isocost.runtime.bus_transport import Subscription, TransportError, transport_for
 from isocost.runtime.config import StateBusConfig, redacted
 from isocost.scheduling.contract import InFlight, RequestView
 from isocost.scheduling.state import ReplicaSet
@@ -378,7 +376,7 @@ def _context_tokens(replicas: ReplicaSet, replica_id: str) -> int | None:
 
 
 class StateBus:
-    """The Redis side of ``PeerViews``: publishes this gateway's events, subscribes to its
+    """The transport side of ``PeerViews``: publishes this gateway's events, subscribes to its
     peers', reconnects with backoff (module docstring). ``on_divergence`` hears every
     replica's view divergence once per heartbeat period when a peer's heartbeat or loss
     changed it (per heartbeat, a few hundred peers would make it quadratic), ``on_lag``
@@ -406,17 +404,7 @@ class StateBus:
         self._heard_s = -float("inf")  # when the last message, ours included, came
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(Batch)
-        self._client = self._connect()
-
-    def _connect(self) -> aioredis.Redis:
-        """A client that fails at once rather than retrying: the loops own the retries."""
-        timeout = self.peer_timeout_s
-        return aioredis.Redis.from_url(
-            self.config.url,
-            retry=Retry(NoBackoff(), 0),
-            socket_connect_timeout=timeout,
-            socket_timeout=timeout,
-        )
+        self._transport = transport_for(config.url, self.peer_timeout_s)
 
     # -- what this gateway did (the router calls these) -------------------------------
 
@@ -468,42 +456,39 @@ class StateBus:
         """Follow the channel; on any failure go down, wait, and subscribe afresh."""
         backoff_s = _INITIAL_BACKOFF_S
         while True:
-            pubsub = self._client.pubsub()
+            subscription: Subscription | None = None
             try:
-                await pubsub.subscribe(self.config.channel)
+                subscription = await self._transport.subscribe(self.config.channel)
                 self._heard_s = time.monotonic()
                 self._went_up()
                 backoff_s = _INITIAL_BACKOFF_S
-                await self._read(pubsub)
-            except (RedisError, OSError) as exc:
+                await self._read(subscription)
+            except TransportError as exc:
                 _reraise_cancellation()
-                self._went_down(f"{type(exc).__name__}: {exc}")
+                self._went_down(str(exc))
             except Exception as exc:
                 # A fault of ours: nothing is applied until supervise restarts this loop,
                 # so the bus is down meanwhile (peers dropped, isocost_state_bus_up 0).
                 self._went_down(f"{type(exc).__name__}: {exc}")
                 raise
             finally:
-                with contextlib.suppress(RedisError, OSError):
-                    # untyped before redis 8.2, typed since: either passes mypy
-                    await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]
+                if subscription is not None:
+                    await subscription.close()
             await asyncio.sleep(backoff_s)
             backoff_s = min(backoff_s * 2, self.config.max_backoff_ms / 1000)
 
-    async def _read(self, pubsub: aioredis.client.PubSub) -> None:
+    async def _read(self, subscription: Subscription) -> None:
         """Apply messages until none (not even our own heartbeat) came for the timeout."""
         channel = self.config.channel
         while True:
-            message = await pubsub.get_message(
-                ignore_subscribe_messages=True, timeout=self.heartbeat_s
-            )
+            data = await subscription.next(self.heartbeat_s)
             _reraise_cancellation()
             now = time.monotonic()
-            if message is not None and message["type"] == "message":
+            if data is not None:
                 self._heard_s = now
-                self.receive(message["data"], now)
+                self.receive(data, now)
             elif now - self._heard_s > self.peer_timeout_s:
-                raise RedisError(f"nothing heard on {channel} for {self.peer_timeout_s} s")
+                raise TransportError(f"nothing heard on {channel} for {self.peer_timeout_s} s")
 
     def receive(self, data: bytes, now: float) -> None:
         """One message off the channel: decoded, its lag observed, applied. A message that
@@ -537,8 +522,8 @@ class StateBus:
             self._seq += 1
             batch = Batch(self.gateway_id, self._seq, time.time(), events)
             payload = self._encoder.encode(batch)
-            with contextlib.suppress(RedisError, OSError):  # lost: a gap the peers see
-                await self._client.publish(self.config.channel, payload)
+            with contextlib.suppress(TransportError):  # lost: a gap the peers see
+                await self._transport.publish(self.config.channel, payload)
             _reraise_cancellation()
 
     async def heartbeat(self) -> None:
@@ -556,7 +541,7 @@ class StateBus:
             self._on_divergence(self.views.divergence())
 
     async def close(self) -> None:
-        await self._client.aclose()
+        await self._transport.close()
 
     def _went_up(self) -> None:
         if self.up:
@@ -582,9 +567,10 @@ class StateBus:
 
 
 def _reraise_cancellation() -> None:
-    """Raise ``CancelledError`` if the running task is being cancelled: the Redis client
-    may swallow a cancellation that hits it mid-command (or turn it into its own error),
-    which would leave the task running past its cancel and its gateway unable to stop."""
+    """Raise ``CancelledError`` if the running task is being cancelled: a bus client
+    (Redis's does) may swallow a cancellation that hits it mid-command (or turn it into
+    its own error), which would leave the task running past its cancel and its gateway
+    unable to stop."""
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError

@@ -88,7 +88,8 @@ A full file, every key optional except ``pools[].model`` and ``replicas[].url``:
         model: llama-3.1-8b           # default: the isocost.io/model annotation
         kubeconfig: ~/.kube/config    # default: in-cluster, else the default kubeconfig
     state_bus:                        # gateways sharing their in-flight view (runtime.bus)
-      url: redis://10.0.0.3:6379      # or --state-bus URL; read at start
+      url: redis://10.0.0.3:6379      # or nats://10.0.0.3:4222; or --state-bus URL; read
+                                      # at start
       channel: isocost:state          # gateways of one cluster share a channel
       heartbeat_ms: 500               # liveness and view publication period
       peer_timeout_ms: 2000           # a peer silent this long is forgotten; the bus too
@@ -625,12 +626,18 @@ def _check_inference_pool(kube: KubernetesDiscoveryConfig, source: str) -> None:
             )
 
 
+REDIS_SCHEMES = ("redis", "rediss")  # the state bus's transports (runtime.bus_transport)
+NATS_SCHEMES = ("nats", "tls")
+
+
 def check_state_bus(bus: StateBusConfig, source: str) -> None:
     """ConfigError naming the first bad ``state_bus`` field."""
     parts = urlsplit(bus.url)
-    if parts.scheme not in ("redis", "rediss") or not parts.hostname:
+    if parts.scheme not in (*REDIS_SCHEMES, *NATS_SCHEMES) or not parts.hostname:
         raise ConfigError(
-            source, f"{redacted(bus.url)!r} must be redis://host:port", key="state_bus.url"
+            source,
+            f"{redacted(bus.url)!r} must be redis://host:port or nats://host:port",
+            key="state_bus.url",
         )
     if not bus.channel:
         raise ConfigError(source, "must not be empty", key="state_bus.channel")

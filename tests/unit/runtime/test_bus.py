@@ -197,7 +197,7 @@ def test_a_cancellation_the_redis_client_swallows_still_stops_the_publisher() ->
             on_lag=lambda seconds: None,
         )
         client = SwallowingClient()
-        bus._client = client  # type: ignore[assignment]
+        bus._transport = client  # type: ignore[assignment]
         bus.up = True
         task = asyncio.create_task(bus.publish())
         bus.streamed("r1", 1, first=True)
@@ -228,7 +228,7 @@ def test_streamed_tokens_go_summed_per_request_after_its_first_token() -> None:
             on_lag=lambda seconds: None,
         )
         client = CapturingClient()
-        bus._client = client  # type: ignore[assignment]
+        bus._transport = client  # type: ignore[assignment]
         bus.up = True
         bus.streamed("r1", 3, first=True)
         bus.streamed("r1", 4, first=False)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
 
 import msgspec
 import pytest
@@ -179,29 +178,26 @@ def test_a_failing_subscriber_reports_the_bus_down_before_it_fails() -> None:
     """Supervise restarts it after a doubling delay; meanwhile nothing is applied, so the
     peers' in-flight must go and ``isocost_state_bus_up`` must read 0."""
 
-    class BrokenPubSub:
+    class BrokenSubscription:
         """Delivers ``messages``, then fails as a fault in applying one would."""
 
         def __init__(self, messages: list[bytes]) -> None:
             self.messages = messages
 
-        async def subscribe(self, channel: str) -> None:
-            pass
-
-        async def get_message(self, **kwargs: Any) -> dict[str, Any]:
+        async def next(self, timeout_s: float) -> bytes:
             if not self.messages:
                 raise RuntimeError("a fault of ours")
-            return {"type": "message", "data": self.messages.pop(0)}
+            return self.messages.pop(0)
 
-        async def aclose(self) -> None:
+        async def close(self) -> None:
             pass
 
-    class Client:
-        def pubsub(self) -> BrokenPubSub:
-            return BrokenPubSub([ENCODE(batch("a", 1, dispatch("r1")))])
+    class Transport:
+        async def subscribe(self, channel: str) -> BrokenSubscription:
+            return BrokenSubscription([ENCODE(batch("a", 1, dispatch("r1")))])
 
     heard = Heard()
-    heard.bus._client = Client()  # type: ignore[assignment]
+    heard.bus._transport = Transport()  # type: ignore[assignment]
     with pytest.raises(RuntimeError, match="a fault of ours"):
         asyncio.run(heard.bus.subscribe())
     assert heard.bus.up is False

@@ -1,0 +1,179 @@
+"""The state bus's transports, picked by the URL's scheme: Redis pub/sub (``redis://``,
+``rediss://``) or NATS core subjects (``nats://``, ``tls://``; the same server Dynamo
+deployments run). Both are fire and forget with no storage, which is what the soft state
+of ``runtime.bus`` needs: a message lost is a sequence gap its receivers handle.
+
+Neither client retries or reconnects on its own: the bus's loops own the retries (one
+backoff, one ``bus_down`` line), so each failure, whatever the client called it, is one
+``TransportError`` here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Protocol
+from urllib.parse import urlsplit
+
+import nats
+import nats.errors
+from nats.aio.client import Client as NatsClient
+from nats.aio.subscription import Subscription as NatsSub
+from redis import asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from isocost.runtime.config import NATS_SCHEMES
+
+__all__ = ["Subscription", "Transport", "TransportError", "transport_for"]
+
+
+class TransportError(Exception):
+    """The bus server could not be reached, or dropped the connection."""
+
+
+class Subscription(Protocol):
+    async def next(self, timeout_s: float) -> bytes | None:
+        """The next message, or None when none came within ``timeout_s``."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class Transport(Protocol):
+    async def subscribe(self, channel: str) -> Subscription:
+        """A fresh subscription (connecting again first where the last connection died)."""
+        ...
+
+    async def publish(self, channel: str, payload: bytes) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+def transport_for(url: str, timeout_s: float) -> Transport:
+    """The transport for ``url`` (its scheme checked by ``check_state_bus``); each call
+    to the server gives up after ``timeout_s``."""
+    if urlsplit(url).scheme in NATS_SCHEMES:
+        return _Nats(url, timeout_s)
+    return _Redis(url, timeout_s)
+
+
+class _Redis:
+    def __init__(self, url: str, timeout_s: float) -> None:
+        self._client = aioredis.Redis.from_url(
+            url,
+            retry=Retry(NoBackoff(), 0),
+            socket_connect_timeout=timeout_s,
+            socket_timeout=timeout_s,
+        )
+
+    async def subscribe(self, channel: str) -> Subscription:
+        pubsub = self._client.pubsub()
+        try:
+            await pubsub.subscribe(channel)
+        except (RedisError, OSError) as exc:
+            await _RedisSubscription(pubsub).close()
+            raise TransportError(f"{type(exc).__name__}: {exc}") from None
+        return _RedisSubscription(pubsub)
+
+    async def publish(self, channel: str, payload: bytes) -> None:
+        try:
+            await self._client.publish(channel, payload)
+        except (RedisError, OSError) as exc:
+            raise TransportError(f"{type(exc).__name__}: {exc}") from None
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+class _RedisSubscription:
+    def __init__(self, pubsub: aioredis.client.PubSub) -> None:
+        self._pubsub = pubsub
+
+    async def next(self, timeout_s: float) -> bytes | None:
+        try:
+            message = await self._pubsub.get_message(
+                ignore_subscribe_messages=True, timeout=timeout_s
+            )
+        except (RedisError, OSError) as exc:
+            raise TransportError(f"{type(exc).__name__}: {exc}") from None
+        if message is None or message["type"] != "message":
+            return None
+        data: bytes = message["data"]
+        return data
+
+    async def close(self) -> None:
+        with contextlib.suppress(RedisError, OSError):
+            # untyped before redis 8.2, typed since: either passes mypy
+            await self._pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]
+
+
+class _Nats:
+    """One NATS connection, made by ``subscribe`` (again once it died); ``publish``
+    uses it while it lives and fails while there is none."""
+
+    def __init__(self, url: str, timeout_s: float) -> None:
+        self.url, self.timeout_s = url, timeout_s
+        self._client: NatsClient | None = None
+        self.last_error: str | None = None
+
+    async def _on_error(self, error: Exception) -> None:
+        # nats-py's default logs each with a traceback; the bus logs the state once
+        self.last_error = f"{type(error).__name__}: {error}"
+
+    async def subscribe(self, channel: str) -> Subscription:
+        await self.close()
+        try:
+            client = await nats.connect(
+                self.url,
+                connect_timeout=max(1, round(self.timeout_s)),
+                allow_reconnect=False,
+                max_reconnect_attempts=0,
+                error_cb=self._on_error,
+                name="isocost state bus",
+            )
+        except (nats.errors.Error, OSError) as exc:
+            raise TransportError(f"{type(exc).__name__}: {exc}") from None
+        self._client = client
+        try:
+            subscription = await client.subscribe(channel)
+            await asyncio.wait_for(client.flush(), self.timeout_s)  # the server has it
+        except (nats.errors.Error, OSError) as exc:
+            raise TransportError(f"{type(exc).__name__}: {exc}") from None
+        return _NatsSubscription(client, subscription, self)
+
+    async def publish(self, channel: str, payload: bytes) -> None:
+        client = self._client
+        if client is None or not client.is_connected:
+            raise TransportError("not connected")
+        try:
+            await client.publish(channel, payload)
+        except (nats.errors.Error, OSError) as exc:
+            raise TransportError(f"{type(exc).__name__}: {exc}") from None
+
+    async def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None and not client.is_closed:
+            with contextlib.suppress(nats.errors.Error, OSError):
+                await client.close()
+
+
+class _NatsSubscription:
+    def __init__(self, client: NatsClient, subscription: NatsSub, transport: _Nats) -> None:
+        self._client, self._subscription, self._transport = client, subscription, transport
+
+    async def next(self, timeout_s: float) -> bytes | None:
+        if not self._client.is_connected:
+            raise TransportError(self._transport.last_error or "the connection closed")
+        try:
+            message = await self._subscription.next_msg(timeout=timeout_s)
+        except nats.errors.TimeoutError:
+            return None
+        except (nats.errors.Error, OSError) as exc:
+            raise TransportError(f"{type(exc).__name__}: {exc}") from None
+        return bytes(message.data)
+
+    async def close(self) -> None:
+        with contextlib.suppress(nats.errors.Error, OSError):
+            await self._subscription.unsubscribe()
