@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gateway_harness import http, wait_for
+from gateway_harness import http, log_events, wait_for
 from isocost_procs import Proc, free_port, start_gateway_with, start_isocost
 from kube_api import PODS, POOLS, KubeApi
 from test_discovery_kubernetes import ADMIN, MODEL, NAMESPACE, discovery_up, healthy, rows
@@ -51,9 +51,7 @@ def start_engine(procs: list[Proc], host: str, port: int) -> Proc:
 
 def events(tmp: Path, name: str) -> list[dict[str, Any]]:
     """The gateway's log records of event ``name``."""
-    lines = (tmp / "gateway.log").read_text().splitlines()
-    records = [json.loads(line) for line in lines if line.startswith("{")]
-    return [record for record in records if record.get("event") == name]
+    return log_events(tmp / "gateway.log", name)
 
 
 def urls(gateway: Proc) -> dict[str, str]:

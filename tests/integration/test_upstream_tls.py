@@ -24,7 +24,7 @@ import openai
 import pytest
 import trustme
 from fake_upstream import start_fake_upstream
-from gateway_harness import admin_replicas, wait_for
+from gateway_harness import admin_replicas, log_events, wait_for
 from isocost_procs import Proc, start_isocost
 
 ISOCOST = Path(sys.executable).with_name("isocost")
@@ -88,10 +88,6 @@ def start_gateway(tmp_path: Path, text: str, started: list[Proc]) -> tuple[Proc,
     return gateway, log
 
 
-def events(log: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
-
-
 def client(gateway: Proc) -> openai.OpenAI:
     return openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
 
@@ -140,7 +136,7 @@ def test_a_replica_the_gateway_cannot_verify_is_an_error_not_a_traceback(
         state=lambda: row(gateway),
     )
     assert "TLS: certificate verify failed" in str(row(gateway)["last_error"]), row(gateway)
-    (ejected,) = [e for e in events(log) if e.get("event") == "replica_ejected"]
+    (ejected,) = log_events(log, "replica_ejected")
     assert ejected["replica"] == "r0" and "TLS: certificate verify failed" in ejected["error"]
     assert "Traceback" not in log.read_text()
 
@@ -170,7 +166,7 @@ def test_mutual_tls_presents_the_configured_client_certificate(
     assert raised.value.status_code in (502, 503)
     # TLS 1.3: the replica checks the client's certificate after the handshake, so what
     # the gateway sees is a disconnect, not a TLS reason
-    wait_for(lambda: any(e.get("event") == "replica_ejected" for e in events(log)), what="ejected")
+    wait_for(lambda: log_events(log, "replica_ejected"), what="the replica ejected")
     assert "Traceback" not in log.read_text()
 
 

@@ -7,22 +7,16 @@ in no log line (the reason only in ``/admin/replicas``' ``last_error``) and no c
 
 from __future__ import annotations
 
-import json
 import re
 import urllib.request
 from pathlib import Path
-from typing import Any
 
 from fake_upstream import set_mode, start_fake_upstream
+from gateway_harness import log_events as events
 from gateway_harness import wait_for
 from isocost_procs import Proc, start_gateway_with
 
 MODEL = "fake-model"
-
-
-def events(log: Path, event: str) -> list[dict[str, Any]]:
-    lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
-    return [line for line in lines if line.get("event") == event]
 
 
 def ejections(gateway: Proc) -> float:

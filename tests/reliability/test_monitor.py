@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 from cluster import AUTH, MODEL, config_text, replica_rows, start
 from fake_upstream import DEFAULT_METRICS, DEFAULT_MODE, hits, set_mode, start_fake_upstream
-from gateway_harness import http, wait_for
+from gateway_harness import http, log_events, wait_for
 from isocost_procs import Proc
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -44,9 +44,7 @@ class Watched:
         return replica_rows(self.gateway)[self.upstream.url]
 
     def log_events(self, event: str) -> list[dict[str, Any]]:
-        lines = self.log.read_text().splitlines()
-        entries = [json.loads(line) for line in lines if line.startswith("{")]
-        return [e for e in entries if e.get("event") == event]
+        return log_events(self.log, event)
 
 
 def start_gateway(tmp: Path, urls: list[str], dead_pool: Sequence[str] = ()) -> tuple[Proc, Path]:

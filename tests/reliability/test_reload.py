@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from cluster import ADMIN, ADMIN_TOKEN, API_KEY, AUTH, MODEL, replica_rows
 from fake_upstream import DEFAULT_MODE, set_mode, start_fake_upstream
-from gateway_harness import http, wait_for
+from gateway_harness import http, log_events, wait_for
 from isocost_procs import Proc, start_isocost
 
 FAST_HEALTH = "  interval_ms: 100\n  timeout_ms: 500\n  open_ms: 300\n"
@@ -76,15 +76,7 @@ class Gateway:
         return int(float(found.group(1))) if found else 0
 
     def log_events(self, event: str) -> list[dict[str, Any]]:
-        events = []
-        for line in self.log.read_text().splitlines():
-            try:
-                entry = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(entry, dict) and entry.get("event") == event:
-                events.append(entry)
-        return events
+        return log_events(self.log, event)
 
     def rows(self) -> dict[str, dict[str, Any]]:
         return replica_rows(self.proc)

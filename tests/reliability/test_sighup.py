@@ -20,10 +20,10 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 from gateway_harness import admin_replicas, http, wait_for
+from gateway_harness import log_events as events
 from isocost_procs import Proc, spawn_ready, start_isocost
 
 MODEL = "llama-3.1-8b"
@@ -69,18 +69,6 @@ def metric(url: str, name: str, labels: str) -> float:
 
 def reloads_ok(url: str) -> float:
     return metric(url, "isocost_config_reloads_total", 'result="ok"')
-
-
-def events(log: Path, event: str) -> list[dict[str, Any]]:
-    found = []
-    for line in log.read_text().splitlines():
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(entry, dict) and entry.get("event") == event:
-            found.append(entry)
-    return found
 
 
 def start_serve(tmp_path: Path, text: str, *extra: str) -> tuple[Proc, Path]:

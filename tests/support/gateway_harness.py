@@ -14,6 +14,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -108,6 +109,20 @@ def admin_replicas(url: str, token: str) -> list[dict[str, Any]]:
     assert status == 200, body
     rows: list[dict[str, Any]] = body["replicas"]
     return rows
+
+
+def log_events(log: Path, event: str) -> list[dict[str, Any]]:
+    """The records of ``event`` in an isocost JSON log (lines that are no JSON object,
+    as a line cut mid-write, are skipped)."""
+    found = []
+    for line in log.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("event") == event:
+            found.append(record)
+    return found
 
 
 def wait_for(
