@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
 import subprocess
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 from isocost_procs import free_port
+from servers import crash, spawn_server
 
 ETCD = shutil.which("etcd")
 
@@ -41,19 +40,13 @@ class EtcdServer:
         args += ["--initial-cluster", f"test={peer}"]
         # a short election: a restarted etcd extends every lease by it (a single node)
         args += ["--heartbeat-interval", "50", "--election-timeout", "500"]
-        with self.log.open("ab") as log:
-            self.popen = subprocess.Popen(args, stdout=log, stderr=log)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.popen.poll() is not None:
-                raise AssertionError(f"etcd exited {self.popen.returncode}: see {self.log}")
-            try:
-                if self.call("/v3/maintenance/status", {}).get("header"):
-                    return
-            except (OSError, urllib.error.URLError):
-                pass
-            time.sleep(0.05)
-        raise AssertionError("etcd did not answer in time")
+        self.popen = spawn_server(args, self.log, self._answers, timeout_s)
+
+    def _answers(self) -> bool:
+        try:
+            return bool(self.call("/v3/maintenance/status", {}).get("header"))
+        except (OSError, urllib.error.URLError):
+            return False
 
     def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         request = urllib.request.Request(
@@ -65,9 +58,7 @@ class EtcdServer:
 
     def kill(self) -> None:
         """SIGKILL, as a crash: the data dir stays for ``start``."""
-        if self.popen is not None and self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGKILL)
-            self.popen.wait(timeout=10)
+        crash(self.popen)
 
     def stop(self) -> None:
         self.kill()

@@ -10,13 +10,12 @@ installs Debian's).
 from __future__ import annotations
 
 import shutil
-import signal
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 from isocost_procs import free_port
+from servers import crash, spawn_server
 
 NATS_SERVER = shutil.which("nats-server") or (
     "/usr/sbin/nats-server" if Path("/usr/sbin/nats-server").exists() else None
@@ -35,16 +34,7 @@ class NatsServer:
     def start(self, timeout_s: float = 10) -> None:
         assert NATS_SERVER is not None
         args = [NATS_SERVER, "--addr", "127.0.0.1", "--port", str(self.port)]
-        with self.log.open("ab") as log:
-            self.popen = subprocess.Popen(args, stdout=log, stderr=log)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.popen.poll() is not None:
-                raise AssertionError(f"nats-server exited {self.popen.returncode}: {self.log}")
-            if self._greets():
-                return
-            time.sleep(0.02)
-        raise AssertionError("nats-server did not answer in time")
+        self.popen = spawn_server(args, self.log, self._greets, timeout_s)
 
     def _greets(self) -> bool:
         try:
@@ -66,6 +56,4 @@ class NatsServer:
 
     def kill(self) -> None:
         """SIGKILL, as a crash."""
-        if self.popen is not None and self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGKILL)
-            self.popen.wait(timeout=10)
+        crash(self.popen)

@@ -9,13 +9,12 @@ Debian's).
 from __future__ import annotations
 
 import shutil
-import signal
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 from isocost_procs import free_port
+from servers import crash, spawn_server
 
 REDIS_SERVER = shutil.which("redis-server")
 
@@ -34,16 +33,7 @@ class RedisServer:
         assert REDIS_SERVER is not None
         args = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1"]
         args += ["--dir", str(self.work_dir), "--save", "", "--appendonly", "no"]
-        with self.log.open("ab") as log:
-            self.popen = subprocess.Popen(args, stdout=log, stderr=log)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.popen.poll() is not None:
-                raise AssertionError(f"redis-server exited {self.popen.returncode}: {self.log}")
-            if self._pong():
-                return
-            time.sleep(0.02)
-        raise AssertionError("redis-server did not answer in time")
+        self.popen = spawn_server(args, self.log, self._pong, timeout_s)
 
     def _pong(self) -> bool:
         try:
@@ -67,6 +57,4 @@ class RedisServer:
 
     def kill(self) -> None:
         """SIGKILL, as a crash."""
-        if self.popen is not None and self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGKILL)
-            self.popen.wait(timeout=10)
+        crash(self.popen)
