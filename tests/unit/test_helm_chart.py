@@ -354,3 +354,26 @@ def test_admin_token_from_a_secret(monkeypatch: pytest.MonkeyPatch) -> None:
     assert env["valueFrom"]["secretKeyRef"] == {"name": "isocost-admin", "key": "admin"}
     assert "env" not in _container(_render())
     assert "admin API" in _failure("mode=picker", "adminToken.existingSecret=isocost-admin")
+
+
+def test_upstream_tls_from_a_secret() -> None:
+    """The Secret is mounted where the rendered config's upstream_tls names its files
+    (beside the ConfigMap's mount, not inside it: a ConfigMap volume is read-only)."""
+    manifests = _render(
+        "upstreamTls.existingSecret=vllm-tls", "upstreamTls.certKey=tls.crt",
+        "upstreamTls.keyKey=tls.key",
+    )  # fmt: skip
+    tls = _config(manifests).upstream_tls
+    (mount,) = [m for m in _container(manifests)["volumeMounts"] if m["name"] == "upstream-tls"]
+    (volume,) = [v for v in _pod(manifests)["spec"]["volumes"] if v["name"] == "upstream-tls"]
+    assert volume["secret"]["secretName"] == "vllm-tls"
+    files = [tls.ca_file, tls.cert_file, tls.key_file]
+    assert files == [f"{mount['mountPath']}/{key}" for key in ("ca.crt", "tls.crt", "tls.key")]
+    mounts = {m["mountPath"] for m in _container(manifests)["volumeMounts"]} - {mount["mountPath"]}
+    assert not any(mount["mountPath"].startswith(other + "/") for other in mounts)
+    ca_only = _config(_render("upstreamTls.existingSecret=vllm-tls")).upstream_tls
+    assert ca_only.ca_file == tls.ca_file and ca_only.cert_file is None
+    assert _config(_render()).upstream_tls.ca_file is None
+    assert "certKey and keyKey" in _failure(
+        "upstreamTls.existingSecret=vllm-tls", "upstreamTls.certKey=tls.crt"
+    )

@@ -94,6 +94,19 @@ so the picker reads the very object the Gateway routes to.
 {{- $_ := set $auth "admin_token_env" "ISOCOST_ADMIN_TOKEN" -}}
 {{- $_ := set $config "auth" $auth -}}
 {{- end -}}
+{{- with .Values.upstreamTls -}}
+{{- if .existingSecret -}}
+{{- if ne (empty .certKey) (empty .keyKey) -}}
+{{- fail "upstreamTls: give certKey and keyKey together (the client certificate and its key)" -}}
+{{- end -}}
+{{- $tls := dict "ca_file" (printf "/etc/isocost-tls/%s" .caKey) -}}
+{{- if .certKey -}}
+{{- $_ := set $tls "cert_file" (printf "/etc/isocost-tls/%s" .certKey) -}}
+{{- $_ := set $tls "key_file" (printf "/etc/isocost-tls/%s" .keyKey) -}}
+{{- end -}}
+{{- $_ := set $config "upstream_tls" $tls -}}
+{{- end -}}
+{{- end -}}
 {{- toYaml $config -}}
 {{- end -}}
 
