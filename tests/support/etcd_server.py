@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import shutil
+import ssl
 import subprocess
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +24,27 @@ from servers import crash, spawn_server
 ETCD = shutil.which("etcd")
 
 
+@dataclass(frozen=True)
+class EtcdTls:
+    """The server's certificate and key, and the CA its clients' certificates must chain
+    to (etcd's ``--client-cert-auth``); the client's own, for the fixture's calls."""
+
+    cert: Path
+    key: Path
+    client_ca: Path
+    server_ca: Path
+    client_cert: Path
+    client_key: Path
+
+
 class EtcdServer:
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, tls: EtcdTls | None = None) -> None:
         assert ETCD is not None, "no etcd binary"
         self.data_dir = data_dir
+        self.tls = tls
         self.client_port, self.peer_port = free_port(), free_port()
-        self.url = f"http://127.0.0.1:{self.client_port}"
+        scheme = "https" if tls else "http"
+        self.url = f"{scheme}://127.0.0.1:{self.client_port}"
         self.popen: subprocess.Popen[bytes] | None = None
         self.log = data_dir.with_suffix(".log")
 
@@ -40,6 +57,9 @@ class EtcdServer:
         args += ["--initial-cluster", f"test={peer}"]
         # a short election: a restarted etcd extends every lease by it (a single node)
         args += ["--heartbeat-interval", "50", "--election-timeout", "500"]
+        if self.tls is not None:
+            args += ["--cert-file", str(self.tls.cert), "--key-file", str(self.tls.key)]
+            args += ["--trusted-ca-file", str(self.tls.client_ca), "--client-cert-auth"]
         self.popen = spawn_server(args, self.log, self._answers, timeout_s)
 
     def _answers(self) -> bool:
@@ -52,7 +72,11 @@ class EtcdServer:
         request = urllib.request.Request(
             self.url + path, data=json.dumps(body).encode(), method="POST"
         )
-        with urllib.request.urlopen(request, timeout=2) as resp:
+        context = None
+        if self.tls is not None:
+            context = ssl.create_default_context(cafile=str(self.tls.server_ca))
+            context.load_cert_chain(self.tls.client_cert, self.tls.client_key)
+        with urllib.request.urlopen(request, timeout=2, context=context) as resp:
             result: dict[str, Any] = json.loads(resp.read())
             return result
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -64,6 +65,7 @@ class AgentSettings:
     advertise_url: str  # what gateways are told
     name: str
     etcd: list[str]
+    etcd_tls: ssl.SSLContext | bool = True  # https:// etcd (runtime.tls.client_ssl)
     gpu: str = "a100-80g"
     tp: int = 1
     groups: list[str] = field(default_factory=list)
@@ -105,7 +107,7 @@ class Agent:
         self.settings = settings
         self.catalog = catalog  # the gateways' (``--catalog``): what they can price
         self.key = replicas_prefix(settings.prefix) + settings.name
-        self.etcd = EtcdClient(settings.etcd)
+        self.etcd = EtcdClient(settings.etcd, tls=settings.etcd_tls)
         self.on_registered = on_registered
         self.record: Registration | None = None
         self.lease = 0

@@ -36,6 +36,15 @@ def agent(
         ..., "--engine", help="The engine's URL, e.g. http://127.0.0.1:8000."
     ),
     etcd: str = typer.Option(..., "--etcd", help="etcd endpoint URL(s), comma-separated."),
+    etcd_ca_file: str | None = typer.Option(
+        None, "--etcd-ca-file", help="https:// etcd: the CA its certificate chains to."
+    ),
+    etcd_cert_file: str | None = typer.Option(
+        None, "--etcd-cert-file", help="A client certificate, where etcd requires one."
+    ),
+    etcd_key_file: str | None = typer.Option(
+        None, "--etcd-key-file", help="Its key (default: in --etcd-cert-file)."
+    ),
     name: str | None = typer.Option(None, "--name", help="Replica name (default: host:port)."),
     advertise: str | None = typer.Option(
         None, "--advertise", help="URL gateways use (default: --engine)."
@@ -82,10 +91,11 @@ def agent(
     from isocost.agent.registrar import MAX_TTL_S, Agent, AgentSettings
     from isocost.core.errors import ConfigError
     from isocost.files import load_catalog
-    from isocost.runtime.config import GENERIC_PRIOR_MODEL, normalize_replica_url
+    from isocost.runtime.config import GENERIC_PRIOR_MODEL, TlsConfig, normalize_replica_url
     from isocost.runtime.discovery.records import Registration, check_registration
     from isocost.runtime.etcd import EtcdRefused
     from isocost.runtime.logs import configure_logging
+    from isocost.runtime.tls import client_ssl
 
     try:
         engine_url = normalize_replica_url(engine)
@@ -95,6 +105,16 @@ def agent(
         fail(str(exc))
     if not endpoints:
         fail("--etcd: give at least one endpoint URL")
+    if etcd_key_file is not None and etcd_cert_file is None:
+        fail("--etcd-key-file: give --etcd-cert-file too: the key is for a certificate")
+    try:
+        etcd_tls = client_ssl(
+            TlsConfig(etcd_ca_file, etcd_cert_file, etcd_key_file),
+            "isocost agent",
+            lambda field: "--etcd-" + field.replace("_", "-"),
+        )
+    except ConfigError as exc:
+        fail(str(exc))
     checks = [
         (ttl >= 1, "--ttl must be >= 1"),
         (ttl <= MAX_TTL_S, f"--ttl must be <= {MAX_TTL_S}"),
@@ -109,6 +129,7 @@ def agent(
         advertise_url=advertise_url,
         name=f"{parts.hostname}:{parts.port}" if name is None else name,
         etcd=endpoints,
+        etcd_tls=etcd_tls,
         gpu=gpu,
         tp=tp,
         groups=_names(groups),

@@ -56,6 +56,7 @@ from isocost.runtime.config import (
     LimitsConfig,
     ReplicaConfig,
     StateBusConfig,
+    TlsConfig,
     check_references,
     check_replica,
     normalize_replica_url,
@@ -66,7 +67,7 @@ from isocost.runtime.discovery import DiscoveryProvider, Malformed, Registration
 from isocost.runtime.discovery.etcd import EtcdDiscovery
 from isocost.runtime.discovery.membership import Membership, with_replicas
 from isocost.runtime.recording import FleetFile, FleetPool, FleetReplica
-from isocost.runtime.tls import upstream_ssl
+from isocost.runtime.tls import client_ssl
 from isocost.scheduling.contract import ReplicaSpec
 from isocost.scheduling.disagg import DisaggMode
 from isocost.scheduling.framework import Policy
@@ -132,7 +133,11 @@ class Gateway:
         self._running_discovery = config.discovery  # read at start only
         self._running_state_bus = config.state_bus  # read at start only
         self._running_upstream_tls = config.upstream_tls  # read at start only
-        self._upstream_ssl = upstream_ssl(config.upstream_tls, str(config_path or "--replica"))
+        source = str(config_path or "--replica")
+        self._upstream_ssl = client_ssl(config.upstream_tls, source, "upstream_tls.{}".format)
+        etcd = config.discovery.etcd
+        etcd_tls = etcd.tls if etcd else TlsConfig()
+        self._etcd_ssl = client_ssl(etcd_tls, source, "discovery.etcd.tls.{}".format)
         self._discovery_pending: asyncio.TimerHandle | None = None
         self._bus_tasks: list[asyncio.Task[None]] = []
         self.recording = Recording(
@@ -461,7 +466,7 @@ class Gateway:
         ``DiscoverySink``)."""
         providers: list[DiscoveryProvider] = []
         if discovery.etcd is not None:
-            providers.append(EtcdDiscovery(discovery.etcd, self))
+            providers.append(EtcdDiscovery(discovery.etcd, self, self._etcd_ssl))
         if discovery.kubernetes is not None:  # its client takes half a second to import
             from isocost.runtime.discovery.kubernetes import KubernetesDiscovery
 

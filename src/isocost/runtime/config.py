@@ -80,6 +80,8 @@ A full file, every key optional except ``pools[].model`` and ``replicas[].url``:
         timeout_ms: 2000              # per etcd call
         probe_interval_ms: 1000       # liveness probe of etcd while the watch is idle
         max_backoff_ms: 5000          # longest wait between reconnection attempts
+        tls: {ca_file: /etc/etcd/ca.pem, cert_file: /etc/etcd/client.pem,
+              key_file: /etc/etcd/client.key}  # https:// endpoints: as upstream_tls
       kubernetes:                     # ready endpoints of EndpointSlices, isocost.io/* annotations
         namespace: inference
         service: vllm                 # or label_selector: app=vllm, or inference_pool: NAME
@@ -266,12 +268,23 @@ class AuthConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     api_keys: list[ApiKeyConfig] = []
 
 
+class TlsConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """PEM files for a TLS client (``runtime.tls``): the CA the server's certificate
+    chains to (default: the system's store), and a client certificate where the server
+    requires one (its key in ``key_file`` or in ``cert_file``)."""
+
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+
+
 class EtcdDiscoveryConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     endpoints: list[str]
     prefix: str = "/isocost"
     timeout_ms: float = 2000
     probe_interval_ms: float = 1000
     max_backoff_ms: float = 5000
+    tls: TlsConfig = TlsConfig()  # for https:// endpoints
 
 
 # A Kubernetes object name (DNS-1123 subdomain): what a ``metadata.name=`` field selector holds.
@@ -312,12 +325,6 @@ class CalibrationConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True)
     prefill_fit: bool = False
 
 
-class UpstreamTlsConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    ca_file: str | None = None
-    cert_file: str | None = None
-    key_file: str | None = None
-
-
 class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     pools: list[PoolConfig] = []
     policy: str = "equal_cost"
@@ -329,7 +336,7 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     discovery: DiscoveryConfig = DiscoveryConfig()
     state_bus: StateBusConfig | None = None
     calibration: CalibrationConfig = CalibrationConfig()
-    upstream_tls: UpstreamTlsConfig = UpstreamTlsConfig()
+    upstream_tls: TlsConfig = TlsConfig()
 
 
 _PATH_RE = re.compile(r"\$((?:\.[A-Za-z_]\w*|\[\d+\])+)")
@@ -521,9 +528,7 @@ def _check(config: GatewayConfig, source: str, secrets: bool) -> None:
     _check_discovery(config.discovery, source)
     if config.state_bus is not None:
         check_state_bus(config.state_bus, source)
-    tls = config.upstream_tls
-    if tls.key_file is not None and tls.cert_file is None:
-        raise bad("upstream_tls.key_file", "give cert_file too: the key is for a certificate")
+    _check_tls(config.upstream_tls, source, "upstream_tls")
     auth = config.auth
     env = auth.admin_token_env
     if secrets and env is not None and env not in os.environ:
@@ -590,6 +595,7 @@ def _check_discovery(discovery: DiscoveryConfig, source: str) -> None:
                 normalize_replica_url(endpoint)
             except ValueError as exc:
                 raise ConfigError(source, str(exc), key=f"discovery.etcd.endpoints[{i}]") from None
+        _check_tls(etcd.tls, source, "discovery.etcd.tls")
         if not etcd.prefix.startswith("/"):
             raise ConfigError(source, "must start with /", key="discovery.etcd.prefix")
         for field in ("timeout_ms", "probe_interval_ms", "max_backoff_ms"):
@@ -624,6 +630,13 @@ def _check_inference_pool(kube: KubernetesDiscoveryConfig, source: str) -> None:
                 " pick the pods and their ports",
                 key=key,
             )
+
+
+def _check_tls(tls: TlsConfig, source: str, key: str) -> None:
+    if tls.key_file is not None and tls.cert_file is None:
+        raise ConfigError(
+            source, "give cert_file too: the key is for a certificate", key=f"{key}.key_file"
+        )
 
 
 REDIS_SCHEMES = ("redis", "rediss")  # the state bus's transports (runtime.bus_transport)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -107,20 +108,24 @@ def _key(text: str) -> str:
 
 
 class EtcdClient:
-    """Calls to one etcd cluster through any of ``endpoints`` (``http://host:port``)."""
+    """Calls to one etcd cluster through any of ``endpoints`` (``http(s)://host:port``),
+    over TLS with ``tls`` (``runtime.tls.client_ssl``) for https ones."""
 
-    def __init__(self, endpoints: list[str], *, timeout_s: float = 2.0) -> None:
+    def __init__(
+        self, endpoints: list[str], *, timeout_s: float = 2.0, tls: ssl.SSLContext | bool = True
+    ) -> None:
         if not endpoints:
             raise ValueError("no etcd endpoint given")
         self.endpoints = [e.rstrip("/") for e in endpoints]
         self.timeout_s = timeout_s
+        self.tls = tls
         self._current = 0
         self._session: aiohttp.ClientSession | None = None
 
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession()
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=self.tls))
         return self._session
 
     async def close(self) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 
 import aiohttp
 
@@ -47,12 +48,19 @@ class EtcdDiscovery:
 
     name = "etcd"
 
-    def __init__(self, config: EtcdDiscoveryConfig, sink: DiscoverySink) -> None:
+    def __init__(
+        self,
+        config: EtcdDiscoveryConfig,
+        sink: DiscoverySink,
+        tls: ssl.SSLContext | bool = True,  # from config.tls (runtime.tls.client_ssl)
+    ) -> None:
         self.config = config
         self.sink = sink
         self.reachability = Reachability(self.name, "etcd", sink)
         self.prefix = replicas_prefix(config.prefix)
-        self.client = EtcdClient(list(config.endpoints), timeout_s=config.timeout_ms / 1000)
+        self.client = EtcdClient(
+            list(config.endpoints), timeout_s=config.timeout_ms / 1000, tls=tls
+        )
         self.records: dict[str, Registration | Malformed] = {}
         self._listed = False  # this round's list succeeded
 
