@@ -183,8 +183,8 @@ class WorkerGroup:
         the first sibling that answers has made, from its ``start``-th on; how many that
         sibling had made (the next call's ``start``). A sibling whose answer is not such a
         list (another version, another process on its port) is logged and skipped. No
-        admin token, no sibling, or a
-        sibling whose list overflowed: nothing is made (logged), as a fresh worker."""
+        admin token, no sibling, or a sibling whose list overflowed: nothing is made
+        (logged), as a fresh worker."""
         if not admin:
             return 0
         headers = {**admin, SIBLING_HEADER: str(self.worker_id)}

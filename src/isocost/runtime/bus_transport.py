@@ -69,13 +69,15 @@ class _Redis:
         )
 
     async def subscribe(self, channel: str) -> Subscription:
-        pubsub = self._client.pubsub()
+        subscription = _RedisSubscription(self._client.pubsub())
         try:
-            await pubsub.subscribe(channel)
-        except (RedisError, OSError) as exc:
-            await _RedisSubscription(pubsub).close()
-            raise TransportError(f"{type(exc).__name__}: {exc}") from None
-        return _RedisSubscription(pubsub)
+            await subscription.pubsub.subscribe(channel)
+        except BaseException as exc:  # a cancellation too: the connection is not left open
+            await subscription.close()
+            if isinstance(exc, (RedisError, OSError)):
+                raise TransportError(f"{type(exc).__name__}: {exc}") from None
+            raise
+        return subscription
 
     async def publish(self, channel: str, payload: bytes) -> None:
         try:
@@ -89,11 +91,11 @@ class _Redis:
 
 class _RedisSubscription:
     def __init__(self, pubsub: aioredis.client.PubSub) -> None:
-        self._pubsub = pubsub
+        self.pubsub = pubsub
 
     async def next(self, timeout_s: float) -> bytes | None:
         try:
-            message = await self._pubsub.get_message(
+            message = await self.pubsub.get_message(
                 ignore_subscribe_messages=True, timeout=timeout_s
             )
         except (RedisError, OSError) as exc:
@@ -106,7 +108,7 @@ class _RedisSubscription:
     async def close(self) -> None:
         with contextlib.suppress(RedisError, OSError):
             # untyped before redis 8.2, typed since: either passes mypy
-            await self._pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]
+            await self.pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]
 
 
 class _Nats:
