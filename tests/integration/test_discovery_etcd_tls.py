@@ -55,14 +55,6 @@ def etcd(tmp_path_factory: pytest.TempPathFactory, tls: EtcdTls) -> Iterator[Etc
     server.stop()
 
 
-@pytest.fixture
-def procs() -> Iterator[list[Proc]]:
-    started: list[Proc] = []
-    yield started
-    for proc in reversed(started):
-        proc.stop()
-
-
 def gateway_yaml(etcd: EtcdServer, tls: str) -> str:
     return (
         f"discovery:\n  etcd: {{endpoints: ['{etcd.url}'], prefix: {PREFIX}, "

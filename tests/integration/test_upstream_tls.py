@@ -15,7 +15,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,14 +61,6 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     )
 
 
-@pytest.fixture
-def started() -> Iterator[list[Proc]]:
-    procs: list[Proc] = []
-    yield procs
-    for proc in reversed(procs):
-        proc.stop()
-
-
 def config_text(url: str, tls: str = "") -> str:
     return (
         f"auth: {{admin_token: {TOKEN}}}\n"
@@ -79,12 +70,12 @@ def config_text(url: str, tls: str = "") -> str:
     )
 
 
-def start_gateway(tmp_path: Path, text: str, started: list[Proc]) -> tuple[Proc, Path]:
+def start_gateway(tmp_path: Path, text: str, procs: list[Proc]) -> tuple[Proc, Path]:
     config, log = tmp_path / "gateway.yaml", tmp_path / "gateway.log"
     config.write_text(text)
     with log.open("a") as sink:
         gateway = start_isocost(["serve", "--config", str(config), "--port", "0"], stderr=sink)
-    started.append(gateway)
+    procs.append(gateway)
     return gateway, log
 
 
@@ -98,13 +89,13 @@ def row(gateway: Proc) -> dict[str, Any]:
 
 
 def test_https_replicas_are_verified_against_the_configured_ca(
-    pki: Pki, tmp_path: Path, started: list[Proc]
+    pki: Pki, tmp_path: Path, procs: list[Proc]
 ) -> None:
     upstream = start_fake_upstream(tls=pki.server)
-    started.append(upstream)
+    procs.append(upstream)
     assert upstream.url.startswith("https://")
     gateway, log = start_gateway(
-        tmp_path, config_text(upstream.url, f"upstream_tls: {{ca_file: {pki.ca}}}\n"), started
+        tmp_path, config_text(upstream.url, f"upstream_tls: {{ca_file: {pki.ca}}}\n"), procs
     )
     with client(gateway) as openai_client:
         answer = openai_client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
@@ -121,11 +112,11 @@ def test_https_replicas_are_verified_against_the_configured_ca(
 
 
 def test_a_replica_the_gateway_cannot_verify_is_an_error_not_a_traceback(
-    pki: Pki, tmp_path: Path, started: list[Proc]
+    pki: Pki, tmp_path: Path, procs: list[Proc]
 ) -> None:
     upstream = start_fake_upstream(tls=pki.server)
-    started.append(upstream)
-    gateway, log = start_gateway(tmp_path, config_text(upstream.url), started)  # system store
+    procs.append(upstream)
+    gateway, log = start_gateway(tmp_path, config_text(upstream.url), procs)  # system store
     with client(gateway) as refused, pytest.raises(openai.APIStatusError) as raised:
         refused.completions.create(model=MODEL, prompt="hi", max_tokens=2)
     assert raised.value.status_code in (502, 503)
@@ -142,15 +133,15 @@ def test_a_replica_the_gateway_cannot_verify_is_an_error_not_a_traceback(
 
 
 def test_mutual_tls_presents_the_configured_client_certificate(
-    pki: Pki, tmp_path: Path, started: list[Proc]
+    pki: Pki, tmp_path: Path, procs: list[Proc]
 ) -> None:
     upstream = start_fake_upstream(tls=[*pki.server, "--tls-client-ca", str(pki.client_ca)])
-    started.append(upstream)
+    procs.append(upstream)
     with_cert = (
         f"upstream_tls: {{ca_file: {pki.ca}, cert_file: {pki.client_cert}, "
         f"key_file: {pki.client_key}}}\n"
     )
-    gateway, _ = start_gateway(tmp_path, config_text(upstream.url, with_cert), started)
+    gateway, _ = start_gateway(tmp_path, config_text(upstream.url, with_cert), procs)
     with client(gateway) as presenting:
         answer = presenting.completions.create(model=MODEL, prompt="hi", max_tokens=2)
     assert answer.choices[0].text == "hello"
@@ -159,7 +150,7 @@ def test_mutual_tls_presents_the_configured_client_certificate(
     other, log = start_gateway(
         tmp_path / "other",
         config_text(upstream.url, f"upstream_tls: {{ca_file: {pki.ca}}}\n"),
-        started,
+        procs,
     )
     with client(other) as refused, pytest.raises(openai.APIStatusError) as raised:
         refused.completions.create(model=MODEL, prompt="hi", max_tokens=2)
