@@ -33,7 +33,7 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from gateway_harness import wait_for
+from gateway_harness import log_records, wait_for
 from processes import (
     ISOCOST,
     ROOT,
@@ -574,9 +574,7 @@ def test_kv_events_make_the_predicted_prefix_hit_the_one_vllm_reports(
     finally:
         gateway.process.stop()
     lines = [
-        line
-        for line in map(json.loads, gateway.process.log_path.read_text().splitlines())
-        if line.get("event") == "request"
+        line for line in log_records(gateway.process.log_path) if line.get("event") == "request"
     ]
     assert len(lines) == len(prompts) and all(line["status"] == 200 for line in lines)
     pairs = [(line["predicted_cached_tokens"], line["cached_tokens"]) for line in lines]
@@ -696,7 +694,7 @@ def test_clients_that_leave_mid_generation_free_vllm(
 
     # the gateway's own record of when it let each one go: its request log line
     def ended() -> list[dict[str, Any]]:
-        lines = map(json.loads, live.process.log_path.read_text().splitlines())
+        lines = log_records(live.process.log_path)
         return [
             line
             for line in lines
@@ -929,7 +927,7 @@ def _killed_under_load(
             f"{len(started_on_victim)} had started on it, {len(resumed)} streams resumed, "
             f"{sum(o.error is None for o in outcomes)} completed"
         )
-    events = [json.loads(line) for line in live.process.log_path.read_text().splitlines()]
+    events = log_records(live.process.log_path)
     seen = [e for e in events if e.get("event") in ("stream_resumed", "stream_error", "retry")]
     assert [o for o in outcomes if o.error is not None] == [], seen  # 0 lost, 0 cut
     assert any(o.streamed for o in started_on_victim)

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from etcd_server import ETCD, EtcdServer
-from gateway_harness import http, wait_for
+from gateway_harness import http, log_events, wait_for
 from isocost_procs import Proc, spawn_ready, start_gateway_with
 from kube_api import KubeApi
 from test_discovery_kubernetes import ADMIN, MODEL, NAMESPACE, SERVICE, healthy, rows
@@ -83,9 +83,7 @@ def served_by(gateway: Proc, requests: int) -> set[str]:
 
 def limit_events(tmp: Path) -> list[dict[str, Any]]:
     """The gateway's log lines about the bound, in order."""
-    lines = (tmp / "gateway.log").read_text().splitlines()
-    events = [json.loads(line) for line in lines if '"discovery_over_limit"' in line]
-    return [e for e in events if e.get("event") == "discovery_over_limit"]
+    return log_events(tmp / "gateway.log", "discovery_over_limit")
 
 
 def test_an_etcd_flood_past_the_bound_keeps_the_replicas_routed_to(

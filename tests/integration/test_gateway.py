@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from gateway_harness import gateway_config, http, wait_for
+from gateway_harness import gateway_config, http, log_records, wait_for
 from isocost_procs import ISOCOST, Proc, start_isocost
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -432,7 +432,7 @@ def test_metrics_and_logs(cluster: Cluster) -> None:
     ):
         assert series in text, series
     log = cluster.log.read_text()
-    entries = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+    entries = log_records(log)
     assert any(e.get("event") == "request" and e.get("key") == "team-a" for e in entries)
     assert all(e["predicted_ttft_ms"] > 0 for e in entries if e.get("event") == "request")
     assert API_KEY not in log and ADMIN_TOKEN not in log and secret_prompt not in log

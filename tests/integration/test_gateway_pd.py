@@ -18,7 +18,7 @@ from typing import Any
 
 import openai
 import pytest
-from gateway_harness import http, pd_gateway_config
+from gateway_harness import http, log_records, pd_gateway_config
 from isocost_procs import Proc, start_isocost
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -190,7 +190,7 @@ def test_gateway_serves_chat_and_completions_through_prefill_and_decode(fleet: F
     assert transfers[(("replica", d_name),)] >= 4
     prefills = metric_samples(fleet.gateway, "isocost_pd_prefill_seconds_count")
     assert prefills[(("replica", p_name),)] >= 4
-    log = [json.loads(line) for line in fleet.log.read_text().splitlines() if line[:1] == "{"]
+    log = log_records(fleet.log)
     split = [e for e in log if e.get("event") == "request" and e["disaggregated"]][-4:]
     assert [e["prefill_replica"] for e in split] == [p_name] * 4
     assert all(e["prefill_ms"] > 0 for e in split)
@@ -263,8 +263,7 @@ def test_prefill_replica_killed_mid_handoff_is_prefilled_again(
 
     failures = metric_samples(gateway, "isocost_pd_handoff_failures_total")
     assert failures == {(("pool", MODEL), ("stage", "transfer")): 1.0}
-    log = (tmp_path / "gateway.log").read_text().splitlines()
-    lines = [json.loads(line) for line in log if line.startswith("{")]
+    lines = log_records(tmp_path / "gateway.log")
     requests = [line for line in lines if line.get("event") == "request"]
     assert [(r["status"], r["disaggregated"], r["handoff_failures"]) for r in requests] == [
         (200, False, 1)

@@ -8,10 +8,10 @@ are answered as ever."""
 
 from __future__ import annotations
 
-import json
 import urllib.request
 from pathlib import Path
 
+from gateway_harness import log_events
 from isocost_procs import Proc
 from shadow_cluster import (
     MODEL,
@@ -81,6 +81,5 @@ def test_a_replay_past_its_time_limit_fails_and_requests_go_on(
     send_traffic(gateway, 4)  # answered as ever
     assert _metrics(gateway, "isocost_shadow_replays_total")['{outcome="failed"}'] >= 2
     assert shadow_status(gateway)["candidates"][0]["decisions"] == 8
-    lines = (tmp_path / "gateway.log").read_text().splitlines()
-    failed = [json.loads(line) for line in lines if '"event": "shadow_replay_failed"' in line]
+    failed = log_events(tmp_path / "gateway.log", "shadow_replay_failed")
     assert len(failed) >= 2 and "time limit" in failed[0]["error"]

@@ -27,7 +27,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from envoy_harness import ENVOY, Envoy, envoy_config, start_envoy
-from gateway_harness import gateway_config, http, wait_for
+from gateway_harness import gateway_config, http, log_records, wait_for
 from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from isocost_procs import Proc, free_port, start_isocost
@@ -510,8 +510,7 @@ def _log_events(stack: Stack, offset: int) -> list[dict[str, Any]]:
     """The picker's log lines written after byte ``offset``."""
     with stack.log.open("rb") as log:
         log.seek(offset)
-        lines = log.read().decode().splitlines()
-    return [json.loads(line) for line in lines if line[:1] == "{"]
+        return log_records(log.read().decode())
 
 
 def _no_tracebacks(events: list[dict[str, Any]]) -> None:
@@ -683,7 +682,7 @@ def test_a_failing_choice_is_served_by_its_fallback(tmp_path: Path) -> None:
             served.append(raw.headers["x-isocost-replica"])
         assert failing not in served, served
         fallbacks = _sample(own, 'isocost_retries_total{reason="fallback"}')
-        events = [json.loads(line) for line in own.log.read_text().splitlines() if line[:1] == "{"]
+        events = log_records(own.log)
         moved = [e for e in events if e.get("event") == "served_by_fallback"]
         assert fallbacks >= 1 and len(moved) == fallbacks, (moved, served)
         assert {e["replica"] for e in moved} == {failing}, moved

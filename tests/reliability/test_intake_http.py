@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import rawhttp
 from fake_upstream import start_fake_upstream
-from gateway_harness import gateway_config, http, wait_for
+from gateway_harness import gateway_config, http, log_records, wait_for
 from isocost_procs import Proc, start_isocost
 
 API_KEY = "sk-http-2d8c4f60"
@@ -159,7 +159,7 @@ def _soft_fd_limit(pid: int) -> tuple[str, str]:
 def test_the_soft_fd_limit_is_raised_to_the_hard_limit(setup: Setup) -> None:
     soft, hard = _soft_fd_limit(setup.patient.pid)
     assert soft == hard, (soft, hard)
-    entries = [json.loads(line) for line in setup.log.read_text().splitlines() if line]
+    entries = log_records(setup.log)
     assert any(e.get("event") == "fd_limit" and str(e.get("soft")) == soft for e in entries)
 
 

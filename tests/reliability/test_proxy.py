@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 from fake_upstream import received, set_mode, start_fake_upstream
-from gateway_harness import gateway_config, http, wait_for
+from gateway_harness import gateway_config, http, log_events, wait_for
 from isocost_procs import Proc, start_isocost
 
 MODEL = "llama-3.1-8b"
@@ -47,8 +47,7 @@ class Rig:
         return self.gateway.url
 
     def log_lines(self, event: str) -> list[dict[str, Any]]:
-        lines = [json.loads(line) for line in self.log.read_text().splitlines() if line]
-        return [line for line in lines if line.get("event") == event]
+        return log_events(self.log, event)
 
     def request_log(self, request_id: str) -> list[dict[str, Any]]:
         return [line for line in self.log_lines("request") if line["request_id"] == request_id]

@@ -111,18 +111,26 @@ def admin_replicas(url: str, token: str) -> list[dict[str, Any]]:
     return rows
 
 
-def log_events(log: Path, event: str) -> list[dict[str, Any]]:
-    """The records of ``event`` in an isocost JSON log (lines that are no JSON object,
-    as a line cut mid-write, are skipped)."""
+def log_records(text: str | Path) -> list[dict[str, Any]]:
+    """The records of an isocost JSON log (its text, or its path). Lines that are no JSON
+    object are skipped: a process still running may be halfway through writing the last
+    one when a test reads it."""
+    if isinstance(text, Path):
+        text = text.read_text()
     found = []
-    for line in log.read_text().splitlines():
+    for line in text.splitlines():
         try:
             record = json.loads(line)
         except ValueError:
             continue
-        if isinstance(record, dict) and record.get("event") == event:
+        if isinstance(record, dict):
             found.append(record)
     return found
+
+
+def log_events(log: Path, event: str) -> list[dict[str, Any]]:
+    """The records of ``event`` in an isocost JSON log (``log_records``)."""
+    return [record for record in log_records(log) if record.get("event") == event]
 
 
 def wait_for(
