@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -158,18 +159,26 @@ def test_a_port_that_does_not_speak_http_stops_before_the_run(behaviour: str, me
     assert message in str(raised.value) and "\n" not in str(raised.value)
 
 
-def test_an_enormous_line_mid_run_still_writes_the_summary(tmp_path: Path) -> None:
-    """The CLI end to end: the line used to escape as a traceback and lose the run."""
-    summary, records = tmp_path / "s.json", tmp_path / "r.jsonl"
-    with in_thread(hostile_app(["ok", "huge_line", "ok"])) as url:
+def bench_cli(script: list[str], tmp_path: Path, *extra: str) -> dict[str, Any]:
+    """``isocost bench`` (3 requests) against a hostile server playing ``script``: exit 0,
+    no traceback; the summary it wrote (``--json``)."""
+    summary = tmp_path / "s.json"
+    with in_thread(hostile_app(script)) as url:
         run = subprocess.run(
             [str(ISOCOST), "bench", "--url", url, "--workload", "mix", "--concurrency", "1",
              "--max-requests", "3", "--max-tokens", "2", "--max-prompt-tokens", "64",
-             "--timeout", "20", "--json", str(summary), "--records", str(records)],
+             "--timeout", "20", "--json", str(summary), *extra],
             capture_output=True, text=True, timeout=120, check=False,
         )  # fmt: skip
     assert run.returncode == 0, run.stderr
     assert "Traceback" not in run.stderr
-    written = json.loads(summary.read_text())
+    written: dict[str, Any] = json.loads(summary.read_text())
+    return written
+
+
+def test_an_enormous_line_mid_run_still_writes_the_summary(tmp_path: Path) -> None:
+    """The CLI end to end: the line used to escape as a traceback and lose the run."""
+    records = tmp_path / "r.jsonl"
+    written = bench_cli(["ok", "huge_line", "ok"], tmp_path, "--records", str(records))
     assert (written["completed"], written["errors_by_kind"]) == (2, {"bad_sse": 1})
     assert len(records.read_text().splitlines()) == 3

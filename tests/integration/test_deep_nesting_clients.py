@@ -9,8 +9,6 @@ a traceback instead of their one error line. Each now takes the path of other ba
 from __future__ import annotations
 
 import asyncio
-import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,12 +17,11 @@ import pytest
 from aiohttp import web
 from gateway_harness import serving
 from hostile_openai import DEEP, hostile_app, in_thread
-from test_bench_hostile_server import _bench, _options, _run
-from test_drill_hostile_server import drill_refused
-from test_profile_hostile_server import _measure
+from test_bench_hostile_server import _bench, _options, _run, bench_cli
+from test_drill_hostile_server import drill_error, drill_refused
+from test_profile_hostile_server import _measure, profile_refused
 
 from isocost.bench import BenchResult, EndpointError
-from isocost.drill import DrillError, DrillOptions, run_drill
 
 ISOCOST = Path(sys.executable).with_name("isocost")
 RECURSION = "maximum recursion depth"
@@ -55,17 +52,7 @@ def test_bench_takes_a_deep_model_listing_for_none() -> None:
 
 
 def test_the_bench_cli_counts_a_deep_answer_and_writes_the_summary(tmp_path: Path) -> None:
-    summary = tmp_path / "s.json"
-    with in_thread(hostile_app(["ok", "deep_nesting", "ok"])) as url:
-        run = subprocess.run(
-            [str(ISOCOST), "bench", "--url", url, "--workload", "mix", "--concurrency", "1",
-             "--max-requests", "3", "--max-tokens", "2", "--max-prompt-tokens", "64",
-             "--timeout", "20", "--json", str(summary)],
-            capture_output=True, text=True, timeout=120, check=False,
-        )  # fmt: skip
-    assert run.returncode == 0, run.stderr
-    assert "Traceback" not in run.stderr
-    written = json.loads(summary.read_text())
+    written = bench_cli(["ok", "deep_nesting", "ok"], tmp_path)
     assert (written["completed"], written["errors_by_kind"]) == (2, {"bad_json": 1})
 
 
@@ -77,15 +64,7 @@ def test_profile_ends_a_deep_answer_in_one_endpoint_error() -> None:
 
 
 def test_the_profile_cli_ends_a_deep_answer_in_one_line() -> None:
-    with in_thread(hostile_app(["deep_nesting"])) as url:
-        done = subprocess.run(
-            [str(ISOCOST), "profile", url, "--id", "x", "--cost-model", "llama-3.1-8b",
-             "--timeout", "5"],
-            capture_output=True, text=True, timeout=120, check=False,
-        )  # fmt: skip
-    assert done.returncode == 2, done.stderr
-    assert "not an OpenAI completion answer" in done.stderr, done.stderr
-    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+    assert "not an OpenAI completion answer" in profile_refused(["deep_nesting"])
 
 
 async def _deep_replicas() -> web.StreamResponse:
@@ -93,14 +72,8 @@ async def _deep_replicas() -> web.StreamResponse:
 
 
 def test_drill_ends_a_deep_replica_list_in_one_drill_error() -> None:
-    async def scenario() -> None:
-        async with serving(hostile_app(replicas=_deep_replicas)) as url:
-            await run_drill(url, [url], DrillOptions(fault="errors", admin_token="t"))
-
-    with pytest.raises(DrillError) as raised:
-        asyncio.run(scenario())
-    assert "not an isocost replica list" in str(raised.value)
-    assert RECURSION in str(raised.value)
+    error = drill_error(hostile_app(replicas=_deep_replicas))
+    assert "not an isocost replica list" in error and RECURSION in error
 
 
 def test_the_drill_cli_ends_a_deep_replica_list_in_one_line() -> None:

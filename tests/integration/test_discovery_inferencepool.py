@@ -58,6 +58,20 @@ def urls(gateway: Proc) -> dict[str, str]:
     return {name: row["url"] for name, row in rows(gateway).items()}
 
 
+def start_two_tiers(tmp_path: Path, kube: KubeApi, procs: list[Proc]) -> tuple[int, Proc]:
+    """Engines on 127.0.0.1 and 127.0.0.2 (one port), Pods ``pod-a`` (tier a) and
+    ``pod-b`` (tier b) over them, the pool selecting tier a, and a gateway following it."""
+    port = free_port()
+    start_engine(procs, "127.0.0.1", port)
+    start_engine(procs, "127.0.0.2", port)
+    kube.put_pool(NAMESPACE, POOL, match_labels={**VLLM, "tier": "a"}, ports=[port])
+    kube.put_pod(NAMESPACE, "pod-a", ip="127.0.0.1", labels={**VLLM, "tier": "a"},
+                 annotations=ANNOTATIONS)  # fmt: skip
+    kube.put_pod(NAMESPACE, "pod-b", ip="127.0.0.2", labels={**VLLM, "tier": "b"},
+                 annotations=ANNOTATIONS)  # fmt: skip
+    return port, start_gateway(tmp_path, kube, procs)
+
+
 def test_ready_pods_of_the_pool_join_with_their_annotations_and_leave_when_not_ready(
     tmp_path: Path, kube: KubeApi, procs: list[Proc]
 ) -> None:
@@ -102,15 +116,7 @@ def test_the_api_server_gone_under_load_leaves_the_pools_replicas_serving(
     """The API server goes away while requests flow: discovery is reported down, the last
     known Pods keep serving (every request answered), and what changed meanwhile (the
     pool's selector) is followed once it is back."""
-    port = free_port()
-    start_engine(procs, "127.0.0.1", port)
-    start_engine(procs, "127.0.0.2", port)
-    kube.put_pool(NAMESPACE, POOL, match_labels={**VLLM, "tier": "a"}, ports=[port])
-    kube.put_pod(NAMESPACE, "pod-a", ip="127.0.0.1", labels={**VLLM, "tier": "a"},
-                 annotations=ANNOTATIONS)  # fmt: skip
-    kube.put_pod(NAMESPACE, "pod-b", ip="127.0.0.2", labels={**VLLM, "tier": "b"},
-                 annotations=ANNOTATIONS)  # fmt: skip
-    gateway = start_gateway(tmp_path, kube, procs)
+    port, gateway = start_two_tiers(tmp_path, kube, procs)
     wait_for(lambda: healthy(gateway) == ["pod-a"], 15, "pod-a routable")
     statuses: list[int] = []
     stop = threading.Event()
@@ -171,15 +177,7 @@ def test_two_target_ports_are_two_replicas_per_pod_and_follow_the_pools_ports(
 def test_the_set_follows_the_pools_selector_and_the_pods_labels(
     tmp_path: Path, kube: KubeApi, procs: list[Proc]
 ) -> None:
-    port = free_port()
-    start_engine(procs, "127.0.0.1", port)
-    start_engine(procs, "127.0.0.2", port)
-    kube.put_pool(NAMESPACE, POOL, match_labels={**VLLM, "tier": "a"}, ports=[port])
-    kube.put_pod(NAMESPACE, "pod-a", ip="127.0.0.1", labels={**VLLM, "tier": "a"},
-                 annotations=ANNOTATIONS)  # fmt: skip
-    kube.put_pod(NAMESPACE, "pod-b", ip="127.0.0.2", labels={**VLLM, "tier": "b"},
-                 annotations=ANNOTATIONS)  # fmt: skip
-    gateway = start_gateway(tmp_path, kube, procs)
+    port, gateway = start_two_tiers(tmp_path, kube, procs)
     wait_for(lambda: healthy(gateway) == ["pod-a"], 15, "tier a only")
 
     kube.put_pool(NAMESPACE, POOL, match_labels={**VLLM, "tier": "b"}, ports=[port])

@@ -53,28 +53,30 @@ def _admin(body: Body, status: int = 200) -> tuple[web.Application, list[str]]:
 )
 def test_a_replica_list_of_the_wrong_shape_is_one_drill_error(body: Body, message: str) -> None:
     app, slot = _admin(body)
-
-    async def scenario() -> None:
-        async with serving(app) as url:
-            slot.append(url)
-            await run_drill(url, [url], DrillOptions(fault="errors", admin_token="t"))
-
-    with pytest.raises(DrillError) as raised:
-        asyncio.run(scenario())
-    assert message in str(raised.value)
+    assert message in drill_error(app, slot)
 
 
 def test_a_redirect_is_not_followed_with_the_admin_token() -> None:
     async def redirect() -> web.StreamResponse:
         return web.Response(status=302, headers={"location": "http://127.0.0.1:9/steal"})
 
+    error = drill_error(hostile_app(replicas=redirect))
+    assert "answered 302: redirects to http://127.0.0.1:9/steal (not followed)" in error
+
+
+def drill_error(app: web.Application, urls: list[str] | None = None) -> str:
+    """The ``DrillError`` a drill raises against ``app`` as its gateway and replica admin
+    (its URL appended to ``urls`` once it listens, for an app that names itself)."""
+
     async def scenario() -> None:
-        async with serving(hostile_app(replicas=redirect)) as url:
+        async with serving(app) as url:
+            if urls is not None:
+                urls.append(url)
             await run_drill(url, [url], DrillOptions(fault="errors", admin_token="t"))
 
     with pytest.raises(DrillError) as raised:
         asyncio.run(scenario())
-    assert "answered 302: redirects to http://127.0.0.1:9/steal (not followed)" in str(raised.value)
+    return str(raised.value)
 
 
 def drill_refused(url: str) -> str:

@@ -78,12 +78,18 @@ def test_cached_tokens_beyond_the_prompt_are_not_a_cache_hit() -> None:
 
 
 def test_the_cli_ends_a_bad_answer_in_one_line() -> None:
-    with in_thread(hostile_app(["choices_strings"])) as url:
+    assert "not an OpenAI completion answer" in profile_refused(["choices_strings"])
+
+
+def profile_refused(script: list[str]) -> str:
+    """``isocost profile`` against a hostile server playing ``script``: exit 2 and its one
+    error line, no traceback."""
+    with in_thread(hostile_app(script)) as url:
         done = subprocess.run(
             [str(ISOCOST), "profile", url, "--id", "x", "--cost-model", "llama-3.1-8b",
              "--timeout", "5"],
             capture_output=True, text=True, timeout=120, check=False,
         )  # fmt: skip
-    assert done.returncode == 2
-    assert "not an OpenAI completion answer" in done.stderr, done.stderr
+    assert done.returncode == 2, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+    return done.stderr.strip()
