@@ -105,8 +105,6 @@ def agent(
         fail(str(exc))
     if not endpoints:
         fail("--etcd: give at least one endpoint URL")
-    if etcd_key_file is not None and etcd_cert_file is None:
-        fail("--etcd-key-file: give --etcd-cert-file too: the key is for a certificate")
     try:
         etcd_tls = client_ssl(
             TlsConfig(etcd_ca_file, etcd_cert_file, etcd_key_file),

@@ -528,7 +528,6 @@ def _check(config: GatewayConfig, source: str, secrets: bool) -> None:
     _check_discovery(config.discovery, source)
     if config.state_bus is not None:
         check_state_bus(config.state_bus, source)
-    _check_tls(config.upstream_tls, source, "upstream_tls")
     auth = config.auth
     env = auth.admin_token_env
     if secrets and env is not None and env not in os.environ:
@@ -595,7 +594,6 @@ def _check_discovery(discovery: DiscoveryConfig, source: str) -> None:
                 normalize_replica_url(endpoint)
             except ValueError as exc:
                 raise ConfigError(source, str(exc), key=f"discovery.etcd.endpoints[{i}]") from None
-        _check_tls(etcd.tls, source, "discovery.etcd.tls")
         if not etcd.prefix.startswith("/"):
             raise ConfigError(source, "must start with /", key="discovery.etcd.prefix")
         for field in ("timeout_ms", "probe_interval_ms", "max_backoff_ms"):
@@ -630,13 +628,6 @@ def _check_inference_pool(kube: KubernetesDiscoveryConfig, source: str) -> None:
                 " pick the pods and their ports",
                 key=key,
             )
-
-
-def _check_tls(tls: TlsConfig, source: str, key: str) -> None:
-    if tls.key_file is not None and tls.cert_file is None:
-        raise ConfigError(
-            source, "give cert_file too: the key is for a certificate", key=f"{key}.key_file"
-        )
 
 
 REDIS_SCHEMES = ("redis", "rediss")  # the state bus's transports (runtime.bus_transport)

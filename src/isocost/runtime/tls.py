@@ -27,6 +27,9 @@ def client_ssl(tls: TlsConfig, source: str, named: Callable[[str], str]) -> ssl.
     }
     if not files:
         return True
+    if "key_file" in files and "cert_file" not in files:
+        message = f"give {named('cert_file')} too: the key is for a certificate"
+        raise ConfigError(source, message, key=named("key_file"))
     for field, path in files.items():
         try:
             Path(path).open("rb").close()
