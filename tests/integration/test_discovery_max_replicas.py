@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import base64
 import json
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from etcd_server import ETCD, EtcdServer
-from gateway_harness import http, log_events, wait_for
+from gateway_harness import http, log_events, metric_value, wait_for
 from isocost_procs import Proc, spawn_ready, start_gateway_with
 from kube_api import KubeApi
 from test_discovery_kubernetes import ADMIN, MODEL, NAMESPACE, SERVICE, healthy, rows
@@ -60,12 +59,7 @@ def names(gateway: Proc) -> list[str]:
 
 
 def gauge(gateway: Proc, series: str) -> float | None:
-    with urllib.request.urlopen(gateway.url + "/metrics", timeout=5) as response:
-        text = response.read().decode()
-    for line in text.splitlines():
-        if line.startswith(series + " "):
-            return float(line.rsplit(" ", 1)[1])
-    return None
+    return metric_value(gateway.url, series)
 
 
 def served_by(gateway: Proc, requests: int) -> set[str]:

@@ -29,25 +29,11 @@ from typing import Any
 import msgspec
 import openai
 import pytest
-from gateway_harness import http, wait_for
+from bus_servers import BUS_SERVERS, BusServer
+from gateway_harness import http, metric_value, wait_for
 from isocost_procs import ISOCOST, Proc, ready_urls, start_isocost
-from nats_server import NATS_SERVER, NatsServer
-from redis_server import REDIS_SERVER, RedisServer
 
 from isocost.runtime.bus import Batch, Cancel, Dispatch, Heartbeat
-
-BUS_SERVERS = [
-    pytest.param(
-        RedisServer,
-        id="redis",
-        marks=pytest.mark.skipif(REDIS_SERVER is None, reason="no redis-server (make redis)"),
-    ),
-    pytest.param(
-        NatsServer,
-        id="nats",
-        marks=pytest.mark.skipif(NATS_SERVER is None, reason="no nats-server (make nats)"),
-    ),
-]
 
 MODEL = "llama-3.1-8b"
 TOKEN = "bus-admin-7f3a"
@@ -58,7 +44,7 @@ PEER_TIMEOUT_MS = 800
 
 @dataclass
 class Cluster:
-    bus: RedisServer | NatsServer
+    bus: BusServer
     engines: list[str]
     config: Path
     procs: list[Proc] = field(default_factory=list)
@@ -123,12 +109,7 @@ def metrics_text(gateway: Proc) -> str:
 
 
 def metric(gateway: Proc, name: str) -> float | None:
-    """The value of the series ``name`` (with its labels as exposed, if any) on
-    ``gateway``'s /metrics."""
-    for line in metrics_text(gateway).splitlines():
-        if line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    return None
+    return metric_value(gateway.url, name)
 
 
 def rows(gateway: Proc) -> dict[str, dict[str, Any]]:

@@ -101,6 +101,17 @@ def http(
     return status, got, json.loads(raw) if raw else None
 
 
+def metric_value(url: str, series: str) -> float | None:
+    """The value of ``series`` on ``url``'s /metrics: a name, with its labels as the
+    exposition writes them where it has any; None when it is not there."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    for line in text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
 def admin_replicas(url: str, token: str) -> list[dict[str, Any]]:
     """The rows of a gateway's ``GET /admin/replicas`` (asserted answered)."""
     status, _, body = http(

@@ -151,7 +151,8 @@ def serve(
         if gateway_config.state_bus is None:
             log.warning(
                 "--workers without a state bus: each worker prices only its own dispatches"
-                " and the scrapes (give --state-bus to share in-flight)",
+                " and the scrapes, and holds its own copy of each API key's budgets"
+                " (give --state-bus to share both)",
                 extra={"event": "workers_unshared", "workers": workers},
             )
         serve_args = sys.argv[sys.argv.index("serve") + 1 :]

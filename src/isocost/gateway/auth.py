@@ -9,7 +9,8 @@ aiohttp hands on as surrogates) is a wrong key, never an encoding error.
 Budgets are token buckets refilled continuously: ``requests_per_minute`` buckets hold one
 minute's worth and each request takes one; ``tokens_per_minute`` buckets are charged the
 prompt estimate plus ``max_tokens`` up front. A request that finds its bucket short is
-refused with the seconds until it would fit (``Retry-After``). The clock is passed in.
+refused with the seconds until it would fit (``Retry-After``). What other gateways charged
+the same key (the state bus) is spent here after the fact. The clock is passed in.
 """
 
 from __future__ import annotations
@@ -32,11 +33,22 @@ class TokenBucket:
         self.level = per_minute
         self.updated_at = now
 
+    def level_at(self, now: float) -> float:
+        """What the bucket holds at ``now`` (below 0 while spends made after the fact, or
+        by other gateways, are being paid back)."""
+        return min(self.capacity, self.level + (now - self.updated_at) * self.rate_per_s)
+
+    def charge_for(self, amount: float) -> float:
+        """What ``take`` takes for ``amount``: a request larger than the bucket waits for
+        a full bucket once and takes it, rather than never fitting."""
+        return min(amount, self.capacity)
+
     def take(self, amount: float, now: float) -> float:
-        """Take ``amount`` and return 0, or take nothing and return the seconds to wait."""
-        self.level = min(self.capacity, self.level + (now - self.updated_at) * self.rate_per_s)
+        """Take ``charge_for(amount)`` and return 0, or take nothing and return the
+        seconds to wait."""
+        self.level = self.level_at(now)
         self.updated_at = now
-        need = min(amount, self.capacity)  # a single request larger than the bucket waits once
+        need = self.charge_for(amount)
         if self.level >= need:
             self.level -= need
             return 0.0
@@ -44,8 +56,9 @@ class TokenBucket:
 
     def spend(self, amount: float, now: float) -> None:
         """Take ``amount`` after the fact, even below empty: what a request used but could
-        not be charged up front (an uncapped answer) delays the key's next requests."""
-        self.level = min(self.capacity, self.level + (now - self.updated_at) * self.rate_per_s)
+        not be charged up front (an uncapped answer), or what another gateway charged the
+        same key, delays the key's next requests."""
+        self.level = self.level_at(now)
         self.updated_at = now
         self.level -= amount
 
@@ -77,6 +90,7 @@ class Authenticator:
     def __init__(self, config: AuthConfig, now: float) -> None:
         self.config = config
         self.keys: list[ApiKey] = []
+        self._by_name: dict[str, ApiKey] = {}
         for entry in config.api_keys:
             secret = entry.key if entry.key is not None else os.environ[entry.key_env or ""]
             self.keys.append(
@@ -91,6 +105,7 @@ class Authenticator:
                     else TokenBucket(entry.tokens_per_minute, now),
                 )
             )
+            self._by_name[entry.name] = self.keys[-1]
         admin = config.admin_token
         if admin is None and config.admin_token_env is not None:
             admin = os.environ[config.admin_token_env]
@@ -120,6 +135,10 @@ class Authenticator:
             if hmac.compare_digest(candidate, key.secret):
                 found = key
         return found
+
+    def named(self, name: str) -> ApiKey | None:
+        """The key configured as ``name`` (names are unique: ``parse_config``)."""
+        return self._by_name.get(name)
 
     def is_admin(self, token: str | None) -> bool:
         if self._admin is None or token is None:

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from typing import Protocol
 
 from aiohttp import web
 
@@ -35,6 +36,7 @@ __all__ = [
     "CLIENT_HEADERS",
     "Intake",
     "Rejection",
+    "SpendListener",
     "defer_continue",
 ]
 
@@ -67,6 +69,13 @@ class Rejection(ApiError):
         self.reason = reason
 
 
+class SpendListener(Protocol):
+    """Hears what this gateway charged to a key's budgets (the state bus, which tells the
+    other gateways)."""
+
+    def spent(self, key: str, *, requests: int = 0, tokens: int = 0) -> None: ...
+
+
 class Intake:
     """Auth, limits and the routing view of client requests; see the module docstring."""
 
@@ -78,6 +87,31 @@ class Intake:
         self.limits = config.limits
         self.auth = Authenticator(config.auth, now)
         self.listen = ListenAddress()
+        self.spends: SpendListener | None = None
+
+    def charge_peer(self, key_name: str, requests: int, tokens: int, now: float) -> bool:
+        """Spend what another gateway charged ``key_name``; False when no key has that
+        name here (the gateways' configs differ)."""
+        key = self.auth.named(key_name)
+        if key is None:
+            return False
+        if key.requests is not None and requests > 0:
+            key.requests.spend(requests, now)
+        if key.tokens is not None and tokens > 0:
+            key.tokens.spend(tokens, now)
+        return True
+
+    def budget_levels(self, now: float) -> Iterator[tuple[str, str, float]]:
+        """(key name, ``requests`` or ``tokens``, what its bucket holds) for every budget."""
+        for key in self.auth.keys:
+            if key.requests is not None:
+                yield key.name, "requests", key.requests.level_at(now)
+            if key.tokens is not None:
+                yield key.name, "tokens", key.tokens.level_at(now)
+
+    def _spent(self, key: ApiKey, *, requests: int = 0, tokens: int = 0) -> None:
+        if self.spends is not None:
+            self.spends.spent(key.name, requests=requests, tokens=tokens)
 
     def configure(self, config: GatewayConfig, now: float) -> None:
         """Take a reloaded config's limits and keys; unchanged keys keep their budgets."""
@@ -102,9 +136,10 @@ class Intake:
         run to the model's context. Capped requests paid prompt + cap up front."""
         if request.view.max_tokens is not None or request.key_name is None:
             return
-        key = next((k for k in self.auth.keys if k.name == request.key_name), None)
+        key = self.auth.named(request.key_name)
         if key is not None and key.tokens is not None and output_tokens > 0:
             key.tokens.spend(output_tokens, now)
+            self._spent(key, tokens=output_tokens)
 
     async def prepare(self, http: web.Request, *, chat: bool) -> tuple[bytes, GatewayRequest]:
         """Auth, limits and the routing view; ApiError for anything refused here."""
@@ -151,6 +186,7 @@ class Intake:
                     code="rate_limit_exceeded",
                     retry_after_s=wait_s,
                 )
+            self._spent(key, requests=1)
         return key
 
     async def routing_request(
@@ -201,7 +237,8 @@ class Intake:
                 param=summary.max_tokens_param,
             )
         if key is not None and key.tokens is not None:
-            wait_s = key.tokens.take(summary.prompt_tokens + (cap or 0), arrived_at)
+            asked = summary.prompt_tokens + (cap or 0)
+            wait_s = key.tokens.take(asked, arrived_at)
             if wait_s:
                 raise Rejection(
                     "key_tokens_per_minute",
@@ -210,6 +247,7 @@ class Intake:
                     code="rate_limit_exceeded",
                     retry_after_s=wait_s,
                 )
+            self._spent(key, tokens=round(key.tokens.charge_for(asked)))
         view = await routing_view(summary, self.block_tokens, pool.tokenizer)
         return GatewayRequest.from_headers(
             headers,

@@ -119,6 +119,7 @@ class Gateway:
             queue_timeout_s=config.limits.queue_timeout_ms / 1000,
         )
         self.intake = Intake(config, self.pools, self.router.block_tokens, time.monotonic())
+        self.metrics.track_key_budgets(lambda: self.intake.budget_levels(time.monotonic()))
         self.started_at = time.monotonic()
         self.draining = False  # shutting down: readiness fails, in-flight requests finish
         self._watcher: asyncio.Task[None] | None = None
@@ -492,11 +493,22 @@ class Gateway:
         from isocost.runtime.bus import StateBus
 
         lag = self.metrics.state_bus_lag()
-        bus = StateBus(config, self.router, on_divergence=self._show_divergence, on_lag=lag.observe)
+        bus = StateBus(
+            config,
+            self.router,
+            on_divergence=self._show_divergence,
+            on_lag=lag.observe,
+            on_spend=self._peer_spent,
+        )
         self.router.bus = bus
+        self.intake.spends = bus
         self.metrics.track_state_bus(lambda: float(bool(bus.up)), lambda: len(bus.views.peers))
         for name, loop in bus.loops():
             self._bus_tasks.append(supervise(name, loop, self.metrics.task_failures))
+
+    def _peer_spent(self, key_name: str, requests: int, tokens: int) -> bool:
+        """A peer gateway charged ``key_name``: so does this one (one budget across them)."""
+        return self.intake.charge_peer(key_name, requests, tokens, time.monotonic())
 
     def _show_divergence(self, divergence: Mapping[str, float]) -> None:
         self.view_divergence = dict(divergence)

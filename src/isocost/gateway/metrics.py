@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 __all__ = ["GatewayMetrics"]
 
@@ -326,6 +328,11 @@ class GatewayMetrics:
                 registry=r,
             ).set_function(functools.partial(total, name))
 
+    def track_key_budgets(self, levels: Callable[[], Iterable[tuple[str, str, float]]]) -> None:
+        """Export what each API key's budgets hold, read at scrape time: the keys change
+        with the config, and a bucket refills between scrapes."""
+        self.registry.register(_BudgetCollector(levels))
+
     def track_state_bus(self, up: Callable[[], float], peers: Callable[[], float]) -> None:
         """Export the state bus's health (only gateways that have one)."""
         r = self.registry
@@ -339,3 +346,26 @@ class GatewayMetrics:
             "Other gateways heard on the state bus within its peer timeout.",
             registry=r,
         ).set_function(peers)
+
+
+class _BudgetCollector(Collector):
+    def __init__(self, levels: Callable[[], Iterable[tuple[str, str, float]]]) -> None:
+        self._levels = levels
+
+    def describe(self) -> Iterable[GaugeMetricFamily]:
+        return [self._family()]
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = self._family()
+        for key, budget, level in self._levels():
+            family.add_metric([key, budget], level)
+        yield family
+
+    @staticmethod
+    def _family() -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            "isocost_api_key_budget_remaining",
+            "What an API key's requests_per_minute or tokens_per_minute bucket holds now"
+            " (below 0 while spends made after the fact or by peer gateways are repaid).",
+            labels=["key", "budget"],
+        )

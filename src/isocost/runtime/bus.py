@@ -1,13 +1,17 @@
 """The shared-state bus: several gateways, one view of every replica's in-flight work.
 
 Each gateway publishes what it does to the replicas (``Dispatch``, ``FirstToken``,
-``Tokens``: the output streamed since its last message, ``Complete``, ``Cancel``) and,
-every ``heartbeat_ms``, a ``Heartbeat`` with the in-flight count it sees per replica.
+``Tokens``: the output streamed since its last message, ``Complete``, ``Cancel``), what it
+charged to API keys' budgets (``Spend``, summed per key per message) and, every
+``heartbeat_ms``, a ``Heartbeat`` with the in-flight count it sees per replica.
 Peers apply those events to their own ``ReplicaSet`` as foreign in-flight through the very
 hooks local traffic takes (``ForeignSink``: ``on_dispatch``, ``on_first_token``,
 ``on_tokens``, ``on_complete``), so a peer's request is priced, queued against and
 prefix-matched exactly like one's own, and the scrape merge counts it as known load rather
-than as unexplained foreign load.
+than as unexplained foreign load. A peer's ``Spend`` is charged to the key of that name
+here too (``on_spend``), so a key's budget holds across the gateways rather than once per
+gateway; a lost one is not replayed, and while the bus is down each gateway enforces the
+budgets on its own traffic alone.
 
 The transport is Redis pub/sub or NATS core (``runtime.bus_transport``, by the URL's
 scheme), on one channel or subject: fire and forget, one hop on loopback, no storage to
@@ -68,6 +72,7 @@ __all__ = [
     "ForeignSink",
     "Heartbeat",
     "PeerViews",
+    "Spend",
     "StateBus",
     "Tokens",
 ]
@@ -81,12 +86,15 @@ _MAX_LAG_S = 60.0  # a send time further from now is a wrong clock or junk, not 
 MAX_TOKENS = 1 << 24  # any token count: above every model's context, far below overflow
 MAX_IN_FLIGHT = 1 << 16  # requests one gateway can see on one replica
 MAX_PEERS = 256  # other gateways on one channel; more are refused, not tracked
+MAX_SPEND = 1 << 48  # a key's charge in one message: requests or tokens of a whole batch
 
 # Bounds the decoder checks: a value outside fails the whole message (``StateBus.receive``).
 _Tokens = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]
 _InFlight = Annotated[int, msgspec.Meta(ge=0, le=MAX_IN_FLIGHT)]
 # No "/": a peer's request is known here as "<gateway>/<id>", which must name one request.
 _GatewayId = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern="^[^/]+$")]
+_Spent = Annotated[int, msgspec.Meta(ge=0, le=MAX_SPEND)]
+_KeyName = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 
 
 class Dispatch(msgspec.Struct, tag="d", array_like=True, frozen=True):
@@ -129,6 +137,15 @@ class Cancel(msgspec.Struct, tag="x", array_like=True, frozen=True):
     request_id: str
 
 
+class Spend(msgspec.Struct, tag="s", array_like=True, frozen=True):
+    """What the sender charged to the API key named ``key`` since its last message: the
+    requests it let through and the tokens it took from the key's token budget."""
+
+    key: _KeyName
+    requests: _Spent
+    tokens: _Spent
+
+
 class Heartbeat(msgspec.Struct, tag="h", array_like=True, frozen=True):
     """The sender is alive; ``in_flight``: the requests it sees per replica (its own and
     its peers'), against which a receiver measures its view divergence."""
@@ -136,7 +153,7 @@ class Heartbeat(msgspec.Struct, tag="h", array_like=True, frozen=True):
     in_flight: dict[str, _InFlight]
 
 
-Event = Dispatch | FirstToken | Tokens | Complete | Cancel | Heartbeat
+Event = Dispatch | FirstToken | Tokens | Complete | Cancel | Spend | Heartbeat
 
 
 class Batch(msgspec.Struct, array_like=True, frozen=True):
@@ -164,7 +181,8 @@ class ForeignSink(Protocol):
     def foreign_rejected(self, reason: str) -> None:
         """A message or event dropped unapplied: ``undecodable`` (not MessagePack),
         ``invalid`` (not a batch, or a value out of bounds), ``duplicate`` (a request
-        already in flight) or ``too_many_peers``."""
+        already in flight), ``unknown_key`` (a spend on an API key not configured here)
+        or ``too_many_peers``."""
         ...
 
     def foreign_gap(self) -> None:
@@ -205,9 +223,19 @@ class _Throttle:
         log.warning(message, extra={"event": event, "unlogged": unlogged, **fields})
 
 
+SpendSink = Callable[[str, int, int], bool]
+"""Charges a peer's ``Spend`` (key name, requests, tokens) to the key here; False when no
+key of that name is configured here."""
+
+
+def _no_budgets(key: str, requests: int, tokens: int) -> bool:
+    return False
+
+
 class PeerViews:
-    """Applies peers' batches to a ``ForeignSink``; expires silent peers and drops those
-    whose sequence jumps (no I/O: the clock comes in as ``now``)."""
+    """Applies peers' batches to a ``ForeignSink`` (and their spends to ``on_spend``);
+    expires silent peers and drops those whose sequence jumps (no I/O: the clock comes in
+    as ``now``)."""
 
     def __init__(
         self,
@@ -216,9 +244,11 @@ class PeerViews:
         peer_timeout_s: float,
         *,
         max_peers: int = MAX_PEERS,
+        on_spend: SpendSink = _no_budgets,
     ) -> None:
         self.gateway_id = gateway_id
         self.sink = sink
+        self.on_spend = on_spend
         self.peer_timeout_s = peer_timeout_s
         self.max_peers = max_peers
         self.peers: dict[str, _Peer] = {}
@@ -282,6 +312,10 @@ class PeerViews:
             own = in_flight_view(sink.replicas)
             peer.gaps = {r: float(abs(n - event.in_flight.get(r, 0))) for r, n in own.items()}
             self.divergence_changed = True
+            return
+        if isinstance(event, Spend):
+            if not self.on_spend(event.key, event.requests, event.tokens):
+                self.reject("unknown_key", now, f"no API key named {event.key!r} here")
             return
         request_id = f"{gateway}/{event.request_id}"  # unique across gateways
         if isinstance(event, Dispatch):
@@ -389,16 +423,18 @@ class StateBus:
         *,
         on_divergence: Callable[[dict[str, float]], None],
         on_lag: Callable[[float], None],
+        on_spend: SpendSink = _no_budgets,
     ) -> None:
         self.config = config
         self.heartbeat_s = config.heartbeat_ms / 1000
         self.peer_timeout_s = config.peer_timeout_ms / 1000
         self.gateway_id = uuid.uuid4().hex[:12]
-        self.views = PeerViews(self.gateway_id, sink, self.peer_timeout_s)
+        self.views = PeerViews(self.gateway_id, sink, self.peer_timeout_s, on_spend=on_spend)
         self.up: bool | None = None  # None: not tried yet
         self._on_divergence, self._on_lag = on_divergence, on_lag
         self._pending: list[Event] = []
         self._streamed: dict[str, int] = {}  # tokens per request since the last message
+        self._spent: dict[str, list[int]] = {}  # [requests, tokens] per key since then
         self._wanted = asyncio.Event()
         self._seq = 0
         self._heard_s = -float("inf")  # when the last message, ours included, came
@@ -436,6 +472,15 @@ class StateBus:
     def ended(self, request_id: str, *, ok: bool, output_tokens: int | None) -> None:
         self._streamed.pop(request_id, None)  # its end says how many it made
         self._publish(Complete(request_id, output_tokens) if ok else Cancel(request_id))
+
+    def spent(self, key: str, *, requests: int = 0, tokens: int = 0) -> None:
+        """This gateway charged ``requests`` and ``tokens`` to ``key``'s budgets; summed
+        per key into one ``Spend`` per message."""
+        if self.up and (requests > 0 or tokens > 0):
+            totals = self._spent.setdefault(key, [0, 0])
+            totals[0] += requests
+            totals[1] += tokens
+            self._wanted.set()
 
     def _publish(self, event: Event) -> None:
         if self.up:  # while down peers drop all of ours anyway
@@ -516,7 +561,9 @@ class StateBus:
             self._wanted.clear()
             events, self._pending = self._pending, []
             events += [Tokens(request_id, count) for request_id, count in self._streamed.items()]
+            events += [Spend(key, *totals) for key, totals in self._spent.items()]
             self._streamed.clear()
+            self._spent.clear()
             if not events:
                 continue
             self._seq += 1
@@ -556,12 +603,14 @@ class StateBus:
         self.views.drop_all()
         self._pending.clear()
         self._streamed.clear()
+        self._spent.clear()
         self.show_divergence()
         if self.up is False:
             return
         self.up = False
         log.warning(
-            "state bus down: serving on scrapes alone until it returns",
+            "state bus down: serving on scrapes alone, and API key budgets on this"
+            " gateway's own traffic, until it returns",
             extra={"event": "bus_down", "url": redacted(self.config.url), "error": error},
         )
 

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+
 import pytest
 
 from isocost.gateway.auth import Authenticator, TokenBucket, bearer_token
-from isocost.runtime.config import ApiKeyConfig, AuthConfig
+from isocost.gateway.intake import Intake, Rejection
+from isocost.gateway.routing import GatewayRequest
+from isocost.gateway.upstreams import Pool
+from isocost.runtime.config import ApiKeyConfig, AuthConfig, GatewayConfig
 
 
 def test_bucket_refuses_with_the_wait_then_refills() -> None:
@@ -68,3 +74,77 @@ def test_spending_after_the_fact_goes_below_empty_and_delays_the_next_take() -> 
     bucket.spend(100, now=0.0)  # an uncapped answer's output, charged once known
     assert bucket.take(1, now=0.0) == pytest.approx(41.0)  # 40 below empty, then 1 more
     assert bucket.take(1, now=41.0) == 0.0
+
+
+def test_a_bucket_level_refills_to_the_capacity_without_being_taken() -> None:
+    bucket = TokenBucket(per_minute=60, now=0.0)
+    bucket.spend(90, now=0.0)
+    assert bucket.level_at(10.0) == pytest.approx(-20.0)
+    assert bucket.level_at(10.0) == pytest.approx(-20.0)  # reading it takes nothing
+    assert bucket.level_at(1000.0) == 60.0
+
+
+class Spends:
+    """The state bus's side of the intake: what it was told this gateway charged."""
+
+    def __init__(self) -> None:
+        self.heard: list[tuple[str, int, int]] = []
+
+    def spent(self, key: str, *, requests: int = 0, tokens: int = 0) -> None:
+        self.heard.append((key, requests, tokens))
+
+
+MODEL = "llama-3.1-8b"
+KEYED = {"Authorization": "Bearer secret-a"}
+
+
+def keyed_intake(**budgets: int) -> Intake:
+    config = GatewayConfig(
+        auth=AuthConfig(api_keys=[ApiKeyConfig(name="team-a", key="secret-a", **budgets)])
+    )
+    return Intake(config, {MODEL: Pool(MODEL, "round_robin")}, block_tokens=16, now=0.0)
+
+
+def completion(intake: Intake, max_tokens: int | None) -> GatewayRequest:
+    """One chat completion through the intake's checks, as the gateway makes them."""
+    key = intake.check_headers(KEYED, 0.0)
+    body: dict[str, object] = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    return asyncio.run(
+        intake.routing_request(json.dumps(body).encode(), KEYED, chat=True, key=key, arrived_at=0.0)
+    )
+
+
+def test_what_the_intake_charges_a_key_is_told_to_the_peers() -> None:
+    intake = keyed_intake(requests_per_minute=60, tokens_per_minute=600)
+    spends = intake.spends = Spends()
+    request = completion(intake, max_tokens=100)
+    prompt = request.view.prompt_tokens
+    assert spends.heard == [("team-a", 1, 0), ("team-a", 0, prompt + 100)]
+    with pytest.raises(Rejection, match="tokens per minute"):
+        completion(intake, max_tokens=550)  # over what is left: charged nothing
+    assert spends.heard[-1] == ("team-a", 1, 0)  # the request budget it did pass
+    uncapped = completion(intake, max_tokens=None)
+    intake.charge_output(uncapped, 70, now=0.0)  # its output, once known
+    assert spends.heard[-3:] == [("team-a", 1, 0), ("team-a", 0, prompt), ("team-a", 0, 70)]
+
+
+def test_a_request_over_the_bucket_charges_and_tells_the_capacity() -> None:
+    intake = keyed_intake(tokens_per_minute=50)
+    spends = intake.spends = Spends()
+    completion(intake, max_tokens=1000)
+    assert spends.heard == [("team-a", 0, 50)]  # what the peers must take: what was taken
+
+
+def test_a_peer_spend_delays_this_gateway_and_shows_in_the_levels() -> None:
+    intake = keyed_intake(requests_per_minute=4, tokens_per_minute=10_000)
+    assert intake.charge_peer("team-a", 4, 2_000, now=0.0)
+    assert not intake.charge_peer("team-z", 1, 1, now=0.0)  # not a key here
+    with pytest.raises(Rejection, match="requests per minute") as refused:
+        intake.check_headers(KEYED, 0.0)
+    assert refused.value.retry_after_s == pytest.approx(15.0)  # one request's refill
+    assert dict(((k, b), v) for k, b, v in intake.budget_levels(0.0)) == {
+        ("team-a", "requests"): pytest.approx(0.0),
+        ("team-a", "tokens"): pytest.approx(8_000.0),
+    }

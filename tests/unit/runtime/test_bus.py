@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 
 import msgspec
 import pytest
@@ -25,6 +26,7 @@ from isocost.runtime.bus import (
     FirstToken,
     Heartbeat,
     PeerViews,
+    Spend,
     StateBus,
     Tokens,
 )
@@ -149,9 +151,32 @@ def test_divergence_is_taken_as_each_heartbeat_lands() -> None:
 
 def test_batches_survive_the_wire() -> None:
     events = (dispatch("r1"), FirstToken("r1"), Tokens("r1", 4), Complete("r1", 9))
-    sent = batch("a", 3, *events, Heartbeat({"x": 2}))
+    sent = batch("a", 3, *events, Spend("team-a", 2, 900), Heartbeat({"x": 2}))
     wire = msgspec.msgpack.encode(sent)
     assert msgspec.msgpack.decode(wire, type=Batch) == sent
+
+
+def test_a_peer_spend_is_charged_and_one_on_an_unknown_key_is_counted() -> None:
+    target = router()
+    charged: list[tuple[str, int, int]] = []
+
+    def on_spend(key: str, requests: int, tokens: int) -> bool:
+        charged.append((key, requests, tokens))
+        return key == "team-a"
+
+    views = PeerViews("me", target, TIMEOUT_S, on_spend=on_spend)
+    views.apply(batch("a", 1, Spend("team-a", 3, 1200), Spend("team-z", 1, 5)), now=0.0)
+    views.apply(batch("me", 1, Spend("team-a", 9, 9)), now=0.0)  # our own: charged already
+    assert charged == [("team-a", 3, 1200), ("team-z", 1, 5)]
+    rejected = target.metrics.state_bus_rejected.labels("unknown_key")._value.get()
+    assert rejected == 1  # the configs differ: visible, and nothing else is dropped
+
+
+@pytest.mark.parametrize("spend", [[["s", "k", -1, 0]], [["s", "", 1, 0]], [["s", "k", 1, 2**60]]])
+def test_a_spend_out_of_bounds_fails_its_whole_message(spend: list[object]) -> None:
+    wire = msgspec.msgpack.encode(["a", 1, 1.8e9, spend])
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.decode(wire, type=Batch)
 
 
 def test_state_bus_config_defaults_and_errors() -> None:
@@ -209,16 +234,22 @@ def test_a_cancellation_the_redis_client_swallows_still_stops_the_publisher() ->
     asyncio.run(run())
 
 
-def test_streamed_tokens_go_summed_per_request_after_its_first_token() -> None:
-    class CapturingClient:
-        def __init__(self) -> None:
-            self.sent: list[Batch] = []
-            self.arrived = asyncio.Event()
+class CapturingClient:
+    """A transport that keeps what is published."""
 
-        async def publish(self, channel: str, payload: bytes) -> int:
-            self.sent.append(msgspec.msgpack.decode(payload, type=Batch))
-            self.arrived.set()
-            return 1
+    def __init__(self) -> None:
+        self.sent: list[Batch] = []
+        self.arrived = asyncio.Event()
+
+    async def publish(self, channel: str, payload: bytes) -> int:
+        self.sent.append(msgspec.msgpack.decode(payload, type=Batch))
+        self.arrived.set()
+        return 1
+
+
+def published(before_up: Callable[[StateBus], None], up: Callable[[StateBus], None]) -> Batch:
+    """The one message the publisher sends after ``before_up`` ran on a bus not yet up
+    and ``up`` on the bus up."""
 
     async def run() -> list[Batch]:
         bus = StateBus(
@@ -229,12 +260,9 @@ def test_streamed_tokens_go_summed_per_request_after_its_first_token() -> None:
         )
         client = CapturingClient()
         bus._transport = client  # type: ignore[assignment]
+        before_up(bus)
         bus.up = True
-        bus.streamed("r1", 3, first=True)
-        bus.streamed("r1", 4, first=False)
-        bus.streamed("r2", 2, first=False)
-        bus.streamed("r3", 5, first=False)
-        bus.ended("r3", ok=True, output_tokens=9)  # its end carries the count
+        up(bus)
         task = asyncio.create_task(bus.publish())
         await client.arrived.wait()
         task.cancel()
@@ -242,5 +270,28 @@ def test_streamed_tokens_go_summed_per_request_after_its_first_token() -> None:
         return client.sent
 
     (sent,) = asyncio.run(run())
+    return sent
+
+
+def test_streamed_tokens_go_summed_per_request_after_its_first_token() -> None:
+    def stream(bus: StateBus) -> None:
+        bus.streamed("r1", 3, first=True)
+        bus.streamed("r1", 4, first=False)
+        bus.streamed("r2", 2, first=False)
+        bus.streamed("r3", 5, first=False)
+        bus.ended("r3", ok=True, output_tokens=9)  # its end carries the count
+
+    sent = published(lambda bus: None, stream)
     assert sent.seq == 1
     assert sent.events == [FirstToken("r1"), Complete("r3", 9), Tokens("r1", 6), Tokens("r2", 2)]
+
+
+def test_spends_go_summed_per_key_and_none_while_the_bus_is_down() -> None:
+    def spend(bus: StateBus) -> None:
+        bus.spent("team-a", requests=1)
+        bus.spent("team-a", tokens=300)
+        bus.spent("team-b", requests=1, tokens=40)
+        bus.spent("team-b")  # nothing charged: no event
+
+    sent = published(lambda bus: bus.spent("team-a", requests=1), spend)  # down: nobody hears
+    assert sent.events == [Spend("team-a", 1, 300), Spend("team-b", 1, 40)]
