@@ -25,7 +25,7 @@ from aiohttp import web
 from isocost.gateway.auth import ApiKey, Authenticator, bearer_token
 from isocost.gateway.body import routing_view, summarize
 from isocost.gateway.loops import ListenAddress, hops
-from isocost.gateway.routing import GatewayRequest
+from isocost.gateway.routing import FAIRNESS_HEADER, GatewayRequest
 from isocost.gateway.upstreams import Pool
 from isocost.openai.errors import ApiError
 from isocost.openai.http import UNREADABLE, refuse_expectation, send_continue, unreadable
@@ -48,6 +48,7 @@ CLIENT_HEADERS = (
     "x-priority",
     "x-deadline-ms",
     "x-tpot-ms",
+    FAIRNESS_HEADER,
 )
 
 

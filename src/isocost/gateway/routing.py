@@ -10,15 +10,16 @@ and one ``Policy`` per pool; it never scores replicas itself. For each attempt i
   the shadow state takes it to start at its predicted prefill end, when a timer wakes the
   queue.
 * QUEUE: every eligible replica is at its queue cap; the request waits in the pool's
-  ``dispatch.Dispatcher`` (the simulator's discipline: priority, then deadline, then
-  arrival) and is scheduled again, in that order, when a replica frees a slot, comes back
-  or a scrape shows room (late binding); an admitted one passes the turn to the next, so a
-  freed burst of capacity drains the queue, and one that still finds every replica full
-  keeps its place. It waits until its deadline (429) or ``limits.queue_timeout_ms`` (503,
-  both ``queue_timeout``; 429 ``deadline`` when a wake finds its deadline passed); a full
-  queue refuses the least urgent request (429 ``queue_full``). The dispatcher binds the
-  request (``on_dispatch``) inside the wake and resolves the waiting attempt's future with
-  its ``Grant``; a client that leaves cancels that future, which leaves the queue at once.
+  ``dispatch.Dispatcher`` (the simulator's discipline: priority, then deadline, then its
+  flow's fair turn, then arrival) and is scheduled again, in that order, when a replica
+  frees a slot, comes back or a scrape shows room (late binding); an admitted one passes
+  the turn to the next, so a freed burst of capacity drains the queue, and one that still
+  finds every replica full keeps its place. It waits until its deadline (429) or
+  ``limits.queue_timeout_ms`` (503, both ``queue_timeout``; 429 ``deadline`` when a wake
+  finds its deadline passed); a full queue refuses the least urgent request (429
+  ``queue_full``). The dispatcher binds the request (``on_dispatch``) inside the wake and
+  resolves the waiting attempt's future with its ``Grant``; a client that leaves cancels
+  that future, which leaves the queue at once.
   A request that SLO admission holds (QUEUE with ``held``: it would meet its deadline,
   but no replica can take it yet without pushing the streams there past the TPOT
   target) waits the same way, apart from the queue proper, and is scheduled again at
@@ -80,7 +81,9 @@ from isocost.scheduling.state import ReplicaSet
 if TYPE_CHECKING:
     from isocost.runtime.bus import StateBus
 
-__all__ = ["GatewayRequest", "Grant", "Handoff", "Router"]
+__all__ = ["FAIRNESS_HEADER", "GatewayRequest", "Grant", "Handoff", "Router"]
+
+FAIRNESS_HEADER = "x-gateway-inference-fairness-id"  # GAIE's flow id, without API keys
 
 log = logging.getLogger("isocost.gateway")
 
@@ -126,6 +129,7 @@ class GatewayRequest:
     tpot_target_s: float | None  # x-tpot-ms: mean time per output token wanted
     route_class: str | None  # x-isocost-class, else classified by the policy's routes
     key_name: str | None
+    flow: str | None = None  # queued fairly against other flows (``RequestView.flow``)
 
     @classmethod
     def from_headers(
@@ -139,7 +143,9 @@ class GatewayRequest:
     ) -> GatewayRequest:
         """Read ``x-session-id``, ``x-priority``, ``x-deadline-ms``, ``x-tpot-ms`` and
         ``x-isocost-class``; llm-d's ``x-llm-d-slo-ttft-ms`` and ``x-llm-d-slo-tpot-ms``
-        mean the same as ours and are read when ours are absent."""
+        mean the same as ours and are read when ours are absent. The fairness flow is the
+        API key; without keys, GAIE's ``x-gateway-inference-fairness-id`` (set by a trusted
+        layer in front: a client with a key could otherwise open flows at will)."""
         try:
             priority = int(headers.get("x-priority", "0"))
         except ValueError:
@@ -157,6 +163,7 @@ class GatewayRequest:
             tpot_target_s=None if tpot_ms is None else tpot_ms / 1000,
             route_class=headers.get("x-isocost-class"),
             key_name=key_name,
+            flow=key_name or headers.get(FAIRNESS_HEADER) or None,
         )
 
     def slo(self) -> SloTargets | None:
@@ -393,6 +400,7 @@ class Router:
             stream=view.stream,
             arrival_s=request.arrived_at,
             prompt_tokens_exact=view.prompt_tokens_exact,
+            flow=request.flow,
         )
 
     def _schedule(self, request: RequestView, exclude: Collection[str], now: float) -> Decision:

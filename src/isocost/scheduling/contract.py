@@ -99,6 +99,9 @@ class RequestView:
     # Prompt tokens whose KV arrives with the request (a prefill -> decode hand-off,
     # ``scheduling.disagg``): priced as cached on every candidate, never prefilled again.
     kv_ready_tokens: int = 0
+    # Who it is queued for fairly against others (``dispatch.RequestQueue``): the gateway's
+    # API key, else the x-gateway-inference-fairness-id header; None: no one's in particular.
+    flow: str | None = None
 
     @property
     def decode_only(self) -> bool:

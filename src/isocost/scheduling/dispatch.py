@@ -48,13 +48,24 @@ gateway parks the request here instead of pinning it to a replica. Whenever a re
 frees capacity (a completion), the most urgent request is scheduled again, so it goes to
 whichever replica frees first: late binding.
 
-Order: higher ``priority`` first, then earlier ``deadline_s`` (none = last), then earlier
-arrival, then insertion order, a total order so that equal requests leave FIFO. Bounded
-by ``max_size``: when full, a new request that outranks the least urgent queued one
-evicts it (that one is rejected instead), else the new request is rejected. Requests
-whose deadline has passed are removed by ``expire`` and handed back to be answered (504
-or 429). Cancelled requests (client gone) are removed lazily. Every operation is
-O(log n) except ``expire`` and eviction (O(n) in the bounded size).
+Order: higher ``priority`` first, then earlier ``deadline_s`` (none = last), then the
+request's fair turn among flows, then earlier arrival, then insertion order, a total order
+so that equal requests leave FIFO. Bounded by ``max_size``: when full, a new request that
+outranks the least urgent queued one evicts it (that one is rejected instead), else the
+new request is rejected. Requests whose deadline has passed are removed by ``expire`` and
+handed back to be answered (504 or 429). Cancelled requests (client gone) are removed
+lazily. Every operation is O(log n) except ``expire`` and eviction (O(n) in the bounded
+size).
+
+Fair turns (start-time fair queueing, one unit per request): a request of a named
+``flow`` (a tenant: the gateway's API key) starts at the later of the queue's virtual time
+and the end of that flow's previous turn, and its turn ends one unit later; the virtual
+time moves to the start of each request that leaves from the head (``take``). So a flow
+that queued a thousand requests holds turns 0..999 while one that arrives next starts at
+the current turn: flows alternate instead of the first flood going first, and a full
+queue evicts the flood's last turn, not a newcomer. Requests of no flow start at the
+current virtual time each (with no flow anywhere it stays 0 and the order is the one
+above without turns, as the simulator runs it).
 """
 
 from __future__ import annotations
@@ -83,12 +94,7 @@ class PushResult:
     rejected: RequestView | None  # the new request (queue full) or an evicted one
 
 
-_Key = tuple[int, float, float, int]
-
-
-def _key(request: RequestView, sequence: int) -> _Key:
-    deadline = request.deadline_s if request.deadline_s is not None else math.inf
-    return (-request.priority, deadline, request.arrival_s, sequence)
+_Key = tuple[int, float, float, float, int]  # priority, deadline, turn, arrival, sequence
 
 
 class RequestQueue:
@@ -99,6 +105,8 @@ class RequestQueue:
         self._heap: list[tuple[_Key, RequestView]] = []
         self._live: dict[str, _Key] = {}  # request id -> key of its live heap entry
         self._sequence = 0
+        self._virtual = 0.0  # the turn of the request that last left from the head
+        self._turn_ends: dict[str, float] = {}  # per flow, where its last queued turn ends
 
     @property
     def max_size(self) -> int:
@@ -121,12 +129,14 @@ class RequestQueue:
         """Queue ``request``; when full, the least urgent of it and the queued ones is rejected."""
         if request.request_id in self._live:
             raise ValueError(f"request {request.request_id!r} is already queued")
-        key = _key(request, self._sequence)
+        key = self._key(request)
         self._sequence += 1
         rejected: RequestView | None = None
         if len(self._live) >= self.max_size:
             worst = self._worst()
             if worst is None or worst[0] < key:
+                if request.flow is not None:  # refused: the turn it took is its flow's again
+                    self._turn_ends[request.flow] = key[2]
                 return PushResult(False, request)
             self._discard(worst[1].request_id)
             rejected = worst[1]
@@ -144,8 +154,25 @@ class RequestQueue:
         return None
 
     def cancel(self, request_id: str) -> bool:
-        """Drop a queued request (its client went away, or it leaves the queue)."""
+        """Drop a queued request (its client went away, or it timed out)."""
         return self._discard(request_id)
+
+    def take(self, request_id: str) -> bool:
+        """Remove a request that leaves to be answered (bound or refused by its policy):
+        its turn has come, so the virtual time moves to it."""
+        key = self._live.get(request_id)
+        if key is None:
+            return False
+        self._virtual = max(self._virtual, key[2])
+        return self._discard(request_id)
+
+    def _key(self, request: RequestView) -> _Key:
+        turn = self._virtual
+        if request.flow is not None:
+            turn = max(turn, self._turn_ends.get(request.flow, 0.0))
+            self._turn_ends[request.flow] = turn + 1.0
+        deadline = request.deadline_s if request.deadline_s is not None else math.inf
+        return (-request.priority, deadline, turn, request.arrival_s, self._sequence)
 
     def ordered(self) -> list[RequestView]:
         """Every queued request, most urgent first (a snapshot: O(n log n))."""
@@ -172,6 +199,9 @@ class RequestQueue:
         if len(self._heap) > 2 * len(self._live) + 16:  # compact stale entries
             self._heap = [(k, r) for k, r in self._heap if self._live.get(r.request_id) == k]
             heapq.heapify(self._heap)
+        if len(self._turn_ends) > 2 * len(self._live) + 16:  # flows whose turns are past
+            virtual = self._virtual
+            self._turn_ends = {f: end for f, end in self._turn_ends.items() if end > virtual}
         return True
 
 
@@ -251,7 +281,7 @@ class Dispatcher(Generic[T]):
             entry = self._waiting[held.request_id]
             decision = self._schedule(held, entry.exclude, now)
             if decision.outcome is not Outcome.QUEUE:
-                self.held.cancel(held.request_id)
+                self.held.take(held.request_id)
                 del self._waiting[held.request_id]
                 self._settle(entry.ticket, held, decision, now)
         queue = self.queue
@@ -266,7 +296,7 @@ class Dispatcher(Generic[T]):
             decision = self._schedule(request, entry.exclude, now)
             if decision.outcome is Outcome.QUEUE and not decision.held:
                 return
-            queue.cancel(request.request_id)
+            queue.take(request.request_id)
             del self._waiting[request.request_id]
             if decision.outcome is Outcome.QUEUE:  # held now: it waits for streams to end
                 self._park(entry.ticket, request, entry.exclude, held=True)

@@ -139,6 +139,72 @@ def test_full_queue_evicts_the_least_urgent_or_rejects_the_newcomer() -> None:
     assert len(queue) == 2 and "b" not in queue
 
 
+def drain(queue: RequestQueue) -> list[str]:
+    """The queue's requests in the order they leave from its head, each served."""
+    order: list[str] = []
+    while (head := queue.peek()) is not None:
+        assert queue.take(head.request_id)
+        order.append(head.request_id)
+    return order
+
+
+def flood_then(queue: RequestQueue, flood: int, *others: str) -> None:
+    """``flood`` requests of flow ``bulk`` queued at t=0, then one of each other flow."""
+    for i in range(flood):
+        queue.push(RequestView(f"bulk{i}", MODEL, 1, arrival_s=0.0, flow="bulk"))
+    for i, flow in enumerate(others):
+        queue.push(RequestView(f"{flow}0", MODEL, 1, arrival_s=1.0 + i, flow=flow))
+
+
+def test_flows_take_turns_rather_than_the_first_flood_going_first() -> None:
+    queue = RequestQueue(100)
+    flood_then(queue, 4, "light")
+    queue.push(RequestView("light1", MODEL, 1, arrival_s=2.0, flow="light"))
+    assert drain(queue) == ["bulk0", "light0", "bulk1", "light1", "bulk2", "bulk3"]
+
+
+def test_a_flow_arriving_after_some_were_served_starts_at_the_current_turn() -> None:
+    queue = RequestQueue(100)
+    flood_then(queue, 6)
+    for _ in range(3):
+        head = queue.peek()
+        assert head is not None and queue.take(head.request_id)
+    for i in range(3):
+        queue.push(RequestView(f"late{i}", MODEL, 1, arrival_s=5.0 + i, flow="late"))
+    # next, then alternating: no credit for the turns it was not there for
+    assert drain(queue) == ["late0", "bulk3", "late1", "bulk4", "late2", "bulk5"]
+
+
+def test_priority_and_deadline_still_come_before_turns() -> None:
+    queue = RequestQueue(100)
+    flood_then(queue, 3, "light")
+    queue.push(RequestView("vip", MODEL, 1, priority=1, arrival_s=9.0, flow="bulk"))
+    queue.push(RequestView("due", MODEL, 1, deadline_s=20.0, arrival_s=9.5, flow="bulk"))
+    assert drain(queue)[:4] == ["vip", "due", "bulk0", "light0"]
+
+
+def test_a_full_queue_evicts_the_floods_last_turn_for_another_flow() -> None:
+    queue = RequestQueue(3)
+    flood_then(queue, 3)
+    newcomer = queue.push(RequestView("light0", MODEL, 1, arrival_s=1.0, flow="light"))
+    assert newcomer.queued and newcomer.rejected is not None
+    assert newcomer.rejected.request_id == "bulk2"
+    more = queue.push(RequestView("bulk3", MODEL, 1, arrival_s=2.0, flow="bulk"))
+    assert not more.queued and more.rejected is not None and more.rejected.request_id == "bulk3"
+    second = queue.push(RequestView("light1", MODEL, 1, arrival_s=3.0, flow="light"))
+    assert second.rejected is not None and second.rejected.request_id == "light1"  # a tie
+    assert drain(queue) == ["bulk0", "light0", "bulk1"]
+
+
+def test_without_flows_the_order_is_arrival_whatever_was_served() -> None:
+    queue = RequestQueue(10)
+    queue.push(RequestView("b", MODEL, 1, arrival_s=1.0, flow="x"))
+    assert queue.take("b") and not queue.take("b")
+    for name, arrival in (("late", 3.0), ("early", 2.0)):
+        queue.push(RequestView(name, MODEL, 1, arrival_s=arrival))
+    assert drain(queue) == ["early", "late"]
+
+
 def test_queue_expires_deadlines_and_cancels() -> None:
     queue = RequestQueue(5)
     queue.push(RequestView("x", MODEL, 1, deadline_s=1.0))

@@ -96,6 +96,21 @@ def test_wake_passes_the_turn_and_a_head_that_must_wait_again_keeps_its_place() 
     assert [t for t, _ in host.log] == ["h1", "h2", "h3", "later"] and len(dispatcher) == 0
 
 
+def test_a_flow_arriving_behind_a_flood_is_served_at_the_next_turn() -> None:
+    host = Host()
+    dispatcher = host.dispatcher()
+    for i in range(4):
+        submit(dispatcher, view(f"bulk{i}", flow="bulk"))
+    host.capacity = 2
+    dispatcher.wake(1.0)  # two of the flood served: their turns are past
+    submit(dispatcher, view("light0", arrival_s=2.0, flow="light"))
+    submit(dispatcher, view("light1", arrival_s=2.0, flow="light"))
+    host.capacity = 4
+    dispatcher.wake(3.0)
+    order = [ticket for ticket, _ in host.log]
+    assert order == ["bulk0", "bulk1", "light0", "bulk2", "light1", "bulk3"]
+
+
 def test_a_head_refused_on_wake_passes_the_turn_too() -> None:
     host = Host()
     dispatcher = host.dispatcher()
