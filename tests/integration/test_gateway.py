@@ -635,6 +635,14 @@ def test_deadline_that_cannot_be_met_is_refused_with_retry_after(cluster: Cluste
         )
         _assert_error(status, answer, 400, "bad_header")
         assert next(iter(bad)) in answer["error"]["message"]
+    status, _, answer = http(  # above the key's max_priority (0 by default): no queue jumping
+        "POST",
+        cluster.gateway.url + "/v1/chat/completions",
+        chat_body(),
+        {**AUTH, "x-priority": "1"},
+    )
+    _assert_error(status, answer, 403, "priority_not_allowed")
+    assert answer["error"]["param"] == "x-priority"
 
 
 def test_every_answer_gets_an_slo_verdict(tmp_path: Path) -> None:

@@ -45,6 +45,7 @@ def _gateway(
             api_key=API_KEY,
             policy="round_robin",
             replica_fields=replica_fields,
+            key_fields="      max_priority: 1  # the requests ask for priority 1",
         )
     )
     with (tmp / "gateway.log").open("a") as log:

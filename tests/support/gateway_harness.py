@@ -31,6 +31,7 @@ def gateway_config(
     limits: str = "",
     health: str = "",
     keys: str = "",
+    key_fields: str = "",
     max_body_bytes: int = 64 * 1024,
     max_tokens: int = 4096,
     health_timeout_ms: int = 500,
@@ -38,7 +39,7 @@ def gateway_config(
 ) -> str:
     """YAML for one pool of ``model`` over ``engine_urls``; the extra strings are indented
     lines appended to their sections (``replica_fields``: ``key: value, ...`` per replica,
-    ``pool_fields``: ``key: value`` lines of the pool)."""
+    ``pool_fields``: ``key: value`` lines of the pool, ``key_fields``: of key team-a)."""
     fields = f", {replica_fields}" if replica_fields else ""
     replicas = "\n".join(f"      - {{url: '{url}'{fields}}}" for url in engine_urls)
     return f"""
@@ -66,6 +67,7 @@ auth:
   api_keys:
     - name: team-a
       key: {api_key}
+{key_fields}
 {keys}
 """
 

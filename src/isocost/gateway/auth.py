@@ -69,6 +69,8 @@ class ApiKey:
     secret: bytes
     requests: TokenBucket | None
     tokens: TokenBucket | None
+    priority: int = 0  # of its requests that send no x-priority
+    max_priority: int = 0  # the highest x-priority it may send
 
 
 def secret_bytes(text: str) -> bytes:
@@ -103,6 +105,10 @@ class Authenticator:
                     tokens=None
                     if entry.tokens_per_minute is None
                     else TokenBucket(entry.tokens_per_minute, now),
+                    priority=entry.priority,
+                    max_priority=entry.priority
+                    if entry.max_priority is None
+                    else entry.max_priority,
                 )
             )
             self._by_name[entry.name] = self.keys[-1]

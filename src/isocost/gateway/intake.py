@@ -255,7 +255,7 @@ class Intake:
             view,
             pool,
             arrived_at=arrived_at,
-            key_name=key.name if key else None,
+            key=key,
         )
 
 

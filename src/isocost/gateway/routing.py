@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any
 from isocost.core.catalog import Catalog
 from isocost.core.errors import IsocostError
 from isocost.core.slo import SloTargets
+from isocost.gateway.auth import ApiKey
 from isocost.gateway.body import RoutingView
 from isocost.gateway.metrics import GatewayMetrics
 from isocost.gateway.upstreams import Pool, Upstream
@@ -139,17 +140,30 @@ class GatewayRequest:
         pool: Pool,
         *,
         arrived_at: float,
-        key_name: str | None,
+        key: ApiKey | None,
     ) -> GatewayRequest:
         """Read ``x-session-id``, ``x-priority``, ``x-deadline-ms``, ``x-tpot-ms`` and
         ``x-isocost-class``; llm-d's ``x-llm-d-slo-ttft-ms`` and ``x-llm-d-slo-tpot-ms``
         mean the same as ours and are read when ours are absent. The fairness flow is the
         API key; without keys, GAIE's ``x-gateway-inference-fairness-id`` (set by a trusted
-        layer in front: a client with a key could otherwise open flows at will)."""
-        try:
-            priority = int(headers.get("x-priority", "0"))
-        except ValueError:
-            raise ApiError(400, "x-priority must be an integer", code="bad_header") from None
+        layer in front: a client with a key could otherwise open flows at will). With a
+        key, the priority defaults to the key's and may not exceed its ``max_priority``
+        (403): a tenant cannot jump the queue by asking."""
+        priority = 0 if key is None else key.priority
+        if "x-priority" in headers:
+            try:
+                priority = int(headers["x-priority"])
+            except ValueError:
+                raise ApiError(400, "x-priority must be an integer", code="bad_header") from None
+            if key is not None and priority > key.max_priority:
+                raise ApiError(
+                    403,
+                    f"x-priority {priority} is above the highest key {key.name} may ask,"
+                    f" {key.max_priority}",
+                    code="priority_not_allowed",
+                    param="x-priority",
+                )
+        key_name = None if key is None else key.name
         deadline_ms = _positive_ms(headers, "x-deadline-ms", "x-llm-d-slo-ttft-ms")
         tpot_ms = _positive_ms(headers, "x-tpot-ms", "x-llm-d-slo-tpot-ms")
         return cls(

@@ -260,6 +260,8 @@ class ApiKeyConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     key_env: str | None = None
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
+    priority: int = 0  # of its requests that send no x-priority
+    max_priority: int | None = None  # the highest x-priority it may send (None: priority)
 
 
 class AuthConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -540,6 +542,8 @@ def _check(config: GatewayConfig, source: str, secrets: bool) -> None:
         if secrets and api_key.key_env is not None and api_key.key_env not in os.environ:
             raise bad(f"{key}.key_env", f"environment variable {api_key.key_env} unset")
         check_fields(api_key, _KEY_BOUNDS, source, key)
+        if api_key.max_priority is not None and api_key.max_priority < api_key.priority:
+            raise bad(f"{key}.max_priority", "must be at least the key's priority")
         if api_key.name in key_names:  # its budgets and metrics go by its name
             raise bad(f"{key}.name", f"a key named {api_key.name!r} is listed twice")
         key_names.add(api_key.name)

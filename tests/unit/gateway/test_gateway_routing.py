@@ -14,6 +14,7 @@ import time
 import pytest
 
 from isocost.core.catalog import Catalog
+from isocost.gateway.auth import ApiKey
 from isocost.gateway.body import RoutingView
 from isocost.gateway.metrics import GatewayMetrics
 from isocost.gateway.routing import GatewayRequest, Grant, Router, _new_id
@@ -201,7 +202,7 @@ def test_slo_headers_ours_or_llm_d(
 ) -> None:
     _, pool, _, _ = setup()
     view = RoutingView(MODEL, True, 8, None, 100, False, ())
-    made = GatewayRequest.from_headers(headers, view, pool, arrived_at=10.0, key_name=None)
+    made = GatewayRequest.from_headers(headers, view, pool, arrived_at=10.0, key=None)
     assert made.deadline_at == (None if deadline_ms is None else 10.0 + deadline_ms / 1000)
     assert made.tpot_target_s == (None if tpot_ms is None else tpot_ms / 1000)
 
@@ -223,7 +224,26 @@ def test_slo_headers_must_be_a_usable_number_of_milliseconds(name: str, value: s
     _, pool, _, _ = setup()
     view = RoutingView(MODEL, True, 8, None, 100, False, ())
     with pytest.raises(ApiError, match=f"{name} must be a number of milliseconds >= 0.001"):
-        GatewayRequest.from_headers({name: value}, view, pool, arrived_at=86_400.0, key_name=None)
+        GatewayRequest.from_headers({name: value}, view, pool, arrived_at=86_400.0, key=None)
+
+
+def test_a_keys_priority_is_its_default_and_its_ceiling() -> None:
+    _, pool, _, _ = setup()
+    view = RoutingView(MODEL, True, 8, None, 100, False, ())
+    batch = ApiKey("batch", b"s", None, None, priority=-1, max_priority=0)
+
+    def priority(headers: dict[str, str], key: ApiKey | None) -> int:
+        return GatewayRequest.from_headers(headers, view, pool, arrived_at=1.0, key=key).priority
+
+    assert priority({}, batch) == -1
+    assert priority({"x-priority": "0"}, batch) == 0
+    assert priority({"x-priority": "-5"}, batch) == -5  # lower is always allowed
+    with pytest.raises(ApiError, match="above the highest key batch may ask, 0") as refused:
+        priority({"x-priority": "1"}, batch)
+    assert (refused.value.status, refused.value.code) == (403, "priority_not_allowed")
+    assert priority({"x-priority": "99"}, None) == 99  # no keys: a trusted network's header
+    made = GatewayRequest.from_headers({}, view, pool, arrived_at=1.0, key=batch)
+    assert (made.key_name, made.flow) == ("batch", "batch")
 
 
 def test_a_prompt_held_for_the_streams_it_would_stall_goes_once_one_ends() -> None:

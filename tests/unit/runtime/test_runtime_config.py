@@ -129,6 +129,11 @@ def test_the_shipped_example_parses(monkeypatch: pytest.MonkeyPatch) -> None:
         ("limits: {max_tokens: many}", "limits.max_tokens", "int"),
         ("health: {min_success_rate: 2}", "health.min_success_rate", "[0, 1]"),
         ("auth: {api_keys: [{name: a}]}", "auth.api_keys[0]", "exactly one"),
+        (
+            "auth: {api_keys: [{name: a, key: k, priority: 2, max_priority: 1}]}",
+            "auth.api_keys[0].max_priority",
+            "at least the key's priority",
+        ),
         ("auth: {admin_token_env: ISOCOST_TEST_UNSET_VAR}", "auth.admin_token_env", "unset"),
         ("pools: [oops", None, "YAML"),
     ],
