@@ -32,6 +32,7 @@ RUNS: list[list[str]] = [
     ["grpc_floor.py", "--streams", "3000"],
     ["sim_scale.py"],
     ["discovery/watch_overhead.py", "--requests", "400"],
+    ["fairness.py"],
 ]  # fmt: skip
 
 
