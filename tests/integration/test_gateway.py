@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from gateway_harness import gateway_config, http, log_records, wait_for
+from gateway_harness import gateway_config, http, log_records, metric_value, wait_for
 from isocost_procs import ISOCOST, Proc, start_isocost
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -413,7 +413,12 @@ def test_admin_removes_and_adds_replicas(cluster: Cluster) -> None:
 
 def test_metrics_and_logs(cluster: Cluster) -> None:
     secret_prompt = "purple-elephant-secret-prompt"
-    cluster.client().completions.create(model=MODEL, prompt=secret_prompt, max_tokens=3)
+    for _ in cluster.client().completions.create(  # streamed: a first token is timed
+        model=MODEL, prompt=secret_prompt, max_tokens=3, stream=True
+    ):
+        pass
+    status, _, _ = http("POST", cluster.gateway.url + "/v1/completions", b"{", AUTH)
+    assert status == 400  # counted as invalid_body
     with urllib.request.urlopen(cluster.gateway.url + "/metrics", timeout=10) as response:
         text = response.read().decode()
     for series in (
@@ -436,6 +441,34 @@ def test_metrics_and_logs(cluster: Cluster) -> None:
     assert any(e.get("event") == "request" and e.get("key") == "team-a" for e in entries)
     assert all(e["predicted_ttft_ms"] > 0 for e in entries if e.get("event") == "request")
     assert API_KEY not in log and ADMIN_TOKEN not in log and secret_prompt not in log
+
+
+def test_each_keys_answers_and_tokens_are_counted(cluster: Cluster) -> None:
+    url = cluster.gateway.url
+    series = {
+        "ok": 'isocost_api_key_requests_total{key="team-a",status="200"}',
+        "denied": 'isocost_api_key_requests_total{key="team-a",status="403"}',
+        "prompt": 'isocost_api_key_tokens_total{key="team-a",kind="prompt"}',
+        "completion": 'isocost_api_key_tokens_total{key="team-a",kind="completion"}',
+        "refusals": 'isocost_rejections_total{reason="priority_not_allowed"}',
+    }
+
+    def read() -> dict[str, float]:
+        return {name: metric_value(url, line) or 0.0 for name, line in series.items()}
+
+    before = read()
+    answer = cluster.client().completions.create(model=MODEL, prompt="Count me.", max_tokens=3)
+    assert answer.usage is not None
+    with pytest.raises(openai.PermissionDeniedError):  # above the key's max_priority
+        cluster.client().completions.create(
+            model=MODEL, prompt="Me first.", max_tokens=3, extra_headers={"x-priority": "9"}
+        )
+    after = read()
+    assert after["ok"] - before["ok"] == 1
+    assert after["completion"] - before["completion"] == answer.usage.completion_tokens
+    assert after["prompt"] - before["prompt"] > 0  # the gateway's count of "Count me."
+    assert after["denied"] - before["denied"] == 1
+    assert after["refusals"] - before["refusals"] == 1
 
 
 # -- faults: a replica killed under load, ejected, re-admitted ---------------------------

@@ -45,7 +45,7 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return await handler(request)
     except ApiError as exc:
         if isinstance(exc, Rejection):
-            request.app[GATEWAY].reject(exc.reason)
+            request.app[GATEWAY].refused(exc)
         return error_response(exc)
     except web.HTTPException as exc:
         if exc.status < 400:
@@ -59,6 +59,12 @@ def _account(gateway: Gateway, request: GatewayRequest, result: ForwardResult) -
     replica = result.replica
     name = replica.name if replica else _NO_ROUTE
     gateway.metrics.requests.labels(str(result.status), request.pool.model, name).inc()
+    gateway.account_key(
+        request.key_name,
+        result.status,
+        prompt_tokens=request.view.prompt_tokens if replica is not None else 0,
+        output_tokens=result.output_tokens,
+    )
     split = "yes" if result.disaggregated else "no"
     gateway.metrics.disaggregated.labels(request.pool.model, split).inc()
     e2e_s = time.monotonic() - request.arrived_at

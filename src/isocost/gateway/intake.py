@@ -16,6 +16,7 @@ counts and raises.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Iterator, Mapping
 from typing import Protocol
@@ -54,7 +55,8 @@ CLIENT_HEADERS = (
 
 class Rejection(ApiError):
     """A request the gateway refuses itself; ``reason`` labels the rejection counters
-    (``isocost_gateway_rejections_total`` and the admin snapshot's ``rejections``)."""
+    (``isocost_gateway_rejections_total`` and the admin snapshot's ``rejections``), ``key``
+    names the API key it came with once that is known (``isocost_api_key_requests_total``)."""
 
     def __init__(
         self,
@@ -65,9 +67,11 @@ class Rejection(ApiError):
         code: str,
         param: str | None = None,
         retry_after_s: float | None = None,
+        key: str | None = None,
     ) -> None:
         super().__init__(status, message, code=code, param=param, retry_after_s=retry_after_s)
         self.reason = reason
+        self.key = key
 
 
 class SpendListener(Protocol):
@@ -186,6 +190,7 @@ class Intake:
                     f"requests per minute exceeded for key {key.name}",
                     code="rate_limit_exceeded",
                     retry_after_s=wait_s,
+                    key=key.name,
                 )
             self._spent(key, requests=1)
         return key
@@ -200,63 +205,74 @@ class Intake:
         arrived_at: float,
     ) -> GatewayRequest:
         """The checks on a whole body (length, OpenAI shape, served model, prompt and
-        output caps, the key's token budget), then its routing request; shared by every
-        data plane that hands the body over whole."""
-        self.check_body_size(len(body))
-        limits = self.limits
-        try:
-            summary = summarize(body, chat=chat)
-        except RequestError as exc:
-            raise Rejection(
-                "invalid_body", 400, exc.message, code="invalid_request", param=exc.param
-            ) from None
-        pool = self.pools.get(summary.model)
-        if pool is None:
-            raise Rejection(
-                "unknown_model",
-                404,
-                f"model {summary.model!r} is not served here; see GET /v1/models",
-                code="model_not_found",
-                param="model",
-            )
-        if summary.prompt_tokens > limits.max_prompt_tokens:
-            raise Rejection(
-                "prompt_too_long",
-                400,
-                f"prompt of ~{summary.prompt_tokens} tokens exceeds the limit of "
-                f"{limits.max_prompt_tokens}",
-                code="context_length_exceeded",
-                param="messages" if chat else "prompt",
-            )
-        cap = summary.max_tokens
-        if cap is not None and cap > limits.max_tokens:
-            raise Rejection(
-                "max_tokens_too_large",
-                400,
-                f"{summary.max_tokens_param} {cap} exceeds the limit of {limits.max_tokens}",
-                code="max_tokens_exceeded",
-                param=summary.max_tokens_param,
-            )
-        if key is not None and key.tokens is not None:
-            asked = summary.prompt_tokens + (cap or 0)
-            wait_s = key.tokens.take(asked, arrived_at)
-            if wait_s:
+        output caps, the key's token budget, the routing headers), then its routing
+        request; shared by every data plane that hands the body over whole."""
+        with _naming(key):
+            self.check_body_size(len(body))
+            limits = self.limits
+            try:
+                summary = summarize(body, chat=chat)
+            except RequestError as exc:
                 raise Rejection(
-                    "key_tokens_per_minute",
-                    429,
-                    f"tokens per minute exceeded for key {key.name}",
-                    code="rate_limit_exceeded",
-                    retry_after_s=wait_s,
+                    "invalid_body", 400, exc.message, code="invalid_request", param=exc.param
+                ) from None
+            pool = self.pools.get(summary.model)
+            if pool is None:
+                raise Rejection(
+                    "unknown_model",
+                    404,
+                    f"model {summary.model!r} is not served here; see GET /v1/models",
+                    code="model_not_found",
+                    param="model",
                 )
-            self._spent(key, tokens=round(key.tokens.charge_for(asked)))
-        view = await routing_view(summary, self.block_tokens, pool.tokenizer)
-        return GatewayRequest.from_headers(
-            headers,
-            view,
-            pool,
-            arrived_at=arrived_at,
-            key=key,
-        )
+            if summary.prompt_tokens > limits.max_prompt_tokens:
+                raise Rejection(
+                    "prompt_too_long",
+                    400,
+                    f"prompt of ~{summary.prompt_tokens} tokens exceeds the limit of "
+                    f"{limits.max_prompt_tokens}",
+                    code="context_length_exceeded",
+                    param="messages" if chat else "prompt",
+                )
+            cap = summary.max_tokens
+            if cap is not None and cap > limits.max_tokens:
+                raise Rejection(
+                    "max_tokens_too_large",
+                    400,
+                    f"{summary.max_tokens_param} {cap} exceeds the limit of {limits.max_tokens}",
+                    code="max_tokens_exceeded",
+                    param=summary.max_tokens_param,
+                )
+            if key is not None and key.tokens is not None:
+                asked = summary.prompt_tokens + (cap or 0)
+                wait_s = key.tokens.take(asked, arrived_at)
+                if wait_s:
+                    raise Rejection(
+                        "key_tokens_per_minute",
+                        429,
+                        f"tokens per minute exceeded for key {key.name}",
+                        code="rate_limit_exceeded",
+                        retry_after_s=wait_s,
+                    )
+                self._spent(key, tokens=round(key.tokens.charge_for(asked)))
+            view = await routing_view(summary, self.block_tokens, pool.tokenizer)
+            try:
+                return GatewayRequest.from_headers(
+                    headers, view, pool, arrived_at=arrived_at, key=key
+                )
+            except ApiError as exc:  # a routing header the request cannot be queued by
+                code = exc.code or "bad_header"
+                raise Rejection(code, exc.status, exc.message, code=code, param=exc.param) from None
+
+
+@contextlib.contextmanager
+def _naming(key: ApiKey | None) -> Iterator[None]:
+    """Name ``key`` on a ``Rejection`` raised inside, for its per-key count."""
+    try:
+        yield
+    except Rejection as exc:
+        exc.key = None if key is None else key.name
+        raise
 
 
 def _check_client_headers(headers: Mapping[str, str]) -> None:

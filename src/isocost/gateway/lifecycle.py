@@ -39,7 +39,7 @@ from isocost.core.errors import ConfigError, IsocostError
 from isocost.core.links import link
 from isocost.files import read_text, read_tokenizer
 from isocost.gateway.auth import Authenticator
-from isocost.gateway.intake import Intake
+from isocost.gateway.intake import Intake, Rejection
 from isocost.gateway.metrics import GatewayMetrics
 from isocost.gateway.monitor import Monitor
 from isocost.gateway.proxy import Forwarder, ForwardSettings
@@ -119,7 +119,7 @@ class Gateway:
             queue_timeout_s=config.limits.queue_timeout_ms / 1000,
         )
         self.intake = Intake(config, self.pools, self.router.block_tokens, time.monotonic())
-        self.metrics.track_key_budgets(lambda: self.intake.budget_levels(time.monotonic()))
+        self.metrics.key_budgets.levels = lambda: self.intake.budget_levels(time.monotonic())
         self.started_at = time.monotonic()
         self.draining = False  # shutting down: readiness fails, in-flight requests finish
         self._watcher: asyncio.Task[None] | None = None
@@ -204,6 +204,24 @@ class Gateway:
         """Count one refused request under ``reason``."""
         self.rejections[reason] += 1
         self.metrics.rejections.labels(reason).inc()
+
+    def refused(self, rejection: Rejection) -> None:
+        """Count a request the intake refused: its reason, and its key's answer."""
+        self.reject(rejection.reason)
+        self.account_key(rejection.key, rejection.status)
+
+    def account_key(
+        self, key: str | None, status: int, *, prompt_tokens: int = 0, output_tokens: int = 0
+    ) -> None:
+        """Count one answer, and the tokens it took, to API key ``key`` (None: no keys)."""
+        if key is None:
+            return
+        metrics = self.metrics
+        metrics.api_key_requests.labels(key, str(status)).inc()
+        if prompt_tokens:
+            metrics.api_key_tokens.labels(key, "prompt").inc(prompt_tokens)
+        if output_tokens:
+            metrics.api_key_tokens.labels(key, "completion").inc(output_tokens)
 
     def fleet(self) -> FleetFile:
         """The fleet as a recording describes it: each pool's policy and replicas, with

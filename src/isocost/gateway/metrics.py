@@ -101,6 +101,23 @@ class GatewayMetrics:
             ["pool"],
             registry=r,
         )
+        self.api_key_requests = Counter(
+            "isocost_api_key_requests",
+            "Requests by API key and final HTTP status, the intake's refusals included.",
+            ["key", "status"],
+            registry=r,
+        )
+        self.api_key_tokens = Counter(
+            "isocost_api_key_tokens",
+            "Tokens by API key: prompt (as the gateway counted it, of requests a replica"
+            " took) and completion (as the replica reported it; not known to the picker).",
+            ["key", "kind"],
+            registry=r,
+        )
+        # What each API key's budgets hold, read at scrape time (the keys change with the
+        # config, and a bucket refills between scrapes); the gateway sets ``levels``.
+        self.key_budgets = _BudgetCollector()
+        r.register(self.key_budgets)
         self.rejections = Counter(
             "isocost_rejections", "Requests refused, by reason.", ["reason"], registry=r
         )
@@ -328,11 +345,6 @@ class GatewayMetrics:
                 registry=r,
             ).set_function(functools.partial(total, name))
 
-    def track_key_budgets(self, levels: Callable[[], Iterable[tuple[str, str, float]]]) -> None:
-        """Export what each API key's budgets hold, read at scrape time: the keys change
-        with the config, and a bucket refills between scrapes."""
-        self.registry.register(_BudgetCollector(levels))
-
     def track_state_bus(self, up: Callable[[], float], peers: Callable[[], float]) -> None:
         """Export the state bus's health (only gateways that have one)."""
         r = self.registry
@@ -349,15 +361,17 @@ class GatewayMetrics:
 
 
 class _BudgetCollector(Collector):
-    def __init__(self, levels: Callable[[], Iterable[tuple[str, str, float]]]) -> None:
-        self._levels = levels
+    """``isocost_api_key_budget_remaining`` from ``levels``: (key, budget, level) rows."""
+
+    def __init__(self) -> None:
+        self.levels: Callable[[], Iterable[tuple[str, str, float]]] = tuple
 
     def describe(self) -> Iterable[GaugeMetricFamily]:
         return [self._family()]
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         family = self._family()
-        for key, budget, level in self._levels():
+        for key, budget, level in self.levels():
             family.add_metric([key, budget], level)
         yield family
 

@@ -116,7 +116,7 @@ class GatewayPicker:
         try:
             yield
         except Rejection as exc:
-            self.gateway.reject(exc.reason)
+            self.gateway.refused(exc)
             raise
 
     def _fallbacks(
@@ -231,3 +231,7 @@ class EndpointGrant:
         self._gateway.metrics.requests.labels(
             str(status or 0), self._request.pool.model, self._grant.replica.name
         ).inc()
+        request = self._request
+        self._gateway.account_key(
+            request.key_name, status or 0, prompt_tokens=request.view.prompt_tokens
+        )
