@@ -2,9 +2,10 @@
 server (redis-server and nats-server), a real `isocost engine` replica and two `isocost
 serve` gateways on 127.0.0.1, driven by the official `openai` client.
 
-Checked: what a key spends through gateway A is spent at gateway B too (B's
-`isocost_api_key_budget_remaining` falls), so B refuses the key's next request with 429,
-`rate_limit_exceeded` and a Retry-After, where B alone would have let four more through;
+Checked: answers carry the key's `x-ratelimit-*` headers; what a key spends through
+gateway A is spent at gateway B too (B's `isocost_api_key_budget_remaining` falls), so B
+refuses the key's next request with 429, `rate_limit_exceeded`, a Retry-After and no
+requests remaining, where B alone would have let four more through;
 another key's budget at B is untouched; and with the bus server SIGKILLed each gateway goes
 on enforcing the budgets on its own traffic, serving what fits.
 """
@@ -94,7 +95,16 @@ def remaining(gateway: Proc, key: str) -> float | None:
 
 
 def test_a_key_spent_through_a_is_spent_at_b(pair: Pair) -> None:
-    for _ in range(PER_MINUTE):
+    with openai.OpenAI(
+        base_url=pair.a.url + "/v1", api_key=KEYS["team-a"], max_retries=0, timeout=15
+    ) as client:
+        raw = client.completions.with_raw_response.create(
+            model=MODEL, prompt="Budgets.", max_tokens=2
+        )
+    assert raw.headers["x-ratelimit-limit-requests"] == str(PER_MINUTE)
+    assert raw.headers["x-ratelimit-remaining-requests"] == str(PER_MINUTE - 1)
+    assert raw.headers["x-ratelimit-reset-requests"].endswith("s")
+    for _ in range(PER_MINUTE - 1):
         ask(pair.a, "team-a")
     levels: list[float | None] = []
 
@@ -108,6 +118,7 @@ def test_a_key_spent_through_a_is_spent_at_b(pair: Pair) -> None:
     assert refused.value.status_code == 429
     assert refused.value.code == "rate_limit_exceeded"
     assert float(refused.value.response.headers["Retry-After"]) >= 1
+    assert refused.value.response.headers["x-ratelimit-remaining-requests"] == "0"
     assert ask(pair.b, "team-b").choices  # another key's budget is its own
 
 

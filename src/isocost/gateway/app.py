@@ -34,6 +34,8 @@ log = logging.getLogger("isocost.gateway")
 _NO_ROUTE = ""
 
 GATEWAY = web.AppKey("gateway", Gateway)
+# The API key a refused request came with (its x-ratelimit-* headers go on the error)
+_KEY_NAME = web.RequestKey("key_name", str)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -44,9 +46,12 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except ApiError as exc:
+        gateway = request.app[GATEWAY]
+        key_name = request.get(_KEY_NAME)
         if isinstance(exc, Rejection):
-            request.app[GATEWAY].refused(exc)
-        return error_response(exc)
+            gateway.refused(exc)
+            key_name = exc.key
+        return error_response(exc, gateway.intake.rate_limit_headers(key_name))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -136,6 +141,8 @@ async def _completion(http: web.Request, *, chat: bool) -> web.StreamResponse:
     except ApiError as exc:
         result.status = exc.status
         _account(gateway, request, result)
+        if request.key_name is not None:
+            http[_KEY_NAME] = request.key_name
         raise
     except ClientGone as exc:
         result.status, result.error = CLIENT_GONE_STATUS, exc.reason

@@ -21,7 +21,15 @@ from dataclasses import dataclass
 
 from isocost.runtime.config import AuthConfig
 
-__all__ = ["ApiKey", "Authenticator", "TokenBucket", "bearer_token", "secret_bytes"]
+__all__ = [
+    "ApiKey",
+    "Authenticator",
+    "TokenBucket",
+    "bearer_token",
+    "go_duration",
+    "rate_limit_headers",
+    "secret_bytes",
+]
 
 
 class TokenBucket:
@@ -71,6 +79,39 @@ class ApiKey:
     tokens: TokenBucket | None
     priority: int = 0  # of its requests that send no x-priority
     max_priority: int = 0  # the highest x-priority it may send
+
+
+def rate_limit_headers(key: ApiKey, now: float) -> dict[str, str]:
+    """OpenAI's ``x-ratelimit-*`` headers for ``key``'s budgets at ``now``: the limit per
+    minute, what is left (whole units, never below 0), and the time until the bucket is
+    full again, as a Go duration (``1.5s``, ``6m0s``) as OpenAI writes it. Clients and
+    proxies (LiteLLM, the SDKs' raw responses) pace themselves by them."""
+    headers: dict[str, str] = {}
+    for kind, bucket in (("requests", key.requests), ("tokens", key.tokens)):
+        if bucket is None:
+            continue
+        level = bucket.level_at(now)
+        headers[f"x-ratelimit-limit-{kind}"] = str(round(bucket.capacity))
+        headers[f"x-ratelimit-remaining-{kind}"] = str(max(0, int(level)))
+        reset_s = max(0.0, bucket.capacity - level) / bucket.rate_per_s
+        headers[f"x-ratelimit-reset-{kind}"] = go_duration(reset_s)
+    return headers
+
+
+def go_duration(seconds: float) -> str:
+    """``seconds`` as Go prints a duration, to the millisecond: ``0s``, ``20ms``, ``1.5s``,
+    ``6m0s``, ``1h2m3s``."""
+    millis = round(seconds * 1000)
+    if millis == 0:
+        return "0s"
+    if millis < 1000:
+        return f"{millis}ms"
+    hours, millis = divmod(millis, 3_600_000)
+    minutes, millis = divmod(millis, 60_000)
+    text = f"{millis / 1000:.3f}".rstrip("0").rstrip(".") + "s"
+    if hours or minutes:
+        text = f"{minutes}m{text}"
+    return f"{hours}h{text}" if hours else text
 
 
 def secret_bytes(text: str) -> bytes:

@@ -23,7 +23,7 @@ from typing import Protocol
 
 from aiohttp import web
 
-from isocost.gateway.auth import ApiKey, Authenticator, bearer_token
+from isocost.gateway.auth import ApiKey, Authenticator, bearer_token, rate_limit_headers
 from isocost.gateway.body import routing_view, summarize
 from isocost.gateway.loops import ListenAddress, hops
 from isocost.gateway.routing import FAIRNESS_HEADER, GatewayRequest
@@ -105,6 +105,11 @@ class Intake:
         if key.tokens is not None and tokens > 0:
             key.tokens.spend(tokens, now)
         return True
+
+    def rate_limit_headers(self, key_name: str | None) -> dict[str, str]:
+        """``x-ratelimit-*`` for the key named ``key_name`` now; empty without budgets."""
+        key = None if key_name is None else self.auth.named(key_name)
+        return {} if key is None else rate_limit_headers(key, time.monotonic())
 
     def budget_levels(self, now: float) -> Iterator[tuple[str, str, float]]:
         """(key name, ``requests`` or ``tokens``, what its bucket holds) for every budget."""

@@ -159,6 +159,7 @@ class Gateway:
         self._forwarder = Forwarder(
             self._session, self.router, _forward_settings(self.config.limits)
         )
+        self._forwarder.key_headers = self.intake.rate_limit_headers
         self._monitor = Monitor(self._session, self.router, self.metrics, self.config)
         self.apply_config(self.config)
         self._start_discovery(self.config.discovery)

@@ -50,7 +50,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -297,6 +297,8 @@ class Forwarder:
         self.session = session
         self.router = router
         self.settings = settings
+        # The key's x-ratelimit-* headers for an answer (set by the gateway: the intake's)
+        self.key_headers: Callable[[str | None], dict[str, str]] = lambda key_name: {}
 
     async def forward(
         self, http: web.Request, body: bytes, request: GatewayRequest, result: ForwardResult
@@ -558,7 +560,8 @@ class Forwarder:
     async def _attempt(self, attempt: _Attempt, body: bytes, grant: Grant) -> web.StreamResponse:
         upstream = await self._open(attempt.http, body, attempt.request, grant)
         try:
-            response_headers = {"x-isocost-replica": grant.replica.name}
+            response_headers = self.key_headers(attempt.request.key_name)
+            response_headers["x-isocost-replica"] = grant.replica.name
             prefill = attempt.result.prefill_replica
             if prefill is not None:
                 response_headers[PREFILL_REPLICA_HEADER] = prefill.name

@@ -7,7 +7,14 @@ import json
 
 import pytest
 
-from isocost.gateway.auth import Authenticator, TokenBucket, bearer_token
+from isocost.gateway.auth import (
+    ApiKey,
+    Authenticator,
+    TokenBucket,
+    bearer_token,
+    go_duration,
+    rate_limit_headers,
+)
 from isocost.gateway.intake import Intake, Rejection
 from isocost.gateway.routing import GatewayRequest
 from isocost.gateway.upstreams import Pool
@@ -148,3 +155,28 @@ def test_a_peer_spend_delays_this_gateway_and_shows_in_the_levels() -> None:
         ("team-a", "requests"): pytest.approx(0.0),
         ("team-a", "tokens"): pytest.approx(8_000.0),
     }
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [(0, "0s"), (0.0004, "0s"), (0.02, "20ms"), (1.5, "1.5s"), (59.9996, "1m0s"),
+     (360, "6m0s"), (3723.25, "1h2m3.25s")],
+)  # fmt: skip
+def test_durations_read_as_go_writes_them(seconds: float, text: str) -> None:
+    assert go_duration(seconds) == text
+
+
+def test_rate_limit_headers_say_the_limit_what_is_left_and_when_it_is_full() -> None:
+    key = ApiKey("a", b"s", TokenBucket(60, now=0.0), TokenBucket(6000, now=0.0))
+    assert key.requests is not None and key.tokens is not None
+    key.requests.take(3, now=0.0)
+    key.tokens.spend(9000, now=0.0)  # below empty: nothing left, a minute and a half
+    assert rate_limit_headers(key, now=1.0) == {
+        "x-ratelimit-limit-requests": "60",
+        "x-ratelimit-remaining-requests": "58",
+        "x-ratelimit-reset-requests": "2s",
+        "x-ratelimit-limit-tokens": "6000",
+        "x-ratelimit-remaining-tokens": "0",
+        "x-ratelimit-reset-tokens": "1m29s",
+    }
+    assert rate_limit_headers(ApiKey("b", b"t", None, None), now=1.0) == {}
