@@ -5,8 +5,9 @@ one (so the rest wait in the gateway's queue), and the official `openai` client.
 One key floods the gateway with streamed requests; once its backlog waits in the queue,
 a second key sends one request. Checked: the second key's request is served at the next
 turn, ahead of most of the flood that was queued before it (first come, first served,
-it would be last); the same with the flow named by GAIE's
-`x-gateway-inference-fairness-id` header on a gateway without keys.
+it would be last), and `isocost_queue_depth_by_key` shows whose backlog it is; the same
+with the flow named by GAIE's `x-gateway-inference-fairness-id` header on a gateway
+without keys.
 """
 
 from __future__ import annotations
@@ -47,14 +48,6 @@ limits: {{max_queue: 64, queue_timeout_ms: 60000}}
     return start_gateway_with(config, tmp, procs)
 
 
-@pytest.fixture
-def procs() -> Iterator[list[Proc]]:
-    started: list[Proc] = []
-    yield started
-    for proc in started:
-        proc.stop(signal.SIGKILL)
-
-
 def served_order(target: Proc, flood: dict[str, str], newcomer: dict[str, str]) -> list[str]:
     """Send ``FLOOD`` streamed requests as ``flood`` (api key, headers), wait until most
     wait in the gateway queue, then one as ``newcomer``; the order their streams ended."""
@@ -84,6 +77,9 @@ def served_order(target: Proc, flood: dict[str, str], newcomer: dict[str, str]) 
         thread.start()
     depth = f'isocost_queue_depth{{pool="{MODEL}"}}'
     wait_for(lambda: (metric_value(target.url, depth) or 0) >= FLOOD - 3, 10, "a queued flood")
+    if "key" in flood:  # who fills the queue, by key
+        by_key = f'isocost_queue_depth_by_key{{key="bulk",pool="{MODEL}"}}'
+        assert (metric_value(target.url, by_key) or 0) >= FLOOD - 3
     newcomer_thread = threading.Thread(target=ask, args=("light", newcomer), daemon=True)
     newcomer_thread.start()
     for thread in [*threads, newcomer_thread]:

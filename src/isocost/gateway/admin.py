@@ -75,6 +75,7 @@ class _AutoscalerStatus(msgspec.Struct, forbid_unknown_fields=True, frozen=True)
 
 
 _STALE_INTERVALS = 3
+_QUEUE_FLOWS_SHOWN = 20  # flows named per pool in the snapshot (header flows are many)
 # Replica counts in an autoscaler status.
 _COUNTS = ("desired", "ready", "pending", "draining", "ejected")
 
@@ -171,6 +172,13 @@ def snapshot(gateway: Gateway) -> dict[str, Any]:
                 "in_flight": sum(row["in_flight"] for row in members),
                 "queue_depth": gateway.router.queue_depth(pool.model),
                 "queue_held": gateway.router.queue_held(pool.model),
+                # who fills it: the most waiting flows (API keys), "" for requests of none
+                "queue_flows": {
+                    flow or "": waiting
+                    for flow, waiting in gateway.router.queue_flows(pool.model).most_common(
+                        _QUEUE_FLOWS_SHOWN
+                    )
+                },
                 "slo": None if pool.slo is None else _targets_ms(pool.slo),
                 "slo_verdicts": {v: pool.verdicts[v] for v in ("met", "missed", "failed")},
             }

@@ -23,6 +23,7 @@ from isocost.gateway.intake import Rejection, defer_continue
 from isocost.gateway.lifecycle import Gateway
 from isocost.gateway.proxy import CLIENT_GONE_STATUS, ClientGone, ForwardResult
 from isocost.gateway.routing import GatewayRequest
+from isocost.gateway.tracing import RequestSpan
 from isocost.gateway.workers import SIBLING_HEADER
 from isocost.openai.errors import ApiError, error_response
 from isocost.openai.responses import json_response
@@ -58,7 +59,9 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return error_response(ApiError.from_http(exc))
 
 
-def _account(gateway: Gateway, request: GatewayRequest, result: ForwardResult) -> None:
+def _account(
+    gateway: Gateway, request: GatewayRequest, result: ForwardResult, span: RequestSpan | None
+) -> None:
     """Log, count and charge how ``request`` ended: once per request, whatever the end."""
     gateway.intake.charge_output(request, result.output_tokens, time.monotonic())
     replica = result.replica
@@ -79,35 +82,34 @@ def _account(gateway: Gateway, request: GatewayRequest, result: ForwardResult) -
     if verdict is not None:
         request.pool.verdicts[verdict] += 1
         gateway.metrics.slo_requests.labels(request.pool.model, verdict).inc()
-    log.info(
-        "request",
-        extra={
-            "event": "request",
-            "request_id": request.request_id,
-            "pool": request.pool.model,
-            "replica": name,
-            "status": result.status,
-            "stream": request.view.stream,
-            "prompt_tokens": request.view.prompt_tokens,
-            "output_tokens": result.output_tokens,
-            "retries": result.retries,
-            "resumes": result.resumes,
-            "cached_tokens": result.cached_tokens,
-            "predicted_cached_tokens": result.predicted_cached_tokens,
-            "ttft_ms": _ms(result.ttft_s),
-            "predicted_ttft_ms": _ms(result.predicted_ttft_s),
-            "e2e_ms": round(e2e_s * 1000, 1),
-            "key": request.key_name,
-            "error": result.error,
-            "disaggregated": result.disaggregated,
-            "prefill_replica": result.prefill_replica.name if result.prefill_replica else None,
-            "prefill_ms": _ms(result.prefill_s),
-            "kv_transfer_ms": _ms(result.kv_transfer_s),
-            "handoff_failures": result.handoff_failures,
-            "prefill_queue": result.queues[0] if result.queues else None,
-            "decode_queue": result.queues[1] if result.queues else None,
-        },
-    )
+    record = {
+        "request_id": request.request_id,
+        "pool": request.pool.model,
+        "replica": name,
+        "status": result.status,
+        "stream": request.view.stream,
+        "prompt_tokens": request.view.prompt_tokens,
+        "max_tokens": request.view.max_tokens,
+        "output_tokens": result.output_tokens,
+        "retries": result.retries,
+        "resumes": result.resumes,
+        "cached_tokens": result.cached_tokens,
+        "predicted_cached_tokens": result.predicted_cached_tokens,
+        "ttft_ms": _ms(result.ttft_s),
+        "predicted_ttft_ms": _ms(result.predicted_ttft_s),
+        "e2e_ms": round(e2e_s * 1000, 1),
+        "key": request.key_name,
+        "error": result.error,
+        "disaggregated": result.disaggregated,
+        "prefill_replica": result.prefill_replica.name if result.prefill_replica else None,
+        "prefill_ms": _ms(result.prefill_s),
+        "kv_transfer_ms": _ms(result.kv_transfer_s),
+        "handoff_failures": result.handoff_failures,
+        "prefill_queue": result.queues[0] if result.queues else None,
+        "decode_queue": result.queues[1] if result.queues else None,
+    }
+    log.info("request", extra={"event": "request", **record})
+    gateway.tracing.describe(span, record)
     if gateway.recording.active:
         gateway.recording.record(request, result, e2e_s)
     gateway.shadow.record(request, result, e2e_s)
@@ -134,26 +136,27 @@ async def _completion(http: web.Request, *, chat: bool) -> web.StreamResponse:
     """Forward one request and log and count how it ended, exactly once, however it did:
     answered, refused, or the client gone (aiohttp cancels the handler when it leaves)."""
     gateway = http.app[GATEWAY]
-    body, request = await gateway.intake.prepare(http, chat=chat)
-    result = ForwardResult(CLIENT_GONE_STATUS)
-    try:
-        response = await gateway.forwarder.forward(http, body, request, result)
-    except ApiError as exc:
-        result.status = exc.status
-        _account(gateway, request, result)
-        if request.key_name is not None:
-            http[_KEY_NAME] = request.key_name
-        raise
-    except ClientGone as exc:
-        result.status, result.error = CLIENT_GONE_STATUS, exc.reason
-        _account(gateway, request, result)
-        return web.Response(status=CLIENT_GONE_STATUS)  # never sent: the connection is closed
-    except asyncio.CancelledError:
-        result.status, result.error = CLIENT_GONE_STATUS, "client disconnected"
-        _account(gateway, request, result)
-        raise
-    _account(gateway, request, result)
-    return response
+    with gateway.tracing.request(http.headers, chat=chat) as span:
+        body, request = await gateway.intake.prepare(http, chat=chat)
+        result = ForwardResult(CLIENT_GONE_STATUS)
+        try:
+            response = await gateway.forwarder.forward(http, body, request, result)
+        except ApiError as exc:
+            result.status = exc.status
+            _account(gateway, request, result, span)
+            if request.key_name is not None:
+                http[_KEY_NAME] = request.key_name
+            raise
+        except ClientGone as exc:
+            result.status, result.error = CLIENT_GONE_STATUS, exc.reason
+            _account(gateway, request, result, span)
+            return web.Response(status=CLIENT_GONE_STATUS)  # never sent: the connection closed
+        except asyncio.CancelledError:
+            result.status, result.error = CLIENT_GONE_STATUS, "client disconnected"
+            _account(gateway, request, result, span)
+            raise
+        _account(gateway, request, result, span)
+        return response
 
 
 async def _chat(request: web.Request) -> web.StreamResponse:

@@ -26,7 +26,7 @@ import hashlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,6 +47,7 @@ from isocost.gateway.recording import Recording, RecordingSettings
 from isocost.gateway.routing import Router
 from isocost.gateway.shadow import Shadow
 from isocost.gateway.supervise import supervise
+from isocost.gateway.tracing import Tracing
 from isocost.gateway.upstreams import Pool, Upstream
 from isocost.gateway.workers import WorkerGroup
 from isocost.runtime.config import (
@@ -119,7 +120,8 @@ class Gateway:
             queue_timeout_s=config.limits.queue_timeout_ms / 1000,
         )
         self.intake = Intake(config, self.pools, self.router.block_tokens, time.monotonic())
-        self.metrics.key_budgets.levels = lambda: self.intake.budget_levels(time.monotonic())
+        self.metrics.key_budgets.rows = lambda: self.intake.budget_levels(time.monotonic())
+        self.metrics.queue_by_key.rows = self._queued_by_key
         self.started_at = time.monotonic()
         self.draining = False  # shutting down: readiness fails, in-flight requests finish
         self._watcher: asyncio.Task[None] | None = None
@@ -134,6 +136,7 @@ class Gateway:
         self._running_discovery = config.discovery  # read at start only
         self._running_state_bus = config.state_bus  # read at start only
         self._running_upstream_tls = config.upstream_tls  # read at start only
+        self.tracing = Tracing(config.tracing)  # read at start only
         source = str(config_path or "--replica")
         self._upstream_ssl = client_ssl(config.upstream_tls, source, "upstream_tls.{}".format)
         etcd = config.discovery.etcd
@@ -160,6 +163,7 @@ class Gateway:
             self._session, self.router, _forward_settings(self.config.limits)
         )
         self._forwarder.key_headers = self.intake.rate_limit_headers
+        self._forwarder.tracing = self.tracing
         self._monitor = Monitor(self._session, self.router, self.metrics, self.config)
         self.apply_config(self.config)
         self._start_discovery(self.config.discovery)
@@ -190,6 +194,7 @@ class Gateway:
             await self._monitor.stop()
         if self._session is not None:
             await self._session.close()
+        await asyncio.to_thread(self.tracing.shutdown)  # flushes: bounded by its timeout
 
     @property
     def forwarder(self) -> Forwarder:
@@ -205,6 +210,15 @@ class Gateway:
         """Count one refused request under ``reason``."""
         self.rejections[reason] += 1
         self.metrics.rejections.labels(reason).inc()
+
+    def _queued_by_key(self) -> Iterator[tuple[str, str, int]]:
+        """(pool, key, requests waiting) for ``isocost_queue_depth_by_key``: configured keys
+        only (a header's flows are unbounded labels)."""
+        keys = {key.name for key in self.intake.auth.keys}
+        for model in self.pools:
+            for flow, waiting in self.router.queue_flows(model).items():
+                if flow in keys:
+                    yield model, flow, waiting
 
     def refused(self, rejection: Rejection) -> None:
         """Count a request the intake refused: its reason, and its key's answer."""
@@ -659,6 +673,7 @@ class Gateway:
             ("discovery", self._running_discovery, file_config.discovery),
             ("state_bus", self._running_state_bus, file_config.state_bus),
             ("upstream_tls", self._running_upstream_tls, file_config.upstream_tls),
+            ("tracing", self.tracing.config, file_config.tracing),
         ):
             if read != running:
                 log.warning(

@@ -114,10 +114,22 @@ class GatewayMetrics:
             ["key", "kind"],
             registry=r,
         )
-        # What each API key's budgets hold, read at scrape time (the keys change with the
-        # config, and a bucket refills between scrapes); the gateway sets ``levels``.
-        self.key_budgets = _BudgetCollector()
+        # Read at scrape time (the keys change with the config, a bucket refills between
+        # scrapes, a queue is counted by flow only when asked); the gateway sets ``rows``.
+        self.key_budgets = _ScrapedGauge(
+            "isocost_api_key_budget_remaining",
+            "What an API key's requests_per_minute or tokens_per_minute bucket holds now"
+            " (below 0 while spends made after the fact or by peer gateways are repaid).",
+            ["key", "budget"],
+        )
+        self.queue_by_key = _ScrapedGauge(
+            "isocost_queue_depth_by_key",
+            "Requests waiting in the gateway queue, by API key (requests of no key are in"
+            " isocost_queue_depth only).",
+            ["pool", "key"],
+        )
         r.register(self.key_budgets)
+        r.register(self.queue_by_key)
         self.rejections = Counter(
             "isocost_rejections", "Requests refused, by reason.", ["reason"], registry=r
         )
@@ -360,26 +372,21 @@ class GatewayMetrics:
         ).set_function(peers)
 
 
-class _BudgetCollector(Collector):
-    """``isocost_api_key_budget_remaining`` from ``levels``: (key, budget, level) rows."""
+class _ScrapedGauge(Collector):
+    """A labelled gauge whose samples ``rows`` gives at each scrape: (*labels, value)."""
 
-    def __init__(self) -> None:
-        self.levels: Callable[[], Iterable[tuple[str, str, float]]] = tuple
+    def __init__(self, name: str, documentation: str, labels: list[str]) -> None:
+        self.name, self.documentation, self.labels = name, documentation, labels
+        self.rows: Callable[[], Iterable[tuple[str | float, ...]]] = tuple
 
     def describe(self) -> Iterable[GaugeMetricFamily]:
         return [self._family()]
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         family = self._family()
-        for key, budget, level in self.levels():
-            family.add_metric([key, budget], level)
+        for *labels, value in self.rows():
+            family.add_metric([str(label) for label in labels], float(value))
         yield family
 
-    @staticmethod
-    def _family() -> GaugeMetricFamily:
-        return GaugeMetricFamily(
-            "isocost_api_key_budget_remaining",
-            "What an API key's requests_per_minute or tokens_per_minute bucket holds now"
-            " (below 0 while spends made after the fact or by peer gateways are repaid).",
-            labels=["key", "budget"],
-        )
+    def _family(self) -> GaugeMetricFamily:
+        return GaugeMetricFamily(self.name, self.documentation, labels=self.labels)

@@ -64,6 +64,7 @@ from isocost.gateway.health import status_fault
 from isocost.gateway.loops import HOPS_HEADER, hops
 from isocost.gateway.resume import SegmentError, StreamLedger
 from isocost.gateway.routing import GatewayRequest, Grant, Router
+from isocost.gateway.tracing import Tracing
 from isocost.gateway.upstreams import Upstream, connect_failure
 from isocost.openai import sse
 from isocost.openai.continuation import not_resumable
@@ -297,8 +298,9 @@ class Forwarder:
         self.session = session
         self.router = router
         self.settings = settings
-        # The key's x-ratelimit-* headers for an answer (set by the gateway: the intake's)
+        # The key's x-ratelimit-* headers for an answer, and the tracer (set by the gateway)
         self.key_headers: Callable[[str | None], dict[str, str]] = lambda key_name: {}
+        self.tracing = Tracing(None)
 
     async def forward(
         self, http: web.Request, body: bytes, request: GatewayRequest, result: ForwardResult
@@ -525,6 +527,7 @@ class Forwarder:
         for name in _HOP_HEADERS:
             if name in http.headers:
                 headers[name] = http.headers[name]
+        self.tracing.inject(http.headers, headers)
         remaining_s = max(0.001, request.arrived_at + settings.total_timeout_s - time.monotonic())
         timeout = aiohttp.ClientTimeout(
             total=remaining_s,
@@ -558,6 +561,10 @@ class Forwarder:
         return upstream
 
     async def _attempt(self, attempt: _Attempt, body: bytes, grant: Grant) -> web.StreamResponse:
+        with self.tracing.attempt(grant.replica.name):
+            return await self._try(attempt, body, grant)
+
+    async def _try(self, attempt: _Attempt, body: bytes, grant: Grant) -> web.StreamResponse:
         upstream = await self._open(attempt.http, body, attempt.request, grant)
         try:
             response_headers = self.key_headers(attempt.request.key_name)

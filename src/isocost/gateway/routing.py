@@ -641,6 +641,11 @@ class Router:
         dispatcher = self._dispatchers.get(pool)
         return len(dispatcher) if dispatcher else 0
 
+    def queue_flows(self, pool: str) -> Counter[str | None]:
+        """Of ``queue_depth``, how many of each flow (API key) wait."""
+        dispatcher = self._dispatchers.get(pool)
+        return dispatcher.flows() if dispatcher else Counter()
+
     def queue_held(self, pool: str) -> int:
         """Of ``queue_depth``, the requests held by SLO admission."""
         dispatcher = self._dispatchers.get(pool)

@@ -101,6 +101,10 @@ A full file, every key optional except ``pools[].model`` and ``replicas[].url``:
                                       # system's store); read at start
       cert_file: /etc/isocost/gw.pem  # a client certificate, where they require one (mTLS)
       key_file: /etc/isocost/gw.key   # its key (default: in cert_file)
+    tracing:                          # OpenTelemetry spans of each request (gateway.tracing)
+      otlp_endpoint: http://otel-collector:4318  # OTLP/HTTP; read at start
+      service_name: isocost-gateway
+      sample_ratio: 1.0               # of the traces the gateway starts itself
 
 Secrets are read from environment variables (``*_env``) or given inline (``admin_token``,
 ``key``) for tests; they never appear in logs.
@@ -148,6 +152,7 @@ __all__ = [
     "ShadowConfig",
     "SloConfig",
     "StateBusConfig",
+    "TracingConfig",
     "check_references",
     "check_replica",
     "check_state_bus",
@@ -321,6 +326,14 @@ class StateBusConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     max_backoff_ms: float = 2000
 
 
+class TracingConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """OpenTelemetry traces of the gateway's requests, sent over OTLP/HTTP (protobuf)."""
+
+    otlp_endpoint: str  # the collector's base URL; spans go to <endpoint>/v1/traces
+    service_name: str = "isocost-gateway"
+    sample_ratio: float = 1.0  # of traces the gateway starts; a caller's decision is kept
+
+
 class CalibrationConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # Fit each replica's prefill terms (per chunk, token, attention pair and request) to
     # its TTFTs instead of one TTFT factor (``scheduling.prefillfit``).
@@ -339,6 +352,7 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     state_bus: StateBusConfig | None = None
     calibration: CalibrationConfig = CalibrationConfig()
     upstream_tls: TlsConfig = TlsConfig()
+    tracing: TracingConfig | None = None
 
 
 _PATH_RE = re.compile(r"\$((?:\.[A-Za-z_]\w*|\[\d+\])+)")
@@ -530,6 +544,8 @@ def _check(config: GatewayConfig, source: str, secrets: bool) -> None:
     _check_discovery(config.discovery, source)
     if config.state_bus is not None:
         check_state_bus(config.state_bus, source)
+    if config.tracing is not None:
+        _check_tracing(config.tracing, source)
     auth = config.auth
     env = auth.admin_token_env
     if secrets and env is not None and env not in os.environ:
@@ -640,13 +656,8 @@ NATS_SCHEMES = ("nats", "tls")
 
 def check_state_bus(bus: StateBusConfig, source: str) -> None:
     """ConfigError naming the first bad ``state_bus`` field."""
-    parts = urlsplit(bus.url)
-    if parts.scheme not in (*REDIS_SCHEMES, *NATS_SCHEMES) or not parts.hostname:
-        raise ConfigError(
-            source,
-            f"{redacted(bus.url)!r} must be redis://host:port or nats://host:port",
-            key="state_bus.url",
-        )
+    _check_url(bus.url, (*REDIS_SCHEMES, *NATS_SCHEMES), source, "state_bus.url",
+               "redis://host:port or nats://host:port")  # fmt: skip
     if not bus.channel:
         raise ConfigError(source, "must not be empty", key="state_bus.channel")
     for field in ("heartbeat_ms", "peer_timeout_ms", "max_backoff_ms"):
@@ -654,6 +665,22 @@ def check_state_bus(bus: StateBusConfig, source: str) -> None:
             raise ConfigError(source, "must be positive", key=f"state_bus.{field}")
     if not bus.peer_timeout_ms > bus.heartbeat_ms:
         raise ConfigError(source, "must exceed heartbeat_ms", key="state_bus.peer_timeout_ms")
+
+
+def _check_tracing(tracing: TracingConfig, source: str) -> None:
+    """ConfigError naming the first bad ``tracing`` field."""
+    _check_url(tracing.otlp_endpoint, ("http", "https"), source, "tracing.otlp_endpoint",
+               "http://host:port or https://host:port")  # fmt: skip
+    if not tracing.service_name:
+        raise ConfigError(source, "must not be empty", key="tracing.service_name")
+    check_fields(tracing, {"sample_ratio": SHARE}, source, "tracing")
+
+
+def _check_url(url: str, schemes: tuple[str, ...], source: str, key: str, form: str) -> None:
+    """ConfigError at ``key`` unless ``url`` has one of ``schemes`` and a host."""
+    parts = urlsplit(url)
+    if parts.scheme not in schemes or not parts.hostname:
+        raise ConfigError(source, f"{redacted(url)!r} must be {form}", key=key)
 
 
 def redacted(url: str) -> str:

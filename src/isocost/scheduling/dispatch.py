@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -167,12 +168,19 @@ class RequestQueue:
         return self._discard(request_id)
 
     def _key(self, request: RequestView) -> _Key:
+        if len(self._turn_ends) > 2 * len(self._live) + 16:  # flows whose turns are past
+            virtual = self._virtual  # (bounded even while newcomers of new flows are refused)
+            self._turn_ends = {f: end for f, end in self._turn_ends.items() if end > virtual}
         turn = self._virtual
         if request.flow is not None:
             turn = max(turn, self._turn_ends.get(request.flow, 0.0))
             self._turn_ends[request.flow] = turn + 1.0
         deadline = request.deadline_s if request.deadline_s is not None else math.inf
         return (-request.priority, deadline, turn, request.arrival_s, self._sequence)
+
+    def flows(self) -> Counter[str | None]:
+        """How many requests of each flow wait here (None: of no flow)."""
+        return Counter(r.flow for key, r in self._heap if self._live.get(r.request_id) == key)
 
     def ordered(self) -> list[RequestView]:
         """Every queued request, most urgent first (a snapshot: O(n log n))."""
@@ -199,9 +207,6 @@ class RequestQueue:
         if len(self._heap) > 2 * len(self._live) + 16:  # compact stale entries
             self._heap = [(k, r) for k, r in self._heap if self._live.get(r.request_id) == k]
             heapq.heapify(self._heap)
-        if len(self._turn_ends) > 2 * len(self._live) + 16:  # flows whose turns are past
-            virtual = self._virtual
-            self._turn_ends = {f: end for f, end in self._turn_ends.items() if end > virtual}
         return True
 
 
@@ -256,6 +261,10 @@ class Dispatcher(Generic[T]):
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self.queue or request_id in self.held
+
+    def flows(self) -> Counter[str | None]:
+        """How many requests of each flow wait, queued or held."""
+        return self.queue.flows() + self.held.flows()
 
     def submit(
         self, ticket: T, request: RequestView, now: float, exclude: Collection[str] = ()

@@ -129,6 +129,13 @@ def test_the_shipped_example_parses(monkeypatch: pytest.MonkeyPatch) -> None:
         ("limits: {max_tokens: many}", "limits.max_tokens", "int"),
         ("health: {min_success_rate: 2}", "health.min_success_rate", "[0, 1]"),
         ("auth: {api_keys: [{name: a}]}", "auth.api_keys[0]", "exactly one"),
+        ("tracing: {otlp_endpoint: 'grpc://c:4317'}", "tracing.otlp_endpoint", "http://"),
+        (
+            "tracing: {otlp_endpoint: 'http://c:4318', sample_ratio: 2}",
+            "tracing.sample_ratio",
+            "[0, 1]",
+        ),
+        ("tracing: {otlp_endpoint: 'http://c:4318', color: red}", "color", "unknown"),
         (
             "auth: {api_keys: [{name: a, key: k, priority: 2, max_priority: 1}]}",
             "auth.api_keys[0].max_priority",

@@ -163,6 +163,14 @@ def test_flows_take_turns_rather_than_the_first_flood_going_first() -> None:
     assert drain(queue) == ["bulk0", "light0", "bulk1", "light1", "bulk2", "bulk3"]
 
 
+def test_a_queue_counts_its_waiting_requests_by_flow() -> None:
+    queue = RequestQueue(100)
+    flood_then(queue, 3, "light")
+    queue.push(RequestView("anon", MODEL, 1))
+    assert queue.take("bulk0") and queue.cancel("light0")
+    assert queue.flows() == {"bulk": 2, None: 1}
+
+
 def test_a_flow_arriving_after_some_were_served_starts_at_the_current_turn() -> None:
     queue = RequestQueue(100)
     flood_then(queue, 6)
@@ -194,6 +202,15 @@ def test_a_full_queue_evicts_the_floods_last_turn_for_another_flow() -> None:
     second = queue.push(RequestView("light1", MODEL, 1, arrival_s=3.0, flow="light"))
     assert second.rejected is not None and second.rejected.request_id == "light1"  # a tie
     assert drain(queue) == ["bulk0", "light0", "bulk1"]
+
+
+def test_flows_whose_turns_are_past_are_forgotten_even_while_newcomers_are_refused() -> None:
+    queue = RequestQueue(2)
+    for name in ("a", "b"):
+        queue.push(RequestView(name, MODEL, 1, priority=1, flow=name))
+    for i in range(1000):  # each a flow of its own, each refused: the queue is full
+        assert not queue.push(RequestView(f"x{i}", MODEL, 1, flow=f"x{i}")).queued
+    assert len(queue._turn_ends) <= 2 * len(queue) + 17
 
 
 def test_without_flows_the_order_is_arrival_whatever_was_served() -> None:
