@@ -25,7 +25,7 @@ from collections.abc import Iterator, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from isocost.openai.errors import ApiError
-from isocost.runtime.config import TracingConfig
+from isocost.runtime.config import TracingConfig, redacted
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -65,12 +65,8 @@ class Tracing:
             self._provider, self._tracer = _tracer(config)
             log.info(
                 "tracing: spans go to the OTLP collector",
-                extra={"event": "tracing_on", "endpoint": config.otlp_endpoint},
+                extra={"event": "tracing_on", "endpoint": redacted(config.otlp_endpoint)},
             )
-
-    @property
-    def enabled(self) -> bool:
-        return self._tracer is not None
 
     @contextlib.contextmanager
     def request(self, headers: Mapping[str, str], *, chat: bool) -> Iterator[RequestSpan | None]:
