@@ -246,6 +246,10 @@ def test_metrics_count_picks(stack: Stack) -> None:
         what="one more decision counted",
     )
     assert _sample(stack, "isocost_replica_healthy", prefix=True) == 1.0
+    # the key's place is held while Envoy relays the answer, and free once it ended
+    key_in_flight = 'isocost_api_key_in_flight{key="team-a"}'
+    wait_for(lambda: _sample(stack, key_in_flight) == 0, what="the key's place freed")
+    assert _sample(stack, 'isocost_api_key_requests_total{key="team-a",status="200"}') >= 1
 
 
 def _sample(stack: Stack, series: str, *, prefix: bool = False) -> float:

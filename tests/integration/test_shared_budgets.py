@@ -6,8 +6,9 @@ Checked: answers carry the key's `x-ratelimit-*` headers; what a key spends thro
 gateway A is spent at gateway B too (B's `isocost_api_key_budget_remaining` falls), so B
 refuses the key's next request with 429, `rate_limit_exceeded`, a Retry-After and no
 requests remaining, where B alone would have let four more through;
-another key's budget at B is untouched; and with the bus server SIGKILLed each gateway goes
-on enforcing the budgets on its own traffic, serving what fits.
+another key's budget at B is untouched; a key's `max_in_flight` counts its streams
+through A at B, which refuses one more until they end; and with the bus server SIGKILLed
+each gateway goes on enforcing the budgets on its own traffic, serving what fits.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from isocost_procs import ISOCOST, Proc, ready_urls, start_isocost
 
 MODEL = "llama-3.1-8b"
 PER_MINUTE = 4  # requests per minute of each key: a full bucket of four, one every 15 s
-KEYS = {"team-a": "secret-team-a", "team-b": "secret-team-b"}
+KEYS = {"team-a": "secret-team-a", "team-b": "secret-team-b", "team-c": "secret-team-c"}
+AT_ONCE = 2  # team-c's max_in_flight, over both gateways
 
 
 @dataclass
@@ -50,7 +52,9 @@ def pair(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Pair]:
         keys = "\n".join(
             f"    - {{name: {name}, key: {secret}, requests_per_minute: {PER_MINUTE}}}"
             for name, secret in KEYS.items()
+            if name != "team-c"
         )
+        keys += f"\n    - {{name: team-c, key: {KEYS['team-c']}, max_in_flight: {AT_ONCE}}}"
         config = tmp_path / "gateway.yaml"
         config.write_text(
             f"""
@@ -131,3 +135,30 @@ def test_with_the_bus_gone_each_gateway_enforces_on_its_own_traffic(pair: Pair) 
     with pytest.raises(openai.RateLimitError):
         ask(pair.a, "team-a")
     assert ask(pair.b, "team-a").choices  # B did not hear A's spends: its own bucket
+
+
+def in_flight(gateway: Proc, key: str) -> float | None:
+    return metric(gateway, f'isocost_api_key_in_flight{{key="{key}"}}')
+
+
+def test_a_keys_requests_in_flight_count_on_every_gateway(pair: Pair) -> None:
+    client = openai.OpenAI(
+        base_url=pair.a.url + "/v1", api_key=KEYS["team-c"], max_retries=0, timeout=60
+    )
+    streams = [
+        client.completions.create(model=MODEL, prompt="Go on.", max_tokens=4000, stream=True)
+        for _ in range(AT_ONCE)
+    ]
+    try:
+        for stream in streams:
+            next(iter(stream))  # a first token: in flight through A
+        wait_for(lambda: in_flight(pair.b, "team-c") == AT_ONCE, 5, "A's streams at B")
+        with pytest.raises(openai.RateLimitError, match="in flight") as refused:
+            ask(pair.b, "team-c")  # B alone holds none of them
+        assert refused.value.code == "rate_limit_exceeded"
+    finally:
+        for stream in streams:
+            stream.close()  # the client leaves: A lets them go
+        client.close()
+    wait_for(lambda: in_flight(pair.b, "team-c") == 0, 10, "A's places freed at B")
+    assert ask(pair.b, "team-c").choices

@@ -139,6 +139,7 @@ async def _completion(http: web.Request, *, chat: bool) -> web.StreamResponse:
     with gateway.tracing.request(http.headers, chat=chat) as span:
         body, request = await gateway.intake.prepare(http, chat=chat)
         result = ForwardResult(CLIENT_GONE_STATUS)
+        gateway.intake.admit(request)
         try:
             response = await gateway.forwarder.forward(http, body, request, result)
         except ApiError as exc:
@@ -155,6 +156,8 @@ async def _completion(http: web.Request, *, chat: bool) -> web.StreamResponse:
             result.status, result.error = CLIENT_GONE_STATUS, "client disconnected"
             _account(gateway, request, result, span)
             raise
+        finally:
+            gateway.intake.release(request)
         _account(gateway, request, result, span)
         return response
 

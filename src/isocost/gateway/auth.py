@@ -79,6 +79,7 @@ class ApiKey:
     tokens: TokenBucket | None
     priority: int = 0  # of its requests that send no x-priority
     max_priority: int = 0  # the highest x-priority it may send
+    max_in_flight: int | None = None  # its requests at once, over every gateway
 
 
 def rate_limit_headers(key: ApiKey, now: float) -> dict[str, str]:
@@ -150,6 +151,7 @@ class Authenticator:
                     max_priority=entry.priority
                     if entry.max_priority is None
                     else entry.max_priority,
+                    max_in_flight=entry.max_in_flight,
                 )
             )
             self._by_name[entry.name] = self.keys[-1]

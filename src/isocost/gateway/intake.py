@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from typing import Protocol
 
@@ -36,8 +37,8 @@ from isocost.runtime.config import GatewayConfig
 __all__ = [
     "CLIENT_HEADERS",
     "Intake",
+    "KeyPeers",
     "Rejection",
-    "SpendListener",
     "defer_continue",
 ]
 
@@ -74,11 +75,15 @@ class Rejection(ApiError):
         self.key = key
 
 
-class SpendListener(Protocol):
-    """Hears what this gateway charged to a key's budgets (the state bus, which tells the
-    other gateways)."""
+class KeyPeers(Protocol):
+    """The other gateways' side of the keys (the state bus): it hears what this gateway
+    charged to a key's budgets and holds in flight, and says what the others hold."""
 
     def spent(self, key: str, *, requests: int = 0, tokens: int = 0) -> None: ...
+
+    def holding(self, key: str, count: int) -> None: ...
+
+    def held_by_peers(self, key: str) -> int: ...
 
 
 class Intake:
@@ -92,7 +97,8 @@ class Intake:
         self.limits = config.limits
         self.auth = Authenticator(config.auth, now)
         self.listen = ListenAddress()
-        self.spends: SpendListener | None = None
+        self.peers: KeyPeers | None = None
+        self.in_flight: Counter[str] = Counter()  # this gateway's requests per key name
 
     def charge_peer(self, key_name: str, requests: int, tokens: int, now: float) -> bool:
         """Spend what another gateway charged ``key_name``; False when no key has that
@@ -120,8 +126,47 @@ class Intake:
                 yield key.name, "tokens", key.tokens.level_at(now)
 
     def _spent(self, key: ApiKey, *, requests: int = 0, tokens: int = 0) -> None:
-        if self.spends is not None:
-            self.spends.spent(key.name, requests=requests, tokens=tokens)
+        if self.peers is not None:
+            self.peers.spent(key.name, requests=requests, tokens=tokens)
+
+    def keys_in_flight(self) -> Iterator[tuple[str, int]]:
+        """(key name, its requests in flight here and at the peers) for every key."""
+        for key in self.auth.keys:
+            yield key.name, self._held(key.name)
+
+    def _held(self, name: str) -> int:
+        return self.in_flight[name] + (self.peers.held_by_peers(name) if self.peers else 0)
+
+    def admit(self, request: GatewayRequest) -> None:
+        """Hold one of its key's ``max_in_flight`` places for ``request`` until
+        ``release``; 429 when this gateway's and its peers' requests of the key fill them."""
+        name = request.key_name
+        if name is None:
+            return
+        key = self.auth.named(name)
+        most = None if key is None else key.max_in_flight
+        if most is not None and self._held(name) >= most:
+            raise Rejection(
+                "key_in_flight",
+                429,
+                f"key {name} has {most} requests in flight, its most",
+                code="rate_limit_exceeded",
+                retry_after_s=1.0,
+                key=name,
+            )
+        self._hold(name, +1)
+
+    def release(self, request: GatewayRequest) -> None:
+        """``request`` ended: its key's place is free again."""
+        if request.key_name is not None:
+            self._hold(request.key_name, -1)
+
+    def _hold(self, name: str, change: int) -> None:
+        count = self.in_flight[name] = self.in_flight[name] + change
+        if count <= 0:
+            del self.in_flight[name]
+        if self.peers is not None:
+            self.peers.holding(name, max(count, 0))
 
     def configure(self, config: GatewayConfig, now: float) -> None:
         """Take a reloaded config's limits and keys; unchanged keys keep their budgets."""

@@ -122,6 +122,7 @@ class Gateway:
         self.intake = Intake(config, self.pools, self.router.block_tokens, time.monotonic())
         self.metrics.key_budgets.rows = lambda: self.intake.budget_levels(time.monotonic())
         self.metrics.queue_by_key.rows = self._queued_by_key
+        self.metrics.key_in_flight.rows = self.intake.keys_in_flight
         self.started_at = time.monotonic()
         self.draining = False  # shutting down: readiness fails, in-flight requests finish
         self._watcher: asyncio.Task[None] | None = None
@@ -534,7 +535,7 @@ class Gateway:
             on_spend=self._peer_spent,
         )
         self.router.bus = bus
-        self.intake.spends = bus
+        self.intake.peers = bus
         self.metrics.track_state_bus(lambda: float(bool(bus.up)), lambda: len(bus.views.peers))
         for name, loop in bus.loops():
             self._bus_tasks.append(supervise(name, loop, self.metrics.task_failures))

@@ -128,8 +128,15 @@ class GatewayMetrics:
             " isocost_queue_depth only).",
             ["pool", "key"],
         )
+        self.key_in_flight = _ScrapedGauge(
+            "isocost_api_key_in_flight",
+            "Requests of an API key in flight through this gateway and, with a state bus,"
+            " its peers (what max_in_flight is held against).",
+            ["key"],
+        )
         r.register(self.key_budgets)
         r.register(self.queue_by_key)
+        r.register(self.key_in_flight)
         self.rejections = Counter(
             "isocost_rejections", "Requests refused, by reason.", ["reason"], registry=r
         )

@@ -91,8 +91,17 @@ class GatewayPicker:
     ) -> EndpointGrant:
         """The replica for one request (``subset``: GAIE's hint, the only endpoints it may
         go to); ApiError, OpenAI-shaped, for a request refused or that nothing can take."""
+        intake = self.gateway.intake
         with self._counting_rejections():
             request = await self._routing_request(path, headers, body)
+            intake.admit(request)
+        try:
+            return await self._grant(request, subset)
+        except BaseException:
+            intake.release(request)  # no grant: its key's place is free again
+            raise
+
+    async def _grant(self, request: GatewayRequest, subset: frozenset[str] | None) -> EndpointGrant:
         exclude = frozenset(
             replica.name
             for replica in request.pool.replicas.values()
@@ -232,6 +241,7 @@ class EndpointGrant:
             str(status or 0), self._request.pool.model, self._grant.replica.name
         ).inc()
         request = self._request
+        self._gateway.intake.release(request)
         self._gateway.account_key(
             request.key_name, status or 0, prompt_tokens=request.view.prompt_tokens
         )

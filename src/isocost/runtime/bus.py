@@ -2,8 +2,9 @@
 
 Each gateway publishes what it does to the replicas (``Dispatch``, ``FirstToken``,
 ``Tokens``: the output streamed since its last message, ``Complete``, ``Cancel``), what it
-charged to API keys' budgets (``Spend``, summed per key per message) and, every
-``heartbeat_ms``, a ``Heartbeat`` with the in-flight count it sees per replica.
+charged to API keys' budgets (``Spend``, summed per key per message), how many requests of
+each key it has in flight (``Holding``, when that changed and with every heartbeat) and,
+every ``heartbeat_ms``, a ``Heartbeat`` with the in-flight count it sees per replica.
 Peers apply those events to their own ``ReplicaSet`` as foreign in-flight through the very
 hooks local traffic takes (``ForeignSink``: ``on_dispatch``, ``on_first_token``,
 ``on_tokens``, ``on_complete``), so a peer's request is priced, queued against and
@@ -11,7 +12,8 @@ prefix-matched exactly like one's own, and the scrape merge counts it as known l
 than as unexplained foreign load. A peer's ``Spend`` is charged to the key of that name
 here too (``on_spend``), so a key's budget holds across the gateways rather than once per
 gateway; a lost one is not replayed, and while the bus is down each gateway enforces the
-budgets on its own traffic alone.
+budgets on its own traffic alone. A peer's ``Holding`` replaces the last one heard from it,
+so a key's ``max_in_flight`` counts every gateway's requests (``held_by_peers``).
 
 The transport is Redis pub/sub or NATS core (``runtime.bus_transport``, by the URL's
 scheme), on one channel or subject: fire and forget, one hop on loopback, no storage to
@@ -71,6 +73,7 @@ __all__ = [
     "FirstToken",
     "ForeignSink",
     "Heartbeat",
+    "Holding",
     "PeerViews",
     "Spend",
     "StateBus",
@@ -146,6 +149,13 @@ class Spend(msgspec.Struct, tag="s", array_like=True, frozen=True):
     tokens: _Spent
 
 
+class Holding(msgspec.Struct, tag="k", array_like=True, frozen=True):
+    """The sender's requests in flight per API key, every key it holds any of: the whole
+    count, so one heard replaces the last (a lost one is made good by the next)."""
+
+    in_flight: dict[_KeyName, _InFlight]
+
+
 class Heartbeat(msgspec.Struct, tag="h", array_like=True, frozen=True):
     """The sender is alive; ``in_flight``: the requests it sees per replica (its own and
     its peers'), against which a receiver measures its view divergence."""
@@ -153,7 +163,7 @@ class Heartbeat(msgspec.Struct, tag="h", array_like=True, frozen=True):
     in_flight: dict[str, _InFlight]
 
 
-Event = Dispatch | FirstToken | Tokens | Complete | Cancel | Spend | Heartbeat
+Event = Dispatch | FirstToken | Tokens | Complete | Cancel | Spend | Holding | Heartbeat
 
 
 class Batch(msgspec.Struct, array_like=True, frozen=True):
@@ -200,6 +210,7 @@ class _Peer:
     seq: int
     seen_s: float
     requests: set[str] = field(default_factory=set)  # its in-flight ids applied here
+    holding: dict[str, int] = field(default_factory=dict)  # its in-flight per API key
     gaps: dict[str, float] | None = None  # per replica, view divergence at its heartbeat
     duplicate_logged: bool = False  # its duplicates are counted, the first one logged
 
@@ -317,6 +328,9 @@ class PeerViews:
             if not self.on_spend(event.key, event.requests, event.tokens):
                 self.reject("unknown_key", now, f"no API key named {event.key!r} here")
             return
+        if isinstance(event, Holding):
+            peer.holding = dict(event.in_flight)
+            return
         request_id = f"{gateway}/{event.request_id}"  # unique across gateways
         if isinstance(event, Dispatch):
             if request_id in peer.requests:
@@ -351,6 +365,10 @@ class PeerViews:
                 sink.foreign_end(request_id, ok=True, output_tokens=event.output_tokens)
             else:
                 sink.foreign_end(request_id, ok=False, output_tokens=None)
+
+    def held_by_peers(self, key: str) -> int:
+        """The requests of API key ``key`` the peers last said they hold in flight."""
+        return sum(peer.holding.get(key, 0) for peer in self.peers.values())
 
     def expire(self, now: float) -> list[str]:
         """Drop the peers silent for longer than ``peer_timeout_s``; their ids."""
@@ -435,6 +453,8 @@ class StateBus:
         self._pending: list[Event] = []
         self._streamed: dict[str, int] = {}  # tokens per request since the last message
         self._spent: dict[str, list[int]] = {}  # [requests, tokens] per key since then
+        self._holding: dict[str, int] = {}  # this gateway's in flight per key, above 0
+        self._holding_changed = False
         self._wanted = asyncio.Event()
         self._seq = 0
         self._heard_s = -float("inf")  # when the last message, ours included, came
@@ -481,6 +501,20 @@ class StateBus:
             totals[0] += requests
             totals[1] += tokens
             self._wanted.set()
+
+    def holding(self, key: str, count: int) -> None:
+        """This gateway now has ``count`` requests of ``key`` in flight."""
+        if count > 0:
+            self._holding[key] = count
+        else:
+            self._holding.pop(key, None)
+        if self.up:
+            self._holding_changed = True
+            self._wanted.set()
+
+    def held_by_peers(self, key: str) -> int:
+        """The requests of ``key`` the other gateways hold in flight, as last heard."""
+        return self.views.held_by_peers(key)
 
     def _publish(self, event: Event) -> None:
         if self.up:  # while down peers drop all of ours anyway
@@ -562,6 +596,9 @@ class StateBus:
             events, self._pending = self._pending, []
             events += [Tokens(request_id, count) for request_id, count in self._streamed.items()]
             events += [Spend(key, *totals) for key, totals in self._spent.items()]
+            if self._holding_changed:
+                events.append(Holding(dict(self._holding)))
+                self._holding_changed = False
             self._streamed.clear()
             self._spent.clear()
             if not events:
@@ -577,6 +614,8 @@ class StateBus:
         """Say this gateway is alive (with its view) and expire silent peers."""
         while True:
             self._publish(Heartbeat(in_flight_view(self.views.sink.replicas)))
+            if self._holding:  # again: a peer that joined or lost the last one converges
+                self._holding_changed = True
             self.views.expire(time.monotonic())
             self.show_divergence()
             await asyncio.sleep(self.heartbeat_s)

@@ -267,6 +267,7 @@ class ApiKeyConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     tokens_per_minute: int | None = None
     priority: int = 0  # of its requests that send no x-priority
     max_priority: int | None = None  # the highest x-priority it may send (None: priority)
+    max_in_flight: int | None = None  # its requests at once, over every gateway on the bus
 
 
 class AuthConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -576,7 +577,11 @@ _HEALTH_BOUNDS = {
     field: SHARE if field == "min_success_rate" else POSITIVE
     for field in HealthConfig.__struct_fields__
 }
-_KEY_BOUNDS = {"requests_per_minute": POSITIVE, "tokens_per_minute": POSITIVE}
+_KEY_BOUNDS = {
+    "requests_per_minute": POSITIVE,
+    "tokens_per_minute": POSITIVE,
+    "max_in_flight": POSITIVE,
+}
 
 
 def _check_shadow(shadow: ShadowConfig, running: str, source: str, key: str) -> None:

@@ -92,13 +92,22 @@ def test_a_bucket_level_refills_to_the_capacity_without_being_taken() -> None:
 
 
 class Spends:
-    """The state bus's side of the intake: what it was told this gateway charged."""
+    """The state bus's side of the intake: what it was told this gateway charged and
+    holds (``held``), and what the peers hold (``peer_holding``)."""
 
     def __init__(self) -> None:
         self.heard: list[tuple[str, int, int]] = []
+        self.held: dict[str, int] = {}  # what it was last told this gateway holds
+        self.peer_holding: dict[str, int] = {}
 
     def spent(self, key: str, *, requests: int = 0, tokens: int = 0) -> None:
         self.heard.append((key, requests, tokens))
+
+    def holding(self, key: str, count: int) -> None:
+        self.held[key] = count
+
+    def held_by_peers(self, key: str) -> int:
+        return self.peer_holding.get(key, 0)
 
 
 MODEL = "llama-3.1-8b"
@@ -125,7 +134,7 @@ def completion(intake: Intake, max_tokens: int | None) -> GatewayRequest:
 
 def test_what_the_intake_charges_a_key_is_told_to_the_peers() -> None:
     intake = keyed_intake(requests_per_minute=60, tokens_per_minute=600)
-    spends = intake.spends = Spends()
+    spends = intake.peers = Spends()
     request = completion(intake, max_tokens=100)
     prompt = request.view.prompt_tokens
     assert spends.heard == [("team-a", 1, 0), ("team-a", 0, prompt + 100)]
@@ -139,7 +148,7 @@ def test_what_the_intake_charges_a_key_is_told_to_the_peers() -> None:
 
 def test_a_request_over_the_bucket_charges_and_tells_the_capacity() -> None:
     intake = keyed_intake(tokens_per_minute=50)
-    spends = intake.spends = Spends()
+    spends = intake.peers = Spends()
     completion(intake, max_tokens=1000)
     assert spends.heard == [("team-a", 0, 50)]  # what the peers must take: what was taken
 
@@ -180,3 +189,26 @@ def test_rate_limit_headers_say_the_limit_what_is_left_and_when_it_is_full() -> 
         "x-ratelimit-reset-tokens": "1m29s",
     }
     assert rate_limit_headers(ApiKey("b", b"t", None, None), now=1.0) == {}
+
+
+def test_a_keys_places_in_flight_count_its_peers_and_free_at_the_end() -> None:
+    intake = keyed_intake(max_in_flight=3)
+    peers = intake.peers = Spends()
+    first, second = completion(intake, 5), completion(intake, 5)
+    intake.admit(first)
+    peers.peer_holding["team-a"] = 1  # another gateway holds one of the three
+    intake.admit(second)
+    assert peers.held == {"team-a": 2}
+    with pytest.raises(Rejection, match="3 requests in flight") as refused:
+        intake.admit(completion(intake, 5))
+    assert (refused.value.status, refused.value.reason, refused.value.key) == (
+        429,
+        "key_in_flight",
+        "team-a",
+    )
+    intake.release(first)
+    assert peers.held == {"team-a": 1}
+    intake.admit(first)  # its place is free again
+    for request in (first, second):
+        intake.release(request)
+    assert peers.held == {"team-a": 0} and not intake.in_flight

@@ -25,6 +25,7 @@ from isocost.runtime.bus import (
     Event,
     FirstToken,
     Heartbeat,
+    Holding,
     PeerViews,
     Spend,
     StateBus,
@@ -151,7 +152,8 @@ def test_divergence_is_taken_as_each_heartbeat_lands() -> None:
 
 def test_batches_survive_the_wire() -> None:
     events = (dispatch("r1"), FirstToken("r1"), Tokens("r1", 4), Complete("r1", 9))
-    sent = batch("a", 3, *events, Spend("team-a", 2, 900), Heartbeat({"x": 2}))
+    keys = (Spend("team-a", 2, 900), Holding({"team-a": 3}))
+    sent = batch("a", 3, *events, *keys, Heartbeat({"x": 2}))
     wire = msgspec.msgpack.encode(sent)
     assert msgspec.msgpack.decode(wire, type=Batch) == sent
 
@@ -170,6 +172,18 @@ def test_a_peer_spend_is_charged_and_one_on_an_unknown_key_is_counted() -> None:
     assert charged == [("team-a", 3, 1200), ("team-z", 1, 5)]
     rejected = target.metrics.state_bus_rejected.labels("unknown_key")._value.get()
     assert rejected == 1  # the configs differ: visible, and nothing else is dropped
+
+
+def test_a_peers_holding_replaces_the_last_and_leaves_with_the_peer() -> None:
+    views = PeerViews("me", router(), TIMEOUT_S)
+    views.apply(batch("a", 1, Holding({"team-a": 2, "team-b": 1})), now=0.0)
+    views.apply(batch("b", 1, Holding({"team-a": 3})), now=0.0)
+    assert views.held_by_peers("team-a") == 5 and views.held_by_peers("team-c") == 0
+    views.apply(batch("a", 5, Holding({"team-a": 1})), now=0.2)  # after a gap: still whole
+    assert (views.held_by_peers("team-a"), views.held_by_peers("team-b")) == (4, 0)
+    views.apply(batch("a", 6), now=TIMEOUT_S + 0.5)
+    views.expire(TIMEOUT_S + 0.5)  # b went silent: what it held is no longer counted
+    assert views.held_by_peers("team-a") == 1
 
 
 @pytest.mark.parametrize("spend", [[["s", "k", -1, 0]], [["s", "", 1, 0]], [["s", "k", 1, 2**60]]])
@@ -295,3 +309,14 @@ def test_spends_go_summed_per_key_and_none_while_the_bus_is_down() -> None:
 
     sent = published(lambda bus: bus.spent("team-a", requests=1), spend)  # down: nobody hears
     assert sent.events == [Spend("team-a", 1, 300), Spend("team-b", 1, 40)]
+
+
+def test_holdings_go_whole_once_per_message_and_a_key_at_zero_leaves_them() -> None:
+    def hold(bus: StateBus) -> None:
+        bus.holding("team-a", 2)
+        bus.holding("team-b", 1)
+        bus.holding("team-a", 1)
+        bus.holding("team-b", 0)
+
+    sent = published(lambda bus: bus.holding("team-c", 4), hold)  # kept while down
+    assert sent.events == [Holding({"team-c": 4, "team-a": 1})]
