@@ -151,8 +151,8 @@ def serve(
         if gateway_config.state_bus is None:
             log.warning(
                 "--workers without a state bus: each worker prices only its own dispatches"
-                " and the scrapes, and holds its own copy of each API key's budgets"
-                " (give --state-bus to share both)",
+                " and the scrapes, and holds its own copy of each API key's budgets and"
+                " max_in_flight (give --state-bus to share them)",
                 extra={"event": "workers_unshared", "workers": workers},
             )
         serve_args = sys.argv[sys.argv.index("serve") + 1 :]
