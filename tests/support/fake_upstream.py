@@ -56,7 +56,7 @@ from typing import Any
 from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).parent))  # run as a script: import its siblings
-from isocost_procs import NotReady, Proc, ready_urls
+from isocost_procs import NotReady, Proc, abandon, ready_urls
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -260,8 +260,7 @@ def start_fake_upstream(timeout_s: float = 20, tls: list[str] | None = None) -> 
     try:
         (url,) = ready_urls(popen, "fake upstream", timeout_s=timeout_s)
     except NotReady:
-        popen.kill()
-        popen.wait()
+        abandon(popen)
         raise
     return Proc(popen, url)
 

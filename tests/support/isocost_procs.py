@@ -61,9 +61,17 @@ def spawn_ready(
     try:
         return popen, ready_urls(popen, marker, count, timeout_s)
     except NotReady:
-        popen.kill()
-        popen.wait()
+        abandon(popen)
         raise
+
+
+def abandon(popen: subprocess.Popen[str]) -> None:
+    """Kill a process that did not become ready, and close the pipe its ready lines were
+    read from (left open, its collection warns in whichever test runs then)."""
+    popen.kill()
+    popen.wait()
+    if popen.stdout is not None:
+        popen.stdout.close()
 
 
 def start_isocost(

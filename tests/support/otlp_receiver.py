@@ -1,25 +1,25 @@
 """An OTLP/HTTP trace receiver for tests: what an OpenTelemetry collector's ``otlphttp``
-receiver does with ``POST /v1/traces``, and nothing else.
+receiver does with ``POST /v1/traces`` in OTLP's JSON encoding, and nothing else.
 
 No collector binary installs here (it ships neither in Debian nor on PyPI), so this server
-speaks the real wire format instead: each body is decoded as the protobuf
-``ExportTraceServiceRequest`` (``opentelemetry-proto``, the exporter's own package) and
-answered with an empty ``ExportTraceServiceResponse``; a body that does not decode is a
-400, as a collector answers it. The spans it got are kept as plain ``ReceivedSpan``\\ s.
+speaks the real wire format instead (the OTLP specification's JSON mapping of
+``ExportTraceServiceRequest``: ``resourceSpans`` / ``scopeSpans`` / ``spans``, ids in hex,
+attribute values tagged by type, a gzip body when ``Content-Encoding`` says so); a body
+that is not such a request is a 400, as a collector answers it, and an accepted one gets
+the empty ``ExportTraceServiceResponse``, ``{}``. The spans it got are kept as plain
+``ReceivedSpan``\\ s.
 """
 
 from __future__ import annotations
 
+import gzip
+import json
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from google.protobuf.message import DecodeError
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest,
-    ExportTraceServiceResponse,
-)
+SPAN_KINDS = {"SPAN_KIND_SERVER": 2, "SPAN_KIND_CLIENT": 3}  # the enum's JSON names
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,6 @@ class OtlpReceiver:
 
     def __init__(self) -> None:
         self.spans: list[ReceivedSpan] = []
-        self.exports = 0
         self._lock = threading.Lock()
         receiver = self
 
@@ -50,16 +49,19 @@ class OtlpReceiver:
                     self._answer(404, b"")
                     return
                 try:
-                    export = ExportTraceServiceRequest.FromString(body)
-                except DecodeError:
+                    if self.headers.get("Content-Encoding") == "gzip":
+                        body = gzip.decompress(body)
+                    spans = _spans(json.loads(body))
+                except (OSError, ValueError, KeyError, TypeError):
                     self._answer(400, b"")
                     return
-                receiver._take(export)
-                self._answer(200, ExportTraceServiceResponse().SerializeToString())
+                with receiver._lock:
+                    receiver.spans.extend(spans)
+                self._answer(200, b"{}")
 
             def _answer(self, status: int, body: bytes) -> None:
                 self.send_response(status)
-                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
@@ -87,34 +89,41 @@ class OtlpReceiver:
         with self._lock:
             return list(self.spans)
 
-    def _take(self, export: ExportTraceServiceRequest) -> None:
-        spans = []
-        for resource_spans in export.resource_spans:
-            resource = _attributes(resource_spans.resource.attributes)
-            for scope_spans in resource_spans.scope_spans:
-                for span in scope_spans.spans:
-                    spans.append(
-                        ReceivedSpan(
-                            service=str(resource.get("service.name", "")),
-                            name=span.name,
-                            kind=span.kind,
-                            trace_id=span.trace_id.hex(),
-                            span_id=span.span_id.hex(),
-                            parent_span_id=span.parent_span_id.hex(),
-                            status_code=span.status.code,
-                            attributes=_attributes(span.attributes),
-                        )
+
+def _spans(export: dict[str, Any]) -> list[ReceivedSpan]:
+    """The spans of one ``ExportTraceServiceRequest`` in OTLP/JSON."""
+    spans = []
+    for resource_spans in export["resourceSpans"]:
+        resource = _attributes(resource_spans.get("resource", {}).get("attributes", []))
+        for scope_spans in resource_spans.get("scopeSpans", []):
+            for span in scope_spans.get("spans", []):
+                kind = span.get("kind", 0)
+                spans.append(
+                    ReceivedSpan(
+                        service=str(resource.get("service.name", "")),
+                        name=span["name"],
+                        kind=SPAN_KINDS.get(kind, kind) if isinstance(kind, str) else kind,
+                        trace_id=_hex(span["traceId"], 32),
+                        span_id=_hex(span["spanId"], 16),
+                        parent_span_id=span.get("parentSpanId") or "",
+                        status_code=span.get("status", {}).get("code", 0),
+                        attributes=_attributes(span.get("attributes", [])),
                     )
-        with self._lock:
-            self.exports += 1
-            self.spans.extend(spans)
+                )
+    return spans
 
 
-def _attributes(pairs: Any) -> dict[str, Any]:
-    """OTLP ``KeyValue``\\ s as a dict of plain values."""
+def _hex(value: str, digits: int) -> str:
+    """An id as OTLP/JSON writes it: ``digits`` lowercase hex digits, else ValueError."""
+    if len(value) != digits or int(value, 16) < 0:
+        raise ValueError(f"not a {digits}-digit hex id: {value!r}")
+    return value.lower()
+
+
+def _attributes(pairs: list[dict[str, Any]]) -> dict[str, Any]:
+    """OTLP ``KeyValue``\\ s as a dict of plain values (64-bit ints come as strings)."""
     out: dict[str, Any] = {}
     for pair in pairs:
-        value = pair.value
-        which = value.WhichOneof("value")
-        out[pair.key] = getattr(value, which) if which else None
+        ((kind, value),) = pair["value"].items()
+        out[pair["key"]] = int(value) if kind == "intValue" else value
     return out

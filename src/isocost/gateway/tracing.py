@@ -11,7 +11,9 @@ name, token counts, the replica chosen, the prediction and the prefix hit, retri
 resumes, the status.
 
 Spans leave through the SDK's batch processor (a thread of its own; the ``OTEL_BSP_*``
-environment variables tune it) to an OTLP/HTTP collector: a collector that is down or slow
+environment variables tune it) to an OTLP/HTTP collector, encoded as OTLP's JSON (the
+protobuf exporter's ``opentelemetry-proto`` module files clash with ``xds-protos``'s, the
+picker's, and whichever installs last wins): a collector that is down or slow
 costs dropped spans and the SDK's log lines, never a request's time. Without ``tracing``
 nothing is imported and each request pays for two empty context managers; the client's
 ``traceparent`` and ``tracestate`` are then passed to the replica as they came.
@@ -149,7 +151,7 @@ class Tracing:
 
 def _tracer(config: TracingConfig) -> tuple[TracerProvider, Tracer]:
     """A provider exporting to ``config``'s collector in batches; imported only here."""
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.exporter.otlp.json.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor

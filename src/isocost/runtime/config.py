@@ -328,7 +328,7 @@ class StateBusConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 
 class TracingConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """OpenTelemetry traces of the gateway's requests, sent over OTLP/HTTP (protobuf)."""
+    """OpenTelemetry traces of the gateway's requests, sent over OTLP/HTTP (JSON)."""
 
     otlp_endpoint: str  # the collector's base URL; spans go to <endpoint>/v1/traces
     service_name: str = "isocost-gateway"
