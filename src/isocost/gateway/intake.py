@@ -77,11 +77,12 @@ class Rejection(ApiError):
 
 class KeyPeers(Protocol):
     """The other gateways' side of the keys (the state bus): it hears what this gateway
-    charged to a key's budgets and holds in flight, and says what the others hold."""
+    charged to a key's budgets and when its ``in_flight`` changed, and says what the
+    others hold."""
 
     def spent(self, key: str, *, requests: int = 0, tokens: int = 0) -> None: ...
 
-    def holding(self, key: str, count: int) -> None: ...
+    def holding_changed(self) -> None: ...
 
     def held_by_peers(self, key: str) -> int: ...
 
@@ -162,11 +163,12 @@ class Intake:
             self._hold(request.key_name, -1)
 
     def _hold(self, name: str, change: int) -> None:
-        count = self.in_flight[name] = self.in_flight[name] + change
-        if count <= 0:
-            del self.in_flight[name]
+        if (count := self.in_flight[name] + change) > 0:
+            self.in_flight[name] = count
+        else:
+            self.in_flight.pop(name, None)
         if self.peers is not None:
-            self.peers.holding(name, max(count, 0))
+            self.peers.holding_changed()
 
     def configure(self, config: GatewayConfig, now: float) -> None:
         """Take a reloaded config's limits and keys; unchanged keys keep their budgets."""

@@ -533,6 +533,7 @@ class Gateway:
             on_divergence=self._show_divergence,
             on_lag=lag.observe,
             on_spend=self._peer_spent,
+            holding=lambda: self.intake.in_flight,
         )
         self.router.bus = bus
         self.intake.peers = bus

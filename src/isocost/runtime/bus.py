@@ -49,7 +49,7 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Protocol
 
@@ -442,6 +442,7 @@ class StateBus:
         on_divergence: Callable[[dict[str, float]], None],
         on_lag: Callable[[float], None],
         on_spend: SpendSink = _no_budgets,
+        holding: Callable[[], Mapping[str, int]] = dict,
     ) -> None:
         self.config = config
         self.heartbeat_s = config.heartbeat_ms / 1000
@@ -453,7 +454,7 @@ class StateBus:
         self._pending: list[Event] = []
         self._streamed: dict[str, int] = {}  # tokens per request since the last message
         self._spent: dict[str, list[int]] = {}  # [requests, tokens] per key since then
-        self._holding: dict[str, int] = {}  # this gateway's in flight per key, above 0
+        self._holding = holding  # this gateway's in flight per key (the intake's counts)
         self._holding_changed = False
         self._wanted = asyncio.Event()
         self._seq = 0
@@ -502,12 +503,8 @@ class StateBus:
             totals[1] += tokens
             self._wanted.set()
 
-    def holding(self, key: str, count: int) -> None:
-        """This gateway now has ``count`` requests of ``key`` in flight."""
-        if count > 0:
-            self._holding[key] = count
-        else:
-            self._holding.pop(key, None)
+    def holding_changed(self) -> None:
+        """This gateway's in-flight count of some key changed: the next message says them."""
         if self.up:
             self._holding_changed = True
             self._wanted.set()
@@ -597,7 +594,7 @@ class StateBus:
             events += [Tokens(request_id, count) for request_id, count in self._streamed.items()]
             events += [Spend(key, *totals) for key, totals in self._spent.items()]
             if self._holding_changed:
-                events.append(Holding(dict(self._holding)))
+                events.append(Holding(dict(self._holding())))
                 self._holding_changed = False
             self._streamed.clear()
             self._spent.clear()
@@ -614,7 +611,7 @@ class StateBus:
         """Say this gateway is alive (with its view) and expire silent peers."""
         while True:
             self._publish(Heartbeat(in_flight_view(self.views.sink.replicas)))
-            if self._holding:  # again: a peer that joined or lost the last one converges
+            if self._holding():  # again: a peer that joined or lost the last one converges
                 self._holding_changed = True
             self.views.expire(time.monotonic())
             self.show_divergence()

@@ -92,19 +92,19 @@ def test_a_bucket_level_refills_to_the_capacity_without_being_taken() -> None:
 
 
 class Spends:
-    """The state bus's side of the intake: what it was told this gateway charged and
-    holds (``held``), and what the peers hold (``peer_holding``)."""
+    """The state bus's side of the intake: what it was told this gateway charged, how
+    often its in-flight changed (``changes``), and what the peers hold (``peer_holding``)."""
 
     def __init__(self) -> None:
         self.heard: list[tuple[str, int, int]] = []
-        self.held: dict[str, int] = {}  # what it was last told this gateway holds
+        self.changes = 0
         self.peer_holding: dict[str, int] = {}
 
     def spent(self, key: str, *, requests: int = 0, tokens: int = 0) -> None:
         self.heard.append((key, requests, tokens))
 
-    def holding(self, key: str, count: int) -> None:
-        self.held[key] = count
+    def holding_changed(self) -> None:
+        self.changes += 1
 
     def held_by_peers(self, key: str) -> int:
         return self.peer_holding.get(key, 0)
@@ -198,7 +198,7 @@ def test_a_keys_places_in_flight_count_its_peers_and_free_at_the_end() -> None:
     intake.admit(first)
     peers.peer_holding["team-a"] = 1  # another gateway holds one of the three
     intake.admit(second)
-    assert peers.held == {"team-a": 2}
+    assert intake.in_flight == {"team-a": 2} and peers.changes == 2  # what the bus reads
     with pytest.raises(Rejection, match="3 requests in flight") as refused:
         intake.admit(completion(intake, 5))
     assert (refused.value.status, refused.value.reason, refused.value.key) == (
@@ -207,8 +207,8 @@ def test_a_keys_places_in_flight_count_its_peers_and_free_at_the_end() -> None:
         "team-a",
     )
     intake.release(first)
-    assert peers.held == {"team-a": 1}
+    assert intake.in_flight == {"team-a": 1} and peers.changes == 3
     intake.admit(first)  # its place is free again
     for request in (first, second):
         intake.release(request)
-    assert peers.held == {"team-a": 0} and not intake.in_flight
+    assert not intake.in_flight and peers.changes == 6

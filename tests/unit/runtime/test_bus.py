@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import msgspec
 import pytest
@@ -261,9 +261,13 @@ class CapturingClient:
         return 1
 
 
-def published(before_up: Callable[[StateBus], None], up: Callable[[StateBus], None]) -> Batch:
+def published(
+    before_up: Callable[[StateBus], None],
+    up: Callable[[StateBus], None],
+    holding: Callable[[], Mapping[str, int]] = dict,
+) -> Batch:
     """The one message the publisher sends after ``before_up`` ran on a bus not yet up
-    and ``up`` on the bus up."""
+    and ``up`` on the bus up (``holding``: the gateway's in-flight per key)."""
 
     async def run() -> list[Batch]:
         bus = StateBus(
@@ -271,6 +275,7 @@ def published(before_up: Callable[[StateBus], None], up: Callable[[StateBus], No
             router(),
             on_divergence=lambda divergence: None,
             on_lag=lambda seconds: None,
+            holding=holding,
         )
         client = CapturingClient()
         bus._transport = client  # type: ignore[assignment]
@@ -312,11 +317,20 @@ def test_spends_go_summed_per_key_and_none_while_the_bus_is_down() -> None:
 
 
 def test_holdings_go_whole_once_per_message_and_a_key_at_zero_leaves_them() -> None:
-    def hold(bus: StateBus) -> None:
-        bus.holding("team-a", 2)
-        bus.holding("team-b", 1)
-        bus.holding("team-a", 1)
-        bus.holding("team-b", 0)
+    counts: dict[str, int] = {}  # the intake's in-flight per key, as the bus reads it
 
-    sent = published(lambda bus: bus.holding("team-c", 4), hold)  # kept while down
+    def change(bus: StateBus, **now: int) -> None:
+        counts.update(now)
+        for key in [k for k, n in counts.items() if n == 0]:
+            del counts[key]
+        bus.holding_changed()
+
+    def hold(bus: StateBus) -> None:
+        change(bus, **{"team-a": 2})
+        change(bus, **{"team-b": 1})
+        change(bus, **{"team-a": 1})
+        change(bus, **{"team-b": 0})
+
+    # team-c's count changed while the bus was down: kept, and said once it is up
+    sent = published(lambda bus: change(bus, **{"team-c": 4}), hold, holding=lambda: counts)
     assert sent.events == [Holding({"team-c": 4, "team-a": 1})]
