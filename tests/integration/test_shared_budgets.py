@@ -8,7 +8,8 @@ refuses the key's next request with 429, `rate_limit_exceeded`, a Retry-After an
 requests remaining, where B alone would have let four more through;
 another key's budget at B is untouched; a key's `max_in_flight` counts its streams
 through A at B, which refuses one more until they end; and with the bus server SIGKILLed
-each gateway goes on enforcing the budgets on its own traffic, serving what fits.
+while a stream runs, the stream ends whole, B forgets A's holds, and each gateway goes on
+enforcing the budgets on its own traffic, serving what fits.
 """
 
 from __future__ import annotations
@@ -127,9 +128,20 @@ def test_a_key_spent_through_a_is_spent_at_b(pair: Pair) -> None:
 
 
 def test_with_the_bus_gone_each_gateway_enforces_on_its_own_traffic(pair: Pair) -> None:
-    pair.bus.kill()
-    for gateway in (pair.a, pair.b):
-        wait_for(lambda g=gateway: metric(g, "isocost_state_bus_up") == 0, 5, "bus down")
+    with openai.OpenAI(
+        base_url=pair.a.url + "/v1", api_key=KEYS["team-c"], max_retries=0, timeout=60
+    ) as client:
+        stream = client.completions.create(
+            model=MODEL, prompt="Go on.", max_tokens=600, stream=True
+        )
+        chunks = iter(stream)
+        next(chunks)  # in flight through A, and known at B, when the bus dies
+        wait_for(lambda: in_flight(pair.b, "team-c") == 1, 5, "A's stream at B")
+        pair.bus.kill()
+        for gateway in (pair.a, pair.b):
+            wait_for(lambda g=gateway: metric(g, "isocost_state_bus_up") == 0, 5, "bus down")
+        assert in_flight(pair.b, "team-c") == 0  # B forgot A's holds with A
+        assert sum(1 for _ in chunks) > 0  # the stream goes on to its end
     for _ in range(PER_MINUTE):
         assert ask(pair.a, "team-a").choices
     with pytest.raises(openai.RateLimitError):
