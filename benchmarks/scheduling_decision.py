@@ -13,7 +13,14 @@ is timed and probes are not dispatched. The table gives mean, median and p99 per
 and old/young of the means: near 1 means the decision cost does not grow with requests
 seen. Then the same probes go through the old fleet once more, each as a whole request
 on the hot path as the gateway drives it: ``schedule``, ``on_dispatch`` (reusing the
-decision), ``on_first_token`` and ``on_complete``; the last column is their mean. Run:
+decision), ``on_first_token`` and ``on_complete``; the "hooks" column is their mean.
+
+``--in-flight`` defaults to two requests per replica. The "admitted" column is the share
+of probes the old fleet admitted: a fleet whose queues are at their caps answers QUEUE
+before pricing anything, which would time a shortcut instead of a decision, so a run
+where fewer than 90% were admitted says so and exits 1. ``--json FILE`` writes
+``{policy: {"young": {"mean_us", "median_us", "p99_us"}, "old": {...}, "old_over_young",
+"hot_path_mean_us", "admitted"}}``. Run:
 
     .venv/bin/python benchmarks/scheduling_decision.py --replicas 1000 --old 20000
     .venv/bin/python benchmarks/scheduling_decision.py --replicas 3 --young 200 --old 2000
@@ -34,14 +41,18 @@ Figures depend on the machine and its load; compare rows of one run.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from random import Random
+from typing import Any
 
 from rich.console import Console
 from rich.progress import track
@@ -60,6 +71,7 @@ from isocost.scheduling import (
     RequestView,
     build_policy,
 )
+from isocost.tables import Fitted
 from isocost.workload import (
     Segment,
     SyntheticSpec,
@@ -74,6 +86,7 @@ from isocost.workload import (
 BLOCK_TOKENS = 512
 MODEL = "llama-3.1-8b"
 _MASK = (1 << 63) - 1
+_MIN_ADMITTED = 0.9  # of the probes, for the timings to be decisions (module docstring)
 
 
 @dataclass
@@ -149,9 +162,10 @@ def _probe(fleets: tuple[Fleet, Fleet], probes: list[RequestView]) -> list[list[
     return timings
 
 
-def _hot_path(fleet: Fleet, probes: list[RequestView]) -> list[float]:
-    """Seconds per probe for schedule plus the shadow hooks of one whole request."""
-    timings = []
+def _hot_path(fleet: Fleet, probes: list[RequestView]) -> tuple[list[float], float]:
+    """Seconds per probe for schedule plus the shadow hooks of one whole request, and
+    the share of probes admitted."""
+    timings, admitted = [], 0
     replicas, now = fleet.replicas, fleet.now
     for request in probes:
         start = time.perf_counter()
@@ -160,8 +174,9 @@ def _hot_path(fleet: Fleet, probes: list[RequestView]) -> list[float]:
             replicas.on_dispatch(request, decision.replica_id, now, decision=decision)
             replicas.on_first_token(request.request_id, now)
             replicas.on_complete(request.request_id, now, output_tokens=128)
+            admitted += 1
         timings.append(time.perf_counter() - start)
-    return timings
+    return timings, admitted / len(probes)
 
 
 def _prefix_workloads(count: int, seed: int) -> dict[str, list[WorkloadRequest]]:
@@ -245,15 +260,47 @@ def prefix_micro(count: int, seed: int) -> None:
     Console().print(table)
 
 
+def _stats(window: list[float]) -> dict[str, float]:
+    """Mean, median and p99 of ``window`` (seconds), in microseconds."""
+    return {
+        "mean_us": statistics.fmean(window) * 1e6,
+        "median_us": statistics.median(window) * 1e6,
+        "p99_us": statistics.quantiles(window, n=100)[98] * 1e6,
+    }
+
+
+def _decision_table(figures: dict[str, dict[str, Any]], title: str, full: bool) -> Table:
+    """Every figure per policy (``full``), or the means alone for a narrow console."""
+    table = Table(title=title)
+    table.add_column("policy", no_wrap=True)
+    stats = ("mean_us", "median_us", "p99_us") if full else ("mean_us",)
+    for age in ("young", "old"):
+        for stat in stats:
+            label = f"{age} {stat.removesuffix('_us')}" if full else age
+            table.add_column(f"{label} µs", justify="right")
+    for header in ("old/young", "hooks µs", "admitted"):
+        table.add_column(header, justify="right")
+    for name, row in figures.items():
+        cells = [name]
+        for age in ("young", "old"):
+            cells += [f"{row[age][stat]:.0f}" for stat in stats]
+        cells.append(f"{row['old_over_young']:.2f}")
+        cells.append(f"{row['hot_path_mean_us']:.0f}")
+        cells.append(f"{row['admitted']:.0%}")
+        table.add_row(*cells)
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replicas", type=int, default=1000)
     parser.add_argument("--young", type=int, default=2000, help="requests the young fleet saw")
     parser.add_argument("--old", type=int, default=20_000, help="requests the old fleet saw")
     parser.add_argument("--probes", type=int, default=1000)
-    parser.add_argument("--in-flight", type=int, default=2000)
+    parser.add_argument("--in-flight", type=int, help="requests in flight (default: 2 per replica)")
     parser.add_argument("--policies", default=",".join(BUILTIN_POLICIES))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument(
         "--prefix",
         type=int,
@@ -266,36 +313,37 @@ def main() -> None:
     if args.prefix is not None:
         prefix_micro(args.prefix, args.seed)
         return
-    if not 0 < args.young <= args.old or args.probes < 100:
-        parser.error("need 0 < --young <= --old and --probes >= 100")
+    if not 0 < args.young <= args.old or args.probes < 100 or args.replicas < 1:
+        parser.error("need 0 < --young <= --old, --probes >= 100 and --replicas >= 1")
+    in_flight = 2 * args.replicas if args.in_flight is None else args.in_flight
     stream = _requests(args.old + args.probes, args.seed)
     history, probes = stream[: args.old], stream[args.old :]
-    table = Table(
-        title=f"schedule() across {args.replicas} replicas, "
+    figures: dict[str, dict[str, Any]] = {}
+    for name in track(args.policies.split(","), description="policies"):
+        young = _fed(name, args.replicas, history[: args.young], in_flight)
+        old = _fed(name, args.replicas, history, in_flight)
+        timings = _probe((young, old), probes)
+        hot_path, admitted = _hot_path(old, probes)
+        figures[name] = {
+            "young": _stats(timings[0]),
+            "old": _stats(timings[1]),
+            "old_over_young": statistics.fmean(timings[1]) / statistics.fmean(timings[0]),
+            "hot_path_mean_us": statistics.fmean(hot_path) * 1e6,
+            "admitted": admitted,
+        }
+    title = (
+        f"schedule() across {args.replicas} replicas, {in_flight} in flight, "
         f"young: {args.young} requests seen, old: {args.old}"
     )
-    table.add_column("policy", no_wrap=True)
-    for age in ("young", "old"):
-        for stat in ("mean", "median", "p99"):
-            table.add_column(f"{age} {stat} µs", justify="right")
-    table.add_column("old/young mean", justify="right")
-    table.add_column("old + hooks mean µs", justify="right")
-    for name in track(args.policies.split(","), description="policies"):
-        young = _fed(name, args.replicas, history[: args.young], args.in_flight)
-        old = _fed(name, args.replicas, history, args.in_flight)
-        timings = _probe((young, old), probes)
-        cells = [name]
-        for window in timings:
-            for value in (
-                statistics.fmean(window),
-                statistics.median(window),
-                statistics.quantiles(window, n=100)[98],
-            ):
-                cells.append(f"{value * 1e6:.0f}")
-        cells.append(f"{statistics.fmean(timings[1]) / statistics.fmean(timings[0]):.2f}")
-        cells.append(f"{statistics.fmean(_hot_path(old, probes)) * 1e6:.0f}")
-        table.add_row(*cells)
-    Console().print(table)
+    Console().print(Fitted(*(_decision_table(figures, title, full) for full in (True, False))))
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2, sort_keys=True) + "\n")
+    shortcut = [name for name, row in figures.items() if row["admitted"] < _MIN_ADMITTED]
+    if shortcut:
+        sys.exit(
+            f"fewer than {_MIN_ADMITTED:.0%} of the probes admitted ({', '.join(shortcut)}): "
+            "queues at their caps answer before pricing; lower --in-flight"
+        )
 
 
 if __name__ == "__main__":
