@@ -22,6 +22,7 @@ class _Granted:
         self.endpoints = (endpoint,)
         self.replica = endpoint
         self.prefill_endpoint = None
+        self.key_headers: dict[str, str] = {}  # no API keys
 
     def responded(self, status: int, served: str | None) -> None:
         pass

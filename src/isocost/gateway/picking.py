@@ -90,15 +90,24 @@ class GatewayPicker:
         subset: frozenset[str] | None,
     ) -> EndpointGrant:
         """The replica for one request (``subset``: GAIE's hint, the only endpoints it may
-        go to); ApiError, OpenAI-shaped, for a request refused or that nothing can take."""
+        go to); ApiError, OpenAI-shaped, for a request refused or that nothing can take,
+        with its API key's ``x-ratelimit-*`` headers once the key is known."""
         intake = self.gateway.intake
-        with self._counting_rejections():
-            request = await self._routing_request(path, headers, body)
-            intake.admit(request)
+        key_name: str | None = None
         try:
-            return await self._grant(request, subset)
-        except BaseException:
-            intake.release(request)  # no grant: its key's place is free again
+            with self._counting_rejections():
+                request = await self._routing_request(path, headers, body)
+                key_name = request.key_name
+                intake.admit(request)
+            try:
+                return await self._grant(request, subset)
+            except BaseException:
+                intake.release(request)  # no grant: its key's place is free again
+                raise
+        except ApiError as exc:
+            if isinstance(exc, Rejection) and exc.key is not None:
+                key_name = exc.key
+            exc.headers |= intake.rate_limit_headers(key_name)
             raise
 
     async def _grant(self, request: GatewayRequest, subset: frozenset[str] | None) -> EndpointGrant:
@@ -190,6 +199,11 @@ class EndpointGrant:
     @property
     def replica(self) -> str:
         return self._grant.replica.name
+
+    @property
+    def key_headers(self) -> dict[str, str]:
+        """The request's API key's ``x-ratelimit-*`` now (none without budgets)."""
+        return self._gateway.intake.rate_limit_headers(self._request.key_name)
 
     @property
     def prefill_endpoint(self) -> str | None:

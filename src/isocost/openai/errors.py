@@ -41,7 +41,9 @@ class ApiError(Exception):
     """A refusal: HTTP status plus the OpenAI error object's fields.
 
     ``type_`` defaults to the status's type (``STATUS_TYPES``, else ``api_error``);
-    ``retry_after_s`` sets ``Retry-After`` on 429 and 503 (1 s when absent).
+    ``retry_after_s`` sets ``Retry-After`` on 429 and 503 (1 s when absent);
+    ``headers`` are more headers for its answer, set where the refusal is known to
+    concern someone (an API key's ``x-ratelimit-*``).
     """
 
     def __init__(
@@ -61,6 +63,7 @@ class ApiError(Exception):
         self.param = param
         self.type = type_ or STATUS_TYPES.get(status, "api_error")
         self.retry_after_s = retry_after_s
+        self.headers: dict[str, str] = {}
 
     @classmethod
     def from_http(cls, exc: web.HTTPException) -> ApiError:
@@ -91,7 +94,7 @@ def retry_after(error: ApiError) -> str | None:
 
 def error_response(error: ApiError, headers: dict[str, str] | None = None) -> web.Response:
     """``error`` as an aiohttp response (with ``Retry-After`` where its status calls for it)."""
-    out = dict(headers or {})
+    out = error.headers | (headers or {})
     seconds = retry_after(error)
     if seconds is not None:
         out["Retry-After"] = seconds

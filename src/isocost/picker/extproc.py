@@ -12,7 +12,8 @@ round trip), ``FULL_DUPLEX_STREAMED`` (the same, and the body is streamed back),
 request refused or that nothing can take is answered by Envoy as an ImmediateResponse
 (OpenAI-style JSON, ``Retry-After`` on 429 and 503). The response headers carry
 ``x-gateway-destination-endpoint-served`` (a header or ``envoy.lb`` metadata) and get
-``x-isocost-replica``; the end of the stream is the end of the request. The subset hint
+``x-isocost-replica`` and, for an API key with budgets, OpenAI's ``x-ratelimit-*`` (a
+refusal too); the end of the stream is the end of the request. The subset hint
 (``envoy.lb.subset_hint`` filter metadata) bounds the choice. A body that grows past the
 brain's limit is refused (413) as soon as it does, not held to its end. One stream picks
 at most once: what Envoy sends for the request after the pick is answered, never picked
@@ -88,6 +89,9 @@ class Granted(Protocol):
 
     @property
     def replica(self) -> str: ...  # its name, for ``x-isocost-replica``
+
+    @property
+    def key_headers(self) -> Mapping[str, str]: ...  # its API key's x-ratelimit-*, now
 
     @property
     def prefill_endpoint(self) -> str | None: ...  # ip:port of P when split, else None
@@ -281,7 +285,7 @@ class _Exchange:
             status = 0
         granted.responded(status, served)
         common = ext_proc.CommonResponse(
-            header_mutation=_set_headers({REPLICA_HEADER: granted.replica})
+            header_mutation=_set_headers({REPLICA_HEADER: granted.replica, **granted.key_headers})
         )
         return ext_proc.ProcessingResponse(
             response_headers=ext_proc.HeadersResponse(response=common)
@@ -352,7 +356,7 @@ def _served(context: base_pb2.Metadata) -> str | None:
 
 def _immediate(error: ApiError) -> ext_proc.ProcessingResponse:
     """``error`` as Envoy's local reply: OpenAI-style JSON with its status."""
-    headers = {"content-type": "application/json"}
+    headers = {"content-type": "application/json", **error.headers}
     seconds = retry_after(error)
     if seconds is not None:
         headers["retry-after"] = seconds
