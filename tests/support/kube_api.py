@@ -11,10 +11,11 @@ the selectors is ``ADDED`` or ``DELETED``, as the API server's watch cache sends
 ``BOOKMARK`` events carrying the current version (``allowWatchBookmarks``), an end after
 ``timeoutSeconds``, and the ``410 Gone`` ``Status`` event (reason ``Expired``) for a version
 older than the kept history. The ``autoscaling/v1`` ``scale`` subresource of Deployments
-(GET and merge or strategic-merge PATCH, ``Status`` failures) serves the autoscaler's
-actuator. It runs in a thread with its own event loop; the test changes its state through
-the thread-safe methods and reads what clients asked (``lists`` and ``watches`` of slices,
-``queries`` of every collection, ``scale_patches``).
+(GET and merge or strategic-merge PATCH, ``Status`` failures) and merge patches of a
+Pod's annotations and labels serve the autoscaler's actuator. It runs in a thread with its
+own event loop; the test changes its state through the thread-safe methods and reads what
+clients asked (``lists`` and ``watches`` of slices, ``queries`` of every collection,
+``scale_patches``, ``pod_patches``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 from aiohttp import web
 
 _SCALE_PATH = "/apis/apps/v1/namespaces/{namespace}/deployments/{name}/scale"
+_POD_PATH = "/api/v1/namespaces/{namespace}/pods/{name}"
 _MERGE_PATCHES = {"application/merge-patch+json", "application/strategic-merge-patch+json"}
 
 
@@ -86,6 +88,8 @@ class KubeApi:
     deployments: dict[tuple[str, str], int] = field(default_factory=dict)
     scale_patches: list[tuple[str, str, Any]] = field(default_factory=list)
     refuse_scale: int = 0
+    # Pods' metadata merge-patched (annotations and labels): (name, content type, body)
+    pod_patches: list[tuple[str, str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._loop = asyncio.new_event_loop()
@@ -257,6 +261,7 @@ current-context: test
         app.router.add_get(PODS.path, self._pods)
         app.router.add_get(_SCALE_PATH, self._scale)
         app.router.add_patch(_SCALE_PATH, self._scale)
+        app.router.add_patch(_POD_PATH, self._patch_pod)
         self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self.port)
@@ -348,6 +353,29 @@ current-context: test
                 "status": {"replicas": replicas, "selector": f"app={name}"},
             }
         )
+
+    async def _patch_pod(self, request: web.Request) -> web.StreamResponse:
+        """A merge patch of a Pod's ``metadata.annotations`` / ``labels`` (null removes a
+        key), seen by watches as a ``MODIFIED``; the Pod as it now is."""
+        self.authorization.add(request.headers.get("Authorization", ""))
+        namespace, name = request.match_info["namespace"], request.match_info["name"]
+        body = await request.json()
+        self.pod_patches.append((name, request.content_type, body))
+        if request.content_type not in _MERGE_PATCHES:
+            return _status(415, "UnsupportedMediaType", request.content_type)
+        stored = self.objects.get(PODS.plural, {}).get((namespace, name))
+        if stored is None:
+            return _status(404, "NotFound", f'pods "{name}" not found')
+        pod = copy.deepcopy(stored)
+        for part in ("annotations", "labels"):
+            for key, value in (body.get("metadata", {}).get(part) or {}).items():
+                values = pod["metadata"].setdefault(part, {})
+                if value is None:
+                    values.pop(key, None)
+                else:
+                    values[key] = value
+        await self._change(namespace, name, pod, PODS)
+        return web.json_response(pod)
 
     async def _collection(self, request: web.Request) -> web.StreamResponse:
         return await self._list_or_watch(request, SLICES)

@@ -12,7 +12,14 @@
   its last argument and in ``ISOCOST_DESIRED_REPLICAS`` (``ISOCOST_GPU`` names the type);
   the platform starts and stops replicas and they join the gateway through discovery.
 * ``KubernetesActuator``: patches the ``scale`` subresource of one Deployment per GPU type
-  (``<deployment>`` or ``<deployment>-<gpu>`` with several) to the desired count.
+  (``<deployment>`` or ``<deployment>-<gpu>`` with several) to the desired count. Before a
+  lower count it marks the drained replica's Pod (the one of the Deployment's Pods whose
+  IP is the replica URL's host) with the lowest ``controller.kubernetes.io/pod-deletion-cost``
+  and takes that mark off the Pods whose replicas the gateway shows serving again (an
+  earlier victim undrained since; one drained keeps it, another scale-in's), so that the
+  ReplicaSet controller deletes the drained, idle Pod rather than one serving streams. A
+  Pod it cannot find (a replica not named by its Pod IP, a gateway it cannot read) is one
+  warning and the count is lowered as before.
 
 A failure is an ``ActuatorError``; the loop retries it with backoff.
 """
@@ -27,8 +34,10 @@ import os
 import shlex
 import signal
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.exceptions import ApiException
@@ -51,6 +60,10 @@ _HOST = "127.0.0.1"
 _CLOSE_POLL_S = 0.25
 _OUTPUT_TAIL = 4096  # bytes of a scale command's output kept for its error message
 _PID_SUFFIX = ".pid"  # <log-dir>/<engine>.pid: the engines a LocalActuator started
+# The ReplicaSet controller deletes the Pods of lowest cost first when a count drops.
+_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+_LOWEST_COST = str(-(2**31))  # an int32, as the annotation must be
+_STOPPING_STATES = frozenset({"drained", "removing"})  # a gateway replica on its way out
 
 
 class ActuatorError(IsocostError):
@@ -264,6 +277,11 @@ class CommandActuator:
         """Nothing to release: each run is its own process."""
 
 
+def _deletion_cost(value: str | None) -> dict[str, Any]:
+    """A merge patch setting the deletion cost annotation (None: removing it)."""
+    return {"metadata": {"annotations": {_DELETION_COST: value}}}
+
+
 async def _output_tail(process: asyncio.subprocess.Process) -> bytes:
     """The last ``_OUTPUT_TAIL`` bytes of ``process``'s output, once it ended and closed it."""
     assert process.stdout is not None
@@ -277,16 +295,18 @@ async def _output_tail(process: asyncio.subprocess.Process) -> bytes:
 class KubernetesActuator:
     def __init__(
         self,
+        admin: AdminClient,
         deployments: dict[str, str],
         namespace: str,
         kubeconfig: str | None = None,
     ) -> None:
+        self.admin = admin  # where a replica's URL, so its Pod's IP, is read
         self.deployments = deployments  # GPU type -> Deployment name
         self.namespace = namespace
         self.kubeconfig = kubeconfig
         self._api: client.ApiClient | None = None
 
-    async def _apps(self) -> client.AppsV1Api:
+    async def _client(self) -> client.ApiClient:
         if self._api is None:
             configuration = client.Configuration()
             if self.kubeconfig is None:
@@ -298,27 +318,86 @@ class KubernetesActuator:
                     config_file=self.kubeconfig, client_configuration=configuration
                 )
             self._api = client.ApiClient(configuration)
-        return client.AppsV1Api(self._api)
+        return self._api
+
+    @contextlib.asynccontextmanager
+    async def _calling(self, what: str) -> AsyncIterator[client.ApiClient]:
+        """The API client, with whatever the call under it fails of as an ActuatorError."""
+        try:
+            yield await self._client()
+        except ApiException as exc:
+            raise ActuatorError(f"{what}: HTTP {exc.status} {exc.reason}") from None
+        except (OSError, config.ConfigException) as exc:
+            raise ActuatorError(f"{what}: {exc}") from None
 
     async def _scale(self, gpu: str, desired: int) -> None:
         name = self.deployments[gpu]
-        try:
-            apps = await self._apps()
-            await apps.patch_namespaced_deployment_scale(
+        async with self._calling(f"scale of deployment {self.namespace}/{name}") as api:
+            await client.AppsV1Api(api).patch_namespaced_deployment_scale(
                 name, self.namespace, {"spec": {"replicas": desired}}
             )
-        except ApiException as exc:
-            raise ActuatorError(
-                f"scale of deployment {self.namespace}/{name}: HTTP {exc.status} {exc.reason}"
-            ) from None
-        except (OSError, config.ConfigException) as exc:
-            raise ActuatorError(f"scale of deployment {self.namespace}/{name}: {exc}") from None
 
     async def start(self, gpu: str, desired: int) -> None:
         await self._scale(gpu, desired)
 
     async def stop(self, name: str, gpu: str, desired: int) -> None:
+        await self._mark_for_deletion(name, gpu)
         await self._scale(gpu, desired)
+
+    async def _mark_for_deletion(self, name: str, gpu: str) -> None:
+        """Give the Pod of replica ``name`` the lowest deletion cost, and take the mark an
+        earlier scale-in left off the Pods whose replicas serve again (module docstring)."""
+        deployment = self.deployments[gpu]
+        victim_host, serving_hosts = await self._hosts(name)
+        victim = None
+        async with self._calling(f"pods of deployment {self.namespace}/{deployment}") as api:
+            scale = await client.AppsV1Api(api).read_namespaced_deployment_scale(
+                deployment, self.namespace
+            )
+            core = client.CoreV1Api(api)
+            pods = await core.list_namespaced_pod(
+                self.namespace, label_selector=scale.status.selector or ""
+            )
+            for pod in pods.items:
+                if pod.metadata.deletion_timestamp is not None:
+                    continue  # leaving already
+                ip = None if pod.status is None else pod.status.pod_ip
+                marked = (pod.metadata.annotations or {}).get(_DELETION_COST) == _LOWEST_COST
+                if ip is not None and ip == victim_host:
+                    victim = pod.metadata.name
+                    if not marked:
+                        await core.patch_namespaced_pod(
+                            victim, self.namespace, _deletion_cost(_LOWEST_COST)
+                        )
+                elif marked and ip in serving_hosts:  # an earlier victim, undrained since
+                    await core.patch_namespaced_pod(
+                        pod.metadata.name, self.namespace, _deletion_cost(None)
+                    )
+        if victim is None:
+            log.warning(
+                "the drained replica's pod was not found: the controller picks the pod to delete",
+                extra={"event": "autoscale_pod_unknown", "replica": name, "host": victim_host},
+            )
+
+    async def _hosts(self, name: str) -> tuple[str | None, set[str]]:
+        """From the gateway: the host of replica ``name``'s URL (its Pod's IP; None when
+        unknown), and the hosts whose replicas all serve (none drained or leaving: a
+        Pod still marked there was undrained; one drained may be another scale-in's)."""
+        try:
+            rows = read_snapshot(await self.admin.snapshot()).replicas
+        except GatewayError:
+            return None, set()
+        victim_host: str | None = None
+        serving: set[str] = set()
+        leaving: set[str] = set()
+        for row in rows:
+            host = urlsplit(row.url).hostname
+            if host is None:
+                continue
+            if row.name == name:
+                victim_host = host
+            (leaving if row.state in _STOPPING_STATES else serving).add(host)
+        return victim_host, serving - leaving
 
     def inherited(self) -> set[str]:
         """None: the Deployment's controller picks which Pod a lower count stops."""

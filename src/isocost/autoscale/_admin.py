@@ -33,12 +33,14 @@ class GatewayError(IsocostError):
 
 
 class ReplicaRow(msgspec.Struct, frozen=True):
-    """The fields of a ``/admin/snapshot`` replica the loop reads (others are ignored)."""
+    """The fields of a ``/admin/snapshot`` replica the loop and the actuators read
+    (others are ignored)."""
 
     name: str
     state: str
     in_flight: _Count
     gpu: str = ""  # none: on no pool's GPU, not the autoscaler's
+    url: str = ""  # where the gateway sends it (its Pod's IP, on Kubernetes)
     engine_waiting: _Count | None = None
 
 

@@ -153,7 +153,7 @@ def autoscale(
         assert deployment is not None
         gpus = [p.gpu for p in config.pools]
         names = {g: deployment if len(gpus) == 1 else f"{deployment}-{g}" for g in gpus}
-        return KubernetesActuator(names, namespace, kubeconfig)
+        return KubernetesActuator(admin, names, namespace, kubeconfig)
 
     async def main() -> None:
         stop = stop_requested()

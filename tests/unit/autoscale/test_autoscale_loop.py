@@ -5,16 +5,21 @@ command and Kubernetes actuators on their real wire (a subprocess, ``KubeApi``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import stat
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
+from aiohttp import web
 from kube_api import KubeApi
 
 from isocost.autoscale import (
     ActuatorError,
+    AdminClient,
     AutoscaleLoop,
     CommandActuator,
     GatewayError,
@@ -307,6 +312,32 @@ current-context: t
     api.close()
 
 
+@contextlib.asynccontextmanager
+async def _admin_serving(replicas: list[dict[str, Any]] | None) -> AsyncIterator[AdminClient]:
+    """An AdminClient on a gateway's ``/admin/snapshot`` listing ``replicas`` (None: the
+    gateway answers 503)."""
+
+    async def snapshot(request: web.Request) -> web.Response:
+        if replicas is None:
+            return web.json_response({"error": {"message": "down"}}, status=503)
+        return web.json_response({"pools": [], "replicas": replicas})
+
+    app = web.Application()
+    app.router.add_get("/admin/snapshot", snapshot)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    server = site._server
+    assert server is not None and server.sockets
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with aiohttp.ClientSession() as session:
+            yield AdminClient(session, f"http://127.0.0.1:{port}", "admin-token")
+    finally:
+        await runner.cleanup()
+
+
 def test_kubernetes_patches_the_deployment_scale_and_reports_refusals(
     kube: tuple[KubeApi, Path],
 ) -> None:
@@ -315,17 +346,18 @@ def test_kubernetes_patches_the_deployment_scale_and_reports_refusals(
     api.refuse_scale = 1
 
     async def scenario() -> None:
-        actuator = KubernetesActuator({GPU: "vllm"}, "inference", str(kubeconfig))
-        try:
-            with pytest.raises(ActuatorError, match="HTTP 409 Conflict"):
+        async with _admin_serving([]) as admin:
+            actuator = KubernetesActuator(admin, {GPU: "vllm"}, "inference", str(kubeconfig))
+            try:
+                with pytest.raises(ActuatorError, match="HTTP 409 Conflict"):
+                    await actuator.start(GPU, 2)
                 await actuator.start(GPU, 2)
-            await actuator.start(GPU, 2)
-            missing = KubernetesActuator({GPU: "nope"}, "inference", str(kubeconfig))
-            with pytest.raises(ActuatorError, match="HTTP 404"):
-                await missing.stop("r1", GPU, 1)
-            await missing.close()
-        finally:
-            await actuator.close()
+                missing = KubernetesActuator(admin, {GPU: "nope"}, "inference", str(kubeconfig))
+                with pytest.raises(ActuatorError, match="HTTP 404"):
+                    await missing.stop("r1", GPU, 1)
+                await missing.close()
+            finally:
+                await actuator.close()
 
     asyncio.run(scenario())
     assert api.deployments[("inference", "vllm")] == 2
@@ -337,6 +369,98 @@ def test_kubernetes_patches_the_deployment_scale_and_reports_refusals(
         "application/strategic-merge-patch+json",
     }
     assert api.authorization == {"Bearer kube-token-a9"}
+
+
+DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+LOWEST = "-2147483648"
+
+
+def _pod_annotations(api: KubeApi, name: str) -> dict[str, str]:
+    pod = api.objects["pods"][("inference", name)]
+    annotations: dict[str, str] = pod["metadata"]["annotations"]
+    return annotations
+
+
+def test_a_kubernetes_scale_in_marks_the_drained_pod_for_deletion_first(
+    kube: tuple[KubeApi, Path],
+) -> None:
+    """Before lowering the count, the drained replica's Pod (found by the IP of its URL)
+    gets the lowest pod-deletion-cost, so the ReplicaSet controller deletes it and not a
+    Pod serving streams. An earlier victim's mark on a Pod serving again is taken off; a
+    mark on a Pod whose replica is drained (another scale-in on its way) or unknown to the
+    gateway stays, and Pods of other Deployments are left alone. A refused scale leaves
+    the mark for the retry, which does not patch again."""
+    api, kubeconfig = kube
+    api.deployments[("inference", "vllm")] = 5
+    marks = ({}, {}, {DELETION_COST: LOWEST}, {DELETION_COST: LOWEST}, {DELETION_COST: LOWEST})
+    for i, mark in enumerate(marks):
+        api.put_pod("inference", f"vllm-{i}", ip=f"10.0.0.{i}", labels={"app": "vllm"},
+                    annotations=mark)  # fmt: skip
+    api.put_pod("inference", "other-0", ip="10.0.1.0", labels={"app": "other"},
+                annotations={DELETION_COST: LOWEST})  # fmt: skip
+    api.refuse_scale = 1
+    states = ("healthy", "drained", "healthy", "drained")  # r1: the victim; none for vllm-4
+    rows = [
+        {"name": f"r{i}", "url": f"http://10.0.0.{i}:8000", "state": state, "in_flight": 0}
+        for i, state in enumerate(states)
+    ]
+
+    async def scenario() -> None:
+        async with _admin_serving(rows) as admin:
+            actuator = KubernetesActuator(admin, {GPU: "vllm"}, "inference", str(kubeconfig))
+            try:
+                with pytest.raises(ActuatorError, match="HTTP 409 Conflict"):
+                    await actuator.stop("r1", GPU, 4)
+                assert _pod_annotations(api, "vllm-1") == {DELETION_COST: LOWEST}
+                assert api.deployments[("inference", "vllm")] == 5
+                patched = len(api.pod_patches)
+                await actuator.stop("r1", GPU, 4)
+                assert len(api.pod_patches) == patched  # marked already: nothing to patch
+            finally:
+                await actuator.close()
+
+    asyncio.run(scenario())
+    assert api.deployments[("inference", "vllm")] == 4
+    assert _pod_annotations(api, "vllm-0") == {}
+    assert _pod_annotations(api, "vllm-1") == {DELETION_COST: LOWEST}
+    assert _pod_annotations(api, "vllm-2") == {}  # the earlier victim, serving again
+    assert _pod_annotations(api, "vllm-3") == {DELETION_COST: LOWEST}  # another scale-in's
+    assert _pod_annotations(api, "vllm-4") == {DELETION_COST: LOWEST}  # not in the gateway
+    assert _pod_annotations(api, "other-0") == {DELETION_COST: LOWEST}
+    assert sorted(name for name, _, _ in api.pod_patches) == ["vllm-1", "vllm-2"]
+    for _, content_type, _ in api.pod_patches:
+        assert content_type in {
+            "application/merge-patch+json",
+            "application/strategic-merge-patch+json",
+        }
+
+
+@pytest.mark.parametrize("gateway", ["unreadable", "unknown replica"])
+def test_a_kubernetes_scale_in_without_the_pod_still_lowers_the_count(
+    kube: tuple[KubeApi, Path], gateway: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A replica whose Pod cannot be told (the gateway unreadable, a URL that is no Pod's
+    IP) is one warning; the count is lowered and the controller picks the Pod."""
+    api, kubeconfig = kube
+    api.deployments[("inference", "vllm")] = 2
+    api.put_pod("inference", "vllm-0", ip="10.0.0.0", labels={"app": "vllm"})
+    rows = None if gateway == "unreadable" else [
+        {"name": "r9", "url": "http://vllm.example:8000", "state": "healthy", "in_flight": 0}
+    ]  # fmt: skip
+
+    async def scenario() -> None:
+        async with _admin_serving(rows) as admin:
+            actuator = KubernetesActuator(admin, {GPU: "vllm"}, "inference", str(kubeconfig))
+            try:
+                await actuator.stop("r9", GPU, 1)
+            finally:
+                await actuator.close()
+
+    with caplog.at_level(logging.WARNING, logger="isocost.autoscale"):
+        asyncio.run(scenario())
+    assert api.deployments[("inference", "vllm")] == 1
+    assert api.pod_patches == []
+    assert [r.__dict__.get("event") for r in caplog.records] == ["autoscale_pod_unknown"]
 
 
 @pytest.mark.parametrize("verdict", ["met", "missed"])
