@@ -41,6 +41,7 @@ class Context:
 
     __slots__ = (
         "_cached",
+        "_cached_tokens",
         "_load",
         "_prediction",
         "_request_hash",
@@ -77,6 +78,7 @@ class Context:
         )
         self._load: Load | None = None
         self._cached: FloatArray | None = None
+        self._cached_tokens: FloatArray | None = None
         self._prediction: Prediction | None = None
         self._request_hash: int | None = None
 
@@ -90,6 +92,8 @@ class Context:
             self._load = _take(self._load, keep)
         if self._cached is not None:
             self._cached = self._cached[keep]
+        if self._cached_tokens is not None:
+            self._cached_tokens = self._cached_tokens[keep]
         if self._prediction is not None:
             self._prediction = _take(self._prediction, keep)
 
@@ -114,9 +118,11 @@ class Context:
     def cached_tokens(self) -> FloatArray:
         """Prompt tokens cached on each candidate (whole blocks, at most the prompt), or
         whose KV arrives with the request (``RequestView.kv_ready_tokens``)."""
-        request, block_tokens = self.request, self.replicas.block_tokens
-        tokens = np.maximum(self.cached_blocks * block_tokens, request.kv_ready_tokens)
-        return np.asarray(np.minimum(tokens, request.prompt_tokens), dtype=np.float64)
+        if self._cached_tokens is None:
+            request, block_tokens = self.request, self.replicas.block_tokens
+            tokens = np.maximum(self.cached_blocks * block_tokens, request.kv_ready_tokens)
+            self._cached_tokens = np.minimum(tokens, request.prompt_tokens)
+        return self._cached_tokens
 
     def cached_blocks_at(self, position: int) -> int:
         """``cached_blocks`` of one candidate, without matching against every replica."""

@@ -60,6 +60,7 @@ def low_is_better(values: FloatArray) -> FloatArray:
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)  # splitmix64's shifts
 
 
 def rendezvous(
@@ -71,9 +72,9 @@ def rendezvous(
     only the keys it held (rendezvous hashing, Thaler & Ravishankar 1996).
     """
     z = salts ^ np.uint64(key_hash & 0xFFFFFFFFFFFFFFFF)
-    z = (z ^ (z >> np.uint64(30))) * _M1
-    z = (z ^ (z >> np.uint64(27))) * _M2
-    return np.asarray(z ^ (z >> np.uint64(31)), dtype=np.uint64)
+    z = (z ^ (z >> _S30)) * _M1
+    z = (z ^ (z >> _S27)) * _M2
+    return np.asarray(z ^ (z >> _S31), dtype=np.uint64)
 
 
 def session_hash(ctx: Context) -> int:

@@ -177,8 +177,8 @@ class EqualCostScorer:
             busy_r = np.minimum(np.maximum(load.kv_usage, wait / p.busy_wait_s), 1.0)
             usd = slots.usd_per_hour[key]
             occupy = prefill + itl_factor * m * dstep
-            mean_usd = float(usd.mean()) or 1.0
-            cost = cost + p.gpu_price_weight * float(busy_r.mean()) * occupy * usd / mean_usd
+            mean_usd = _mean(usd) or 1.0
+            cost = cost + p.gpu_price_weight * _mean(busy_r) * occupy * usd / mean_usd
         if p.scarcity_weight > 0.0:
             scarce = self._exclusive.observe(ctx)
             if scarce is not None:  # q's stay on r: its prefill, then a stream there
@@ -188,10 +188,12 @@ class EqualCostScorer:
     def score(self, ctx: Context) -> FloatArray:
         p = self.params
         cost = self.cost_s(ctx)
+        fine: BoolArray | None = None  # which may be preferred, once asked
         if ctx.request.session_key is not None and p.affinity_replicas > 0:
-            cost = self._apply_affinity(ctx, cost)
+            fine = self._not_overloaded(ctx)
+            cost = self._apply_affinity(ctx, cost, fine)
         if p.max_error_slack > 0.0:
-            cost = self._apply_error_slack(ctx, cost)
+            cost = self._apply_error_slack(ctx, cost, fine)
         if p.explore_slack > 0.0:
             stale = ctx.replicas.calibration.stale(ctx.now, ctx.key)
             if stale.any() and not stale.all():
@@ -201,16 +203,18 @@ class EqualCostScorer:
             return np.asarray(cost <= best, dtype=np.float64)
         return np.asarray(best / cost, dtype=np.float64)
 
-    def _apply_affinity(self, ctx: Context, cost: FloatArray) -> FloatArray:
+    def _apply_affinity(self, ctx: Context, cost: FloatArray, fine: BoolArray) -> FloatArray:
         p, slots, idx = self.params, ctx.replicas.slots, ctx.idx
         weights = rendezvous(slots.salt[ctx.key], session_hash(ctx))
         k = min(p.affinity_replicas, idx.size)
         preferred = np.argpartition(weights, idx.size - k)[idx.size - k :]
         adjusted = cost.copy()
-        adjusted[preferred[self._not_overloaded(ctx)[preferred]]] /= 1.0 + p.affinity_slack
+        adjusted[preferred[fine[preferred]]] /= 1.0 + p.affinity_slack
         return adjusted
 
-    def _apply_error_slack(self, ctx: Context, cost: FloatArray) -> FloatArray:
+    def _apply_error_slack(
+        self, ctx: Context, cost: FloatArray, fine: BoolArray | None
+    ) -> FloatArray:
         cached, waiting = ctx.cached_blocks, ctx.load.waiting
         longest, least = float(cached.max()), float(waiting.min())
         preferred = []
@@ -222,7 +226,8 @@ class EqualCostScorer:
             return cost
         error = ctx.replicas.calibration.ttft_error[ctx.key]
         slack = 1.0 + np.minimum(error, self.params.max_error_slack)
-        fine = self._not_overloaded(ctx)
+        if fine is None:
+            fine = self._not_overloaded(ctx)
         for certain in preferred:  # one that is both is divided twice
             cost = np.where(certain & fine, cost / slack, cost)
         return np.asarray(cost, dtype=np.float64)
@@ -234,6 +239,11 @@ class EqualCostScorer:
         bound = p.overload_queue_fraction * ctx.replicas.slots.max_queue[ctx.idx]
         fine = (load.waiting < bound) & (load.kv_usage < p.overload_kv_usage)
         return np.asarray(fine, dtype=np.bool_)
+
+
+def _mean(values: FloatArray) -> float:
+    """``values.mean()`` to the bit, without its Python-level wrapper (per decision)."""
+    return float(np.add.reduce(values)) / values.size
 
 
 class _ExclusiveDemand(SlotArrays):
