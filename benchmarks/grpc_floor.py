@@ -8,6 +8,12 @@ machine), for the picker's grpc.aio server (uvloop, as the picker runs) with 3, 
 messages per stream, and for grpc's thread-pool server with 3. ``--rounds`` alternates
 the variants and keeps each one's lowest figure.
 
+The last row is what Python would pay behind a native relay that spoke gRPC to Envoy and
+passed each stream's messages on as bytes (none is built): the same three messages and
+answers, decoded and encoded with the same protobuf classes, as frames (stream id, kind,
+length) over one Unix socket to an asyncio server (uvloop), one task per stream, the
+client's half-close and the server's end of stream one frame each.
+
     .venv/bin/python benchmarks/grpc_floor.py --streams 6000 --json grpc_floor.json
 """
 
@@ -16,8 +22,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
+import struct
 import subprocess
 import sys
+import tempfile
 from collections.abc import AsyncIterator, Iterator
 from concurrent import futures
 from pathlib import Path
@@ -51,7 +60,9 @@ _MESSAGES = (
     ),
     ext_proc.ProcessingRequest(response_headers=ext_proc.HttpHeaders()),
 )
-_VARIANTS = (("aio", 3), ("aio", 2), ("aio", 1), ("threads", 3))
+_VARIANTS = (("aio", 3), ("aio", 2), ("aio", 1), ("threads", 3), ("unix", 3))
+_FRAME = struct.Struct("<QBI")  # the Unix socket variant's frame: stream id, kind, length
+_MESSAGE, _END = 1, 2  # a stream's message; its end (the client's half-close, the server's)
 
 
 def _answer(request: ext_proc.ProcessingRequest) -> ext_proc.ProcessingResponse:
@@ -79,8 +90,43 @@ class _ThreadServicer(ext_proc_grpc.ExternalProcessorServicer):
             yield _answer(request)
 
 
+async def _serve_frames(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """The Unix socket variant's server: each stream's frames to a task of its own, which
+    answers each message and ends the stream once the client's end has come."""
+    streams: dict[int, asyncio.Queue[bytes | None]] = {}
+
+    async def stream(stream_id: int, inbox: asyncio.Queue[bytes | None]) -> None:
+        while (raw := await inbox.get()) is not None:
+            answer = _answer(ext_proc.ProcessingRequest.FromString(raw)).SerializeToString()
+            writer.write(_FRAME.pack(stream_id, _MESSAGE, len(answer)) + answer)
+        writer.write(_FRAME.pack(stream_id, _END, 0))
+        del streams[stream_id]
+
+    while True:
+        try:
+            stream_id, kind, size = _FRAME.unpack(await reader.readexactly(_FRAME.size))
+            payload = await reader.readexactly(size)
+        except asyncio.IncompleteReadError:
+            return
+        inbox = streams.get(stream_id)
+        if inbox is None:
+            inbox = streams[stream_id] = asyncio.Queue()
+            asyncio.get_running_loop().create_task(stream(stream_id, inbox))
+        inbox.put_nowait(payload if kind == _MESSAGE else None)
+
+
 def _serve(kind: str) -> None:
     """The server side: ready line with its address, then serve until killed."""
+    if kind == "unix":
+
+        async def serve_unix() -> None:
+            path = Path(tempfile.mkdtemp(prefix="isocost-floor-")) / "frames.sock"
+            server = await asyncio.start_unix_server(_serve_frames, path)
+            print(f"grpc floor: ready at {path}", flush=True)
+            await server.serve_forever()
+
+        uvloop.run(serve_unix())
+        return
     if kind == "threads":
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=64))
         ext_proc_grpc.add_ExternalProcessorServicer_to_server(_ThreadServicer(), server)
@@ -122,20 +168,64 @@ async def _drive(address: str, messages: int, streams: int, concurrency: int) ->
         await asyncio.gather(*(client() for _ in range(concurrency)))
 
 
+async def _drive_frames(path: str, streams: int, concurrency: int) -> None:
+    """``_drive`` for the Unix socket variant: the three messages of each stream, each
+    answered before the next, then its end, answered by the server's."""
+    reader, writer = await asyncio.open_unix_connection(path)
+    waiting: dict[int, asyncio.Future[int]] = {}
+
+    async def receive() -> None:
+        while True:
+            stream_id, kind, size = _FRAME.unpack(await reader.readexactly(_FRAME.size))
+            await reader.readexactly(size)
+            waiting.pop(stream_id).set_result(kind)
+
+    async def exchange(stream_id: int, kind: int, payload: bytes) -> int:
+        waiting[stream_id] = asyncio.get_running_loop().create_future()
+        writer.write(_FRAME.pack(stream_id, kind, len(payload)) + payload)
+        return await waiting[stream_id]
+
+    ids = iter(range(streams))
+    encoded = [message.SerializeToString() for message in _MESSAGES]
+
+    async def client() -> None:
+        for stream_id in ids:
+            for raw in encoded:
+                await exchange(stream_id, _MESSAGE, raw)
+            await exchange(stream_id, _END, b"")
+
+    receiver = asyncio.create_task(receive())
+    try:
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+    finally:
+        receiver.cancel()
+        writer.close()
+
+
 def _measure(kind: str, messages: int, streams: int, concurrency: int) -> float:
     """The server's CPU µs per stream, after a warm-up of a fifth as many."""
     server = subprocess.Popen(
         [sys.executable, __file__, "--serve", kind], stdout=subprocess.PIPE, text=True
     )
+    address = ""
     try:
         (address,) = ready_urls(server, "grpc floor")
-        asyncio.run(_drive(address, messages, max(streams // 5, 100), concurrency))
+
+        def drive(count: int) -> None:
+            if kind == "unix":
+                asyncio.run(_drive_frames(address, count, concurrency))
+            else:
+                asyncio.run(_drive(address, messages, count, concurrency))
+
+        drive(max(streams // 5, 100))
         before = cpu_seconds(server.pid)
-        asyncio.run(_drive(address, messages, streams, concurrency))
+        drive(streams)
         return 1e6 * (cpu_seconds(server.pid) - before) / streams
     finally:
         server.kill()
         server.wait()
+        if kind == "unix" and address:  # the socket's own directory
+            shutil.rmtree(Path(address).parent, ignore_errors=True)
 
 
 def main() -> int:
@@ -144,7 +234,7 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--json", type=Path, help="write the figures here")
-    parser.add_argument("--serve", choices=("aio", "threads"), help=argparse.SUPPRESS)
+    parser.add_argument("--serve", choices=("aio", "threads", "unix"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
         _serve(args.serve)
