@@ -45,6 +45,12 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
     return refusal
 
 
+# Connections the kernel queues before they are accepted: uvicorn's default, which vLLM
+# serves on (asyncio's 100 drops the SYNs of a burst of new connections, which their
+# clients see as connect timeouts a second later).
+_BACKLOG = 2048
+
+
 async def listen(
     runner: web.AppRunner, host: str, port: int, read_timeout_s: float
 ) -> asyncio.Server:
@@ -64,4 +70,4 @@ async def listen(
             access_log=cast(logging.Logger, None),  # None turns access logs off
         )
 
-    return await loop.create_server(handler, host, port)
+    return await loop.create_server(handler, host, port, backlog=_BACKLOG)
