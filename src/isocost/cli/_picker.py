@@ -27,6 +27,11 @@ def picker(
         callback=checked(NON_NEGATIVE),
         help="Replicas named after the choice, for the data plane's retries (0: one).",
     ),
+    relay: str | None = typer.Option(
+        None,
+        "--relay",
+        help="isocost-extproc-relay binary (`make relay`): it speaks gRPC to Envoy.",
+    ),
     catalog: CatalogOption = None,
     log_level: LogLevelOption = "info",
     shutdown_timeout: float = typer.Option(
@@ -52,6 +57,9 @@ def picker(
     for name, value in (("--port", port), ("--metrics-port", metrics_port)):
         if value is not None and not 0 <= value <= 65535:
             fail(f"{name} must be between 0 and 65535")
+    relay_binary = None if relay is None else Path(relay)
+    if relay_binary is not None and not os.access(relay_binary, os.X_OK):
+        fail(f"--relay {relay}: no executable there (build it: make relay)")
     cat = load_catalog(catalog or [])
     gateway_config = parse_config(read_text(config), config)
     configure_logging(log_level)
@@ -69,5 +77,10 @@ def picker(
         sys.stdout.flush()
 
     run_picker(
-        GatewayPicker(gateway, fallbacks), host, port, ready, shutdown_timeout_s=shutdown_timeout
+        GatewayPicker(gateway, fallbacks),
+        host,
+        port,
+        ready,
+        shutdown_timeout_s=shutdown_timeout,
+        relay=relay_binary,
     )

@@ -47,10 +47,12 @@ from isocost.openai.errors import ApiError, retry_after
 __all__ = [
     "DESTINATION_HEADER",
     "PREFILLER_HEADER",
+    "PROCESS_METHOD",
     "REPLICA_HEADER",
     "SERVED_KEY",
     "SUBSET_KEY",
     "Brain",
+    "CallStatus",
     "Granted",
     "Processor",
     "add_processor",
@@ -69,6 +71,7 @@ _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 _STREAMED = processing_mode_pb2.ProcessingMode.STREAMED
 _SERVICE = ext_proc.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
+PROCESS_METHOD = f"/{_SERVICE}/Process"  # the gRPC method path a relay names
 # The answer that changes nothing, for each kind of message Envoy sends.
 _PLAIN = {
     "request_headers": ext_proc.HeadersResponse,
@@ -123,16 +126,24 @@ class Brain(Protocol):
     ) -> Granted: ...
 
 
+class CallStatus(Protocol):
+    """What ``Processor.Process`` sets of its call's status: a grpc.aio servicer
+    context, or a relayed call's (``picker.relay``)."""
+
+    def set_code(self, code: grpc.StatusCode) -> None: ...
+
+    def set_details(self, details: str) -> None: ...
+
+
 class Processor:
-    """The ``ExternalProcessor`` service over one brain (served by ``add_processor``)."""
+    """The ``ExternalProcessor`` service over one brain (served by ``add_processor``, or
+    through a relay)."""
 
     def __init__(self, brain: Brain) -> None:
         self.brain = brain
 
     async def Process(  # the gRPC method's name
-        self,
-        requests: AsyncIterator[bytes],
-        context: grpc.aio.ServicerContext[bytes, ext_proc.ProcessingResponse],
+        self, requests: AsyncIterator[bytes], context: CallStatus
     ) -> AsyncIterator[ext_proc.ProcessingResponse]:
         """One request's stream; its messages come as bytes, decoded here so that one
         that is no ``ProcessingRequest`` is answered, not left to grpc's traceback."""
