@@ -19,6 +19,7 @@ import shutil
 import signal
 import tempfile
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -60,12 +61,21 @@ def run_picker(
     run_serving(_serve(brain, host, port, on_ready, shutdown_timeout_s, transport))
 
 
-# A transport serves the processor and health on host:port (``_grpc``, ``_relayed``): it
-# enters with the address bound and, on its way out, drains for up to the timeout.
-Transport = Callable[
-    [Processor, HealthServicer, str, int, float, asyncio.Event],
-    contextlib.AbstractAsyncContextManager[str],
-]
+@dataclass(frozen=True)
+class _Serving:
+    """What a transport serves, where, and for how long it drains."""
+
+    processor: Processor
+    health: HealthServicer
+    host: str
+    port: int
+    shutdown_timeout_s: float
+    stop: asyncio.Event  # set by a transport that can serve no more
+
+
+# A transport (``_grpc``, ``_relayed``) enters with the address it bound and, on its way
+# out, drains for up to the timeout.
+Transport = Callable[[_Serving], contextlib.AbstractAsyncContextManager[str]]
 
 
 async def _serve(
@@ -83,8 +93,8 @@ async def _serve(
         await brain.start()
         await health.set("liveness", _SERVING)
         refresher = asyncio.create_task(_refresh_readiness(brain, health))
-        serving = transport(Processor(brain), health, host, port, shutdown_timeout_s, stop)
-        async with serving as address:
+        serving = _Serving(Processor(brain), health, host, port, shutdown_timeout_s, stop)
+        async with transport(serving) as address:
             on_ready(address)
             await stop.wait()
             refresher.cancel()
@@ -101,17 +111,11 @@ async def _serve(
 
 
 @contextlib.asynccontextmanager
-async def _grpc(
-    processor: Processor,
-    health: HealthServicer,
-    host: str,
-    port: int,
-    shutdown_timeout_s: float,
-    stop: asyncio.Event,
-) -> AsyncIterator[str]:
+async def _grpc(serving: _Serving) -> AsyncIterator[str]:
     server = grpc.aio.server(options=_SERVER_OPTIONS)
-    add_processor(processor, server)
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    add_processor(serving.processor, server)
+    health_pb2_grpc.add_HealthServicer_to_server(serving.health, server)
+    host, port = serving.host, serving.port
     try:
         bound = server.add_insecure_port(f"{host}:{port}")
     except RuntimeError:  # grpc's only word for it: the address is taken or not ours
@@ -122,29 +126,23 @@ async def _grpc(
     try:
         yield f"{host}:{bound}"
     finally:
-        await server.stop(shutdown_timeout_s)
+        await server.stop(serving.shutdown_timeout_s)
 
 
 def _relayed(binary: Path) -> Transport:
     @contextlib.asynccontextmanager
-    async def relayed(
-        processor: Processor,
-        health: HealthServicer,
-        host: str,
-        port: int,
-        shutdown_timeout_s: float,
-        stop: asyncio.Event,
-    ) -> AsyncIterator[str]:
+    async def relayed(serving: _Serving) -> AsyncIterator[str]:
         """The relay on host:port, its calls served from a Unix socket in a private
         directory; when the relay dies, ``stop`` is set and IsocostError follows."""
-        relay_server = RelayServer(processor, health)
+        stop, shutdown_timeout_s = serving.stop, serving.shutdown_timeout_s
+        relay_server = RelayServer(serving.processor, serving.health)
         workdir = Path(tempfile.mkdtemp(prefix="isocost-picker-"))  # mode 0700
         socket_path = workdir / "relay.sock"
         listener = await asyncio.start_unix_server(relay_server.serve, socket_path)
         try:
             process = await asyncio.create_subprocess_exec(
                 str(binary),
-                "--listen", f"{host}:{port}",
+                "--listen", f"{serving.host}:{serving.port}",
                 "--socket", str(socket_path),
                 "--grace-s", str(shutdown_timeout_s),
                 stdout=asyncio.subprocess.PIPE,
