@@ -12,9 +12,8 @@ The last row is what Python pays behind the native relay (``isocost picker --rel
 which speaks gRPC to Envoy and passes each stream's messages on as bytes: the same three
 messages and answers, decoded and encoded with the same protobuf classes, as frames
 (stream id, kind, length) over one Unix socket to an asyncio server (uvloop), one task per
-stream, the client's half-close and the server's end of stream one frame each (this
-benchmark's own server and frames, of the shape ``picker.relay`` uses, without the relay
-process).
+stream, the client's half-close and the server's end of stream one frame each (the frames
+of ``picker.relay``, served by this benchmark's own server, without the relay process).
 
     .venv/bin/python benchmarks/grpc_floor.py --streams 6000 --json grpc_floor.json
 """
@@ -25,7 +24,6 @@ import argparse
 import asyncio
 import json
 import shutil
-import struct
 import subprocess
 import sys
 import tempfile
@@ -42,6 +40,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_gr
 from rich.console import Console
 from rich.table import Table
 
+from isocost.picker.relay import FINISH, FRAME, HALF_CLOSE, MESSAGE
 from isocost.runtime.processes import run_script
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
@@ -63,8 +62,7 @@ _MESSAGES = (
     ext_proc.ProcessingRequest(response_headers=ext_proc.HttpHeaders()),
 )
 _VARIANTS = (("aio", 3), ("aio", 2), ("aio", 1), ("threads", 3), ("unix", 3))
-_FRAME = struct.Struct("<QBI")  # the Unix socket variant's frame: stream id, kind, length
-_MESSAGE, _END = 1, 2  # a stream's message; its end (the client's half-close, the server's)
+_OK = bytes(4)  # FINISH's payload: status code 0, no details
 
 
 def _answer(request: ext_proc.ProcessingRequest) -> ext_proc.ProcessingResponse:
@@ -100,13 +98,13 @@ async def _serve_frames(reader: asyncio.StreamReader, writer: asyncio.StreamWrit
     async def stream(stream_id: int, inbox: asyncio.Queue[bytes | None]) -> None:
         while (raw := await inbox.get()) is not None:
             answer = _answer(ext_proc.ProcessingRequest.FromString(raw)).SerializeToString()
-            writer.write(_FRAME.pack(stream_id, _MESSAGE, len(answer)) + answer)
-        writer.write(_FRAME.pack(stream_id, _END, 0))
+            writer.write(FRAME.pack(stream_id, MESSAGE, len(answer)) + answer)
+        writer.write(FRAME.pack(stream_id, FINISH, len(_OK)) + _OK)
         del streams[stream_id]
 
     while True:
         try:
-            stream_id, kind, size = _FRAME.unpack(await reader.readexactly(_FRAME.size))
+            stream_id, kind, size = FRAME.unpack(await reader.readexactly(FRAME.size))
             payload = await reader.readexactly(size)
         except asyncio.IncompleteReadError:
             return
@@ -114,7 +112,7 @@ async def _serve_frames(reader: asyncio.StreamReader, writer: asyncio.StreamWrit
         if inbox is None:
             inbox = streams[stream_id] = asyncio.Queue()
             asyncio.get_running_loop().create_task(stream(stream_id, inbox))
-        inbox.put_nowait(payload if kind == _MESSAGE else None)
+        inbox.put_nowait(payload if kind == MESSAGE else None)
 
 
 def _serve(kind: str) -> None:
@@ -178,13 +176,13 @@ async def _drive_frames(path: str, streams: int, concurrency: int) -> None:
 
     async def receive() -> None:
         while True:
-            stream_id, kind, size = _FRAME.unpack(await reader.readexactly(_FRAME.size))
+            stream_id, kind, size = FRAME.unpack(await reader.readexactly(FRAME.size))
             await reader.readexactly(size)
             waiting.pop(stream_id).set_result(kind)
 
     async def exchange(stream_id: int, kind: int, payload: bytes) -> int:
         waiting[stream_id] = asyncio.get_running_loop().create_future()
-        writer.write(_FRAME.pack(stream_id, kind, len(payload)) + payload)
+        writer.write(FRAME.pack(stream_id, kind, len(payload)) + payload)
         return await waiting[stream_id]
 
     ids = iter(range(streams))
@@ -193,8 +191,8 @@ async def _drive_frames(path: str, streams: int, concurrency: int) -> None:
     async def client() -> None:
         for stream_id in ids:
             for raw in encoded:
-                await exchange(stream_id, _MESSAGE, raw)
-            await exchange(stream_id, _END, b"")
+                await exchange(stream_id, MESSAGE, raw)
+            await exchange(stream_id, HALF_CLOSE, b"")
 
     receiver = asyncio.create_task(receive())
     try:
