@@ -1,7 +1,8 @@
 """``isocost serve --workers 2``: two gateway processes on one port that act as one.
 
 Real processes on 127.0.0.1: two ``isocost engine`` replicas, the supervisor and its two
-workers (SO_REUSEPORT). Each plain urllib call is a new connection, so the kernel spreads
+workers (SO_REUSEPORT), which share their state through the supervisor's bus hub (no
+state bus is configured). Each plain urllib call is a new connection, so the kernel spreads
 them over the workers; a call is repeated until both workers have answered (a worker
 seen 40 times running with the other never seen would mean the port is not shared). The
 official ``openai`` client sends the traffic.
@@ -133,6 +134,53 @@ def test_workers_share_the_port_and_act_as_one_gateway(fleet: Fleet) -> None:
     status, _, listed = http("GET", fleet.gateway.url + "/admin/changes", None, ADMIN)
     drain = {"method": "POST", "path": f"/admin/replicas/{name}/drain", "body": ""}
     assert status == 200 and listed == {"changes": [drain], "complete": True}, listed
+
+
+def _by_worker(url: str, name: str, **labels: str) -> dict[str, float]:
+    """The samples ``name`` with ``labels`` of the port's /metrics, per ``worker`` label."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {
+        sample.labels["worker"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    }
+
+
+def test_without_a_bus_the_workers_share_through_the_supervisors_hub(tmp_path: Path) -> None:
+    """No state bus configured: the supervisor's hub carries the bus between its workers
+    (each shows it up), so a key's budget is one budget: requests sent on one kept-alive
+    connection, so to one worker, are spent from the other worker's bucket too. Shared
+    by nothing, the other would still hold the whole budget."""
+    engine = start_isocost([*ENGINE, "--port", "0"], "isocost engine")
+    config = tmp_path / "gateway.yaml"
+    budget = "      requests_per_minute: 6"
+    config.write_text(gateway_config([engine.url], model=MODEL, admin_token=ADMIN_TOKEN,
+                                     api_key=API_KEY, key_fields=budget))  # fmt: skip
+    args = ["serve", "--config", str(config), "--port", "0", "--workers", "2"]
+    with (tmp_path / "gateway.log").open("a") as log:
+        gateway = start_isocost(args, "isocost serve", stderr=log)
+    try:
+        wait_for(
+            lambda: _by_worker(gateway.url, "isocost_state_bus_up") == {"0": 1.0, "1": 1.0},
+            what="the bus up on both workers",
+        )
+        with openai.OpenAI(base_url=gateway.url + "/v1", api_key=API_KEY, max_retries=0) as client:
+            for i in range(3):
+                client.completions.create(model=MODEL, prompt=f"budget {i}", max_tokens=2)
+        left: dict[str, float] = {}
+
+        def spent_everywhere() -> bool:
+            left.update(_by_worker(gateway.url, "isocost_api_key_budget_remaining",
+                                   key="team-a", budget="requests"))  # fmt: skip
+            return sorted(left) == ["0", "1"] and max(left.values()) < 4.0
+
+        wait_for(spent_everywhere, what="the budget spent on both workers", state=lambda: left)
+    finally:
+        gateway.stop()
+        engine.stop()
+    assert "workers_unshared" not in (tmp_path / "gateway.log").read_text()
 
 
 def test_a_killed_worker_is_replaced_and_nothing_is_refused(fleet: Fleet) -> None:

@@ -54,10 +54,11 @@ def serve(
         help="SIGTERM: seconds in-flight requests get to finish.",
     ),
     workers: int = typer.Option(
-        1, "--workers", help="Processes sharing the port (SO_REUSEPORT) and, with a bus, state."
+        1, "--workers", help="Processes sharing the port (SO_REUSEPORT) and their state."
     ),
     worker_id: int | None = typer.Option(None, "--worker-id", hidden=True),
     worker_dir: str | None = typer.Option(None, "--worker-dir", hidden=True),
+    worker_bus: str | None = typer.Option(None, "--worker-bus", hidden=True),
     record: str | None = typer.Option(
         None, "--record", help="Record traffic and fleet to this directory (isocost sim replays)."
     ),
@@ -76,7 +77,6 @@ def serve(
 ) -> None:
     """Run the OpenAI-compatible gateway that routes by equal cost."""
     import asyncio
-    import logging
     import os
     from pathlib import Path
 
@@ -91,6 +91,7 @@ def serve(
         run_gateway,
     )
     from isocost.gateway.workers import WorkerGroup, run_workers, worker_args
+    from isocost.runtime.bus_transport import LOCAL_SCHEME
     from isocost.runtime.config import StateBusConfig, check_state_bus, parse_config
     from isocost.runtime.recording import usable_directory
 
@@ -115,7 +116,6 @@ def serve(
         fail(f"--admin-token-env: environment variable {admin_token_env} unset")
     listening = Listening(host, port)
     listening.probe(reuse_port=workers > 1 or worker_id is not None)
-    log = logging.getLogger("isocost.gateway")
     cat = load_catalog(catalog or [])
     if config is not None:
         gateway_config = parse_config(read_text(config), config)
@@ -138,6 +138,9 @@ def serve(
         bus = gateway_config.state_bus or StateBusConfig(url=state_bus)
         bus = msgspec.structs.replace(bus, url=state_bus)
         gateway_config = msgspec.structs.replace(gateway_config, state_bus=bus)
+    if worker_bus is not None:  # the supervisor's hub, when no bus is configured
+        bus = StateBusConfig(url=f"{LOCAL_SCHEME}://{worker_bus}")
+        gateway_config = msgspec.structs.replace(gateway_config, state_bus=bus)
     configure_logging(log_level)
 
     def ready(url: str) -> None:
@@ -148,15 +151,13 @@ def serve(
     config_path = Path(config) if config else None
     if workers > 1 and worker_id is None:  # the supervisor: checks the config, as each worker
         load_gateway(gateway_config, cat, config_path)  # unknown policies, models: exit 2
-        if gateway_config.state_bus is None:
-            log.warning(
-                "--workers without a state bus: each worker prices only its own dispatches"
-                " and the scrapes, and holds its own copy of each API key's budgets and"
-                " max_in_flight (give --state-bus to share them)",
-                extra={"event": "workers_unshared", "workers": workers},
-            )
         serve_args = sys.argv[sys.argv.index("serve") + 1 :]
-        sys.exit(run_workers(worker_args(serve_args), workers, host, port, ready, shutdown_timeout))
+        local_bus = gateway_config.state_bus is None  # then the workers share through its hub
+        sys.exit(
+            run_workers(
+                worker_args(serve_args), workers, host, port, ready, shutdown_timeout, local_bus
+            )
+        )
     recording = RecordingSettings(
         Path(record) if record else None,
         segment_bytes=int(record_segment_mb * 2**20),

@@ -2,8 +2,10 @@
 
 One Python process forwards on one core. N workers listen on the same address with
 SO_REUSEPORT, so the kernel spreads new connections over them, and share their in-flight
-state through the state bus, each a peer of the others. Without a bus each worker prices
-only its own dispatches plus the scrapes, as gateways without sharing do; a warning says so.
+state and API keys' budgets through the state bus, each a peer of the others. Without a
+bus configured (Redis or NATS, shared with other hosts' gateways) the supervisor runs one
+for them: the hub of ``runtime.bus_hub`` on a Unix socket in its private directory, whose
+path each worker gets (``--worker-bus``).
 
 The supervisor (the process the user started) reserves the port (bound, never listening,
 so it takes no connection), starts the workers (``isocost serve`` again with
@@ -55,6 +57,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from isocost.core.errors import IsocostError
 from isocost.core.jsontext import UNDECODABLE, parse_json
+from isocost.runtime.bus_hub import LocalHub
 from isocost.runtime.processes import isocost_command
 from isocost.serving import run_serving, stop_requested
 
@@ -318,9 +321,11 @@ def run_workers(
     port: int,
     on_ready: Callable[[str], None],
     shutdown_timeout_s: float,
+    local_bus: bool,
 ) -> int:
-    """Supervise ``workers`` gateway processes on ``host:port`` until SIGTERM/SIGINT; the
-    exit status (0 after a clean stop, 1 when workers kept dying or never got ready)."""
+    """Supervise ``workers`` gateway processes on ``host:port`` until SIGTERM/SIGINT (with
+    ``local_bus``, sharing state through this process's hub); the exit status (0 after a
+    clean stop, 1 when workers kept dying or never got ready)."""
     if not hasattr(socket, "SO_REUSEPORT"):
         raise IsocostError("--workers needs SO_REUSEPORT (Linux or BSD)")
     reservation = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -334,7 +339,8 @@ def run_workers(
     status = [0]
     with reservation, tempfile.TemporaryDirectory(prefix="isocost-workers-") as directory:
         supervisor = _Supervisor(list(args), workers, bound, Path(directory), shutdown_timeout_s)
-        run_serving(supervisor.run(f"http://{host}:{bound}", on_ready, status))
+        hub = LocalHub() if local_bus else None
+        run_serving(supervisor.run(f"http://{host}:{bound}", on_ready, status, hub))
     return status[0]
 
 
@@ -365,8 +371,23 @@ class _Supervisor:
             proc.kill()
             raise IsocostError(f"worker {worker_id} not ready in {_READY_TIMEOUT_S:g} s") from None
 
-    async def run(self, url: str, on_ready: Callable[[str], None], status: list[int]) -> None:
+    async def run(
+        self, url: str, on_ready: Callable[[str], None], status: list[int], hub: LocalHub | None
+    ) -> None:
         stop = stop_requested(hangup=self._hang_up)
+        if hub is not None:
+            bus_path = self.directory / "bus.sock"
+            await hub.start(bus_path)
+            self.args += ["--worker-bus", str(bus_path)]
+        try:
+            await self._supervise(url, on_ready, status, stop)
+        finally:
+            if hub is not None:
+                await hub.close()
+
+    async def _supervise(
+        self, url: str, on_ready: Callable[[str], None], status: list[int], stop: asyncio.Event
+    ) -> None:
         try:
             await asyncio.gather(*(self._start(i) for i in range(self.workers)))
         except IsocostError as exc:

@@ -1,7 +1,8 @@
 """The state bus's transports, picked by the URL's scheme: Redis pub/sub (``redis://``,
-``rediss://``) or NATS core subjects (``nats://``, ``tls://``; the same server Dynamo
-deployments run). Both are fire and forget with no storage, which is what the soft state
-of ``runtime.bus`` needs: a message lost is a sequence gap its receivers handle.
+``rediss://``), NATS core subjects (``nats://``, ``tls://``; the same server Dynamo
+deployments run), or the hub of ``serve --workers`` on this host (``unix://PATH``:
+``runtime.bus_hub``). All are fire and forget with no storage, which is what the soft
+state of ``runtime.bus`` needs: a message lost is a sequence gap its receivers handle.
 
 Neither client retries or reconnects on its own: the bus's loops own the retries (one
 backoff, one ``bus_down`` line), so each failure, whatever the client called it, is one
@@ -24,9 +25,12 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from isocost.runtime import bus_hub
 from isocost.runtime.config import NATS_SCHEMES
 
-__all__ = ["Subscription", "Transport", "TransportError", "transport_for"]
+__all__ = ["LOCAL_SCHEME", "Subscription", "Transport", "TransportError", "transport_for"]
+
+LOCAL_SCHEME = "unix"  # unix://PATH: the hub of ``serve --workers`` (``runtime.bus_hub``)
 
 
 class TransportError(Exception):
@@ -52,9 +56,12 @@ class Transport(Protocol):
 
 
 def transport_for(url: str, timeout_s: float) -> Transport:
-    """The transport for ``url`` (its scheme checked by ``check_state_bus``); each call
-    to the server gives up after ``timeout_s``."""
-    if urlsplit(url).scheme in NATS_SCHEMES:
+    """The transport for ``url`` (its scheme checked by ``check_state_bus``, or the
+    supervisor's hub); each call to the server gives up after ``timeout_s``."""
+    parts = urlsplit(url)
+    if parts.scheme == LOCAL_SCHEME:
+        return _Local(parts.path, timeout_s)
+    if parts.scheme in NATS_SCHEMES:
         return _Nats(url, timeout_s)
     return _Redis(url, timeout_s)
 
@@ -179,3 +186,64 @@ class _NatsSubscription:
     async def close(self) -> None:
         with contextlib.suppress(nats.errors.Error, OSError):
             await self._subscription.unsubscribe()
+
+
+class _Local:
+    """One connection to the hub (``runtime.bus_hub``), made by ``subscribe`` (again once
+    it died); ``publish`` uses it while it lives and fails while there is none."""
+
+    def __init__(self, path: str, timeout_s: float) -> None:
+        self.path, self.timeout_s = path, timeout_s
+        self._writer: asyncio.StreamWriter | None = None
+
+    async def subscribe(self, channel: str) -> Subscription:
+        await self.close()
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_unix_connection(self.path), self.timeout_s
+            )
+        except (OSError, TimeoutError) as exc:
+            raise TransportError(f"{type(exc).__name__}: {exc}") from None
+        self._writer = writer
+        writer.write(bus_hub.frame(bus_hub.SUBSCRIBE, channel.encode(), b""))
+        return _LocalSubscription(reader, self.timeout_s)
+
+    async def publish(self, channel: str, payload: bytes) -> None:
+        writer = self._writer
+        if writer is None or writer.is_closing():
+            raise TransportError("not connected")
+        writer.write(bus_hub.frame(bus_hub.PUBLISH, channel.encode(), payload))
+        try:
+            await asyncio.wait_for(writer.drain(), self.timeout_s)
+        except (OSError, TimeoutError) as exc:
+            raise TransportError(f"{type(exc).__name__}: {exc}") from None
+
+    async def close(self) -> None:
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+
+class _LocalSubscription:
+    def __init__(self, reader: asyncio.StreamReader, timeout_s: float) -> None:
+        self._reader, self.timeout_s = reader, timeout_s
+
+    async def next(self, timeout_s: float) -> bytes | None:
+        reader = self._reader
+        try:  # a header not come in time leaves the stream as it was; nothing is read
+            header = await asyncio.wait_for(reader.readexactly(bus_hub.FRAME.size), timeout_s)
+        except TimeoutError:
+            return None
+        except (asyncio.IncompleteReadError, OSError) as exc:
+            raise TransportError(f"the hub closed the connection ({exc})") from None
+        _, channel_size, size = bus_hub.FRAME.unpack(header)
+        try:  # the rest of a frame the hub wrote whole
+            body = await asyncio.wait_for(reader.readexactly(channel_size + size), self.timeout_s)
+        except (asyncio.IncompleteReadError, OSError, TimeoutError) as exc:
+            raise TransportError(f"a frame cut short ({type(exc).__name__})") from None
+        return body[channel_size:]
+
+    async def close(self) -> None:
+        """Nothing of its own: the transport's connection closes with the transport."""
