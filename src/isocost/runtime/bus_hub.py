@@ -48,6 +48,7 @@ class LocalHub:
 
     def __init__(self) -> None:
         self._subscribers: defaultdict[bytes, set[asyncio.StreamWriter]] = defaultdict(set)
+        self._clients: set[asyncio.StreamWriter] = set()
         self._server: asyncio.Server | None = None
 
     async def start(self, path: Path) -> None:
@@ -56,13 +57,13 @@ class LocalHub:
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
-            for writers in self._subscribers.values():
-                for writer in writers:
-                    writer.close()
+            for writer in self._clients:  # left open by the server's close; what a client
+                writer.transport.abort()  # has not read yet would hold a close for good
             await self._server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         channels: set[bytes] = set()
+        self._clients.add(writer)
         try:
             while True:
                 kind, channel_size, size = FRAME.unpack(await reader.readexactly(FRAME.size))
@@ -78,6 +79,7 @@ class LocalHub:
         except (asyncio.IncompleteReadError, ConnectionError):
             return
         finally:
+            self._clients.discard(writer)
             for channel in channels:
                 self._subscribers[channel].discard(writer)
             writer.close()
