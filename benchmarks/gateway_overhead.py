@@ -64,7 +64,14 @@ MODEL = "llama-3.1-8b"
 PEERS_VENV = ROOT / ".venv-peers"
 PEER_PACKAGES = ("sglang-router==0.3.2", "vllm-router==0.1.17")
 sys.path.insert(0, str(ROOT / "tests" / "support"))  # the suites' processes and Envoy
-from isocost_procs import NotReady, cpu_seconds, free_port, ready_urls, spawn_ready  # noqa: E402
+from isocost_procs import (  # noqa: E402
+    NotReady,
+    children,
+    cpu_seconds,
+    free_port,
+    ready_urls,
+    spawn_ready,
+)
 
 
 def _peers_venv() -> Path:
@@ -153,18 +160,6 @@ def start_picker(
     return picker, port
 
 
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (the relay a picker started)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(stat.parent.name))
-        except (OSError, ValueError):
-            continue
-    return found
-
-
 def _start_envoy_rows(
     engine_url: str, policy: str, workdir: Path
 ) -> tuple[list[Callable[[], None]], dict[str, str], dict[str, tuple[int, ...]]]:
@@ -203,7 +198,7 @@ def _start_envoy_rows(
         relayed, relayed_port = start_picker(engine_url, policy, workdir / "relayed", RELAY)
         stops.append(relayed.terminate)
         rows.insert(4, ("envoy+picker relay", relayed_port, {}))
-        pids["envoy+picker relay"] = (relayed.pid, *_children(relayed.pid))
+        pids["envoy+picker relay"] = (relayed.pid, *children(relayed.pid))
     urls = {}
     for name, port, body_mode in rows:
         envoy = start_envoy(

@@ -17,7 +17,7 @@ import grpc
 import pytest
 from envoy_harness import RELAY
 from gateway_harness import gateway_config, log_records
-from isocost_procs import ISOCOST, Proc, free_port, start_isocost
+from isocost_procs import ISOCOST, Proc, children, free_port, start_isocost
 from test_picker import ADMIN_TOKEN, API_KEY, MODEL, _engine, _start_picker
 
 pytestmark = pytest.mark.skipif(
@@ -41,16 +41,9 @@ def config(tmp_path: Path, engine: Proc) -> Path:
 
 
 def _relay_of(picker: Proc) -> int:
-    """The pid of the relay the picker started (its child running the relay binary)."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            command = (stat.parent / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if int(fields[1]) == picker.pid and b"isocost-extproc-relay" in command:
-            return int(stat.parent.name)
-    raise AssertionError(f"no relay under picker {picker.pid}")
+    """The pid of the relay the picker started (its one child)."""
+    (relay,) = children(picker.pid)
+    return relay
 
 
 def _alive(pid: int) -> bool:

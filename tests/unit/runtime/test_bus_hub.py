@@ -7,7 +7,8 @@ reading loses messages instead of holding the others up, and a hub gone is a
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+import contextlib
+from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -22,75 +23,82 @@ def _run(scenario: Coroutine[Any, Any, None]) -> None:
     asyncio.run(asyncio.wait_for(scenario, 30))
 
 
+@contextlib.asynccontextmanager
+async def _hub(path: Path) -> AsyncIterator[bus_hub.LocalHub]:
+    """A hub serving on ``path`` for the block, closed after it."""
+    hub = bus_hub.LocalHub()
+    await hub.start(path)
+    try:
+        yield hub
+    finally:
+        await hub.close()
+
+
 def test_each_subscriber_of_a_channel_gets_every_message_the_sender_too(tmp_path: Path) -> None:
     async def scenario() -> None:
-        hub = bus_hub.LocalHub()
-        await hub.start(tmp_path / "bus.sock")
         url = f"unix://{tmp_path / 'bus.sock'}"
         a, b, other = (transport_for(url, 2.0) for _ in range(3))
-        try:
-            a_in, b_in = await a.subscribe("state"), await b.subscribe("state")
-            other_in = await other.subscribe("elsewhere")
-            await asyncio.sleep(0.05)  # the subscriptions reached the hub
-            await a.publish("state", b"from a")
-            assert await a_in.next(2.0) == b"from a"
-            assert await b_in.next(2.0) == b"from a"
-            assert await other_in.next(0.2) is None
-        finally:
-            for transport in (a, b, other):
-                await transport.close()
-            await hub.close()
+        async with _hub(tmp_path / "bus.sock"):
+            try:
+                a_in, b_in = await a.subscribe("state"), await b.subscribe("state")
+                other_in = await other.subscribe("elsewhere")
+                await asyncio.sleep(0.05)  # the subscriptions reached the hub
+                await a.publish("state", b"from a")
+                assert await a_in.next(2.0) == b"from a"
+                assert await b_in.next(2.0) == b"from a"
+                assert await other_in.next(0.2) is None
+            finally:
+                for transport in (a, b, other):
+                    await transport.close()
 
     _run(scenario())
 
 
 def test_junk_cuts_its_sender_off_alone(tmp_path: Path) -> None:
     async def scenario() -> None:
-        hub = bus_hub.LocalHub()
         path = tmp_path / "bus.sock"
-        await hub.start(path)
         good = transport_for(f"unix://{path}", 2.0)
-        try:
-            inbox = await good.subscribe("state")
-            _, writer = await asyncio.open_unix_connection(path)
-            writer.write(bus_hub.FRAME.pack(9, 0, 0))  # no such kind
-            writer.write(bus_hub.FRAME.pack(bus_hub.PUBLISH, 5, bus_hub.MAX_PAYLOAD_BYTES + 1))
-            await writer.drain()
-            await asyncio.sleep(0.05)
-            await good.publish("state", b"still here")
-            assert await inbox.next(2.0) == b"still here"
-            writer.close()
-        finally:
-            await good.close()
-            await hub.close()
+        async with _hub(path):
+            try:
+                inbox = await good.subscribe("state")
+                _, writer = await asyncio.open_unix_connection(path)
+                writer.write(bus_hub.FRAME.pack(9, 0, 0))  # no such kind
+                too_long = bus_hub.MAX_PAYLOAD_BYTES + 1
+                writer.write(bus_hub.FRAME.pack(bus_hub.PUBLISH, 5, too_long))
+                await writer.drain()
+                await asyncio.sleep(0.05)
+                await good.publish("state", b"still here")
+                assert await inbox.next(2.0) == b"still here"
+                writer.close()
+            finally:
+                await good.close()
 
     _run(scenario())
 
 
 def test_a_subscriber_that_stops_reading_loses_messages_not_the_others(tmp_path: Path) -> None:
     async def scenario() -> None:
-        hub = bus_hub.LocalHub()
         path = tmp_path / "bus.sock"
-        await hub.start(path)
         reader = transport_for(f"unix://{path}", 2.0)
-        try:
-            inbox = await reader.subscribe("state")
-            _, stuck = await asyncio.open_unix_connection(path)  # subscribes, never reads
-            stuck.write(bus_hub.frame(bus_hub.SUBSCRIBE, b"state", b""))
-            await stuck.drain()
-            await asyncio.sleep(0.05)
-            payload = b"x" * (1 << 20)
-            count = (bus_hub.MAX_BUFFERED_BYTES >> 20) * 4  # far past what it may hold
-            for _ in range(count):
-                await reader.publish("state", payload)
-                assert await inbox.next(2.0) == payload  # the reader keeps up, unblocked
-            # what the hub holds for the stuck one stays bounded: the rest was dropped
-            held = [w.transport.get_write_buffer_size() for w in hub._subscribers[b"state"]]
-            assert len(held) == 2 and max(held) <= bus_hub.MAX_BUFFERED_BYTES + len(payload) + 64
-            stuck.close()
-        finally:
-            await reader.close()
-            await hub.close()
+        async with _hub(path) as hub:
+            try:
+                inbox = await reader.subscribe("state")
+                _, stuck = await asyncio.open_unix_connection(path)  # subscribes, never reads
+                stuck.write(bus_hub.frame(bus_hub.SUBSCRIBE, b"state", b""))
+                await stuck.drain()
+                await asyncio.sleep(0.05)
+                payload = b"x" * (1 << 20)
+                count = (bus_hub.MAX_BUFFERED_BYTES >> 20) * 4  # far past what it may hold
+                for _ in range(count):
+                    await reader.publish("state", payload)
+                    assert await inbox.next(2.0) == payload  # the reader keeps up, unblocked
+                # what the hub holds for the stuck one stays bounded: the rest was dropped
+                held = [w.transport.get_write_buffer_size() for w in hub._subscribers[b"state"]]
+                bound = bus_hub.MAX_BUFFERED_BYTES + len(payload) + 64
+                assert len(held) == 2 and max(held) <= bound
+                stuck.close()
+            finally:
+                await reader.close()
 
     _run(scenario())
 
@@ -103,12 +111,10 @@ def test_a_hub_gone_is_a_transport_error(tmp_path: Path) -> None:
             await absent.subscribe("state")
         with pytest.raises(TransportError):
             await absent.publish("state", b"x")
-        hub = bus_hub.LocalHub()
-        await hub.start(path)
         client = transport_for(f"unix://{path}", 0.5)
-        inbox = await client.subscribe("state")
-        await asyncio.sleep(0.05)  # the hub took the subscription
-        await hub.close()
+        async with _hub(path):
+            inbox = await client.subscribe("state")
+            await asyncio.sleep(0.05)  # the hub took the subscription
         with pytest.raises(TransportError):
             await inbox.next(2.0)
         await client.close()
