@@ -1,7 +1,8 @@
 """``isocost picker --relay``: what only the native relay's own life shows. Every GAIE
 behaviour runs through the relay in ``test_picker.py`` too; here: the relay killed under
-the picker, the port taken, a relay binary that is not there, a method no service has,
-a health request that is no ``HealthCheckRequest``, and SIGTERM taking both down.
+the picker (alone, and under load through Envoy), the port taken, a relay binary that is
+not there, a method no service has, a health request that is no ``HealthCheckRequest``,
+and SIGTERM taking both down.
 """
 
 from __future__ import annotations
@@ -10,15 +11,24 @@ import os
 import signal
 import socket
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 from envoy_harness import RELAY
-from gateway_harness import gateway_config, log_records
+from gateway_harness import gateway_config, log_records, wait_for
 from isocost_procs import ISOCOST, Proc, children, free_port, start_isocost
-from test_picker import ADMIN_TOKEN, API_KEY, MODEL, _engine, _start_picker
+from test_picker import (
+    ADMIN_TOKEN,
+    API_KEY,
+    MODEL,
+    _engine,
+    _Load,
+    _running_stack,
+    _start_picker,
+)
 
 pytestmark = pytest.mark.skipif(
     RELAY is None, reason="the picker's relay is not built (make relay)"
@@ -70,6 +80,27 @@ def test_a_relay_killed_stops_the_picker(tmp_path: Path, config: Path) -> None:
     assert "Traceback" not in text
     errors = [line for line in text.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "relay" in errors[0], errors
+
+
+def test_a_relay_killed_under_load_loses_no_request(tmp_path: Path) -> None:
+    """Three clients looping through Envoy (streamed and not) while the relay is
+    SIGKILLed: the picker exits, Envoy (FailOpen) serves the rest on its fallback route,
+    and every request is answered 200."""
+    with _running_stack(tmp_path, relay=RELAY) as stack:
+        load = _Load(stack.envoy.url)
+        try:
+            wait_for(lambda: any(p for _, _, p in load.answers), what="picked answers")
+            os.kill(_relay_of(stack.picker), signal.SIGKILL)
+            killed_at = time.monotonic()
+            assert stack.picker.popen.wait(timeout=20) == 2
+            wait_for(
+                lambda: sum(1 for t, _, p in load.answers if t > killed_at and not p) >= 4,
+                what="answers from the fallback route",
+            )
+        finally:
+            load.stop()
+    failed = [status for _, status, _ in load.answers if status != 200]
+    assert not failed, f"{len(failed)} of {len(load.answers)} requests failed: {failed[:5]}"
 
 
 def test_a_port_taken_is_one_line_and_exit_2(tmp_path: Path, config: Path) -> None:
