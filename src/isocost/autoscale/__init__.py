@@ -13,7 +13,7 @@ from isocost.autoscale._actuators import (
     KubernetesActuator,
     LocalActuator,
 )
-from isocost.autoscale._admin import AdminClient, GatewayError, read_snapshot
+from isocost.autoscale._admin import AdminClient, GatewayError, ReplicaRow, read_snapshot
 from isocost.autoscale._loop import AutoscaleLoop, LoopMetrics, Tick
 from isocost.autoscale._plan import offers_from_plan
 
@@ -27,6 +27,7 @@ __all__ = [
     "KubernetesActuator",
     "LocalActuator",
     "LoopMetrics",
+    "ReplicaRow",
     "Tick",
     "offers_from_plan",
     "read_snapshot",

@@ -13,13 +13,16 @@
   the platform starts and stops replicas and they join the gateway through discovery.
 * ``KubernetesActuator``: patches the ``scale`` subresource of one Deployment per GPU type
   (``<deployment>`` or ``<deployment>-<gpu>`` with several) to the desired count. Before a
-  lower count it marks the drained replica's Pod (the one of the Deployment's Pods whose
-  IP is the replica URL's host) with the lowest ``controller.kubernetes.io/pod-deletion-cost``
-  and takes that mark off the Pods whose replicas the gateway shows serving again (an
-  earlier victim undrained since; one drained keeps it, another scale-in's), so that the
-  ReplicaSet controller deletes the drained, idle Pod rather than one serving streams. A
-  Pod it cannot find (a replica not named by its Pod IP, a gateway it cannot read) is one
-  warning and the count is lowered as before.
+  drain it marks the victim's Pod (the one of the Deployment's Pods whose IP is the
+  replica URL's host) with the lowest ``controller.kubernetes.io/pod-deletion-cost`` and
+  takes that mark off the Pods whose replicas the gateway shows serving again (an earlier
+  victim undrained since; one drained keeps it, another scale-in's), so that the
+  ReplicaSet controller deletes the drained, idle Pod rather than one serving streams
+  when the count is lowered. The mark outlives the autoscaler: a successor finds a
+  drained replica whose Pod carries it to be an earlier autoscaler's drain to finish
+  (``inherited``), where one without it may be an operator's. A Pod it cannot find (a
+  replica not named by its Pod IP, a gateway it cannot read) is one warning and the
+  count is lowered as before.
 
 A failure is an ``ActuatorError``; the loop retries it with backoff.
 """
@@ -34,7 +37,7 @@ import os
 import shlex
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlsplit
@@ -42,7 +45,7 @@ from urllib.parse import urlsplit
 from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from isocost.autoscale._admin import AdminClient, GatewayError, read_snapshot
+from isocost.autoscale._admin import AdminClient, GatewayError, ReplicaRow, read_snapshot
 from isocost.core.errors import IsocostError
 from isocost.runtime.processes import Service, ServiceError, Services, free_port
 
@@ -75,13 +78,19 @@ class Actuator(Protocol):
         """Start one more replica of ``gpu`` (``desired`` of them in all, once started)."""
         ...
 
+    async def draining(self, name: str, gpu: str) -> None:
+        """``name`` is about to be drained to be stopped: where the actuator can, leave a
+        record of it that a successor finds (``inherited``) if this autoscaler dies."""
+        ...
+
     async def stop(self, name: str, gpu: str, desired: int) -> None:
         """Stop the drained, idle replica ``name`` (``desired`` of ``gpu`` remain)."""
         ...
 
-    def inherited(self) -> set[str]:
-        """Replicas an earlier autoscaler started through this actuator that still run and
-        that ``stop`` can stop: a drained one is that autoscaler's drain to finish."""
+    async def inherited(self, rows: Sequence[ReplicaRow]) -> set[str]:
+        """Replicas an earlier autoscaler started or drained through this actuator that
+        still run and that ``stop`` can stop: a drained one is that autoscaler's drain to
+        finish. ``rows``: the gateway's replicas now."""
         ...
 
     async def close(self) -> None: ...
@@ -125,6 +134,9 @@ class LocalActuator:
             raise
         self.running[name] = service
 
+    async def draining(self, name: str, gpu: str) -> None:
+        """Nothing to record: the pid files already name the engines it started."""
+
     async def stop(self, name: str, gpu: str, desired: int) -> None:
         service = self.running.pop(name, None)
         if service is not None:
@@ -132,7 +144,7 @@ class LocalActuator:
         elif (pid := self._inherited_pid(name)) is not None:
             await self._stop_inherited(name, pid)
 
-    def inherited(self) -> set[str]:
+    async def inherited(self, rows: Sequence[ReplicaRow]) -> set[str]:
         names = {path.name.removesuffix(_PID_SUFFIX) for path in self._pid_files()}
         return {n for n in names - self.running.keys() if self._inherited_pid(n) is not None}
 
@@ -266,10 +278,13 @@ class CommandActuator:
     async def start(self, gpu: str, desired: int) -> None:
         await self._run(gpu, desired)
 
+    async def draining(self, name: str, gpu: str) -> None:
+        """Nothing to record: the platform picks which replica a lower count stops."""
+
     async def stop(self, name: str, gpu: str, desired: int) -> None:
         await self._run(gpu, desired)
 
-    def inherited(self) -> set[str]:
+    async def inherited(self, rows: Sequence[ReplicaRow]) -> set[str]:
         """None: the platform picks which replica a lower count stops."""
         return set()
 
@@ -277,9 +292,24 @@ class CommandActuator:
         """Nothing to release: each run is its own process."""
 
 
-def _deletion_cost(value: str | None) -> dict[str, Any]:
-    """A merge patch setting the deletion cost annotation (None: removing it)."""
-    return {"metadata": {"annotations": {_DELETION_COST: value}}}
+def _serving_hosts(rows: Sequence[ReplicaRow]) -> set[str]:
+    """The hosts whose replicas in the gateway all serve (none drained or leaving): a Pod
+    still marked there was undrained since; one drained may be another scale-in's."""
+    serving: set[str] = set()
+    leaving: set[str] = set()
+    for row in rows:
+        if (host := urlsplit(row.url).hostname) is not None:
+            (leaving if row.state in _STOPPING_STATES else serving).add(host)
+    return serving - leaving
+
+
+def _pod_ip(pod: Any) -> str | None:
+    return None if pod.status is None else pod.status.pod_ip
+
+
+def _is_marked(pod: Any) -> bool:
+    """Whether the Pod carries the autoscaler's mark (an operator's costs are left alone)."""
+    return (pod.metadata.annotations or {}).get(_DELETION_COST) == _LOWEST_COST
 
 
 async def _output_tail(process: asyncio.subprocess.Process) -> bytes:
@@ -305,6 +335,8 @@ class KubernetesActuator:
         self.namespace = namespace
         self.kubeconfig = kubeconfig
         self._api: client.ApiClient | None = None
+        self._victims_marked: set[str] = set()  # their Pods marked as their drains began
+        self._inheritance_read = False  # ``inherited`` answered once
 
     async def _client(self) -> client.ApiClient:
         if self._api is None:
@@ -340,68 +372,85 @@ class KubernetesActuator:
     async def start(self, gpu: str, desired: int) -> None:
         await self._scale(gpu, desired)
 
-    async def stop(self, name: str, gpu: str, desired: int) -> None:
-        await self._mark_for_deletion(name, gpu)
-        await self._scale(gpu, desired)
+    async def draining(self, name: str, gpu: str) -> None:
+        if await self._mark_for_deletion(name, gpu):
+            self._victims_marked.add(name)
 
-    async def _mark_for_deletion(self, name: str, gpu: str) -> None:
+    async def stop(self, name: str, gpu: str, desired: int) -> None:
+        if name not in self._victims_marked:  # marking as its drain began failed
+            await self._mark_for_deletion(name, gpu)
+        await self._scale(gpu, desired)
+        self._victims_marked.discard(name)
+
+    async def inherited(self, rows: Sequence[ReplicaRow]) -> set[str]:
+        """The drained replicas whose Pods carry the mark: an earlier autoscaler's drains
+        (``draining`` marked them). A mark on a Pod whose replicas serve is stale (its
+        victim was undrained) and is taken off, so an operator's later drain of that Pod
+        is not taken for the autoscaler's. Read until it once succeeds: later marks are
+        this autoscaler's own."""
+        if self._inheritance_read:
+            return set()
+        serving = _serving_hosts(rows)
+        drained: dict[str, set[str]] = {}
+        for row in rows:
+            if row.state == "drained" and (host := urlsplit(row.url).hostname) is not None:
+                drained.setdefault(host, set()).add(row.name)
+        names: set[str] = set()
+        for deployment in self.deployments.values():
+            async with self._calling(f"pods of deployment {self.namespace}/{deployment}") as api:
+                for pod in await self._pods(api, deployment):
+                    if not _is_marked(pod):
+                        continue
+                    ip = _pod_ip(pod)
+                    if ip in serving:
+                        await self._patch_mark(api, pod.metadata.name, None)
+                    elif ip is not None:
+                        names |= drained.get(ip, set())
+        self._inheritance_read = True
+        return names
+
+    async def _pods(self, api: client.ApiClient, deployment: str) -> list[Any]:
+        """The Deployment's Pods (by its ``scale`` subresource's selector) not yet leaving."""
+        scale = await client.AppsV1Api(api).read_namespaced_deployment_scale(
+            deployment, self.namespace
+        )
+        pods = await client.CoreV1Api(api).list_namespaced_pod(
+            self.namespace, label_selector=scale.status.selector or ""
+        )
+        return [pod for pod in pods.items if pod.metadata.deletion_timestamp is None]
+
+    async def _patch_mark(self, api: client.ApiClient, pod: str, value: str | None) -> None:
+        await client.CoreV1Api(api).patch_namespaced_pod(
+            pod, self.namespace, {"metadata": {"annotations": {_DELETION_COST: value}}}
+        )
+
+    async def _mark_for_deletion(self, name: str, gpu: str) -> bool:
         """Give the Pod of replica ``name`` the lowest deletion cost, and take the mark an
-        earlier scale-in left off the Pods whose replicas serve again (module docstring)."""
+        earlier scale-in left off the Pods whose replicas serve again (module docstring).
+        False: no Pod of the Deployment is that replica's (warned)."""
         deployment = self.deployments[gpu]
-        victim_host, serving_hosts = await self._hosts(name)
+        try:
+            rows = read_snapshot(await self.admin.snapshot()).replicas
+        except GatewayError:
+            rows = []
+        victim_host = next((urlsplit(r.url).hostname for r in rows if r.name == name), None)
+        serving = _serving_hosts(rows)
         victim = None
         async with self._calling(f"pods of deployment {self.namespace}/{deployment}") as api:
-            scale = await client.AppsV1Api(api).read_namespaced_deployment_scale(
-                deployment, self.namespace
-            )
-            core = client.CoreV1Api(api)
-            pods = await core.list_namespaced_pod(
-                self.namespace, label_selector=scale.status.selector or ""
-            )
-            for pod in pods.items:
-                if pod.metadata.deletion_timestamp is not None:
-                    continue  # leaving already
-                ip = None if pod.status is None else pod.status.pod_ip
-                marked = (pod.metadata.annotations or {}).get(_DELETION_COST) == _LOWEST_COST
+            for pod in await self._pods(api, deployment):
+                ip = _pod_ip(pod)
                 if ip is not None and ip == victim_host:
                     victim = pod.metadata.name
-                    if not marked:
-                        await core.patch_namespaced_pod(
-                            victim, self.namespace, _deletion_cost(_LOWEST_COST)
-                        )
-                elif marked and ip in serving_hosts:  # an earlier victim, undrained since
-                    await core.patch_namespaced_pod(
-                        pod.metadata.name, self.namespace, _deletion_cost(None)
-                    )
+                    if not _is_marked(pod):
+                        await self._patch_mark(api, victim, _LOWEST_COST)
+                elif _is_marked(pod) and ip in serving:  # an earlier victim, undrained since
+                    await self._patch_mark(api, pod.metadata.name, None)
         if victim is None:
             log.warning(
                 "the drained replica's pod was not found: the controller picks the pod to delete",
                 extra={"event": "autoscale_pod_unknown", "replica": name, "host": victim_host},
             )
-
-    async def _hosts(self, name: str) -> tuple[str | None, set[str]]:
-        """From the gateway: the host of replica ``name``'s URL (its Pod's IP; None when
-        unknown), and the hosts whose replicas all serve (none drained or leaving: a
-        Pod still marked there was undrained; one drained may be another scale-in's)."""
-        try:
-            rows = read_snapshot(await self.admin.snapshot()).replicas
-        except GatewayError:
-            return None, set()
-        victim_host: str | None = None
-        serving: set[str] = set()
-        leaving: set[str] = set()
-        for row in rows:
-            host = urlsplit(row.url).hostname
-            if host is None:
-                continue
-            if row.name == name:
-                victim_host = host
-            (leaving if row.state in _STOPPING_STATES else serving).add(host)
-        return victim_host, serving - leaving
-
-    def inherited(self) -> set[str]:
-        """None: the Deployment's controller picks which Pod a lower count stops."""
-        return set()
+        return victim is not None
 
     async def close(self) -> None:
         if self._api is not None:

@@ -23,7 +23,8 @@ Every ``interval_s`` one ``tick``:
    forecast) for the gateway's dashboard; a gateway that refuses it is reported once per
    tick, the loop goes on.
 
-A scale-in drains its victim through the gateway (no new work), waits until nothing is
+A scale-in tells the actuator (``draining``: the ``kubernetes`` one marks the Pod), drains
+its victim through the gateway (no new work), waits until nothing is
 in flight there or ``drain_deadline_s`` has passed, stops it through the actuator, then
 removes it from the gateway: no request is killed by the autoscaler unless the deadline
 ends its drain. Every action is retried with exponential backoff; each failure is a log
@@ -34,9 +35,10 @@ shows it done. A gateway that cannot be read during a drain is waited out to the
 deadline, not taken as the drain's end. A start whose replica never shows up is given up
 after a few cold starts (it would otherwise count as capacity for good).
 
-What an earlier autoscaler left of the replicas it started (``Actuator.inherited``: the
-``local`` actuator's engines outlive a SIGKILL) is taken over: a drain it left is
-finished, a start it cut short is stopped.
+What an earlier autoscaler left of the replicas it started or drained
+(``Actuator.inherited``: the ``local`` actuator's engines outlive a SIGKILL, the
+``kubernetes`` actuator's marks on Pods too) is taken over: a drain it left is finished, a
+start it cut short is stopped.
 
 GPU-hours and $ count every managed replica, pending ones included (their GPUs are held
 while they warm up), between ticks.
@@ -193,6 +195,7 @@ class AutoscaleLoop:
         self._draining: dict[str, asyncio.Task[None]] = {}
         self._stopping: set[str] = set()  # drained and idle: leaving, not to be undrained
         self._gone: set[str] = set()  # stopped: out of the fleet until the gateway drops it
+        self._rows: Sequence[ReplicaRow] = ()  # the gateway's replicas at the last look
         self._undrain_owed: set[str] = set()  # a drain given up: undrained once seen drained
         self._shutdown = asyncio.Event()  # set as ``run`` ends: drains still waiting undrain
         self._cold_start_s = {p.gpu: p.cold_start_s for p in config.pools}
@@ -209,11 +212,12 @@ class AutoscaleLoop:
         now = self.clock()
         snapshot = read_snapshot(await self.gateway.snapshot())
         metrics_text = await self.gateway.metrics()
+        self._rows = snapshot.replicas
         answered = answered_by_replica(metrics_text)
         verdicts = slo_verdicts(metrics_text)
         await self._reconcile(snapshot.replicas)
         if not self.dry_run:
-            self._take_over(snapshot.replicas)
+            await self._take_over(snapshot.replicas)
         last_met, last_judged = self._verdicts or verdicts
         if verdicts[0] < last_met or verdicts[1] < last_judged:  # the gateway restarted
             last_met = last_judged = 0
@@ -276,13 +280,18 @@ class AutoscaleLoop:
             if row.state == "ejected"
         }
 
-    def _take_over(self, rows: Sequence[ReplicaRow]) -> None:
+    async def _take_over(self, rows: Sequence[ReplicaRow]) -> None:
         """Finish what an earlier autoscaler (SIGKILLed, say) left of the replicas it
-        started (``Actuator.inherited``): one left drained has its drain resumed, to its
-        stop; one never listed in the gateway (its start was cut short) is stopped, on the
-        first round only (later, one of this loop's own starts may be on its way)."""
-        inherited = self.actuator.inherited()
+        started or drained (``Actuator.inherited``): one left drained has its drain
+        resumed, to its stop; one never listed in the gateway (its start was cut short) is
+        stopped, on the first round only (later, one of this loop's own starts may be on
+        its way). An actuator that cannot tell now is asked again next round."""
         first, self._first_round = self._first_round, False
+        try:
+            inherited = await self.actuator.inherited(rows)
+        except ActuatorError as exc:
+            self._failed("inherit", "an earlier autoscaler's replicas unknown", error=str(exc))
+            return
         if not inherited:
             return
         listed = {row.name: row for row in rows}
@@ -290,13 +299,10 @@ class AutoscaleLoop:
         for name in sorted(inherited - busy):
             row = listed.get(name)
             if row is not None and row.state == "drained" and row.gpu in self.offers:
-                serving = sum(r.gpu == row.gpu and r.state == "healthy" for r in rows)
                 log.info(
                     "drain taken over", extra={"event": "autoscale_drain_adopted", "replica": name}
                 )
-                self._draining[name] = asyncio.create_task(
-                    self._drain_and_stop(name, row.gpu, serving)
-                )
+                self._draining[name] = asyncio.create_task(self._drain_and_stop(name, row.gpu))
             elif row is None and first:
                 stop = partial(self.actuator.stop, name, "", 0)
                 self._unlisted_stops.append(asyncio.create_task(self._attempt("stop", stop)))
@@ -419,7 +425,7 @@ class AutoscaleLoop:
             for _ in range(count):
                 pending = _Pending(f"pending-{gpu}-{next(self._ids)}", gpu, self.clock())
                 self._pending.append(pending)
-                pending.task = asyncio.create_task(self._start(pending, decision.targets[gpu]))
+                pending.task = asyncio.create_task(self._start(pending))
         for name in decision.undrain:
             await self._undrain(name)
         for name in decision.drain:
@@ -430,9 +436,7 @@ class AutoscaleLoop:
                     start.task.cancel()
             if not cancelled:
                 gpu = gpu_of[name]
-                self._draining[name] = asyncio.create_task(
-                    self._drain_and_stop(name, gpu, decision.targets[gpu])
-                )
+                self._draining[name] = asyncio.create_task(self._drain_and_stop(name, gpu))
 
     async def _undrain(self, name: str) -> None:
         """Take a draining replica back (it is warm): its drain ends where it stands."""
@@ -467,17 +471,36 @@ class AutoscaleLoop:
                     raise
                 await self.sleep(self.backoff_s * 2 ** (attempt - 1))
 
-    async def _start(self, pending: _Pending, desired: int) -> None:
+    def _holding(self, gpu: str, leaving: str | None = None) -> int:
+        """The replicas of ``gpu`` holding a machine as far as this loop knows, now: each
+        the gateway listed at the last look, ejected and drained ones too (their machines
+        run), but those stopped since and ``leaving``; and the starts on their way. This
+        is the count an actuator that sets one (a Deployment's) is given. The decision's
+        target is not: it leaves out ejected and drained replicas, and a drain's stop
+        comes minutes after it, so that a count set from it would stop replicas started
+        since, or the one ejected whose replacement is starting, beside the victim."""
+        listed = sum(
+            row.gpu == gpu and row.name not in self._gone and row.name != leaving
+            for row in self._rows
+        )
+        return listed + sum(p.gpu == gpu for p in self._pending)
+
+    async def _start(self, pending: _Pending) -> None:
+        async def start() -> None:
+            await self.actuator.start(pending.gpu, self._holding(pending.gpu))
+
         try:
-            await self._attempt("start", lambda: self.actuator.start(pending.gpu, desired))
+            await self._attempt("start", start)
         except _FAILURES:
             if pending in self._pending:
                 self._pending.remove(pending)  # given up: it will not come
 
-    async def _drain_and_stop(self, name: str, gpu: str, desired: int) -> None:
+    async def _drain_and_stop(self, name: str, gpu: str) -> None:
         """Drain, wait until idle, stop, remove. What fails for good is left to
         ``_reconcile``, so the replica ends serving or gone, never half-drained."""
         try:
+            with contextlib.suppress(*_FAILURES):  # reported; then only this loop knows it
+                await self._attempt("draining", partial(self.actuator.draining, name, gpu), 1)
             try:
                 await self._attempt("drain", partial(self.gateway.drain, name))
             except _FAILURES:
@@ -488,7 +511,7 @@ class AutoscaleLoop:
                 return
             self._stopping.add(name)
             try:
-                await self._attempt("stop", partial(self.actuator.stop, name, gpu, desired))
+                await self._attempt("stop", partial(self._stop, name, gpu))
             except _FAILURES:
                 await self._serve_again(name)
                 return
@@ -500,6 +523,9 @@ class AutoscaleLoop:
         finally:
             self._draining.pop(name, None)
             self._stopping.discard(name)
+
+    async def _stop(self, name: str, gpu: str) -> None:
+        await self.actuator.stop(name, gpu, self._holding(gpu, leaving=name))
 
     async def _serve_again(self, name: str) -> None:
         """Undrain a replica whose drain is given up; owed to ``_reconcile`` until done."""

@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import logging
 import stat
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from isocost.autoscale import (
     CommandActuator,
     GatewayError,
     KubernetesActuator,
+    ReplicaRow,
 )
 from isocost.control import AutoscaleConfig, Autoscaler, PoolConfig, PoolOffer
 
@@ -107,6 +108,7 @@ class FakeActuator:
         self.gateway = gateway
         self.started: list[int] = []
         self.stopped: list[str] = []
+        self.counts: list[tuple[str, int]] = []  # (replica stopped, the count it left)
         self.failing_stops = failing_stops
         self.left: set[str] = set()  # what an earlier autoscaler started, still running
 
@@ -121,9 +123,13 @@ class FakeActuator:
             self.failing_stops -= 1
             raise ActuatorError("stop refused")
         self.stopped.append(name)
+        self.counts.append((name, desired))
         self.left.discard(name)
 
-    def inherited(self) -> set[str]:
+    async def draining(self, name: str, gpu: str) -> None:
+        self.gateway.calls.append(("draining", name))
+
+    async def inherited(self, rows: Sequence[ReplicaRow]) -> set[str]:
         return set(self.left)
 
     async def close(self) -> None:
@@ -187,8 +193,27 @@ def test_scale_in_drains_waits_for_idle_then_stops_and_removes() -> None:
         assert sorted(actuator.stopped) == ["r0", "r2"]  # the least busy go
         for name in ("r0", "r2"):
             mine = [call for call, who in gateway.calls if who == name]
-            assert mine == ["drain", "stop", "remove"]  # stop asserts nothing was in flight
+            assert mine == ["draining", "drain", "stop", "remove"]  # stop: none in flight
         assert list(gateway.rows) == ["r1"]  # the pool's min stays
+
+    asyncio.run(scenario())
+
+
+def test_each_stop_leaves_the_count_of_replicas_still_holding_machines() -> None:
+    """The count a stop gives the actuator (a Deployment's replicas, a scale command's
+    argument) is taken when the drain ends, not from the decision that began it: a
+    replica that joined meanwhile is kept in it. From the decisions' target (1), each stop
+    would have had the platform delete r3 or r2 beside its victim."""
+
+    async def scenario() -> None:
+        clock, gateway = Clock(), FakeGateway(["r0", "r1", "r2"])
+        actuator = FakeActuator(gateway)
+        loop = make_loop(gateway, actuator, clock)
+        await _ticks(loop, gateway, clock, rps=0, n=4)  # r0 and r1 to drain, to min 1
+        gateway.rows["r3"] = {"name": "r3", "gpu": GPU, "state": "healthy", "in_flight": 0}
+        await _ticks(loop, gateway, clock, rps=0, n=1)  # r3 joined: to drain as well
+        await loop.settle()
+        assert actuator.counts == [("r0", 3), ("r1", 2), ("r3", 1)]
 
     asyncio.run(scenario())
 
@@ -200,7 +225,8 @@ def test_a_stop_that_keeps_failing_is_retried_reported_and_undrained() -> None:
         loop = make_loop(gateway, actuator, clock)
         await _ticks(loop, gateway, clock, rps=0, n=5)
         await loop.settle()
-        assert [c for c, _ in gateway.calls] == ["drain", "stop", "stop", "stop", "undrain"]
+        calls = [c for c, _ in gateway.calls]
+        assert calls == ["draining", "drain", "stop", "stop", "stop", "undrain"]
         assert all(row["state"] == "healthy" for row in gateway.rows.values())
         failures = loop.metrics.registry.get_sample_value(
             "isocost_autoscale_failures_total", {"action": "stop"}
@@ -433,6 +459,52 @@ def test_a_kubernetes_scale_in_marks_the_drained_pod_for_deletion_first(
             "application/merge-patch+json",
             "application/strategic-merge-patch+json",
         }
+
+
+def test_a_kubernetes_drain_left_by_a_killed_autoscaler_is_finished_by_the_next(
+    kube: tuple[KubeApi, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The victim's Pod is marked as its drain begins, so an autoscaler started after one
+    SIGKILLed mid-drain tells that drain from an operator's: it finishes it (waits until
+    idle, lowers the count, removes the replica) and leaves the operator's drained. The
+    count it sets keeps every Pod still holding a replica, the operator's drained one
+    included (set from the two serving, it would have the controller delete a second Pod).
+    A mark on a Pod whose replica serves (a victim undrained since) is taken off."""
+    api, kubeconfig = kube
+    api.deployments[("inference", "vllm")] = 4
+    gateway = FakeGateway(["r0", "r1", "r2", "r3"])
+    for i, row in enumerate(gateway.rows.values()):
+        api.put_pod("inference", f"vllm-{i}", ip=f"10.0.0.{i}", labels={"app": "vllm"})
+        row["url"] = f"http://10.0.0.{i}:8000"
+    gateway.rows["r1"]["in_flight"] = 3
+    gateway.rows["r2"]["state"] = "drained"  # an operator's
+
+    async def scenario() -> None:
+        async with _admin_serving(list(gateway.rows.values())) as admin:
+            killed = KubernetesActuator(admin, {GPU: "vllm"}, "inference", str(kubeconfig))
+            await killed.draining("r1", GPU)  # the killed autoscaler's last steps
+            await gateway.drain("r1")
+            await killed.close()
+            assert _pod_annotations(api, "vllm-1") == {DELETION_COST: LOWEST}
+            api.put_pod("inference", "vllm-3", ip="10.0.0.3", labels={"app": "vllm"},
+                        annotations={DELETION_COST: LOWEST})  # fmt: skip
+            actuator = KubernetesActuator(admin, {GPU: "vllm"}, "inference", str(kubeconfig))
+            loop = make_loop(gateway, actuator, Clock())
+            try:
+                await _ticks(loop, gateway, loop.clock, rps=1, n=2)  # type: ignore[arg-type]
+                await loop.settle()
+            finally:
+                await actuator.close()
+
+    with caplog.at_level(logging.INFO, logger="isocost.autoscale"):
+        asyncio.run(scenario())
+    assert "autoscale_drain_adopted" in [r.__dict__.get("event") for r in caplog.records]
+    assert [body for _, _, body in api.scale_patches] == [{"spec": {"replicas": 3}}]
+    assert "r1" not in gateway.rows and gateway.rows["r2"]["state"] == "drained"
+    assert [call for call in gateway.calls if call[1] == "r2"] == []
+    assert _pod_annotations(api, "vllm-1") == {DELETION_COST: LOWEST}
+    assert _pod_annotations(api, "vllm-3") == {}  # the stale mark
+    assert _pod_annotations(api, "vllm-2") == {}
 
 
 @pytest.mark.parametrize("gateway", ["unreadable", "unknown replica"])

@@ -12,7 +12,7 @@ import math
 import os
 import resource
 import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from isocost.autoscale import (
     CommandActuator,
     GatewayError,
     LocalActuator,
+    ReplicaRow,
 )
 from isocost.control import (
     Autoscaler,
@@ -118,7 +119,10 @@ class Actuator:
         if self.refuse_stops:
             raise ActuatorError("stop refused")
 
-    def inherited(self) -> set[str]:
+    async def draining(self, name: str, gpu: str) -> None:
+        pass
+
+    async def inherited(self, rows: Sequence[ReplicaRow]) -> set[str]:
         return set()
 
     async def close(self) -> None:

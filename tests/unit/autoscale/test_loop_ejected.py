@@ -54,7 +54,9 @@ def test_an_ejection_past_the_grace_is_replaced_and_shown() -> None:
         assert tick.count("pending") == 1 and tick.count("ejected") == 0
         await _steady(loop, gateway, clock, ticks=2)  # held out past the grace
         await loop.settle()
-        assert actuator.started == [2]  # its replacement (the count of serving replicas)
+        # its replacement, with the count of replicas holding machines: the ejected one
+        # still holds its own, and a count of 2 would add nothing on a Deployment
+        assert actuator.started == [3]
         assert ("drain", "r1") not in gateway.calls  # not a victim: its breaker decides
         ejected = loop.metrics.registry.get_sample_value(
             "isocost_autoscale_replicas", {"gpu": GPU, "state": "ejected"}
@@ -90,6 +92,6 @@ def test_a_restarted_autoscaler_knows_from_the_counters_which_served() -> None:
         loop = _loop(gateway, actuator, clock)
         await _steady(loop, gateway, clock, ticks=int(GRACE_S / CONFIG.interval_s) + 2)
         await loop.settle()
-        assert actuator.started == [2]
+        assert actuator.started == [3]  # r0 replaced; it still holds its machine
 
     asyncio.run(scenario())

@@ -89,12 +89,12 @@ def test_a_local_engine_is_inherited_once_its_autoscaler_is_gone(tmp_path: Path)
             async with aiohttp.ClientSession() as session:
                 admin = AdminClient(session, "http://127.0.0.1:9", "t")
                 actuator = LocalActuator(admin, "m", tmp_path, [])
-                assert actuator.inherited() == set()  # its autoscaler still runs
+                assert await actuator.inherited([]) == set()  # its autoscaler still runs
                 owner.kill()
                 owner.wait()
-                assert actuator.inherited() == {name}
+                assert await actuator.inherited([]) == {name}
                 await actuator.stop(name, GPU, 1)
-                assert actuator.inherited() == set()
+                assert await actuator.inherited([]) == set()
 
         asyncio.run(scenario())
         assert engine.wait(timeout=10) == -signal.SIGTERM
