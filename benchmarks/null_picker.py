@@ -23,6 +23,7 @@ class _Granted:
         self.replica = endpoint
         self.prefill_endpoint = None
         self.key_headers: dict[str, str] = {}  # no API keys
+        self.meter = None  # no token budgets, nothing metered
 
     def responded(self, status: int, served: str | None) -> None:
         pass
@@ -49,6 +50,9 @@ class _NullBrain:
 
     def check_body_size(self, size: int) -> None:
         pass
+
+    def meter(self, shape: str, headers: Mapping[str, str]) -> None:
+        return None  # it marks no pick for metering
 
     async def pick(
         self, path: str, headers: Mapping[str, str], body: bytes, subset: frozenset[str] | None

@@ -40,6 +40,7 @@ MODEL = "llama-3.1-8b"
 API_KEY = "sk-test-picker-3b7d"
 BUDGET_KEY = "sk-test-picker-budget-51c0"  # team-b: BUDGET requests a minute
 BUDGET = 3
+TOKENS_KEY = "sk-test-picker-tokens-7a2e"  # team-c: a token budget
 ADMIN_TOKEN = "admin-test-picker-9e1f"
 _EAGER = ext_proc.ProtocolConfiguration(  # the shipped config's body mode
     request_body_mode=processing_mode_pb2.ProcessingMode.STREAMED,
@@ -83,7 +84,10 @@ def _client(url: str, api_key: str = API_KEY) -> openai.OpenAI:
 def _write_config(path: Path, engines: list[Proc]) -> None:
     """The suite's gateway config: one pool over ``engines``, this module's keys."""
     urls = [e.url for e in engines]
-    budget = f"    - {{name: team-b, key: {BUDGET_KEY}, requests_per_minute: {BUDGET}}}"
+    budget = (
+        f"    - {{name: team-b, key: {BUDGET_KEY}, requests_per_minute: {BUDGET}}}\n"
+        f"    - {{name: team-c, key: {TOKENS_KEY}, tokens_per_minute: 1000000}}"
+    )
     path.write_text(
         gateway_config(urls, model=MODEL, admin_token=ADMIN_TOKEN, api_key=API_KEY, keys=budget)
     )
@@ -741,6 +745,57 @@ def test_a_failing_choice_is_served_by_its_fallback(tmp_path: Path) -> None:
         assert fallbacks >= 1 and len(moved) == fallbacks, (moved, served)
         assert {e["replica"] for e in moved} == {failing}, moved
         wait_for(lambda: _in_flight_total(own) == 0, what="no request held anywhere")
+
+
+def test_an_uncapped_answer_is_charged_to_its_keys_token_budget(tmp_path: Path) -> None:
+    """A chat request without max_tokens from a key with a token budget: its pick marks it
+    (x-isocost-meter), Envoy's metered route passes the answer's body to the picker on an
+    observing stream, and the picker charges the key what the answer generated, as
+    ``isocost serve`` does (a whole answer's usage; a stream's usage, or its events when it
+    gives none): the key's completion tokens add up to what the clients were sent, and
+    every answer arrives whole. Completions default to 16 tokens, so they paid up front."""
+    short = ("--output-dist", "exponential", "--output-mean-tokens", "6")
+    with (
+        _running_stack(tmp_path, [short]) as own,
+        _client(own.envoy.url, TOKENS_KEY) as client,
+    ):
+        sent = 0
+        for i in range(4):
+            chat = client.chat.completions.create(model=MODEL, messages=_chat(f"uncapped {i}"))
+            assert chat.usage is not None
+            sent += chat.usage.completion_tokens
+            chunks = list(
+                client.chat.completions.create(
+                    model=MODEL,
+                    messages=_chat(f"streamed {i}"),
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+            )
+            assert chunks[-1].usage is not None
+            sent += chunks[-1].usage.completion_tokens
+            events = client.chat.completions.create(
+                model=MODEL, messages=_chat(f"no usage {i}"), stream=True
+            )
+            sent += sum(bool(event.choices and event.choices[0].delta.content) for event in events)
+        completion = 'isocost_api_key_tokens_total{key="team-c",kind="completion"}'
+        wait_for(
+            lambda: _sample(own, completion) == sent,
+            what=f"{sent} completion tokens",
+            state=lambda: _sample(own, completion),
+        )
+        # paid up front, a capped answer is not metered: the next count is the next
+        # uncapped answer's alone (charges land in order: each as its answer ends)
+        capped = client.chat.completions.create(model=MODEL, messages=_chat("capped"), max_tokens=3)
+        assert capped.usage is not None and capped.usage.completion_tokens == 3
+        chat = client.chat.completions.create(model=MODEL, messages=_chat("uncapped again"))
+        assert chat.usage is not None
+        sent += chat.usage.completion_tokens
+        wait_for(
+            lambda: _sample(own, completion) == sent,
+            what=f"{sent} completion tokens, none for the capped answer",
+            state=lambda: _sample(own, completion),
+        )
 
 
 def _in_flight_total(stack: Stack) -> float:

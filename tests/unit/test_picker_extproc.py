@@ -42,6 +42,7 @@ class _Grant:
 
     def __init__(self, brain: _Brain) -> None:
         self.brain = brain
+        self.meter = brain.shape  # its answer's, when metered
 
     def responded(self, status: int, served: str | None) -> None:
         pass
@@ -54,9 +55,11 @@ class _Brain:
     """Picks ``/v1/completions`` only (404 quoting the path otherwise, as the gateway's
     brain does); counts picks and grants held."""
 
-    def __init__(self) -> None:
+    def __init__(self, shape: str | None = None) -> None:
         self.picks = 0
         self.held = 0
+        self.shape = shape  # its grants' answers are metered, and come so
+        self.meters: list[_Meter] = []
 
     async def start(self) -> None:
         pass
@@ -82,6 +85,25 @@ class _Brain:
             raise ApiError(404, f"{path} is not routed here", code="not_found")
         self.held += 1
         return _Grant(self)
+
+    def meter(self, shape: str, headers: Mapping[str, str]) -> _Meter | None:
+        if headers.get("authorization") != "Bearer sk-budget":
+            return None
+        self.meters.append(_Meter(shape))
+        return self.meters[-1]
+
+
+class _Meter:
+    def __init__(self, shape: str) -> None:
+        self.shape = shape
+        self.fed: list[tuple[bytes, bool]] = []
+        self.ends = 0
+
+    def feed(self, chunk: bytes, end_of_stream: bool) -> None:
+        self.fed.append((chunk, end_of_stream))
+
+    def ended(self) -> None:
+        self.ends += 1
 
 
 class _Context:
@@ -173,6 +195,53 @@ def test_extra_body_after_the_pick_gets_a_plain_answer() -> None:
     run = _Run(_Brain(), [_headers(), _body(), _body(b"")])
     assert run.kinds() == ["request_headers", "request_body", "request_body"]
     assert not run.answers[2].request_body.HasField("response")
+
+
+def _observed(message: ext_proc.ProcessingRequest) -> ext_proc.ProcessingRequest:
+    """``message`` as a filter in observability mode sends it."""
+    message.observability_mode = True
+    return message
+
+
+def _response_body(data: bytes, *, end: bool) -> ext_proc.ProcessingRequest:
+    return ext_proc.ProcessingRequest(response_body=ext_proc.HttpBody(body=data, end_of_stream=end))
+
+
+@pytest.mark.parametrize("shape", ["stream", None])
+def test_a_metered_pick_marks_the_request_and_a_client_cannot(shape: str | None) -> None:
+    """The pick sets ``x-isocost-meter`` to the answer's shape when the grant is metered,
+    and removes a client's own otherwise."""
+    run = _Run(_Brain(shape), [_headers(extra=[("x-isocost-meter", b"whole")]), _body()])
+    mutation = run.answers[0].request_headers.response.header_mutation
+    set_headers = {h.header.key: h.header.raw_value for h in mutation.set_headers}
+    if shape is None:
+        assert "x-isocost-meter" not in set_headers
+        assert "x-isocost-meter" in mutation.remove_headers
+    else:
+        assert set_headers["x-isocost-meter"] == shape.encode()
+        assert "x-isocost-meter" not in mutation.remove_headers
+
+
+def test_an_observing_stream_feeds_its_meter_and_is_never_answered() -> None:
+    """Observability mode: Envoy does not wait, so nothing is answered; the request
+    headers (the pick's mark, the caller's key) name the meter, which gets every body
+    chunk and is ended with the stream, once. Unmarked, or with a key the brain meters
+    nothing for, nothing is fed; no pick either way."""
+    key = [("authorization", b"Bearer sk-budget")]
+    chunks = [
+        _observed(_response_body(b"data: {}\n\n", end=False)),
+        _observed(_response_body(b"", end=True)),
+    ]
+    brain = _Brain()
+    marked = _headers(None, end=True, extra=[("x-isocost-meter", b"stream"), *key])
+    run = _Run(brain, [_observed(marked), *chunks])
+    assert run.answers == [] and run.read == 3 and run.context.code is None
+    (meter,) = brain.meters
+    assert meter.shape == "stream" and meter.ends == 1
+    assert meter.fed == [(b"data: {}\n\n", False), (b"", True)]
+    for extra in ([("x-isocost-meter", b"stream")], key):  # another key; no mark
+        _Run(brain, [_observed(_headers(None, end=True, extra=extra)), *chunks])
+    assert len(brain.meters) == 1 and brain.picks == 0
 
 
 @pytest.mark.parametrize(

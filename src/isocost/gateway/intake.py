@@ -187,14 +187,26 @@ class Intake:
             raise Rejection("unauthorized", 401, message, code="invalid_api_key")
         return key
 
+    def output_key(self, request: GatewayRequest) -> ApiKey | None:
+        """The key ``request``'s output is charged to once known (``charge_output``): its
+        own, when it has a token budget and the request no ``max_tokens``; else None."""
+        if request.view.max_tokens is not None or request.key_name is None:
+            return None
+        key = self.auth.named(request.key_name)
+        return key if key is not None and key.tokens is not None else None
+
     def charge_output(self, request: GatewayRequest, output_tokens: int, now: float) -> None:
         """Charge an uncapped request's output to its key's token budget once it is known:
         ``prepare`` could charge only the prompt, and an answer without ``max_tokens`` may
         run to the model's context. Capped requests paid prompt + cap up front."""
-        if request.view.max_tokens is not None or request.key_name is None:
-            return
-        key = self.auth.named(request.key_name)
-        if key is not None and key.tokens is not None and output_tokens > 0:
+        key = self.output_key(request)
+        if key is not None:
+            self.charge_key_output(key, output_tokens, now)
+
+    def charge_key_output(self, key: ApiKey, output_tokens: int, now: float) -> None:
+        """Spend ``output_tokens`` from ``key``'s token budget (none: nothing), here and,
+        through the state bus, at the peers."""
+        if key.tokens is not None and output_tokens > 0:
             key.tokens.spend(output_tokens, now)
             self._spent(key, tokens=output_tokens)
 

@@ -110,7 +110,8 @@ class GatewayMetrics:
         self.api_key_tokens = Counter(
             "isocost_api_key_tokens",
             "Tokens by API key: prompt (as the gateway counted it, of requests a replica"
-            " took) and completion (as the replica reported it; not known to the picker).",
+            " took) and completion (as the replica reported it; the picker knows it for the"
+            " requests it meters: without max_tokens, of a key with a token budget).",
             ["key", "kind"],
             registry=r,
         )

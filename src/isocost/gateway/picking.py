@@ -11,6 +11,13 @@ for avoiding), so every request is shadowed as one the caller does not stream
 the scrapes correct the rest. One consequence: a route class that matches on ``stream``
 sees every picked request as not streamed.
 
+The exception: an uncapped request of an API key with a token budget, whose output only
+its answer tells (``Intake.output_key``). Its pick names how the answer comes
+(``EndpointGrant.meter``), the data plane routes it so that a second, observing ext_proc
+stream passes the answer's body on without waiting for the picker, and ``meter`` counts
+it there and charges the key (``OutputMeter``), as ``isocost serve`` charges it. That
+stream stands alone (the key from its own headers), so any picker of several may take it.
+
 With ``fallbacks`` N (``isocost picker --fallbacks``), the next N replicas by the
 decision's scores follow the choice in ``x-gateway-destination-endpoint`` (GAIE v0.4:
 the data plane tries them in order on a retry); when the response says a fallback served
@@ -32,17 +39,24 @@ import time
 from collections.abc import Iterator, Mapping
 from urllib.parse import urlsplit
 
+from isocost.core.jsontext import UNDECODABLE
+from isocost.gateway.auth import ApiKey
 from isocost.gateway.health import status_fault
 from isocost.gateway.intake import Rejection
 from isocost.gateway.lifecycle import Gateway
+from isocost.gateway.proxy import AnswerTooLarge, StreamReader
 from isocost.gateway.routing import GatewayRequest, Grant
 from isocost.gateway.upstreams import Upstream
 from isocost.openai.errors import ApiError
+from isocost.openai.usage import answer_usage
 
-__all__ = ["EndpointGrant", "GatewayPicker", "endpoint_of"]
+__all__ = ["EndpointGrant", "GatewayPicker", "OutputMeter", "endpoint_of"]
 
 log = logging.getLogger("isocost.picker")
 
+# How a metered answer comes (``EndpointGrant.meter``): server-sent events, or one JSON.
+STREAMED_ANSWER = "stream"
+WHOLE_ANSWER = "whole"
 # The paths a pick serves, and whether each body is a chat request.
 _CHAT_BY_PATH = {"/v1/chat/completions": True, "/v1/completions": False}
 
@@ -82,6 +96,19 @@ class GatewayPicker:
         with self._counting_rejections():
             self.gateway.intake.check_body_size(size)
 
+    def meter(self, shape: str, headers: Mapping[str, str]) -> OutputMeter | None:
+        """A meter for an answer a pick marked ``shape`` (``EndpointGrant.meter``), charged
+        to the key of ``headers``; None when it has no token budget, or the marking is
+        none of the pick's (the key unknown, a shape unknown)."""
+        try:
+            key = self.gateway.intake.authenticate(headers)
+        except ApiError:
+            return None
+        if key is None or key.tokens is None or shape not in (STREAMED_ANSWER, WHOLE_ANSWER):
+            return None
+        limit = self.gateway.intake.limits.max_response_bytes
+        return OutputMeter(self.gateway, key, shape == STREAMED_ANSWER, limit)
+
     async def pick(
         self,
         path: str,
@@ -99,8 +126,13 @@ class GatewayPicker:
                 request = await self._routing_request(path, headers, body)
                 key_name = request.key_name
                 intake.admit(request)
+            meter = None  # the answer's shape, to meter it; the shadow state's is not streamed
+            if intake.output_key(request) is not None:
+                meter = STREAMED_ANSWER if request.view.stream else WHOLE_ANSWER
+            shadowed = dataclasses.replace(request.view, stream=False)
+            request = dataclasses.replace(request, view=shadowed)
             try:
-                return await self._grant(request, subset)
+                return await self._grant(request, subset, meter)
             except BaseException:
                 intake.release(request)  # no grant: its key's place is free again
                 raise
@@ -110,7 +142,9 @@ class GatewayPicker:
             exc.headers |= intake.rate_limit_headers(key_name)
             raise
 
-    async def _grant(self, request: GatewayRequest, subset: frozenset[str] | None) -> EndpointGrant:
+    async def _grant(
+        self, request: GatewayRequest, subset: frozenset[str] | None, meter: str | None
+    ) -> EndpointGrant:
         exclude = frozenset(
             replica.name
             for replica in request.pool.replicas.values()
@@ -122,11 +156,12 @@ class GatewayPicker:
             )
         handoff = self.gateway.router.plan_handoff(request, exclude)
         if handoff is not None:
-            return EndpointGrant(self.gateway, request, handoff.decode, handoff.prefill)
+            return EndpointGrant(
+                self.gateway, request, meter, handoff.decode, prefill=handoff.prefill
+            )
         grant = await self.gateway.router.acquire(request, exclude)
-        return EndpointGrant(
-            self.gateway, request, grant, fallbacks=self._fallbacks(request, grant, exclude)
-        )
+        fallbacks = self._fallbacks(request, grant, exclude)
+        return EndpointGrant(self.gateway, request, meter, grant, fallbacks=fallbacks)
 
     @contextlib.contextmanager
     def _counting_rejections(self) -> Iterator[None]:
@@ -167,10 +202,9 @@ class GatewayPicker:
         intake = self.gateway.intake
         arrived_at = time.monotonic()
         key = intake.check_headers(headers, arrived_at)
-        request = await intake.routing_request(
+        return await intake.routing_request(
             body, headers, chat=chat, key=key, arrived_at=arrived_at
         )
-        return dataclasses.replace(request, view=dataclasses.replace(request.view, stream=False))
 
 
 class EndpointGrant:
@@ -180,7 +214,9 @@ class EndpointGrant:
         self,
         gateway: Gateway,
         request: GatewayRequest,
+        meter: str | None,
         grant: Grant,
+        *,
         prefill: Grant | None = None,
         fallbacks: tuple[Upstream, ...] = (),
     ) -> None:
@@ -190,6 +226,13 @@ class EndpointGrant:
         self._prefill = prefill  # the prefill leg of a split request
         self._fallbacks = {endpoint_of(replica): replica for replica in fallbacks}
         self._status: int | None = None
+        self._meter = meter
+
+    @property
+    def meter(self) -> str | None:
+        """How the answer comes when its output is to be charged to the request's key
+        (``GatewayPicker.meter``): an uncapped request of a key with a token budget."""
+        return self._meter
 
     @property
     def endpoints(self) -> tuple[str, ...]:
@@ -259,3 +302,56 @@ class EndpointGrant:
         self._gateway.account_key(
             request.key_name, status or 0, prompt_tokens=request.view.prompt_tokens
         )
+
+
+class OutputMeter:
+    """The completion tokens of one answer, counted as the data plane passes its body on,
+    and charged to ``key`` when it ends: a stream's events (its usage, when one carries
+    it) as ``isocost serve`` counts them (``StreamReader``), or a whole answer's usage
+    once it is all there. An answer past ``limit`` bytes (or a stream line past it), or
+    one that is not what OpenAI's API sends, keeps the count it had there."""
+
+    def __init__(self, gateway: Gateway, key: ApiKey, streamed: bool, limit: int) -> None:
+        self._gateway = gateway
+        self._key = key
+        self._reader = StreamReader(limit) if streamed else None
+        self._limit = limit
+        self._whole: bytearray | None = None if streamed else bytearray()
+        self.tokens = 0
+        self._charged = False
+
+    def feed(self, chunk: bytes, end_of_stream: bool) -> None:
+        reader = self._reader
+        if reader is not None:
+            if reader.broken is None and not reader.done:
+                try:
+                    reader.feed(chunk)
+                except AnswerTooLarge:
+                    reader.broken = "a line past the limit"
+                self.tokens = reader.tokens
+        elif (whole := self._whole) is not None:
+            whole += chunk
+            if len(whole) > self._limit:
+                self._whole = None
+            elif end_of_stream:
+                try:
+                    usage = answer_usage(whole)
+                except UNDECODABLE:
+                    usage = None
+                self.tokens = 0 if usage is None else usage.completion_tokens
+                self._whole = None
+        if end_of_stream:
+            self.ended()
+
+    def ended(self) -> None:
+        """The answer is over, or the data plane stopped passing it on (its stream
+        closed, which observability mode defers by seconds): charge what was counted,
+        once."""
+        if self._charged:
+            return
+        self._charged = True
+        if self.tokens > 0:
+            self._gateway.intake.charge_key_output(self._key, self.tokens, time.monotonic())
+            self._gateway.metrics.api_key_tokens.labels(self._key.name, "completion").inc(
+                self.tokens
+            )

@@ -72,7 +72,14 @@ from isocost.openai.errors import ApiError
 from isocost.openai.requests import KV_TRANSFER_MS_HEADER
 from isocost.openai.usage import answer_usage, stream_event
 
-__all__ = ["ClientGone", "ForwardResult", "ForwardSettings", "Forwarder"]
+__all__ = [
+    "AnswerTooLarge",
+    "ClientGone",
+    "ForwardResult",
+    "ForwardSettings",
+    "Forwarder",
+    "StreamReader",
+]
 
 log = logging.getLogger("isocost.gateway")
 
@@ -119,7 +126,7 @@ class _BadStream(Exception):
     """An upstream stream that is not OpenAI server-sent events, or broke off."""
 
 
-class _TooLarge(Exception):
+class AnswerTooLarge(Exception):
     """An answer (or one stream line) over ``max_response_bytes``: the request's doing, not
     the replica's, so neither retried nor held against it."""
 
@@ -185,11 +192,11 @@ class _Segment(NamedTuple):
 
     upstream: aiohttp.ClientResponse
     grant: Grant
-    reader: _StreamReader
+    reader: StreamReader
     block: bytes
 
 
-class _StreamReader:
+class StreamReader:
     """Checks an upstream SSE stream as it arrives and hands back whole lines to relay.
 
     ``feed`` returns the complete lines of what came so far (a partial line waits for the
@@ -230,7 +237,7 @@ class _StreamReader:
         if not cut:
             self._partial += chunk
             if len(self._partial) > self.max_line_bytes:
-                raise _TooLarge
+                raise AnswerTooLarge
             return b""
         lines = bytes(self._partial) + chunk[:cut]
         self._partial = bytearray(chunk[cut:])
@@ -668,7 +675,7 @@ class Forwarder:
         return response
 
     async def _first_events(
-        self, upstream: aiohttp.ClientResponse, reader: _StreamReader, request: GatewayRequest
+        self, upstream: aiohttp.ClientResponse, reader: StreamReader, request: GatewayRequest
     ) -> bytes:
         """What the upstream sent up to its first event; a failure here is retried."""
         block = b""
@@ -684,7 +691,7 @@ class Forwarder:
             raise _AttemptFailed("timeout", status=504) from None
         except aiohttp.ClientError as exc:
             raise _AttemptFailed(f"stream: {type(exc).__name__}") from None
-        except _TooLarge:
+        except AnswerTooLarge:
             raise self._too_large(request) from None
         return block
 
@@ -701,7 +708,7 @@ class Forwarder:
             attempt.result,
             attempt.ledger,
         )
-        reader = _StreamReader(self.settings.max_response_bytes, ledger)
+        reader = StreamReader(self.settings.max_response_bytes, ledger)
         block = await self._first_events(upstream, reader, request)
         response = web.StreamResponse(status=upstream.status, headers=headers)
         response.content_type = upstream.content_type or "text/event-stream"
@@ -788,7 +795,7 @@ class Forwarder:
                     broken = _Break(_broken_reason(exc))
                     replica.breaker.record_failure(time.monotonic(), f"mid-stream {broken.reason}")
                     return broken
-                except _TooLarge:
+                except AnswerTooLarge:
                     broken = _Break(self._too_large(request).message, resumable=False)
                     return broken
                 last_at = time.monotonic()
@@ -837,7 +844,7 @@ class Forwarder:
                 try:
                     if upstream.status >= 400:  # refused as a request: nowhere else takes it
                         raise ApiError(upstream.status, f"continuation refused: {upstream.status}")
-                    reader = _StreamReader(self.settings.max_response_bytes, ledger)
+                    reader = StreamReader(self.settings.max_response_bytes, ledger)
                     block = await self._first_events(upstream, reader, continued)
                 except BaseException:
                     upstream.close()

@@ -13,7 +13,12 @@ request refused or that nothing can take is answered by Envoy as an ImmediateRes
 (OpenAI-style JSON, ``Retry-After`` on 429 and 503). The response headers carry
 ``x-gateway-destination-endpoint-served`` (a header or ``envoy.lb`` metadata) and get
 ``x-isocost-replica`` and, for an API key with budgets, OpenAI's ``x-ratelimit-*`` (a
-refusal too); the end of the stream is the end of the request. The subset hint
+refusal too); the end of the stream is the end of the request. A grant whose answer is
+to be metered (``Granted.meter``) has the pick set ``x-isocost-meter`` to its shape; the
+data plane's route for it runs a second ext_proc filter in observability mode, whose
+stream (``observability_mode`` set) passes the answer's body on without waiting for an
+answer, and is answered with nothing: the brain's meter counts it and charges the key
+as the body ends. Every other answer's body goes by without the picker. The subset hint
 (``envoy.lb.subset_hint`` filter metadata) bounds the choice. A body that grows past the
 brain's limit is refused (413) as soon as it does, not held to its end. One stream picks
 at most once: what Envoy sends for the request after the pick is answered, never picked
@@ -46,6 +51,7 @@ from isocost.openai.errors import ApiError, retry_after
 
 __all__ = [
     "DESTINATION_HEADER",
+    "METER_HEADER",
     "PREFILLER_HEADER",
     "PROCESS_METHOD",
     "REPLICA_HEADER",
@@ -54,6 +60,7 @@ __all__ = [
     "Brain",
     "CallStatus",
     "Granted",
+    "Meter",
     "Processor",
     "add_processor",
 ]
@@ -67,6 +74,7 @@ SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 REPLICA_HEADER = "x-isocost-replica"
+METER_HEADER = "x-isocost-meter"  # set by a pick whose answer is metered: its shape
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 _STREAMED = processing_mode_pb2.ProcessingMode.STREAMED
@@ -99,6 +107,9 @@ class Granted(Protocol):
     @property
     def prefill_endpoint(self) -> str | None: ...  # ip:port of P when split, else None
 
+    @property
+    def meter(self) -> str | None: ...  # the answer's shape when it is to be metered
+
     def responded(self, status: int, served: str | None) -> None: ...
 
     def ended(self) -> None: ...
@@ -117,6 +128,8 @@ class Brain(Protocol):
 
     def check_body_size(self, size: int) -> None: ...  # ApiError (413) past the body limit
 
+    def meter(self, shape: str, headers: Mapping[str, str]) -> Meter | None: ...
+
     async def pick(
         self,
         path: str,
@@ -124,6 +137,14 @@ class Brain(Protocol):
         body: bytes,
         subset: frozenset[str] | None,
     ) -> Granted: ...
+
+
+class Meter(Protocol):
+    """Counts one answer's output as its body passes (an observing stream's)."""
+
+    def feed(self, chunk: bytes, end_of_stream: bool) -> None: ...
+
+    def ended(self) -> None: ...
 
 
 class CallStatus(Protocol):
@@ -203,6 +224,7 @@ class _Exchange:
         self.full_duplex = False  # the body comes back to Envoy through us, streamed
         self.eager_body = False  # Envoy sends the body without waiting for our headers' answer
         self.chunks_held = 0  # eager STREAMED body chunks not answered yet: one answer each
+        self.meter: Meter | None = None  # an observing stream's, for a metered answer
 
     async def answer(
         self, message: ext_proc.ProcessingRequest
@@ -210,6 +232,9 @@ class _Exchange:
         """The answers ``message`` calls for: none while a body sent eagerly is still
         arriving; when it completes, the pick and whatever else is owed."""
         kind = message.WhichOneof("request")
+        if message.observability_mode:  # nothing to answer: Envoy does not wait
+            self._observe(kind, message)
+            return []
         if kind in _REQUEST_SIDE and self.granted is not None:
             return [_plain(kind)]  # past the pick: answered, never picked again
         if kind == "request_headers":
@@ -241,6 +266,17 @@ class _Exchange:
             return [self._responded(message)]
         return [_plain(kind)]
 
+    def _observe(self, kind: str | None, message: ext_proc.ProcessingRequest) -> None:
+        """An observing stream's message: its request headers name the meter (a pick's
+        ``x-isocost-meter`` and the caller's key), its response body feeds it."""
+        if kind == "request_headers" and self.meter is None:
+            headers = _header_map(message.request_headers.headers.headers)
+            shape = headers.get(METER_HEADER)
+            if shape is not None:
+                self.meter = self.brain.meter(shape, headers)
+        elif kind == "response_body" and self.meter is not None:
+            self.meter.feed(message.response_body.body, message.response_body.end_of_stream)
+
     async def _body_complete(self, *, trailers_follow: bool) -> list[ext_proc.ProcessingResponse]:
         """The pick once the body is whole, then what else is owed: the body streamed back
         (full duplex) or one answer per body chunk held back (streamed, sent eagerly)."""
@@ -269,9 +305,14 @@ class _Exchange:
         endpoints = ",".join(self.granted.endpoints)
         prefill = self.granted.prefill_endpoint
         chosen = {DESTINATION_HEADER: endpoints}  # the same value as the metadata's
-        mutation = _set_headers(chosen if prefill is None else chosen | {PREFILLER_HEADER: prefill})
-        if prefill is None:
-            mutation.remove_headers.append(PREFILLER_HEADER)  # a client's own: not trusted
+        if prefill is not None:
+            chosen[PREFILLER_HEADER] = prefill
+        if self.granted.meter is not None:
+            chosen[METER_HEADER] = self.granted.meter
+        mutation = _set_headers(chosen)
+        for name in (PREFILLER_HEADER, METER_HEADER):  # a client's own: not trusted
+            if name not in chosen:
+                mutation.remove_headers.append(name)
         common = ext_proc.CommonResponse(header_mutation=mutation, clear_route_cache=True)
         metadata = struct_pb2.Struct()
         metadata.update({LB_NAMESPACE: {DESTINATION_HEADER: endpoints}})
@@ -304,6 +345,9 @@ class _Exchange:
 
     def close(self) -> None:
         """The stream ended: Envoy is done with the request, answered or not."""
+        if self.meter is not None:
+            self.meter.ended()
+            self.meter = None
         if self.granted is not None:
             self.granted.ended()
             self.granted = None
