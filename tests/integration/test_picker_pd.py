@@ -96,4 +96,4 @@ def test_whole_request_drops_a_clients_prefiller(
     procs.append(picker)
     mutation = _pick(port, {"x-prefiller-host-port": "10.0.0.66:8000"})
     assert _set(mutation) == {"x-gateway-destination-endpoint": decode.url.removeprefix("http://")}
-    assert list(mutation.remove_headers) == ["x-prefiller-host-port"]
+    assert list(mutation.remove_headers) == ["x-prefiller-host-port", "x-isocost-meter"]
