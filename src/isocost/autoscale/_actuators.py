@@ -447,7 +447,7 @@ class KubernetesActuator:
                     await self._patch_mark(api, pod.metadata.name, None)
         if victim is None:
             log.warning(
-                "the drained replica's pod was not found: the controller picks the pod to delete",
+                "the scale-in victim's pod was not found: the controller picks the pod to delete",
                 extra={"event": "autoscale_pod_unknown", "replica": name, "host": victim_host},
             )
         return victim is not None
