@@ -9,8 +9,11 @@
   ``--log-dir`` inherits them (``inherited``) and can stop them, instead of leaving them
   running unseen; an autoscaler still running keeps its own.
 * ``CommandActuator``: ``--scale-command`` run with the desired count of the GPU type as
-  its last argument and in ``ISOCOST_DESIRED_REPLICAS`` (``ISOCOST_GPU`` names the type);
-  the platform starts and stops replicas and they join the gateway through discovery.
+  its last argument and in ``ISOCOST_DESIRED_REPLICAS`` (``ISOCOST_GPU`` names the type;
+  on a stop, ``ISOCOST_STOP_REPLICA`` the drained, idle replica to stop, by its gateway
+  name, so that a platform that can stop one machine, as a cloud's instance groups can,
+  stops that one and not one serving streams); the platform starts and stops replicas
+  and they join the gateway through discovery.
 * ``KubernetesActuator``: patches the ``scale`` subresource of one Deployment per GPU type
   (``<deployment>`` or ``<deployment>-<gpu>`` with several) to the desired count. Before a
   drain it marks the victim's Pod (the one of the Deployment's Pods whose IP is the
@@ -62,6 +65,7 @@ log = logging.getLogger("isocost.autoscale")
 _HOST = "127.0.0.1"
 _CLOSE_POLL_S = 0.25
 _OUTPUT_TAIL = 4096  # bytes of a scale command's output kept for its error message
+_STOP_VARIABLE = "ISOCOST_STOP_REPLICA"  # a scale command's victim, on a stop
 _PID_SUFFIX = ".pid"  # <log-dir>/<engine>.pid: the engines a LocalActuator started
 # The ReplicaSet controller deletes the Pods of lowest cost first when a count drops.
 _DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
@@ -246,8 +250,11 @@ class CommandActuator:
             raise ActuatorError("--scale-command is empty")
         self.timeout_s = timeout_s
 
-    async def _run(self, gpu: str, desired: int) -> None:
+    async def _run(self, gpu: str, desired: int, stopping: str | None = None) -> None:
         env = {**os.environ, "ISOCOST_DESIRED_REPLICAS": str(desired), "ISOCOST_GPU": gpu}
+        env.pop(_STOP_VARIABLE, None)  # one of the caller's own would name a wrong victim
+        if stopping is not None:
+            env[_STOP_VARIABLE] = stopping
         try:
             process = await asyncio.create_subprocess_exec(
                 *self.argv,
@@ -282,7 +289,7 @@ class CommandActuator:
         """Nothing to record: the platform picks which replica a lower count stops."""
 
     async def stop(self, name: str, gpu: str, desired: int) -> None:
-        await self._run(gpu, desired)
+        await self._run(gpu, desired, stopping=name)
 
     async def inherited(self, rows: Sequence[ReplicaRow]) -> set[str]:
         """None: the platform picks which replica a lower count stops."""

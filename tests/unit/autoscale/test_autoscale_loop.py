@@ -283,11 +283,18 @@ def test_dry_run_decides_but_changes_nothing() -> None:
     asyncio.run(scenario())
 
 
-def test_the_command_gets_the_desired_count_and_a_failure_says_how(tmp_path: Path) -> None:
+def test_the_command_gets_the_desired_count_and_a_failure_says_how(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The count as the last argument and in the environment, with the GPU type; a stop
+    also names its victim (never the caller's own variable of that name)."""
+    monkeypatch.setenv("ISOCOST_STOP_REPLICA", "not-this-one")
     script = tmp_path / "scale.sh"
     record = tmp_path / "record"
     script.write_text(
-        f'#!/bin/sh\necho "$1 $ISOCOST_DESIRED_REPLICAS $ISOCOST_GPU" >> {record}\n'
+        "#!/bin/sh\n"
+        'echo "$1 $ISOCOST_DESIRED_REPLICAS $ISOCOST_GPU ${ISOCOST_STOP_REPLICA:--}"'
+        f" >> {record}\n"
         '[ "$1" -le 2 ] || { echo "quota exceeded"; exit 3; }\n'
     )
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
@@ -295,7 +302,8 @@ def test_the_command_gets_the_desired_count_and_a_failure_says_how(tmp_path: Pat
     asyncio.run(actuator.start(GPU, 2))
     with pytest.raises(ActuatorError, match=r"scale\.sh 3 exited 3: quota exceeded"):
         asyncio.run(actuator.start(GPU, 3))
-    assert record.read_text() == f"2 2 {GPU}\n3 3 {GPU}\n"
+    asyncio.run(actuator.stop("10.0.0.7:8000", GPU, 1))
+    assert record.read_text() == f"2 2 {GPU} -\n3 3 {GPU} -\n1 1 {GPU} 10.0.0.7:8000\n"
 
 
 def test_a_failing_scale_command_is_retried_reported_and_forgotten(tmp_path: Path) -> None:
