@@ -50,7 +50,10 @@ def autoscale(
         Path("autoscale-logs"), "--log-dir", help="local: the engines' log files."
     ),
     scale_command: str | None = typer.Option(
-        None, "--scale-command", help="command: run with the desired count appended."
+        None,
+        "--scale-command",
+        help="command: run with the desired count appended; a stop's victim in"
+        " ISOCOST_STOP_REPLICA.",
     ),
     deployment: str | None = typer.Option(
         None, "--deployment", help="kubernetes: the Deployment (-<gpu> with several pools)."
