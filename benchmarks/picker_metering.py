@@ -36,8 +36,8 @@ from isocost.runtime.processes import run_script
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "support"))  # the suites' processes and Envoy
 
-from envoy_harness import ENVOY, RELAY, envoy_config, start_envoy  # noqa: E402
-from isocost_procs import children, cpu_seconds, free_port, start_isocost  # noqa: E402
+from envoy_harness import ENVOY, RELAY, picker_behind_envoy  # noqa: E402
+from isocost_procs import children, cpu_seconds, start_isocost  # noqa: E402
 
 MODEL = "llama-3.1-8b"
 KEYS = {"metered": "sk-bench-metered", "plain": "sk-bench-plain"}
@@ -105,24 +105,8 @@ def main() -> None:
         f"    - {{name: metered, key: {KEYS['metered']}, tokens_per_minute: 1000000000}}\n"
         f"    - {{name: plain, key: {KEYS['plain']}}}\n"
     )
-    picker_port = free_port()
-    relay = ["--relay", str(RELAY)] if args.relay else []
-    picker = start_isocost(
-        ["picker", "--config", str(config), "--port", str(picker_port), "--log-level",
-         "warning", *relay],
-        "isocost picker",
-    )  # fmt: skip
+    picker, envoy = picker_behind_envoy(config, engine.url, workdir, relay=args.relay)
     on_path = (picker.pid, *children(picker.pid))  # the picker and its relay
-    envoy = start_envoy(
-        envoy_config(
-            listen_port=free_port(),
-            admin_port=free_port(),
-            picker_ports=[picker_port],
-            engine_ports=[int(engine.url.rsplit(":", 1)[1])],
-        ),
-        workdir / "envoy.yaml",
-        concurrency=2,
-    )
     rates = dict.fromkeys(KEYS, 0.0)
     cpu_per_request: dict[str, float] = {}
     cpu_per_token: dict[str, float] = {}

@@ -30,8 +30,8 @@ from isocost.runtime.processes import run_script
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "support"))  # the suites' processes and Envoy
 
-from envoy_harness import ENVOY, RELAY, envoy_config, start_envoy  # noqa: E402
-from isocost_procs import free_port, start_isocost  # noqa: E402
+from envoy_harness import ENVOY, RELAY, picker_behind_envoy  # noqa: E402
+from isocost_procs import start_isocost  # noqa: E402
 
 MODEL = "llama-3.1-8b"
 
@@ -79,23 +79,7 @@ def main() -> None:
     config.write_text(
         f"pools:\n  - model: {MODEL}\n    replicas:\n      - {{url: '{engine.url}'}}\n"
     )
-    picker_port = free_port()
-    relay = ["--relay", str(RELAY)] if args.relay else []
-    picker = start_isocost(
-        ["picker", "--config", str(config), "--port", str(picker_port), "--log-level", "warning",
-         *relay],
-        "isocost picker",
-    )  # fmt: skip
-    envoy = start_envoy(
-        envoy_config(
-            listen_port=free_port(),
-            admin_port=free_port(),
-            picker_ports=[picker_port],
-            engine_ports=[int(engine.url.rsplit(":", 1)[1])],
-        ),
-        workdir / "envoy.yaml",
-        concurrency=2,
-    )
+    picker, envoy = picker_behind_envoy(config, engine.url, workdir, relay=args.relay)
     try:
         started = time.perf_counter()
         counts = asyncio.run(_run(envoy.url, args.streams, args.max_tokens))

