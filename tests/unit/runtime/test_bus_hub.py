@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from isocost.runtime import bus_hub
-from isocost.runtime.bus_transport import TransportError, transport_for
+from isocost.runtime.bus_transport import Transport, TransportError, transport_for
 
 
 def _run(scenario: Coroutine[Any, Any, None]) -> None:
@@ -34,22 +34,41 @@ async def _hub(path: Path) -> AsyncIterator[bus_hub.LocalHub]:
         await hub.close()
 
 
+async def _subscribed(hub: bus_hub.LocalHub, channel: bytes, count: int) -> None:
+    """Until ``count`` clients are subscribed to ``channel`` at ``hub``: a subscription
+    is a frame the hub reads after the client sent it."""
+    for _ in range(200):
+        if len(hub._subscribers.get(channel, ())) >= count:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{count} subscribers to {channel!r} never reached the hub")
+
+
+@contextlib.asynccontextmanager
+async def _clients(
+    path: Path, count: int, timeout_s: float = 2.0
+) -> AsyncIterator[list[Transport]]:
+    """``count`` ``unix://`` transports to the hub at ``path``, closed after the block."""
+    transports = [transport_for(f"unix://{path}", timeout_s) for _ in range(count)]
+    try:
+        yield transports
+    finally:
+        for transport in transports:
+            await transport.close()
+
+
 def test_each_subscriber_of_a_channel_gets_every_message_the_sender_too(tmp_path: Path) -> None:
     async def scenario() -> None:
-        url = f"unix://{tmp_path / 'bus.sock'}"
-        a, b, other = (transport_for(url, 2.0) for _ in range(3))
-        async with _hub(tmp_path / "bus.sock"):
-            try:
-                a_in, b_in = await a.subscribe("state"), await b.subscribe("state")
-                other_in = await other.subscribe("elsewhere")
-                await asyncio.sleep(0.05)  # the subscriptions reached the hub
-                await a.publish("state", b"from a")
-                assert await a_in.next(2.0) == b"from a"
-                assert await b_in.next(2.0) == b"from a"
-                assert await other_in.next(0.2) is None
-            finally:
-                for transport in (a, b, other):
-                    await transport.close()
+        path = tmp_path / "bus.sock"
+        async with _hub(path) as hub, _clients(path, 3) as (a, b, other):
+            a_in, b_in = await a.subscribe("state"), await b.subscribe("state")
+            other_in = await other.subscribe("elsewhere")
+            await _subscribed(hub, b"state", 2)
+            await _subscribed(hub, b"elsewhere", 1)
+            await a.publish("state", b"from a")
+            assert await a_in.next(2.0) == b"from a"
+            assert await b_in.next(2.0) == b"from a"
+            assert await other_in.next(0.2) is None
 
     _run(scenario())
 
@@ -57,21 +76,20 @@ def test_each_subscriber_of_a_channel_gets_every_message_the_sender_too(tmp_path
 def test_junk_cuts_its_sender_off_alone(tmp_path: Path) -> None:
     async def scenario() -> None:
         path = tmp_path / "bus.sock"
-        good = transport_for(f"unix://{path}", 2.0)
-        async with _hub(path):
-            try:
-                inbox = await good.subscribe("state")
-                _, writer = await asyncio.open_unix_connection(path)
-                writer.write(bus_hub.FRAME.pack(9, 0, 0))  # no such kind
-                too_long = bus_hub.MAX_PAYLOAD_BYTES + 1
-                writer.write(bus_hub.FRAME.pack(bus_hub.PUBLISH, 5, too_long))
+        async with _hub(path) as hub, _clients(path, 1) as (good,):
+            inbox = await good.subscribe("state")
+            await _subscribed(hub, b"state", 1)
+            for junk in (
+                bus_hub.FRAME.pack(9, 0, 0),  # no such kind
+                bus_hub.FRAME.pack(bus_hub.PUBLISH, 5, bus_hub.MAX_PAYLOAD_BYTES + 1),
+            ):
+                reader, writer = await asyncio.open_unix_connection(path)
+                writer.write(junk)
                 await writer.drain()
-                await asyncio.sleep(0.05)
-                await good.publish("state", b"still here")
-                assert await inbox.next(2.0) == b"still here"
+                assert await asyncio.wait_for(reader.read(), 2.0) == b""  # cut off
                 writer.close()
-            finally:
-                await good.close()
+            await good.publish("state", b"still here")
+            assert await inbox.next(2.0) == b"still here"
 
     _run(scenario())
 
@@ -79,26 +97,22 @@ def test_junk_cuts_its_sender_off_alone(tmp_path: Path) -> None:
 def test_a_subscriber_that_stops_reading_loses_messages_not_the_others(tmp_path: Path) -> None:
     async def scenario() -> None:
         path = tmp_path / "bus.sock"
-        reader = transport_for(f"unix://{path}", 2.0)
-        async with _hub(path) as hub:
-            try:
-                inbox = await reader.subscribe("state")
-                _, stuck = await asyncio.open_unix_connection(path)  # subscribes, never reads
-                stuck.write(bus_hub.frame(bus_hub.SUBSCRIBE, b"state", b""))
-                await stuck.drain()
-                await asyncio.sleep(0.05)
-                payload = b"x" * (1 << 20)
-                count = (bus_hub.MAX_BUFFERED_BYTES >> 20) * 4  # far past what it may hold
-                for _ in range(count):
-                    await reader.publish("state", payload)
-                    assert await inbox.next(2.0) == payload  # the reader keeps up, unblocked
-                # what the hub holds for the stuck one stays bounded: the rest was dropped
-                held = [w.transport.get_write_buffer_size() for w in hub._subscribers[b"state"]]
-                bound = bus_hub.MAX_BUFFERED_BYTES + len(payload) + 64
-                assert len(held) == 2 and max(held) <= bound
-                stuck.close()
-            finally:
-                await reader.close()
+        async with _hub(path) as hub, _clients(path, 1) as (reader,):
+            inbox = await reader.subscribe("state")
+            _, stuck = await asyncio.open_unix_connection(path)  # subscribes, never reads
+            stuck.write(bus_hub.frame(bus_hub.SUBSCRIBE, b"state", b""))
+            await stuck.drain()
+            await _subscribed(hub, b"state", 2)
+            payload = b"x" * (1 << 20)
+            count = (bus_hub.MAX_BUFFERED_BYTES >> 20) * 4  # far past what it may hold
+            for _ in range(count):
+                await reader.publish("state", payload)
+                assert await inbox.next(2.0) == payload  # the reader keeps up, unblocked
+            # what the hub holds for the stuck one stays bounded: the rest was dropped
+            held = [w.transport.get_write_buffer_size() for w in hub._subscribers[b"state"]]
+            bound = bus_hub.MAX_BUFFERED_BYTES + len(payload) + 64
+            assert len(held) == 2 and max(held) <= bound
+            stuck.close()
 
     _run(scenario())
 
@@ -111,12 +125,11 @@ def test_a_hub_gone_is_a_transport_error(tmp_path: Path) -> None:
             await absent.subscribe("state")
         with pytest.raises(TransportError):
             await absent.publish("state", b"x")
-        client = transport_for(f"unix://{path}", 0.5)
-        async with _hub(path):
-            inbox = await client.subscribe("state")
-            await asyncio.sleep(0.05)  # the hub took the subscription
-        with pytest.raises(TransportError):
-            await inbox.next(2.0)
-        await client.close()
+        async with _clients(path, 1, 0.5) as (client,):
+            async with _hub(path) as hub:
+                inbox = await client.subscribe("state")
+                await _subscribed(hub, b"state", 1)
+            with pytest.raises(TransportError):
+                await inbox.next(2.0)
 
     _run(scenario())
