@@ -16,6 +16,7 @@ import threading
 import time
 import urllib.request
 import uuid
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -684,10 +685,13 @@ def test_header_bytes_that_are_no_utf8(stack: Stack) -> None:
 
 class _Load:
     """Threads sending completions (streamed every other one) through Envoy until
-    stopped; each answer's time, status (0: no answer) and whether the picker chose."""
+    stopped; each answer's time, status (0: no answer; -1: a stream without its end) and
+    whether the picker chose. ``metered``: chats without max_tokens from the key with a
+    token budget instead, whose answers the picker meters."""
 
-    def __init__(self, url: str, workers: int = 3) -> None:
+    def __init__(self, url: str, workers: int = 3, *, metered: bool = False) -> None:
         self.url = url
+        self.metered = metered
         self.answers: list[tuple[float, int, bool]] = []
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(workers)]
@@ -695,7 +699,7 @@ class _Load:
             thread.start()
 
     def _run(self, worker: int) -> None:
-        with _client(self.url) as client:
+        with _client(self.url, TOKENS_KEY if self.metered else API_KEY) as client:
             self._send(client, worker)
 
     def _send(self, client: openai.OpenAI, worker: int) -> None:
@@ -704,13 +708,19 @@ class _Load:
             sent += 1
             stream = sent % 2 == 0
             try:
-                raw = client.completions.with_raw_response.create(
-                    model=MODEL, prompt=f"load {worker} {sent}", max_tokens=3, stream=stream
-                )
+                if self.metered:
+                    raw = client.chat.completions.with_raw_response.create(
+                        model=MODEL, messages=_chat(f"load {worker} {sent}"), stream=stream
+                    )
+                else:
+                    raw = client.completions.with_raw_response.create(
+                        model=MODEL, prompt=f"load {worker} {sent}", max_tokens=3, stream=stream
+                    )
                 parsed = raw.parse()
-                if stream:
-                    list(parsed)  # type: ignore[call-overload]
-                status, picked = raw.status_code, "x-isocost-replica" in raw.headers
+                chunks = list(parsed) if stream else [parsed]  # type: ignore[call-overload]
+                ended = any(c.choices and c.choices[0].finish_reason for c in chunks)
+                status = raw.status_code if ended else -1
+                picked = "x-isocost-replica" in raw.headers
             except openai.APIStatusError as exc:
                 status, picked = exc.status_code, False
             except openai.APIConnectionError:
@@ -804,6 +814,29 @@ def _in_flight_total(stack: Stack) -> float:
         lines = response.read().decode().splitlines()
     return sum(float(line.rpartition(" ")[2]) for line in lines
                if line.startswith("isocost_replica_in_flight{"))  # fmt: skip
+
+
+def test_the_picker_killed_under_metered_load(tmp_path: Path) -> None:
+    """Metered answers under load (uncapped chats of the key with a token budget,
+    streamed and not), the picker SIGKILLed: the meter filter fails open as the pick's
+    does, so every request is answered 200 and whole, by the fallback route after the
+    kill."""
+    short = ("--output-dist", "exponential", "--output-mean-tokens", "6")
+    completion = 'isocost_api_key_tokens_total{key="team-c",kind="completion"}'
+    with _running_stack(tmp_path, [short]) as own:
+        load = _Load(own.envoy.url, metered=True)
+        try:
+            wait_for(lambda: _sample(own, completion) > 0, what="metered answers charged")
+            own.picker.stop(sig=9)
+            killed_at = time.monotonic()
+            wait_for(
+                lambda: sum(1 for t, _, p in load.answers if t > killed_at and not p) >= 6,
+                what="answers from the fallback route",
+            )
+        finally:
+            load.stop()
+    statuses = Counter(status for _, status, _ in load.answers)
+    assert set(statuses) == {200}, statuses
 
 
 def test_picker_killed_under_load_then_restarted(stack: Stack) -> None:
