@@ -25,6 +25,7 @@ from pathlib import Path
 
 __all__ = [
     "FRAME",
+    "MAX_BUFFERED_BYTES",
     "MAX_PAYLOAD_BYTES",
     "MESSAGE",
     "PUBLISH",
