@@ -19,6 +19,7 @@ from isocost.control._decide import (
     ReplicaStatus,
     ScaleDecision,
     Scaler,
+    attainment_verdict,
     plan_changes,
 )
 from isocost.control._estimates import CapacityEstimate, WarmupLead, planned_capacity_rps
@@ -40,6 +41,7 @@ __all__ = [
     "ScaleDecision",
     "Scaler",
     "WarmupLead",
+    "attainment_verdict",
     "parse_autoscale_config",
     "plan_changes",
     "planned_capacity_rps",

@@ -13,7 +13,7 @@
     scale_in_after_s: 600        # demand must stay low this long before a scale-in
     queue_per_replica: 4         # reactive guard: queued requests per ready replica
     guard_window_s: 45           # ... growing for this long scales up at once
-    attainment_target: 0.9       # reactive guard: recent SLO attainment below this
+    attainment_target: 0.9       # reactive guard: recent SLO attainment surely below this
     drain_deadline_s: 600        # a draining replica is stopped by then, idle or not
     scale_step: 0                # least share of the fleet one scale event adds or removes
     replace_ejected_after_s: 60  # a replica its gateway's breaker holds out this long is replaced

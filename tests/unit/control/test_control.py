@@ -19,6 +19,7 @@ from isocost.control import (
     PoolOffer,
     ReplicaStatus,
     WarmupLead,
+    attainment_verdict,
     parse_autoscale_config,
     plan_changes,
     planned_capacity_rps,
@@ -281,6 +282,33 @@ def test_attainment_below_target_scales_up_now() -> None:
     scaler = _scaler(capacity=1.0)
     decision = scaler.decide(_observe(15.0, 8.0, _fleet("a", 10), attainment=0.5))
     assert decision.reason == "guard" and decision.targets["a"] == 12
+
+
+def test_a_miss_counts_only_when_chance_cannot_explain_it() -> None:
+    assert attainment_verdict(98, 100, 0.98) is True
+    assert attainment_verdict(97, 100, 0.98) is None  # 3 misses: one window in five at 98.5%
+    assert attainment_verdict(90, 100, 0.98) is False
+    assert attainment_verdict(970, 1000, 0.98) is False  # more requests: a smaller gap is sure
+    assert attainment_verdict(0, 49, 0.98) is None  # too few to say anything
+
+
+def test_chance_misses_neither_scale_up_nor_lower_the_capacity() -> None:
+    config = _config(attainment_target=0.98)
+    for attainment, guarded in ((0.97, False), (0.9, True)):
+        scaler = _scaler(config, capacity=1.0)
+        observation = Observation(
+            now=15.0,
+            interval_s=INTERVAL,
+            arrivals=round(4.0 * INTERVAL),
+            queued=0,
+            attainment=attainment,
+            settled=100,
+            completions={"a": round(0.4 * 10 * INTERVAL)},  # 0.4 req/s per replica
+            replicas=_fleet("a", 10),
+        )
+        decision = scaler.decide(observation)
+        assert (decision.reason == "guard") is guarded
+        assert (scaler.capacity.rps("a") < 1.0) is guarded  # a miss at 0.4: too optimistic
 
 
 # -- scale-in, cool-downs -------------------------------------------------------------
