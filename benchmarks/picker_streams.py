@@ -30,7 +30,7 @@ from isocost.runtime.processes import run_script
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "support"))  # the suites' processes and Envoy
 
-from envoy_harness import ENVOY, RELAY, picker_behind_envoy  # noqa: E402
+from envoy_harness import missing_binary, picker_behind_envoy  # noqa: E402
 from isocost_procs import start_isocost  # noqa: E402
 
 MODEL = "llama-3.1-8b"
@@ -65,10 +65,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the counts here")
     parser.add_argument("--relay", action="store_true", help="the picker behind its relay")
     args = parser.parse_args()
-    if ENVOY is None:
-        raise SystemExit("no Envoy binary; run `make envoy` first")
-    if args.relay and RELAY is None:
-        raise SystemExit("--relay: the relay is not built; run `make relay` first")
+    missing = missing_binary(relay=args.relay)
+    if missing is not None:
+        raise SystemExit(missing)
     workdir = Path(tempfile.mkdtemp(prefix="isocost-streams-"))
     engine = start_isocost(
         ["engine", "--port", "0", "--model", MODEL, "--time-scale", str(args.time_scale),

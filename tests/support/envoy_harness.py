@@ -142,6 +142,16 @@ def start_envoy(config: dict[str, Any], path: Path, *, concurrency: int = 1) -> 
     return envoy
 
 
+def missing_binary(*, relay: bool) -> str | None:
+    """What ``picker_behind_envoy`` needs and this machine lacks, as a benchmark's
+    one-line error (None: nothing is missing)."""
+    if ENVOY is None:
+        return "no Envoy binary; run `make envoy` first"
+    if relay and RELAY is None:
+        return "--relay: the relay is not built; run `make relay` first"
+    return None
+
+
 def picker_behind_envoy(
     config: Path, engine_url: str, workdir: Path, *, relay: bool = False
 ) -> tuple[Proc, Envoy]:
