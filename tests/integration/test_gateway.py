@@ -340,20 +340,40 @@ def test_the_autoscalers_status_shows_in_the_snapshot_then_goes_stale(cluster: C
         code, _, answer = http("POST", cluster.gateway.url + "/admin/autoscaler", bad, ADMIN)
         _assert_error(code, answer, 400, "invalid_request")
         assert answer["error"]["param"] == next(iter(wrong)), answer
+    for wrong_instance in ("", "two words", "x" * 129):
+        bad = json.dumps(status | {"interval_s": 1.0, "instance": wrong_instance}).encode()
+        code, _, answer = http("POST", cluster.gateway.url + "/admin/autoscaler", bad, ADMIN)
+        _assert_error(code, answer, 400, "invalid_request")
     admin(cluster.gateway, "POST", "/admin/autoscaler", status | {"interval_s": 1.0})
     shown = admin(cluster.gateway, "GET", "/admin/snapshot")["autoscaler"]
     assert {k: shown[k] for k in status} == status and shown["dry_run"] is False
     assert 0 <= shown["age_s"] < 3 and shown["stale"] is False
+    assert shown["live_instances"] == []  # an autoscaler that names none
+    for instance in ("0123456789ab", "ba9876543210"):
+        body = status | {"interval_s": 1.0, "instance": instance}
+        admin(cluster.gateway, "POST", "/admin/autoscaler", body)
+    shown = admin(cluster.gateway, "GET", "/admin/snapshot")["autoscaler"]
+    assert shown["instance"] == "ba9876543210"  # the latest status
+    assert shown["live_instances"] == ["0123456789ab", "ba9876543210"]  # both still post
     wait_for(
         lambda: admin(cluster.gateway, "GET", "/admin/snapshot")["autoscaler"]["stale"],
         what="the status to go stale after 3 intervals",
     )
+    assert admin(cluster.gateway, "GET", "/admin/snapshot")["autoscaler"]["live_instances"] == []
 
 
 def test_drain_and_policy_switch(cluster: Cluster) -> None:
     rows = replica_rows(cluster.gateway)
     victim = rows[cluster.urls[0]]["name"]
-    admin(cluster.gateway, "POST", f"/admin/replicas/{victim}/drain")
+    drain = f"{cluster.gateway.url}/admin/replicas/{victim}/drain"
+    for bad in (b'{"by": ""}', b'{"by": 3}', b'{"who": "me"}', b"[", b'{"by": "a b"}'):
+        status, _, answer = http("POST", drain, bad, ADMIN)
+        _assert_error(status, answer, 400, "invalid_request")
+    assert replica_rows(cluster.gateway)[cluster.urls[0]]["state"] == "healthy"
+    shown = admin(cluster.gateway, "POST", f"/admin/replicas/{victim}/drain", {"by": "autoscale:1"})
+    assert shown["state"] == "drained" and shown["drained_by"] == "autoscale:1"
+    shown = admin(cluster.gateway, "POST", f"/admin/replicas/{victim}/drain")  # an operator's
+    assert shown["state"] == "drained" and shown["drained_by"] is None
     admin(cluster.gateway, "POST", "/admin/policy", {"policy": "round_robin"})
     try:
         client = cluster.client()
@@ -365,7 +385,8 @@ def test_drain_and_policy_switch(cluster: Cluster) -> None:
         ]
         assert victim not in served
         assert len(set(served)) == 2, served  # round robin over the two others
-        admin(cluster.gateway, "POST", f"/admin/replicas/{victim}/undrain")
+        shown = admin(cluster.gateway, "POST", f"/admin/replicas/{victim}/undrain")
+        assert shown["state"] == "healthy" and shown["drained_by"] is None
         served = [
             client.completions.with_raw_response.create(
                 model=MODEL, prompt="x", max_tokens=2

@@ -42,6 +42,13 @@ class ReplicaRow(msgspec.Struct, frozen=True):
     gpu: str = ""  # none: on no pool's GPU, not the autoscaler's
     url: str = ""  # where the gateway sends it (its Pod's IP, on Kubernetes)
     engine_waiting: _Count | None = None
+    drained_by: str | None = None  # who drained it, as its drain named itself
+
+
+class AutoscalerRow(msgspec.Struct, frozen=True):
+    """The autoscaler status the gateway holds: which instances still post one."""
+
+    live_instances: list[str] = msgspec.field(default_factory=list)
 
 
 class PoolRow(msgspec.Struct, frozen=True):
@@ -54,6 +61,7 @@ class FleetSnapshot(msgspec.Struct, frozen=True):
 
     pools: list[PoolRow]
     replicas: list[ReplicaRow]
+    autoscaler: AutoscalerRow | None = None
 
 
 def read_snapshot(raw: object) -> FleetSnapshot:
@@ -141,8 +149,8 @@ class AdminClient:
     async def add(self, model: str, replica: dict[str, Any]) -> None:
         await self._call("POST", "/admin/replicas", {"model": model, "replica": replica})
 
-    async def drain(self, name: str) -> None:
-        await self._call("POST", f"/admin/replicas/{name}/drain")
+    async def drain(self, name: str, by: str) -> None:
+        await self._call("POST", f"/admin/replicas/{name}/drain", {"by": by})
 
     async def undrain(self, name: str) -> None:
         await self._call("POST", f"/admin/replicas/{name}/undrain")

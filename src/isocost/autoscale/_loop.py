@@ -20,7 +20,7 @@ Every ``interval_s`` one ``tick``:
 3. applies the decision unless it is a dry run: starts and drains run as tasks of their
    own, so a slow engine or a long drain never stalls the next decision;
 4. posts its status to ``/admin/autoscaler`` (desired, ready, pending, draining, the
-   forecast) for the gateway's dashboard; a gateway that refuses it is reported once per
+   forecast, the instance its drains name) for the gateway's dashboard; a gateway that refuses it is reported once per
    tick, the loop goes on.
 
 A scale-in tells the actuator (``draining``: the ``kubernetes`` one marks the Pod), drains
@@ -35,10 +35,17 @@ shows it done. A gateway that cannot be read during a drain is waited out to the
 deadline, not taken as the drain's end. A start whose replica never shows up is given up
 after a few cold starts (it would otherwise count as capacity for good).
 
-What an earlier autoscaler left of the replicas it started or drained
-(``Actuator.inherited``: the ``local`` actuator's engines outlive a SIGKILL, the
-``kubernetes`` actuator's marks on Pods too) is taken over: a drain it left is finished, a
-start it cut short is stopped.
+What an earlier autoscaler left of the replicas it started or drained is taken over: a
+drain it left is finished, a start it cut short is stopped. Each drain names its
+autoscaler in the gateway (``drained_by``: ``autoscale:<instance>``), and a drain whose
+instance no longer posts its status (not in the snapshot's ``live_instances``, for
+``_OWNER_QUIET_INTERVALS`` intervals since this loop started) was left by one that is
+gone, whatever the actuator; the actuators know more of their own (``Actuator.inherited``:
+the ``local`` actuator's engines outlive a SIGKILL, the ``kubernetes`` actuator's marks on
+Pods too). A drain named by a live instance is never taken (a rolling update runs two
+autoscalers for a while), nor one that names none (an operator's). A drain that someone
+else undrains while it waits (an operator taking the replica back) is given up there:
+the replica serves, so it is neither stopped nor drained again by that drain.
 
 GPU-hours and $ count every managed replica, pending ones included (their GPUs are held
 while they warm up), between ticks.
@@ -50,16 +57,18 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import secrets
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Protocol, get_args
+from typing import Any, Literal, Protocol, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from isocost.autoscale._actuators import Actuator, ActuatorError
 from isocost.autoscale._admin import (
+    FleetSnapshot,
     GatewayError,
     ReplicaRow,
     answered_by_replica,
@@ -85,6 +94,18 @@ _FAILURES = (ActuatorError, GatewayError)
 # A start still not seen in the gateway this many cold starts (or intervals, if more) after
 # its actuator finished is given up: a platform that never delivers must not hold the pool.
 _ROUTABLE_WAITS = 3
+# A drain is taken over from an instance only once this loop has run this many intervals:
+# a live one posts its status each interval, so the gateway would have shown it.
+_OWNER_QUIET_INTERVALS = 3
+_DRAIN_MARK = "autoscale:"  # + the instance: a drain's ``by``
+_SERVING = frozenset({"healthy", "ejected"})  # gateway states of a replica not drained
+
+
+def _drain_owner(row: ReplicaRow) -> str | None:
+    """The autoscaler instance whose drain ``row`` is in (None: no autoscaler's, or a
+    gateway too old to say)."""
+    by = row.drained_by or ""
+    return by.removeprefix(_DRAIN_MARK) if by.startswith(_DRAIN_MARK) else None
 
 
 def _increase(value: int, before: int) -> int:
@@ -98,7 +119,7 @@ class FleetGateway(Protocol):
 
     async def snapshot(self) -> dict[str, Any]: ...
     async def metrics(self) -> str: ...
-    async def drain(self, name: str) -> None: ...
+    async def drain(self, name: str, by: str) -> None: ...
     async def undrain(self, name: str) -> None: ...
     async def remove(self, name: str) -> None: ...
     async def post_status(self, status: Mapping[str, Any]) -> None: ...
@@ -205,6 +226,8 @@ class AutoscaleLoop:
         self._gpu_hours = 0.0
         self._usd = 0.0
         self._ids = itertools.count(1)
+        self.instance = secrets.token_hex(6)  # names this loop's drains and status
+        self._started_s: float | None = None  # the first round's clock
 
     # -- reading the fleet -------------------------------------------------------------
 
@@ -217,7 +240,7 @@ class AutoscaleLoop:
         verdicts = slo_verdicts(metrics_text)
         await self._reconcile(snapshot.replicas)
         if not self.dry_run:
-            await self._take_over(snapshot.replicas)
+            await self._take_over(snapshot, now)
         last_met, last_judged = self._verdicts or verdicts
         if verdicts[0] < last_met or verdicts[1] < last_judged:  # the gateway restarted
             last_met = last_judged = 0
@@ -280,18 +303,32 @@ class AutoscaleLoop:
             if row.state == "ejected"
         }
 
-    async def _take_over(self, rows: Sequence[ReplicaRow]) -> None:
+    async def _take_over(self, snapshot: FleetSnapshot, now: float) -> None:
         """Finish what an earlier autoscaler (SIGKILLed, say) left of the replicas it
-        started or drained (``Actuator.inherited``): one left drained has its drain
-        resumed, to its stop; one never listed in the gateway (its start was cut short) is
-        stopped, on the first round only (later, one of this loop's own starts may be on
-        its way). An actuator that cannot tell now is asked again next round."""
+        started or drained (its drains named in the gateway, ``Actuator.inherited``): one
+        left drained has its drain resumed, to its stop; one never listed in the gateway
+        (its start was cut short) is stopped, on the first round only (later, one of this
+        loop's own starts may be on its way). An actuator that cannot tell now is asked
+        again next round."""
         first, self._first_round = self._first_round, False
+        if self._started_s is None:
+            self._started_s = now
+        rows = snapshot.replicas
         try:
             inherited = await self.actuator.inherited(rows)
         except ActuatorError as exc:
             self._failed("inherit", "an earlier autoscaler's replicas unknown", error=str(exc))
-            return
+            inherited = set()
+        live = set(snapshot.autoscaler.live_instances) if snapshot.autoscaler else set()
+        quiet = now - self._started_s >= _OWNER_QUIET_INTERVALS * self.config.interval_s
+        for marked in rows:
+            owner = _drain_owner(marked)
+            if owner is None or owner == self.instance:
+                continue
+            if owner in live:
+                inherited.discard(marked.name)  # still its own
+            elif quiet and marked.state == "drained":
+                inherited.add(marked.name)
         if not inherited:
             return
         listed = {row.name: row for row in rows}
@@ -402,6 +439,7 @@ class AutoscaleLoop:
             "forecast_rps": round(decision.forecast_rps, 4),
             "interval_s": self.config.interval_s,
             "dry_run": self.dry_run,
+            "instance": self.instance,
         }
         try:
             await self.gateway.post_status(status)
@@ -502,12 +540,20 @@ class AutoscaleLoop:
             with contextlib.suppress(*_FAILURES):  # reported; then only this loop knows it
                 await self._attempt("draining", partial(self.actuator.draining, name, gpu), 1)
             try:
-                await self._attempt("drain", partial(self.gateway.drain, name))
+                drain = partial(self.gateway.drain, name, _DRAIN_MARK + self.instance)
+                await self._attempt("drain", drain)
             except _FAILURES:
                 self._undrain_owed.add(name)  # its answer may be what was lost, not the drain
                 raise
-            if not await self._wait_idle(name):  # shutting down: serve again, not left drained
+            ended = await self._wait_idle(name)
+            if ended == "shutdown":  # serve again, not left drained
                 await self._serve_again(name)
+                return
+            if ended == "undrained":
+                log.info(
+                    "drain given up: the replica was undrained",
+                    extra={"event": "autoscale_drain_taken_back", "replica": name},
+                )
                 return
             self._stopping.add(name)
             try:
@@ -533,21 +579,27 @@ class AutoscaleLoop:
         await self._attempt("undrain", partial(self.gateway.undrain, name))
         self._undrain_owed.discard(name)
 
-    async def _wait_idle(self, name: str) -> bool:
-        """Until nothing is in flight on ``name`` or the drain deadline (True: stop it), or
-        until the loop shuts down first (False). A gateway that cannot be read meanwhile
-        is waited out (each failed read counted, the first of an outage logged): unknown is
-        not idle, and it is no reason to abandon the drain. A shutdown is: a drain can take
-        ``drain_deadline_s`` (10 minutes by default), far past the grace a process manager
-        gives before SIGKILL, which would leave the replica drained for good."""
+    async def _wait_idle(self, name: str) -> Literal["idle", "undrained", "shutdown"]:
+        """Until nothing is in flight on ``name`` or the drain deadline (``idle``: stop
+        it), until someone else undrains it (``undrained``: it serves, theirs now; stopped
+        once idle, it would cut the requests sent to it since), or until the loop shuts
+        down first. A gateway that cannot be read meanwhile is waited out (each failed
+        read counted, the first of an outage logged): unknown is not idle, and it is no
+        reason to abandon the drain. A shutdown is: a drain can take ``drain_deadline_s``
+        (10 minutes by default), far past the grace a process manager gives before
+        SIGKILL, which would leave the replica drained for good."""
         deadline = self.clock() + self.config.drain_deadline_s
         unreadable = False
         while self.clock() < deadline:
             if self._shutdown.is_set():
-                return False
+                return "shutdown"
             try:
-                if await self._in_flight(name) == 0:
-                    return True
+                rows = read_snapshot(await self.gateway.snapshot()).replicas
+                row = next((r for r in rows if r.name == name), None)
+                if row is not None and row.state in _SERVING:
+                    return "undrained"
+                if row is None or row.in_flight == 0:
+                    return "idle"
                 unreadable = False
             except GatewayError as exc:
                 self._failed(
@@ -559,11 +611,7 @@ class AutoscaleLoop:
                 )
                 unreadable = True
             await self.sleep(self.poll_s)
-        return True
-
-    async def _in_flight(self, name: str) -> int:
-        rows = read_snapshot(await self.gateway.snapshot()).replicas
-        return sum(row.in_flight for row in rows if row.name == name)
+        return "idle"
 
     # -- running -------------------------------------------------------------------------
 

@@ -6,7 +6,9 @@ Routes (token as ``Authorization: Bearer <token>`` or ``X-Admin-Token``):
 * ``POST /admin/replicas``                       add ``{"model", "replica": {"url", ...}}``
   (the config file's checks of a replica entry; 400 with ``param`` naming the field)
 * ``DELETE /admin/replicas/{name}``              drain, then remove once idle
-* ``POST /admin/replicas/{name}/drain``          stop new work (in-flight requests finish)
+* ``POST /admin/replicas/{name}/drain``          stop new work (in-flight requests finish);
+  ``{"by"?}`` names who drained it (``drained_by``), so that an autoscaler restarted after
+  a kill can tell its predecessor's drains from an operator's
 * ``POST /admin/replicas/{name}/undrain``
 * ``POST /admin/policy``                         ``{"policy", "model"?}`` switch the policy
 * ``GET  /admin/snapshot``                       everything a dashboard polls, one JSON
@@ -16,8 +18,9 @@ Routes (token as ``Authorization: Bearer <token>`` or ``X-Admin-Token``):
 * ``POST /admin/recording/start``                ``{"dir"?}`` record (default: ``--record``)
 * ``POST /admin/recording/stop``                 write what is queued, then stop
 * ``POST /admin/autoscaler``                     ``isocost autoscale``'s status each interval
-  (desired, ready, pending, draining, forecast); the snapshot shows it with its age,
-  stale after ``_STALE_INTERVALS`` intervals without a newer one
+  (desired, ready, pending, draining, forecast, instance); the snapshot shows it with its
+  age, stale after ``_STALE_INTERVALS`` intervals without a newer one, and the instances
+  that posted within theirs (``live_instances``: whose drains are still their own)
 
 Without a configured admin token the API answers 403; a missing or wrong token, 401.
 """
@@ -30,7 +33,7 @@ import statistics
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 from aiohttp import web
@@ -63,6 +66,14 @@ class _StartRecording(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     dir: str | None = None
 
 
+# Who a caller says it is (a drain's ``by``, an autoscaler's ``instance``): one short word.
+_Who = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[\x21-\x7e]+$")]
+
+
+class _Drain(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    by: _Who | None = None
+
+
 class _AutoscalerStatus(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     desired: int
     ready: int
@@ -72,6 +83,7 @@ class _AutoscalerStatus(msgspec.Struct, forbid_unknown_fields=True, frozen=True)
     interval_s: float
     dry_run: bool = False
     ejected: int = 0  # an autoscaler older than this field sends none
+    instance: _Who | None = None  # likewise
 
 
 _STALE_INTERVALS = 3
@@ -112,6 +124,7 @@ def replica_row(
         "url": replica.url,
         "pool": replica.pool,
         "state": replica.health_state(now),
+        "drained_by": replica.drained_by,
         "breaker": replica.breaker.state(now).value,
         "success_rate": round(replica.breaker.success_rate(), 3),
         "last_error": replica.breaker.last_error,
@@ -207,6 +220,11 @@ def _autoscaler(gateway: Gateway, now: float) -> dict[str, Any] | None:
     return status | {
         "age_s": round(age, 3),
         "stale": age > _STALE_INTERVALS * status["interval_s"],
+        "live_instances": sorted(
+            instance
+            for instance, (seen, interval_s) in gateway.autoscaler_instances.items()
+            if now - seen <= _STALE_INTERVALS * interval_s
+        ),
     }
 
 
@@ -301,7 +319,10 @@ def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
 
     async def drain(request: web.Request) -> web.StreamResponse:
         replica = find(request.match_info["name"])
+        raw = await read_body(request)
+        body = _decode(raw, _Drain) if raw.strip() else _Drain()
         gateway.router.set_draining(replica, True)
+        replica.drained_by = body.by  # the latest drain's: an operator's takes it over
         return json_response(rows(replica)[0])
 
     async def undrain(request: web.Request) -> web.StreamResponse:
@@ -344,7 +365,14 @@ def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
                     code="invalid_request",
                     param=name,
                 )
-        gateway.autoscaler = (time.monotonic(), msgspec.structs.asdict(body))
+        now = time.monotonic()
+        gateway.autoscaler = (now, msgspec.structs.asdict(body))
+        seen = gateway.autoscaler_instances
+        for instance, (at, interval_s) in list(seen.items()):  # only the live are kept
+            if now - at > _STALE_INTERVALS * interval_s:
+                del seen[instance]
+        if body.instance is not None:
+            seen[body.instance] = (now, body.interval_s)
         return json_response(gateway.autoscaler[1])
 
     async def get_snapshot(request: web.Request) -> web.StreamResponse:

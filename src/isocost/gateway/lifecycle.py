@@ -111,6 +111,8 @@ class Gateway:
         self.workers: WorkerGroup | None = None  # one of ``serve --workers``: its siblings
         # (monotonic time received, status): what ``isocost autoscale`` last posted
         self.autoscaler: tuple[float, dict[str, Any]] | None = None
+        # instance -> (monotonic time of its last status, its interval): who posts still
+        self.autoscaler_instances: dict[str, tuple[float, float]] = {}
         self.router = Router(
             catalog,
             self.metrics,

@@ -379,6 +379,8 @@ class Router:
 
     def set_draining(self, replica: Upstream, draining: bool) -> None:
         replica.drained = draining
+        if not draining:
+            replica.drained_by = None
         self.replicas.set_draining(replica.name, draining or replica.removing)
 
     def sync_health(self, replica: Upstream, now: float) -> None:

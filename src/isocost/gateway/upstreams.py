@@ -47,6 +47,7 @@ class Upstream:
             open_s=health.open_ms / 1000,
         )
         self.drained = False
+        self.drained_by: str | None = None  # who drained it, as an admin drain named itself
         self.removing = False
         self.num_in_flight = 0
         self.last_scrape: EngineMetrics | None = None

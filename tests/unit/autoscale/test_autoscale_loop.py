@@ -67,12 +67,17 @@ class FakeGateway:
         self.finish_per_read = 1  # in-flight requests that end per snapshot read
         self.statuses: list[dict[str, Any]] = []  # POST /admin/autoscaler
         self.refuse_status = False
+        self.live: set[str] = set()  # autoscaler instances that still post their status
 
     async def snapshot(self) -> dict[str, Any]:
         for row in self.rows.values():
             row["in_flight"] = max(0, row["in_flight"] - self.finish_per_read)
         rows = [{**row, "engine_waiting": 0} for row in self.rows.values()]
-        return {"pools": [{"model": "m", "queue_depth": 0}], "replicas": rows}
+        return {
+            "pools": [{"model": "m", "queue_depth": 0}],
+            "replicas": rows,
+            "autoscaler": {"live_instances": sorted(self.live)},
+        }
 
     async def metrics(self) -> str:
         return (
@@ -85,13 +90,13 @@ class FakeGateway:
             )
         )
 
-    async def drain(self, name: str) -> None:
+    async def drain(self, name: str, by: str) -> None:
         self.calls.append(("drain", name))
-        self.rows[name]["state"] = "drained"
+        self.rows[name].update(state="drained", drained_by=by)
 
     async def undrain(self, name: str) -> None:
         self.calls.append(("undrain", name))
-        self.rows[name]["state"] = "healthy"
+        self.rows[name].update(state="healthy", drained_by=None)
 
     async def remove(self, name: str) -> None:
         self.calls.append(("remove", name))
@@ -256,6 +261,7 @@ def test_each_tick_posts_its_status_and_a_refusal_does_not_stop_the_loop() -> No
             "forecast_rps": round(tick.decision.forecast_rps, 4),
             "interval_s": CONFIG.interval_s,
             "dry_run": False,
+            "instance": loop.instance,
         }
         assert last["desired"] == 3 and last["forecast_rps"] > 0
         gateway.refuse_status = True
@@ -491,7 +497,7 @@ def test_a_kubernetes_drain_left_by_a_killed_autoscaler_is_finished_by_the_next(
         async with _admin_serving(list(gateway.rows.values())) as admin:
             killed = KubernetesActuator(admin, {GPU: "vllm"}, "inference", str(kubeconfig))
             await killed.draining("r1", GPU)  # the killed autoscaler's last steps
-            await gateway.drain("r1")
+            await gateway.drain("r1", "autoscale:0123456789ab")
             await killed.close()
             assert _pod_annotations(api, "vllm-1") == {DELETION_COST: LOWEST}
             api.put_pod("inference", "vllm-3", ip="10.0.0.3", labels={"app": "vllm"},

@@ -88,7 +88,7 @@ class Gateway:
             self.lose[action] -= 1
             raise GatewayError(f"{action}: timeout")
 
-    async def drain(self, name: str) -> None:
+    async def drain(self, name: str, by: str) -> None:
         self._admin("drain", name, lambda: self.rows[name].update(state="drained"))
 
     async def undrain(self, name: str) -> None:

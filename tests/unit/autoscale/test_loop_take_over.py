@@ -7,12 +7,14 @@ local actuator's pid files: what it inherits, and how it stops it."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import aiohttp
+import pytest
 from test_autoscale_loop import GPU, Clock, FakeActuator, FakeGateway, _ticks, make_loop
 
 from isocost.autoscale import AdminClient, LocalActuator
@@ -104,3 +106,71 @@ def test_a_local_engine_is_inherited_once_its_autoscaler_is_gone(tmp_path: Path)
         for proc in (engine, owner, other):
             proc.kill()
             proc.wait()
+
+
+def test_a_drain_named_by_an_autoscaler_that_stopped_posting_is_finished() -> None:
+    """Whatever the actuator knows (here nothing, as ``command`` knows nothing): a drain
+    the gateway says an autoscaler made is finished once that autoscaler has posted no
+    status for three of this loop's intervals; one whose autoscaler still posts (a
+    rolling update runs two for a while) stays its own until it goes quiet; an
+    operator's (named by no autoscaler) is left drained."""
+
+    async def scenario() -> None:
+        clock, gateway = Clock(), FakeGateway(["r0", "r1", "r2", "r3"])
+        gateway.rows["r1"].update(state="drained", drained_by="autoscale:0000000000aa")  # gone
+        gateway.rows["r2"].update(state="drained", drained_by="autoscale:0000000000bb")
+        gateway.rows["r3"].update(state="drained", drained_by="operator")
+        gateway.live = {"0000000000bb"}
+        actuator = FakeActuator(gateway)
+        loop = make_loop(gateway, actuator, clock)
+        await _ticks(loop, gateway, clock, rps=0, n=3)  # 2 intervals since its first round
+        await loop.settle()
+        assert actuator.stopped == [] and gateway.calls == []
+        await _ticks(loop, gateway, clock, rps=0, n=1)
+        await loop.settle()
+        assert actuator.stopped == ["r1"] and "r1" not in gateway.rows
+        await _ticks(loop, gateway, clock, rps=0, n=2)
+        await loop.settle()
+        assert actuator.stopped == ["r1"]  # r2's autoscaler still posts
+        gateway.live.clear()
+        await _ticks(loop, gateway, clock, rps=0, n=1)
+        await loop.settle()
+        assert actuator.stopped == ["r1", "r2"]
+        assert gateway.rows["r3"]["state"] == "drained"
+        assert [call for call in gateway.calls if call[1] == "r3"] == []
+
+    asyncio.run(scenario())
+
+
+def test_a_drain_undrained_by_someone_else_is_given_up(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An operator takes the victim back while its drain waits for requests to end: the
+    replica serves again, so the drain stops there. Stopped once idle (or at the
+    deadline), it would cut the requests sent to it since."""
+
+    async def scenario() -> None:
+        clock, gateway = Clock(), FakeGateway(["r0", "r1"])
+        gateway.finish_per_read = 0  # in-flight requests that never end on their own
+        for row in gateway.rows.values():
+            row["in_flight"] = 5
+        actuator = FakeActuator(gateway)
+        loop = make_loop(gateway, actuator, clock)
+        for _ in range(10):
+            await _ticks(loop, gateway, clock, rps=0, n=1)
+            if ("drain", "r0") in gateway.calls or ("drain", "r1") in gateway.calls:
+                break
+            await asyncio.sleep(0)  # the drain task starts
+        (victim,) = [name for action, name in gateway.calls if action == "drain"]
+        assert gateway.rows[victim]["state"] == "drained"
+        gateway.rows[victim].update(state="healthy", drained_by=None)  # the operator's undrain
+        await loop.settle()
+        assert actuator.stopped == [] and gateway.rows[victim]["state"] == "healthy"
+        assert [call for call in gateway.calls if call[1] == victim] == [
+            ("draining", victim),
+            ("drain", victim),
+        ]  # neither stopped, undrained nor removed by the drain
+
+    with caplog.at_level(logging.INFO, logger="isocost.autoscale"):
+        asyncio.run(scenario())
+    assert "autoscale_drain_taken_back" in [r.__dict__.get("event") for r in caplog.records]

@@ -244,7 +244,7 @@
   const REPLICA_COLUMNS = [
     ["name", (r) => r.name],
     ["gpu", (r) => (r.tensor_parallel > 1 ? `${r.gpu} ×${r.tensor_parallel}` : r.gpu)],
-    ["state", (r) => r.state],
+    ["state", (r) => (r.drained_by ? `${r.state} by ${r.drained_by}` : r.state)],
     ["in-flight", (r) => fmt(r.in_flight)],
     ["running", (r) => fmt(r.engine_running)],
     ["waiting", (r) => fmt(r.engine_waiting)],
