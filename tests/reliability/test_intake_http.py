@@ -180,15 +180,21 @@ def test_more_idle_connections_than_the_old_soft_limit_leave_the_gateway_up(
 
 
 def _expect_continue(
-    setup: Setup, headers: str, length: int, path: str = "/v1/completions"
+    setup: Setup, headers: str, length: int, path: str = "/v1/completions", *, refused: bool
 ) -> bytes:
-    """Send only the headers of a POST with ``Expect: 100-continue``; the first bytes back."""
-    with rawhttp.connect(setup.patient.url) as sock:
+    """Send only the headers of a POST with ``Expect: 100-continue``; the first bytes back,
+    or, ``refused``, all bytes until the gateway closes the connection, which it must do
+    at once: the client sends no body, and a connection kept would read the client's next
+    request as that body (or, with nothing coming, linger 10 s)."""
+    with rawhttp.connect(setup.patient.url, timeout_s=LINGER_BOUND_S) as sock:
         sock.sendall(
             f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
             + f"{headers}Content-Length: {length}\r\nExpect: 100-continue\r\n\r\n".encode()
         )
-        return sock.recv(65536)
+        return rawhttp.read_all(sock) if refused else sock.recv(65536)
+
+
+LINGER_BOUND_S = 5  # under aiohttp's 10 s of lingering on a body never sent
 
 
 @pytest.mark.parametrize(
@@ -203,8 +209,9 @@ def _expect_continue(
 def test_expect_100_continue_is_not_answered_before_the_key_and_size_checks(
     setup: Setup, headers: str, length: int, status: int
 ) -> None:
-    first = _expect_continue(setup, headers, length)
-    assert first.startswith(f"HTTP/1.1 {status}".encode()), first[:100]
+    answer = _expect_continue(setup, headers, length, refused=True)
+    assert answer.startswith(f"HTTP/1.1 {status}".encode()), answer[:100]
+    assert b"\r\nConnection: close\r\n" in answer and answer.endswith(b"}"), answer
 
 
 ADMIN_POSTS = ["/admin/replicas", "/admin/policy", "/admin/replicas/x/drain"]
@@ -215,15 +222,17 @@ ADMIN_POSTS = ["/admin/replicas", "/admin/policy", "/admin/replicas/x/drain"]
 def test_expect_100_continue_on_the_admin_api_waits_for_the_token(
     setup: Setup, path: str, headers: str
 ) -> None:
-    first = _expect_continue(setup, headers, 100, path)
-    assert first.startswith(b"HTTP/1.1 401"), first[:100]
+    answer = _expect_continue(setup, headers, 100, path, refused=True)
+    assert answer.startswith(b"HTTP/1.1 401"), answer[:100]
+    assert b"\r\nConnection: close\r\n" in answer and answer.endswith(b"}"), answer
 
 
 @pytest.mark.parametrize("path", ADMIN_POSTS)
 def test_expect_100_continue_on_the_admin_api_with_the_token_gets_continue(
     setup: Setup, path: str
 ) -> None:
-    first = _expect_continue(setup, f"Authorization: Bearer {ADMIN_TOKEN}\r\n", 100, path)
+    headers = f"Authorization: Bearer {ADMIN_TOKEN}\r\n"
+    first = _expect_continue(setup, headers, 100, path, refused=False)
     assert first.startswith(b"HTTP/1.1 100 Continue"), first[:100]
 
 

@@ -318,9 +318,9 @@ def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
         )
 
     async def drain(request: web.Request) -> web.StreamResponse:
-        replica = find(request.match_info["name"])
         raw = await read_body(request)
         body = _decode(raw, _Drain) if raw.strip() else _Drain()
+        replica = find(request.match_info["name"])
         gateway.router.set_draining(replica, True)
         replica.drained_by = body.by  # the latest drain's: an operator's takes it over
         return json_response(rows(replica)[0])

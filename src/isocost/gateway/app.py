@@ -26,6 +26,7 @@ from isocost.gateway.routing import GatewayRequest
 from isocost.gateway.tracing import RequestSpan
 from isocost.gateway.workers import SIBLING_HEADER
 from isocost.openai.errors import ApiError, error_response
+from isocost.openai.http import close_unread
 from isocost.openai.responses import json_response
 
 __all__ = ["GATEWAY", "build_app"]
@@ -52,11 +53,12 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         if isinstance(exc, Rejection):
             gateway.refused(exc)
             key_name = exc.key
-        return error_response(exc, gateway.intake.rate_limit_headers(key_name))
+        response = error_response(exc, gateway.intake.rate_limit_headers(key_name))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return error_response(ApiError.from_http(exc))
+        response = error_response(ApiError.from_http(exc))
+    return await close_unread(request, response)
 
 
 def _account(

@@ -8,6 +8,8 @@
 * ``Expect``: only ``100-continue`` is served; any other expectation gets a JSON 417
   (``refuse_expectation``; aiohttp's own is text, sent before any middleware runs), and
   ``send_continue`` sends the ``100 Continue`` when the server is ready for the body.
+* ``close_unread``: an error answered before the body has all arrived (a refusal instead
+  of ``100 Continue``, a 413, a 408) closes the connection once it is sent.
 * ``read_whole``: a body read whole within a deadline; 408 when it arrives too slowly,
   400 when it is cut short or its ``Content-Encoding`` does not decode it.
 * ``read_capped``, the client's side: an answer read whole only while it stays under a
@@ -31,6 +33,7 @@ __all__ = [
     "UNREADABLE",
     "JsonErrorHandler",
     "body_timeout",
+    "close_unread",
     "read_capped",
     "read_whole",
     "refuse_expectation",
@@ -88,6 +91,23 @@ async def send_continue(request: web.Request) -> None:
     ):
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         request.writer.output_size = 0  # the answer proper has not started
+
+
+async def close_unread(request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
+    """An error ``response`` sent now, then the connection closed, if the request's body
+    has not all arrived. Kept open, aiohttp would linger up to 10 s reading the rest to
+    discard it (``Connection: close`` alone does not stop that), holding a handler and a
+    graceful shutdown as long; a client refused instead of a ``100 Continue`` may send
+    its body or not (curl does not), so its next request would be read as that body;
+    and a 413's or a 408's body is what is not to be read."""
+    if response.status < HTTPStatus.BAD_REQUEST or request.content.is_eof():
+        return response
+    response.force_close()
+    await response.prepare(request)
+    await response.write_eof()
+    if request.protocol is not None:
+        request.protocol.force_close()  # what was written is flushed, then it closes
+    return response
 
 
 async def read_whole(request: web.Request, timeout_s: float) -> bytes:
