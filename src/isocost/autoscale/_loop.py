@@ -20,8 +20,8 @@ Every ``interval_s`` one ``tick``:
 3. applies the decision unless it is a dry run: starts and drains run as tasks of their
    own, so a slow engine or a long drain never stalls the next decision;
 4. posts its status to ``/admin/autoscaler`` (desired, ready, pending, draining, the
-   forecast, the instance its drains name) for the gateway's dashboard; a gateway that refuses it is reported once per
-   tick, the loop goes on.
+   forecast, the instance its drains name) for the gateway's dashboard; a gateway that
+   refuses it is reported once per tick, the loop goes on.
 
 A scale-in tells the actuator (``draining``: the ``kubernetes`` one marks the Pod), drains
 its victim through the gateway (no new work), waits until nothing is
