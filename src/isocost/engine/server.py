@@ -42,6 +42,7 @@ from isocost.engine.tokens import Tokenizer, filler_start, load_tokenizer
 from isocost.engine.validation import chat_text, prompt_ids, prompt_text, validate
 from isocost.files import resolve_model
 from isocost.openai.errors import ApiError, error_response
+from isocost.openai.http import close_unread
 from isocost.openai.requests import (
     KV_TRANSFER_MS_HEADER,
     ChatRequest,
@@ -84,15 +85,13 @@ async def _faults_and_errors(
         response = await handler(request)
     except ApiError as error:
         response = error_response(error)
-        if error.status == 408:  # a body too slow to arrive: the rest is not waited for
-            response.force_close()
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         response = error_response(ApiError.from_http(exc))
     if request.path in _COUNTED:
         replica.metrics.count_http(request.path, request.method, response.status)
-    return response
+    return await close_unread(request, response)  # a 408's rest is not waited for
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
