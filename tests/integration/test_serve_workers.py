@@ -115,24 +115,24 @@ def test_workers_share_the_port_and_act_as_one_gateway(fleet: Fleet) -> None:
 
     # An admin change made through the port is made on every worker.
     name = next(iter(snapshots[0]["replicas"]))["name"]
-    status, headers, _ = http(
-        "POST", f"{fleet.gateway.url}/admin/replicas/{name}/drain", b"", ADMIN
-    )
+    by = b'{"by": "autoscale:0123456789ab"}'
+    status, headers, _ = http("POST", f"{fleet.gateway.url}/admin/replicas/{name}/drain", by, ADMIN)
     assert status == 200 and "x-isocost-workers-failed" not in headers
     for snapshot in fleet.snapshots_of_every_worker().values():
-        states = {row["name"]: row["state"] for row in snapshot["replicas"]}
-        assert states[name] == "drained", (snapshot["worker"], states)
+        states = {row["name"]: (row["state"], row["drained_by"]) for row in snapshot["replicas"]}
+        assert states[name] == ("drained", "autoscale:0123456789ab"), (snapshot["worker"], states)
     # An autoscaler's status report reaches every worker too, but is no change to keep.
     report = {"desired": 2, "ready": 2, "pending": 0, "draining": 0, "forecast_rps": 1.5,
-              "interval_s": 10}  # fmt: skip
+              "interval_s": 10, "instance": "0123456789ab"}  # fmt: skip
     status, headers, _ = http(
         "POST", fleet.gateway.url + "/admin/autoscaler", json.dumps(report).encode(), ADMIN
     )
     assert status == 200 and "x-isocost-workers-failed" not in headers
     for snapshot in fleet.snapshots_of_every_worker().values():
         assert snapshot["autoscaler"]["desired"] == 2, snapshot["worker"]
+        assert snapshot["autoscaler"]["live_instances"] == ["0123456789ab"], snapshot["worker"]
     status, _, listed = http("GET", fleet.gateway.url + "/admin/changes", None, ADMIN)
-    drain = {"method": "POST", "path": f"/admin/replicas/{name}/drain", "body": ""}
+    drain = {"method": "POST", "path": f"/admin/replicas/{name}/drain", "body": by.decode()}
     assert status == 200 and listed == {"changes": [drain], "complete": True}, listed
 
 
