@@ -148,6 +148,14 @@ class LoopMetrics:
         self.events = Counter(
             "isocost_autoscale_scale_events", "Decisions that changed the fleet.", registry=r
         )
+        self.drains = Counter(
+            "isocost_autoscale_drains",
+            "Scale-in drains by how their wait ended: idle (stopped), deadline (stopped with"
+            " requests in flight), undrained (taken back by someone else), shutdown"
+            " (undrained as the autoscaler stopped).",
+            ["outcome"],
+            registry=r,
+        )
         self.failures = Counter(
             "isocost_autoscale_failures",
             "Failed actuator or gateway actions (each retry counts).",
@@ -546,6 +554,16 @@ class AutoscaleLoop:
                 self._undrain_owed.add(name)  # its answer may be what was lost, not the drain
                 raise
             ended = await self._wait_idle(name)
+            self.metrics.drains.labels(ended).inc()
+            if ended == "deadline":
+                log.warning(
+                    "drain deadline passed: stopping the replica with requests in flight",
+                    extra={
+                        "event": "autoscale_drain_deadline",
+                        "replica": name,
+                        "deadline_s": self.config.drain_deadline_s,
+                    },
+                )
             if ended == "shutdown":  # serve again, not left drained
                 await self._serve_again(name)
                 return
@@ -579,15 +597,15 @@ class AutoscaleLoop:
         await self._attempt("undrain", partial(self.gateway.undrain, name))
         self._undrain_owed.discard(name)
 
-    async def _wait_idle(self, name: str) -> Literal["idle", "undrained", "shutdown"]:
-        """Until nothing is in flight on ``name`` or the drain deadline (``idle``: stop
-        it), until someone else undrains it (``undrained``: it serves, theirs now; stopped
-        once idle, it would cut the requests sent to it since), or until the loop shuts
-        down first. A gateway that cannot be read meanwhile is waited out (each failed
-        read counted, the first of an outage logged): unknown is not idle, and it is no
-        reason to abandon the drain. A shutdown is: a drain can take ``drain_deadline_s``
-        (10 minutes by default), far past the grace a process manager gives before
-        SIGKILL, which would leave the replica drained for good."""
+    async def _wait_idle(self, name: str) -> Literal["idle", "deadline", "undrained", "shutdown"]:
+        """Until nothing is in flight on ``name`` (``idle``) or the drain deadline
+        (``deadline``): stop it; until someone else undrains it (``undrained``: it serves,
+        theirs now; stopped once idle, it would cut the requests sent to it since); or
+        until the loop shuts down first. A gateway that cannot be read meanwhile is
+        waited out (each failed read counted, the first of an outage logged): unknown is
+        not idle, and it is no reason to abandon the drain. A shutdown is: a drain can
+        take ``drain_deadline_s`` (10 minutes by default), far past the grace a process
+        manager gives before SIGKILL, which would leave the replica drained for good."""
         deadline = self.clock() + self.config.drain_deadline_s
         unreadable = False
         while self.clock() < deadline:
@@ -611,7 +629,7 @@ class AutoscaleLoop:
                 )
                 unreadable = True
             await self.sleep(self.poll_s)
-        return "idle"
+        return "deadline"
 
     # -- running -------------------------------------------------------------------------
 

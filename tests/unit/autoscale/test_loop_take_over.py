@@ -15,9 +15,9 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from test_autoscale_loop import GPU, Clock, FakeActuator, FakeGateway, _ticks, make_loop
+from test_autoscale_loop import CONFIG, GPU, Clock, FakeActuator, FakeGateway, _ticks, make_loop
 
-from isocost.autoscale import AdminClient, LocalActuator
+from isocost.autoscale import AdminClient, AutoscaleLoop, LocalActuator
 
 
 def test_a_drain_left_by_an_earlier_autoscaler_is_finished() -> None:
@@ -170,7 +170,60 @@ def test_a_drain_undrained_by_someone_else_is_given_up(
             ("draining", victim),
             ("drain", victim),
         ]  # neither stopped, undrained nor removed by the drain
+        assert _drains(loop) == {"undrained": 1.0}
 
     with caplog.at_level(logging.INFO, logger="isocost.autoscale"):
         asyncio.run(scenario())
     assert "autoscale_drain_taken_back" in [r.__dict__.get("event") for r in caplog.records]
+
+
+class _StopsWhatever(FakeActuator):
+    """Records every stop, requests in flight or not (at the deadline there are some)."""
+
+    async def stop(self, name: str, gpu: str, desired: int) -> None:
+        self.gateway.calls.append(("stop", name))
+        self.stopped.append(name)
+
+
+def _drains(loop: AutoscaleLoop) -> dict[str, float]:
+    """``isocost_autoscale_drains_total`` by outcome (those counted)."""
+    outcomes = ("idle", "deadline", "undrained", "shutdown")
+    samples = {
+        outcome: loop.metrics.registry.get_sample_value(
+            "isocost_autoscale_drains_total", {"outcome": outcome}
+        )
+        for outcome in outcomes
+    }
+    return {outcome: value for outcome, value in samples.items() if value}
+
+
+def test_a_drain_past_its_deadline_stops_the_replica_and_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Requests that never end on the victim: at ``drain_deadline_s`` it is stopped all
+    the same (its machine is not held for ever), and the requests that cut are told: a
+    warning and ``isocost_autoscale_drains_total{outcome="deadline"}``."""
+
+    async def scenario() -> None:
+        clock, gateway = Clock(), FakeGateway(["r0", "r1"])
+        gateway.finish_per_read = 0
+        for row in gateway.rows.values():
+            row["in_flight"] = 5
+        actuator = _StopsWhatever(gateway)
+        loop = make_loop(gateway, actuator, clock)
+        for _ in range(10):
+            await _ticks(loop, gateway, clock, rps=0, n=1)
+            drained_at = clock.now
+            await asyncio.sleep(0)  # a drain task begun runs to its first wait
+            if any(action == "drain" for action, _ in gateway.calls):
+                break
+        (victim,) = [name for action, name in gateway.calls if action == "drain"]
+        await loop.settle()
+        assert actuator.stopped == [victim] and victim not in gateway.rows
+        assert clock.now - drained_at >= CONFIG.drain_deadline_s
+        assert _drains(loop) == {"deadline": 1.0}
+
+    with caplog.at_level(logging.INFO, logger="isocost.autoscale"):
+        asyncio.run(scenario())
+    warnings = [r for r in caplog.records if r.__dict__.get("event") == "autoscale_drain_deadline"]
+    assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
