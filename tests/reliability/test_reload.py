@@ -29,7 +29,7 @@ FAST_HEALTH = "  interval_ms: 100\n  timeout_ms: 500\n  open_ms: 300\n"
 AUTH_SECTION = (
     f"auth:\n  admin_token: {ADMIN_TOKEN}\n  api_keys:\n    - {{name: team-a, key: {API_KEY}}}\n"
 )
-STALL_S = 8.0  # a stalled stream holds its replica this long
+STALL_S = 4.0  # a stalled stream holds its replica this long (reloads land within 1 s)
 
 
 def entry(url: str, name: str, extra: str = "") -> str:
