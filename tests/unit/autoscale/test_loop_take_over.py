@@ -142,6 +142,29 @@ def test_a_drain_named_by_an_autoscaler_that_stopped_posting_is_finished() -> No
     asyncio.run(scenario())
 
 
+def _busy_pair() -> FakeGateway:
+    """Two replicas with requests in flight that never end on their own."""
+    gateway = FakeGateway(["r0", "r1"])
+    gateway.finish_per_read = 0
+    for row in gateway.rows.values():
+        row["in_flight"] = 5
+    return gateway
+
+
+async def _first_drain(
+    loop: AutoscaleLoop, gateway: FakeGateway, clock: Clock
+) -> tuple[str, float]:
+    """Idle rounds until a scale-in drains a replica: that replica, and when its drain
+    began."""
+    for _ in range(10):
+        await _ticks(loop, gateway, clock, rps=0, n=1)
+        began = clock.now
+        await asyncio.sleep(0)  # a drain task begun runs to its first wait
+        if drained := [name for action, name in gateway.calls if action == "drain"]:
+            return drained[0], began
+    raise AssertionError("no scale-in drained a replica")
+
+
 def test_a_drain_undrained_by_someone_else_is_given_up(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -150,18 +173,10 @@ def test_a_drain_undrained_by_someone_else_is_given_up(
     deadline), it would cut the requests sent to it since."""
 
     async def scenario() -> None:
-        clock, gateway = Clock(), FakeGateway(["r0", "r1"])
-        gateway.finish_per_read = 0  # in-flight requests that never end on their own
-        for row in gateway.rows.values():
-            row["in_flight"] = 5
+        clock, gateway = Clock(), _busy_pair()
         actuator = FakeActuator(gateway)
         loop = make_loop(gateway, actuator, clock)
-        for _ in range(10):
-            await _ticks(loop, gateway, clock, rps=0, n=1)
-            if ("drain", "r0") in gateway.calls or ("drain", "r1") in gateway.calls:
-                break
-            await asyncio.sleep(0)  # the drain task starts
-        (victim,) = [name for action, name in gateway.calls if action == "drain"]
+        victim, _ = await _first_drain(loop, gateway, clock)
         assert gateway.rows[victim]["state"] == "drained"
         gateway.rows[victim].update(state="healthy", drained_by=None)  # the operator's undrain
         await loop.settle()
@@ -201,23 +216,14 @@ def test_a_drain_past_its_deadline_stops_the_replica_and_says_so(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Requests that never end on the victim: at ``drain_deadline_s`` it is stopped all
-    the same (its machine is not held for ever), and the requests that cut are told: a
-    warning and ``isocost_autoscale_drains_total{outcome="deadline"}``."""
+    the same (its machine is not held for ever), and the cut is reported: a warning and
+    ``isocost_autoscale_drains_total{outcome="deadline"}``."""
 
     async def scenario() -> None:
-        clock, gateway = Clock(), FakeGateway(["r0", "r1"])
-        gateway.finish_per_read = 0
-        for row in gateway.rows.values():
-            row["in_flight"] = 5
+        clock, gateway = Clock(), _busy_pair()
         actuator = _StopsWhatever(gateway)
         loop = make_loop(gateway, actuator, clock)
-        for _ in range(10):
-            await _ticks(loop, gateway, clock, rps=0, n=1)
-            drained_at = clock.now
-            await asyncio.sleep(0)  # a drain task begun runs to its first wait
-            if any(action == "drain" for action, _ in gateway.calls):
-                break
-        (victim,) = [name for action, name in gateway.calls if action == "drain"]
+        victim, drained_at = await _first_drain(loop, gateway, clock)
         await loop.settle()
         assert actuator.stopped == [victim] and victim not in gateway.rows
         assert clock.now - drained_at >= CONFIG.drain_deadline_s
