@@ -219,7 +219,6 @@ class AutoscaleLoop:
         self._first_seen: dict[str, float] = {}
         self._ejected_since: dict[str, float] = {}  # held out by the gateway's breaker
         self._served: set[str] = set()  # seen serving: an ejection of these is a failure
-        self._first_round = True  # what an earlier autoscaler left is taken over then
         self._unlisted_stops: list[asyncio.Task[None]] = []  # its starts cut short
         self._draining: dict[str, asyncio.Task[None]] = {}
         self._stopping: set[str] = set()  # drained and idle: leaving, not to be undrained
@@ -235,7 +234,7 @@ class AutoscaleLoop:
         self._usd = 0.0
         self._ids = itertools.count(1)
         self.instance = secrets.token_hex(6)  # names this loop's drains and status
-        self._started_s: float | None = None  # the first round's clock
+        self._started_s: float | None = None  # the first round's clock (None: none yet)
 
     # -- reading the fleet -------------------------------------------------------------
 
@@ -318,7 +317,7 @@ class AutoscaleLoop:
         (its start was cut short) is stopped, on the first round only (later, one of this
         loop's own starts may be on its way). An actuator that cannot tell now is asked
         again next round."""
-        first, self._first_round = self._first_round, False
+        first = self._started_s is None
         if self._started_s is None:
             self._started_s = now
         rows = snapshot.replicas

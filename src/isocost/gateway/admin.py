@@ -87,6 +87,13 @@ class _AutoscalerStatus(msgspec.Struct, forbid_unknown_fields=True, frozen=True)
 
 
 _STALE_INTERVALS = 3
+
+
+def _stale(age_s: float, interval_s: float) -> bool:
+    """An autoscaler's status older than ``_STALE_INTERVALS`` of its intervals."""
+    return age_s > _STALE_INTERVALS * interval_s
+
+
 _QUEUE_FLOWS_SHOWN = 20  # flows named per pool in the snapshot (header flows are many)
 # Replica counts in an autoscaler status.
 _COUNTS = ("desired", "ready", "pending", "draining", "ejected")
@@ -219,11 +226,11 @@ def _autoscaler(gateway: Gateway, now: float) -> dict[str, Any] | None:
     age = now - received
     return status | {
         "age_s": round(age, 3),
-        "stale": age > _STALE_INTERVALS * status["interval_s"],
+        "stale": _stale(age, status["interval_s"]),
         "live_instances": sorted(
             instance
             for instance, (seen, interval_s) in gateway.autoscaler_instances.items()
-            if now - seen <= _STALE_INTERVALS * interval_s
+            if not _stale(now - seen, interval_s)
         ),
     }
 
@@ -369,7 +376,7 @@ def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
         gateway.autoscaler = (now, msgspec.structs.asdict(body))
         seen = gateway.autoscaler_instances
         for instance, (at, interval_s) in list(seen.items()):  # only the live are kept
-            if now - at > _STALE_INTERVALS * interval_s:
+            if _stale(now - at, interval_s):
                 del seen[instance]
         if body.instance is not None:
             seen[body.instance] = (now, body.interval_s)
