@@ -42,7 +42,8 @@ class ReplicaRow(msgspec.Struct, frozen=True):
     gpu: str = ""  # none: on no pool's GPU, not the autoscaler's
     url: str = ""  # where the gateway sends it (its Pod's IP, on Kubernetes)
     engine_waiting: _Count | None = None
-    drained_by: str | None = None  # who drained it, as its drain named itself
+    # who drained it, as its drain named itself (UNSET: a gateway too old to say)
+    drained_by: str | msgspec.UnsetType | None = msgspec.UNSET
 
 
 class AutoscalerRow(msgspec.Struct, frozen=True):

@@ -31,8 +31,9 @@ ends its drain. Every action is retried with exponential backoff; each failure i
 line and ``isocost_autoscale_failures_total``. A stop that fails for good undrains the
 replica, so none is left half-drained; what still fails after the retries (an undrain, a
 removal, a drain whose answer was lost) is tried again once a round until the gateway
-shows it done. A gateway that cannot be read during a drain is waited out to the
-deadline, not taken as the drain's end. A start whose replica never shows up is given up
+shows it done. A gateway that cannot be read during a drain is waited out, past the
+deadline too: its end, and the stop, need a reading that shows the drain still this
+loop's. A start whose replica never shows up is given up
 after a few cold starts (it would otherwise count as capacity for good).
 
 What an earlier autoscaler left of the replicas it started or drained is taken over: a
@@ -45,7 +46,9 @@ the ``local`` actuator's engines outlive a SIGKILL, the ``kubernetes`` actuator'
 Pods too). A drain named by a live instance is never taken (a rolling update runs two
 autoscalers for a while), nor one that names none (an operator's). A drain that someone
 else undrains while it waits (an operator taking the replica back) is given up there:
-the replica serves, so it is neither stopped nor drained again by that drain.
+the replica serves, so it is neither stopped nor drained again by that drain. So is one
+drained again in another name while it waits (an operator's drain, or a successor that
+took this autoscaler for gone because its status posts failed): one stop, not two.
 
 GPU-hours and $ count every managed replica, pending ones included (their GPUs are held
 while they warm up), between ticks.
@@ -64,6 +67,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal, Protocol, get_args
 
+import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from isocost.autoscale._actuators import Actuator, ActuatorError
@@ -99,6 +103,8 @@ _ROUTABLE_WAITS = 3
 _OWNER_QUIET_INTERVALS = 3
 _DRAIN_MARK = "autoscale:"  # + the instance: a drain's ``by``
 _SERVING = frozenset({"healthy", "ejected"})  # gateway states of a replica not drained
+# How a scale-in's wait for its victim ended (``isocost_autoscale_drains_total{outcome}``).
+_DrainEnd = Literal["idle", "deadline", "undrained", "taken", "shutdown"]
 
 
 def _drain_owner(row: ReplicaRow) -> str | None:
@@ -151,8 +157,9 @@ class LoopMetrics:
         self.drains = Counter(
             "isocost_autoscale_drains",
             "Scale-in drains by how their wait ended: idle (stopped), deadline (stopped with"
-            " requests in flight), undrained (taken back by someone else), shutdown"
-            " (undrained as the autoscaler stopped).",
+            " requests in flight), undrained (taken back by someone else), taken (drained"
+            " again in someone else's name), shutdown (undrained as the autoscaler"
+            " stopped).",
             ["outcome"],
             registry=r,
         )
@@ -234,6 +241,7 @@ class AutoscaleLoop:
         self._usd = 0.0
         self._ids = itertools.count(1)
         self.instance = secrets.token_hex(6)  # names this loop's drains and status
+        self._mark = _DRAIN_MARK + self.instance  # its drains' ``by``
         self._started_s: float | None = None  # the first round's clock (None: none yet)
 
     # -- reading the fleet -------------------------------------------------------------
@@ -547,7 +555,7 @@ class AutoscaleLoop:
             with contextlib.suppress(*_FAILURES):  # reported; then only this loop knows it
                 await self._attempt("draining", partial(self.actuator.draining, name, gpu), 1)
             try:
-                drain = partial(self.gateway.drain, name, _DRAIN_MARK + self.instance)
+                drain = partial(self.gateway.drain, name, self._mark)
                 await self._attempt("drain", drain)
             except _FAILURES:
                 self._undrain_owed.add(name)  # its answer may be what was lost, not the drain
@@ -566,10 +574,16 @@ class AutoscaleLoop:
             if ended == "shutdown":  # serve again, not left drained
                 await self._serve_again(name)
                 return
-            if ended == "undrained":
+            if ended in ("undrained", "taken"):
                 log.info(
-                    "drain given up: the replica was undrained",
-                    extra={"event": "autoscale_drain_taken_back", "replica": name},
+                    "drain given up: the replica was undrained"
+                    if ended == "undrained"
+                    else "drain given up: the replica was drained again by someone else",
+                    extra={
+                        "event": "autoscale_drain_taken_back",
+                        "replica": name,
+                        "outcome": ended,
+                    },
                 )
                 return
             self._stopping.add(name)
@@ -596,18 +610,22 @@ class AutoscaleLoop:
         await self._attempt("undrain", partial(self.gateway.undrain, name))
         self._undrain_owed.discard(name)
 
-    async def _wait_idle(self, name: str) -> Literal["idle", "deadline", "undrained", "shutdown"]:
+    async def _wait_idle(self, name: str) -> _DrainEnd:
         """Until nothing is in flight on ``name`` (``idle``) or the drain deadline
         (``deadline``): stop it; until someone else undrains it (``undrained``: it serves,
-        theirs now; stopped once idle, it would cut the requests sent to it since); or
-        until the loop shuts down first. A gateway that cannot be read meanwhile is
-        waited out (each failed read counted, the first of an outage logged): unknown is
-        not idle, and it is no reason to abandon the drain. A shutdown is: a drain can
-        take ``drain_deadline_s`` (10 minutes by default), far past the grace a process
-        manager gives before SIGKILL, which would leave the replica drained for good."""
+        theirs now; stopped once idle, it would cut the requests sent to it since) or
+        drains it again in their own name (``taken``: an operator's now, or another
+        autoscaler's that took this one for gone, as one whose status posts fail looks;
+        both stopping it would set a count twice); or until the loop shuts down first.
+        A gateway that cannot be read meanwhile is waited out (each failed read counted,
+        the first of an outage logged), the deadline too: unknown is not idle, no reason
+        to abandon the drain, and no leave to stop a replica that may be someone else's
+        by now. A shutdown is: a drain can take ``drain_deadline_s`` (10 minutes by
+        default), far past the grace a process manager gives before SIGKILL, which would
+        leave the replica drained for good."""
         deadline = self.clock() + self.config.drain_deadline_s
         unreadable = False
-        while self.clock() < deadline:
+        while True:
             if self._shutdown.is_set():
                 return "shutdown"
             try:
@@ -615,8 +633,12 @@ class AutoscaleLoop:
                 row = next((r for r in rows if r.name == name), None)
                 if row is not None and row.state in _SERVING:
                     return "undrained"
+                if row is not None and row.drained_by not in (self._mark, msgspec.UNSET):
+                    return "taken"
                 if row is None or row.in_flight == 0:
                     return "idle"
+                if self.clock() >= deadline:
+                    return "deadline"
                 unreadable = False
             except GatewayError as exc:
                 self._failed(
@@ -628,7 +650,6 @@ class AutoscaleLoop:
                 )
                 unreadable = True
             await self.sleep(self.poll_s)
-        return "deadline"
 
     # -- running -------------------------------------------------------------------------
 

@@ -89,10 +89,11 @@ class Gateway:
             raise GatewayError(f"{action}: timeout")
 
     async def drain(self, name: str, by: str) -> None:
-        self._admin("drain", name, lambda: self.rows[name].update(state="drained"))
+        self._admin("drain", name, lambda: self.rows[name].update(state="drained", drained_by=by))
 
     async def undrain(self, name: str) -> None:
-        self._admin("undrain", name, lambda: self.rows[name].update(state="healthy"))
+        undrain = {"state": "healthy", "drained_by": None}
+        self._admin("undrain", name, lambda: self.rows[name].update(undrain))
 
     async def remove(self, name: str) -> None:
         self._admin("remove", name, lambda: self.rows.pop(name))
@@ -109,13 +110,15 @@ class Actuator:
         self.gateway = gateway
         self.started: list[int] = []
         self.refuse_stops = False
+        self.cuts_expected = False  # a stop at the drain deadline cuts requests
 
     async def start(self, gpu: str, desired: int) -> None:
         self.started.append(desired)
 
     async def stop(self, name: str, gpu: str, desired: int) -> None:
         self.gateway.calls.append(("stop", name))
-        assert self.gateway.rows[name]["in_flight"] == 0, "stopped with requests in flight"
+        busy = self.gateway.rows[name]["in_flight"] > 0
+        assert self.cuts_expected or not busy, "stopped with requests in flight"
         if self.refuse_stops:
             raise ActuatorError("stop refused")
 
@@ -295,6 +298,34 @@ def test_a_gateway_unreadable_mid_drain_is_waited_out_not_left_half_drained() ->
         ]
         assert list(gateway.rows) != [] and victim not in gateway.rows
         assert failures(loop, "drain_poll") == 4
+
+    asyncio.run(scenario())
+
+
+def test_a_drain_deadline_passed_while_the_gateway_is_unreadable_waits_for_a_reading() -> None:
+    """The stop at ``drain_deadline_s`` needs a reading that shows the drain still this
+    loop's: a successor may have taken it over meanwhile (this loop's status posts fail
+    too) and stopped the replica, and a second stop would set a count twice."""
+
+    async def scenario() -> None:
+        clock, gateway = Clock(), Gateway(["r0", "r1"])
+        actuator = Actuator(gateway)
+        actuator.cuts_expected = True
+        loop = make_loop(gateway, clock, actuator)
+        victim = await scale_in(loop, clock)
+        gateway.rows[victim]["in_flight"] = 10**6  # busy for longer than the deadline
+        outage_reads = 2 * round(CONFIG.drain_deadline_s / loop.poll_s)
+        gateway.unreadable = outage_reads
+        await loop.settle()
+        assert [call for call, name in gateway.calls if name == victim] == [
+            "drain",
+            "stop",
+            "remove",
+        ]
+        assert failures(loop, "drain_poll") == outage_reads  # none stopped it unread
+        assert loop.metrics.registry.get_sample_value(
+            "isocost_autoscale_drains_total", {"outcome": "deadline"}
+        )
 
     asyncio.run(scenario())
 

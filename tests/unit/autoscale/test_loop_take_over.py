@@ -192,6 +192,62 @@ def test_a_drain_undrained_by_someone_else_is_given_up(
     assert "autoscale_drain_taken_back" in [r.__dict__.get("event") for r in caplog.records]
 
 
+def test_a_drain_taken_over_while_its_autoscaler_lives_is_stopped_once() -> None:
+    """The first autoscaler's status posts never reach the gateway (``live`` stays empty),
+    so a second one takes it for gone and takes its drain over, in its own name. The
+    first, still waiting for the victim to go idle, sees the drain is someone else's and
+    gives it up: the replica is stopped and removed once, by the second."""
+
+    async def scenario() -> None:
+        clock, gateway = Clock(), _busy_pair()
+        first_actuator, second_actuator = FakeActuator(gateway), FakeActuator(gateway)
+        first = make_loop(gateway, first_actuator, clock)
+        victim, _ = await _first_drain(first, gateway, clock)
+        second = make_loop(gateway, second_actuator, clock)
+        await _ticks(second, gateway, clock, rps=0, n=4)  # 3 intervals since its first
+        for _ in range(3):  # the second's drain task begun runs to its first wait
+            await asyncio.sleep(0)
+        assert gateway.rows[victim]["drained_by"] == f"autoscale:{second.instance}"
+        await first.settle()  # the first's wait reads the gateway: no longer its drain
+        assert _drains(first) == {"taken": 1.0} and first_actuator.stopped == []
+        gateway.finish_per_read = 1
+        await second.settle()
+        assert second_actuator.stopped == [victim] and victim not in gateway.rows
+        assert [action for action, name in gateway.calls if name == victim] == [
+            "draining",
+            "drain",
+            "draining",
+            "drain",
+            "stop",
+            "remove",
+        ]
+
+    asyncio.run(scenario())
+
+
+class _GatewayWithoutMarks(FakeGateway):
+    """A gateway older than ``drained_by``: its snapshot has no such key."""
+
+    async def drain(self, name: str, by: str) -> None:
+        self.calls.append(("drain", name))
+        self.rows[name]["state"] = "drained"
+
+
+def test_a_gateway_too_old_to_name_drains_has_them_finished() -> None:
+    """No ``drained_by`` in its snapshot is no one else's drain: the stop goes ahead (an
+    autoscaler upgraded before its gateways keeps scaling in)."""
+
+    async def scenario() -> None:
+        clock, gateway = Clock(), _GatewayWithoutMarks(["r0", "r1"])
+        actuator = FakeActuator(gateway)
+        loop = make_loop(gateway, actuator, clock)
+        victim, _ = await _first_drain(loop, gateway, clock)
+        await loop.settle()
+        assert actuator.stopped == [victim] and _drains(loop) == {"idle": 1.0}
+
+    asyncio.run(scenario())
+
+
 class _StopsWhatever(FakeActuator):
     """Records every stop, requests in flight or not (at the deadline there are some)."""
 
@@ -202,7 +258,7 @@ class _StopsWhatever(FakeActuator):
 
 def _drains(loop: AutoscaleLoop) -> dict[str, float]:
     """``isocost_autoscale_drains_total`` by outcome (those counted)."""
-    outcomes = ("idle", "deadline", "undrained", "shutdown")
+    outcomes = ("idle", "deadline", "undrained", "taken", "shutdown")
     samples = {
         outcome: loop.metrics.registry.get_sample_value(
             "isocost_autoscale_drains_total", {"outcome": outcome}
