@@ -185,10 +185,11 @@ def test_without_a_bus_the_workers_share_through_the_supervisors_hub(tmp_path: P
 
 def test_a_killed_worker_is_replaced_and_nothing_is_refused(fleet: Fleet) -> None:
     before = fleet.snapshots_of_every_worker()
-    # Admin changes made before the crash: the replacement makes them on itself too.
+    # Admin changes made before the crash: the replacement makes them on itself too, the
+    # drain's mark included (a later autoscaler finishes it by that mark).
     drained = before[0]["replicas"][0]["name"]
     for path, body in (
-        (f"/admin/replicas/{drained}/drain", b""),
+        (f"/admin/replicas/{drained}/drain", b'{"by": "autoscale:00000000cafe"}'),
         ("/admin/policy", json.dumps({"policy": "least_request"}).encode()),
     ):
         status, headers, answer = http("POST", fleet.gateway.url + path, body, ADMIN)
@@ -214,8 +215,11 @@ def test_a_killed_worker_is_replaced_and_nothing_is_refused(fleet: Fleet) -> Non
     )
     assert replaced[-1][0]["pid"] == before[0]["pid"]  # the other one was left alone
     for snapshot in replaced[-1].values():
-        states = {row["name"]: row["state"] for row in snapshot["replicas"]}
-        assert states[drained] == "drained", (snapshot["worker"], states)
+        states = {row["name"]: (row["state"], row["drained_by"]) for row in snapshot["replicas"]}
+        assert states[drained] == ("drained", "autoscale:00000000cafe"), (
+            snapshot["worker"],
+            states,
+        )
         assert [pool["policy"] for pool in snapshot["pools"]] == ["least_request"], snapshot
 
     # SIGTERM to the supervisor drains and stops every worker, exit 0.
