@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
+from isocost.autoscale import LoopMetrics
 from isocost.gateway.metrics import GatewayMetrics
 from isocost.runtime.config import parse_config
 
@@ -37,7 +38,9 @@ def pool() -> dict[str, dict[str, Any]]:
 
 
 def _exported_metrics() -> set[str]:
-    return {family.name for family in GatewayMetrics().registry.collect()}
+    """The gateway's (and picker's) series and ``isocost autoscale``'s own."""
+    registries = (GatewayMetrics().registry, LoopMetrics().registry)
+    return {family.name for registry in registries for family in registry.collect()}
 
 
 def _metric_names(expr: str) -> set[str]:
