@@ -48,7 +48,7 @@ autoscalers for a while), nor one that names none (an operator's). A drain that 
 else undrains while it waits (an operator taking the replica back) is given up there:
 the replica serves, so it is neither stopped nor drained again by that drain. So is one
 drained again in another name while it waits (an operator's drain, or a successor that
-took this autoscaler for gone because its status posts failed): one stop, not two.
+took this autoscaler for gone because its status posts failed): the other stops it.
 
 GPU-hours and $ count every managed replica, pending ones included (their GPUs are held
 while they warm up), between ticks.
