@@ -16,6 +16,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from test_autoscale_loop import CONFIG, GPU, Clock, FakeActuator, FakeGateway, _ticks, make_loop
+from test_loop_bad_input import until
 
 from isocost.autoscale import AdminClient, AutoscaleLoop, LocalActuator
 
@@ -205,9 +206,8 @@ def test_a_drain_taken_over_while_its_autoscaler_lives_is_stopped_once() -> None
         victim, _ = await _first_drain(first, gateway, clock)
         second = make_loop(gateway, second_actuator, clock)
         await _ticks(second, gateway, clock, rps=0, n=4)  # 3 intervals since its first
-        for _ in range(3):  # the second's drain task begun runs to its first wait
-            await asyncio.sleep(0)
-        assert gateway.rows[victim]["drained_by"] == f"autoscale:{second.instance}"
+        mark = f"autoscale:{second.instance}"
+        await until(lambda: gateway.rows[victim]["drained_by"] == mark)  # the second's drain
         await first.settle()  # the first's wait reads the gateway: no longer its drain
         assert _drains(first) == {"taken": 1.0} and first_actuator.stopped == []
         gateway.finish_per_read = 1
