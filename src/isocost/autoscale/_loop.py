@@ -105,6 +105,10 @@ _DRAIN_MARK = "autoscale:"  # + the instance: a drain's ``by``
 _SERVING = frozenset({"healthy", "ejected"})  # gateway states of a replica not drained
 # How a scale-in's wait for its victim ended (``isocost_autoscale_drains_total{outcome}``).
 _DrainEnd = Literal["idle", "deadline", "undrained", "taken", "shutdown"]
+_GIVEN_UP: dict[_DrainEnd, str] = {  # ends that leave the replica to someone else
+    "undrained": "drain given up: the replica was undrained",
+    "taken": "drain given up: the replica was drained again by someone else",
+}
 
 
 def _drain_owner(row: ReplicaRow) -> str | None:
@@ -574,11 +578,9 @@ class AutoscaleLoop:
             if ended == "shutdown":  # serve again, not left drained
                 await self._serve_again(name)
                 return
-            if ended in ("undrained", "taken"):
+            if ended in _GIVEN_UP:
                 log.info(
-                    "drain given up: the replica was undrained"
-                    if ended == "undrained"
-                    else "drain given up: the replica was drained again by someone else",
+                    _GIVEN_UP[ended],
                     extra={
                         "event": "autoscale_drain_taken_back",
                         "replica": name,
