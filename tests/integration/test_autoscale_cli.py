@@ -68,8 +68,8 @@ class Load:
         self.senders.clear()
 
 
-@pytest.fixture
-def cluster(tmp_path: Path, procs: list[Proc]) -> Iterator[tuple[Proc, Load]]:
+def start_gateways(tmp_path: Path, procs: list[Proc], count: int) -> list[Proc]:
+    """One engine and ``count`` gateways in front of it, each with the same config."""
     engine = start_isocost(
         ["engine", "--port", "0", "--model", MODEL, "--gpu", "a100-80g", "--output-dist", "max"],
         "isocost engine",
@@ -79,11 +79,20 @@ def cluster(tmp_path: Path, procs: list[Proc]) -> Iterator[tuple[Proc, Load]]:
     config.write_text(
         gateway_config([engine.url], model=MODEL, admin_token=ADMIN_TOKEN, api_key=API_KEY)
     )
-    with (tmp_path / "gateway.log").open("a") as log:
-        gateway = start_isocost(
-            ["serve", "--config", str(config), "--port", "0"], "isocost serve", stderr=log
-        )
-    procs.append(gateway)
+    gateways = []
+    for index in range(count):
+        with (tmp_path / f"gateway-{index}.log").open("a") as log:
+            gateway = start_isocost(
+                ["serve", "--config", str(config), "--port", "0"], "isocost serve", stderr=log
+            )
+        procs.append(gateway)
+        gateways.append(gateway)
+    return gateways
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, procs: list[Proc]) -> Iterator[tuple[Proc, Load]]:
+    (gateway,) = start_gateways(tmp_path, procs, 1)
     load = Load(gateway.url)
     yield gateway, load
     load.end()
@@ -155,8 +164,10 @@ def test_a_load_step_starts_an_engine_and_the_drop_drains_one_with_no_failure(
         (AUTOSCALE.replace("max_gpus: 4", ""), [], "no budget"),
         (AUTOSCALE, ["--actuator", "simulator"], "--actuator simulator: valid: local"),
         (AUTOSCALE, ["--actuator", "command"], "--actuator command needs --scale-command"),
+        (AUTOSCALE, ["--gateway", "http://127.0.0.1:9/"], "a gateway named twice"),
+        (AUTOSCALE, ["--gateway", "127.0.0.1:8080"], "127.0.0.1:8080: not an http(s):// URL"),
     ],
-    ids=["min>max", "no-budget", "simulator", "no-command"],
+    ids=["min>max", "no-budget", "simulator", "no-command", "gateway-twice", "gateway-no-url"],
 )
 def test_bad_config_or_flags_are_one_line_and_exit_2(
     tmp_path: Path, config: str, flags: list[str], message: str

@@ -48,7 +48,7 @@ from urllib.parse import urlsplit
 from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from isocost.autoscale._admin import AdminClient, GatewayError, ReplicaRow, read_snapshot
+from isocost.autoscale._admin import FleetGateway, GatewayError, ReplicaRow, read_snapshot
 from isocost.core.errors import IsocostError
 from isocost.runtime.processes import Service, ServiceError, Services, free_port
 
@@ -103,7 +103,7 @@ class Actuator(Protocol):
 class LocalActuator:
     def __init__(
         self,
-        admin: AdminClient,
+        admin: FleetGateway,
         model: str,
         log_dir: Path,
         engine_args: list[str],
@@ -332,7 +332,7 @@ async def _output_tail(process: asyncio.subprocess.Process) -> bytes:
 class KubernetesActuator:
     def __init__(
         self,
-        admin: AdminClient,
+        admin: FleetGateway,
         deployments: dict[str, str],
         namespace: str,
         kubeconfig: str | None = None,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Annotated, Any
+from dataclasses import dataclass
+from typing import Annotated, Any, Protocol
 
 import aiohttp
 import msgspec
@@ -15,21 +16,28 @@ from isocost.core.jsontext import parse_json
 
 __all__ = [
     "AdminClient",
+    "FleetGateway",
     "FleetSnapshot",
+    "GatewayCounters",
     "GatewayError",
     "ReplicaRow",
-    "answered_by_replica",
+    "read_counters",
     "read_snapshot",
-    "slo_verdicts",
 ]
 
 # A count past 2**53 is no count (nor exact as a float): junk, not a fleet to decide on.
 _MAX_COUNT = 2**53
 _Count = Annotated[int, msgspec.Meta(ge=0, le=_MAX_COUNT)]
+SERVING_STATES = frozenset({"healthy", "ejected"})  # a replica's states that are not drained
 
 
 class GatewayError(IsocostError):
-    """The gateway refused, could not be reached, or answered something unusable."""
+    """The gateway refused, could not be reached, or answered something unusable;
+    ``status``: the HTTP status it refused with, if it answered."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class ReplicaRow(msgspec.Struct, frozen=True):
@@ -63,6 +71,9 @@ class FleetSnapshot(msgspec.Struct, frozen=True):
     pools: list[PoolRow]
     replicas: list[ReplicaRow]
     autoscaler: AutoscalerRow | None = None
+    # of several gateways read as one (``GatewaySet``), those that did not answer: URL ->
+    # why; a gateway's own snapshot has none
+    unread: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 def read_snapshot(raw: object) -> FleetSnapshot:
@@ -92,7 +103,7 @@ def _samples(metrics_text: str, name: str) -> list[tuple[dict[str, str], int]]:
     return samples
 
 
-def answered_by_replica(metrics_text: str) -> dict[str, tuple[int, int]]:
+def _answered_by_replica(metrics_text: str) -> dict[str, tuple[int, int]]:
     """``isocost_requests_total`` per replica label: (answered, of which status 200). A
     gateway declares the family before its first request; a text without it is something
     else (a proxy's error page), and counting it as no traffic would scale in."""
@@ -106,13 +117,70 @@ def answered_by_replica(metrics_text: str) -> dict[str, tuple[int, int]]:
     return counts
 
 
-def slo_verdicts(metrics_text: str) -> tuple[int, int]:
+def _slo_verdicts(metrics_text: str) -> tuple[int, int]:
     """``isocost_slo_requests_total`` over every pool: (met, judged)."""
     met = judged = 0
     for labels, value in _samples(metrics_text, "isocost_slo_requests_total"):
         judged += value
         met += value * (labels.get("verdict") == "met")
     return met, judged
+
+
+def _increase(value: int, before: int) -> int:
+    """A counter's growth since ``before``; one that went down was reset (the gateway
+    restarted), so all of it is new."""
+    return value - before if value >= before else value
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayCounters:
+    """The gateway's counters the autoscaler reads, cumulative: requests answered per
+    replica (answered, of which status 200: the growth of the first is arrivals, of the
+    second completions) and SLO verdicts over every pool (met, judged)."""
+
+    answered: dict[str, tuple[int, int]]
+    verdicts: tuple[int, int]
+
+    def since(self, before: GatewayCounters) -> GatewayCounters:
+        """The growth since ``before``: a counter that went down was reset (its gateway
+        restarted), so all of it is new; the verdicts reset together."""
+        answered = {}
+        for name, (total, ok) in self.answered.items():
+            total_before, ok_before = before.answered.get(name, (0, 0))
+            answered[name] = (_increase(total, total_before), _increase(ok, ok_before))
+        (met, judged), (met_before, judged_before) = self.verdicts, before.verdicts
+        if met < met_before or judged < judged_before:
+            met_before = judged_before = 0
+        return GatewayCounters(answered, (met - met_before, judged - judged_before))
+
+    def plus(self, other: GatewayCounters) -> GatewayCounters:
+        answered = dict(self.answered)
+        for name, (total, ok) in other.answered.items():
+            total_here, ok_here = answered.get(name, (0, 0))
+            answered[name] = (total_here + total, ok_here + ok)
+        met, judged = self.verdicts
+        return GatewayCounters(answered, (met + other.verdicts[0], judged + other.verdicts[1]))
+
+
+def read_counters(metrics_text: str) -> GatewayCounters:
+    """A gateway's ``/metrics`` text as its counters; a GatewayError for a text that is no
+    gateway's or a sample that is no count."""
+    return GatewayCounters(_answered_by_replica(metrics_text), _slo_verdicts(metrics_text))
+
+
+class FleetGateway(Protocol):
+    """What the autoscaler needs of a gateway: ``AdminClient``, ``GatewaySet`` (several
+    as one), a fake in unit tests. Every call is a ``GatewayError`` when refused."""
+
+    @property
+    def url(self) -> str: ...
+    async def snapshot(self) -> dict[str, Any]: ...
+    async def counters(self) -> GatewayCounters: ...
+    async def add(self, model: str, replica: dict[str, Any]) -> None: ...
+    async def drain(self, name: str, by: str) -> None: ...
+    async def undrain(self, name: str) -> None: ...
+    async def remove(self, name: str) -> None: ...
+    async def post_status(self, status: Mapping[str, Any]) -> None: ...
 
 
 class AdminClient:
@@ -130,7 +198,9 @@ class AdminClient:
             ) as response:
                 if response.status >= 300:
                     text = (await response.text())[:200]
-                    raise GatewayError(f"{method} {path}: HTTP {response.status} {text}")
+                    raise GatewayError(
+                        f"{method} {path}: HTTP {response.status} {text}", response.status
+                    )
                 if path == "/metrics":
                     return await response.text()
                 return parse_json(await response.read())
@@ -143,9 +213,9 @@ class AdminClient:
         result: dict[str, Any] = await self._call("GET", "/admin/snapshot")
         return result
 
-    async def metrics(self) -> str:
+    async def counters(self) -> GatewayCounters:
         text: str = await self._call("GET", "/metrics")
-        return text
+        return read_counters(text)
 
     async def add(self, model: str, replica: dict[str, Any]) -> None:
         await self._call("POST", "/admin/replicas", {"model": model, "replica": replica})

@@ -1,6 +1,8 @@
 """The live loop: read the gateway, let ``control`` decide, apply through an actuator.
 
-Every ``interval_s`` one ``tick``:
+The gateway is one ``FleetGateway``: an ``AdminClient``, or a ``GatewaySet`` of several
+read and acted on as one (merged, summed, each action on all). Every ``interval_s`` one
+``tick``:
 
 1. reads ``/admin/snapshot`` (replicas, their GPU type, state and in-flight requests, the
    gateway's queue) and ``/metrics`` (``isocost_requests_total``: its growth is the
@@ -8,7 +10,8 @@ Every ``interval_s`` one ``tick``:
    replicas on a GPU type no pool names are not the autoscaler's and are left alone, and
    one being stopped is already gone (it must not be undrained half-way through); an
    answer of the wrong shape, a missing key or a count that is no count fails the round
-   (reported, the next one as scheduled), as an unreachable gateway does;
+   (reported, the next one as scheduled), as an unreachable gateway does; of several
+   gateways, one that cannot be read is reported and the round goes on with the others;
 2. turns them into a ``control.Observation`` (a drained or removing replica, or one this
    loop is draining, is ``draining``; one the gateway's breaker has held out for
    ``replace_ejected_after_s`` after it served is ``ejected``, and replaced; one held out
@@ -23,18 +26,19 @@ Every ``interval_s`` one ``tick``:
    forecast, the instance its drains name) for the gateway's dashboard; a gateway that
    refuses it is reported once per tick, the loop goes on.
 
-A scale-in tells the actuator (``draining``: the ``kubernetes`` one marks the Pod), drains
-its victim through the gateway (no new work), waits until nothing is
-in flight there or ``drain_deadline_s`` has passed, stops it through the actuator, then
-removes it from the gateway: no request is killed by the autoscaler unless the deadline
-ends its drain. Every action is retried with exponential backoff; each failure is a log
-line and ``isocost_autoscale_failures_total``. A stop that fails for good undrains the
-replica, so none is left half-drained; what still fails after the retries (an undrain, a
-removal, a drain whose answer was lost) is tried again once a round until the gateway
-shows it done. A gateway that cannot be read during a drain is waited out, past the
-deadline too: its end, and the stop, need a reading that shows the drain still this
-loop's. A start whose replica never shows up is given up
-after a few cold starts (it would otherwise count as capacity for good).
+A scale-in tells the actuator (``draining``: the ``kubernetes`` one marks the Pod),
+drains its victim through the gateway (no new work), waits until nothing is in flight
+there or ``drain_deadline_s`` has passed, stops it through the actuator, then removes it
+from the gateway: no request is killed by the autoscaler unless the deadline ends its
+drain. With several gateways the drain is on each, and idle means idle on each: one that
+cannot be read holds the stop. Every action is retried with exponential backoff; each
+failure is a log line and ``isocost_autoscale_failures_total``. A stop that fails for
+good undrains the replica, so none is left half-drained; what still fails after the
+retries (an undrain, a removal, a drain whose answer was lost) is tried again once a
+round until the gateway shows it done. A gateway that cannot be read during a drain is
+waited out, past the deadline too: its end, and the stop, need a reading that shows the
+drain still this loop's. A start whose replica never shows up is given up after a few
+cold starts (it would otherwise count as capacity for good).
 
 What an earlier autoscaler left of the replicas it started or drained is taken over: a
 drain it left is finished, a start it cut short is stopped. Each drain names its
@@ -65,19 +69,20 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Literal, Protocol, get_args
+from typing import Any, Literal, get_args
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from isocost.autoscale._actuators import Actuator, ActuatorError
 from isocost.autoscale._admin import (
+    SERVING_STATES,
+    FleetGateway,
     FleetSnapshot,
+    GatewayCounters,
     GatewayError,
     ReplicaRow,
-    answered_by_replica,
     read_snapshot,
-    slo_verdicts,
 )
 from isocost.control import (
     AutoscaleConfig,
@@ -89,7 +94,7 @@ from isocost.control import (
     Scaler,
 )
 
-__all__ = ["AutoscaleLoop", "FleetGateway", "LoopMetrics", "Tick"]
+__all__ = ["AutoscaleLoop", "LoopMetrics", "Tick"]
 
 log = logging.getLogger("isocost.autoscale")
 
@@ -102,7 +107,6 @@ _ROUTABLE_WAITS = 3
 # a live one posts its status each interval, so the gateway would have shown it.
 _OWNER_QUIET_INTERVALS = 3
 _DRAIN_MARK = "autoscale:"  # + the instance: a drain's ``by``
-_SERVING = frozenset({"healthy", "ejected"})  # gateway states of a replica not drained
 # How a scale-in's wait for its victim ended (``isocost_autoscale_drains_total{outcome}``).
 _DrainEnd = Literal["idle", "deadline", "undrained", "taken", "shutdown"]
 _GIVEN_UP: dict[_DrainEnd, str] = {  # ends that leave the replica to someone else
@@ -116,23 +120,6 @@ def _drain_owner(row: ReplicaRow) -> str | None:
     gateway too old to say)."""
     by = row.drained_by or ""
     return by.removeprefix(_DRAIN_MARK) if by.startswith(_DRAIN_MARK) else None
-
-
-def _increase(value: int, before: int) -> int:
-    """A counter's growth since ``before``; one that went down was reset (the gateway
-    restarted), so all of it is new."""
-    return value - before if value >= before else value
-
-
-class FleetGateway(Protocol):
-    """What the loop needs of the gateway (``AdminClient``; a fake in unit tests)."""
-
-    async def snapshot(self) -> dict[str, Any]: ...
-    async def metrics(self) -> str: ...
-    async def drain(self, name: str, by: str) -> None: ...
-    async def undrain(self, name: str) -> None: ...
-    async def remove(self, name: str) -> None: ...
-    async def post_status(self, status: Mapping[str, Any]) -> None: ...
 
 
 class LoopMetrics:
@@ -238,8 +225,7 @@ class AutoscaleLoop:
         self._undrain_owed: set[str] = set()  # a drain given up: undrained once seen drained
         self._shutdown = asyncio.Event()  # set as ``run`` ends: drains still waiting undrain
         self._cold_start_s = {p.gpu: p.cold_start_s for p in config.pools}
-        self._answered: dict[str, tuple[int, int]] | None = None
-        self._verdicts: tuple[int, int] | None = None  # (met, judged) at the last tick
+        self._counters: GatewayCounters | None = None  # at the last tick
         self._last_s: float | None = None
         self._gpu_hours = 0.0
         self._usd = 0.0
@@ -253,18 +239,15 @@ class AutoscaleLoop:
     async def _observe(self) -> Observation:
         now = self.clock()
         snapshot = read_snapshot(await self.gateway.snapshot())
-        metrics_text = await self.gateway.metrics()
+        counters = await self.gateway.counters()
+        for url, error in snapshot.unread.items():
+            self._failed("observe", "gateway unreadable", gateway=url, error=error)
         self._rows = snapshot.replicas
-        answered = answered_by_replica(metrics_text)
-        verdicts = slo_verdicts(metrics_text)
-        await self._reconcile(snapshot.replicas)
+        await self._reconcile(snapshot)
         if not self.dry_run:
             await self._take_over(snapshot, now)
-        last_met, last_judged = self._verdicts or verdicts
-        if verdicts[0] < last_met or verdicts[1] < last_judged:  # the gateway restarted
-            last_met = last_judged = 0
-        met, judged = verdicts[0] - last_met, verdicts[1] - last_judged
-        self._verdicts = verdicts
+        growth = counters.since(self._counters or counters)
+        self._counters = counters
         leaving = self._stopping | self._gone
         rows = [r for r in snapshot.replicas if r.gpu in self.offers and r.name not in leaving]
         for row in rows:
@@ -272,7 +255,7 @@ class AutoscaleLoop:
                 self._first_seen[row.name] = now
                 self._resolve_pending(row.gpu, now)
         self._expire_pending(now)
-        self._track_ejections(rows, answered, now)
+        self._track_ejections(rows, counters.answered, now)
         replicas = [
             ReplicaStatus(
                 row.name, row.gpu, self._state(row, now), self._first_seen[row.name], row.in_flight
@@ -282,16 +265,14 @@ class AutoscaleLoop:
         replicas += [
             ReplicaStatus(p.replica_id, p.gpu, "pending", p.started_s) for p in self._pending
         ]
-        previous = self._answered if self._answered is not None else answered
-        self._answered = answered
         gpu_of = {row.name: row.gpu for row in rows}
         arrivals = 0
         completions: dict[str, int] = {}
-        for name, (total, ok) in answered.items():
-            total_before, ok_before = previous.get(name, (0, 0))
-            arrivals += _increase(total, total_before)
+        for name, (total, ok) in growth.answered.items():
+            arrivals += total
             if (gpu := gpu_of.get(name)) is not None:
-                completions[gpu] = completions.get(gpu, 0) + _increase(ok, ok_before)
+                completions[gpu] = completions.get(gpu, 0) + ok
+        met, judged = growth.verdicts
         queued = sum(pool.queue_depth for pool in snapshot.pools) + sum(
             row.engine_waiting or 0 for row in rows
         )
@@ -378,15 +359,17 @@ class AutoscaleLoop:
             return "ejected"
         return "pending"
 
-    async def _reconcile(self, rows: Sequence[ReplicaRow]) -> None:
+    async def _reconcile(self, snapshot: FleetSnapshot) -> None:
         """Finish what a drain left after its retries, one try each per round: a stopped
         replica the gateway still lists is removed, one left drained is undrained; a name
-        the gateway no longer lists (or shows done) needs nothing more."""
-        state = {row.name: row.state for row in rows}
-        self._gone &= state.keys()
-        self._undrain_owed = {n for n in self._undrain_owed if state.get(n) == "drained"}
+        the gateway no longer lists (or shows done) needs nothing more, unless one of
+        several gateways could not be read: it may still list it."""
+        state = {row.name: row.state for row in snapshot.replicas}
+        if not snapshot.unread:
+            self._gone &= state.keys()
+            self._undrain_owed = {n for n in self._undrain_owed if state.get(n) == "drained"}
         for name in sorted(self._gone):
-            if state[name] != "removing":
+            if state.get(name) != "removing":
                 with contextlib.suppress(*_FAILURES):
                     await self._attempt("remove", partial(self.gateway.remove, name), tries=1)
         for name in sorted(self._undrain_owed - self._draining.keys()):
@@ -631,9 +614,11 @@ class AutoscaleLoop:
             if self._shutdown.is_set():
                 return "shutdown"
             try:
-                rows = read_snapshot(await self.gateway.snapshot()).replicas
-                row = next((r for r in rows if r.name == name), None)
-                if row is not None and row.state in _SERVING:
+                snapshot = read_snapshot(await self.gateway.snapshot())
+                if snapshot.unread:  # of several gateways: idle needs each one's reading
+                    raise GatewayError("; ".join(f"{u}: {e}" for u, e in snapshot.unread.items()))
+                row = next((r for r in snapshot.replicas if r.name == name), None)
+                if row is not None and row.state in SERVING_STATES:
                     return "undrained"
                 if row is not None and row.drained_by not in (self._mark, msgspec.UNSET):
                     return "taken"
@@ -680,4 +665,4 @@ class AutoscaleLoop:
         )
         if self._gone or self._undrain_owed:
             with contextlib.suppress(*_FAILURES):
-                await self._reconcile(read_snapshot(await self.gateway.snapshot()).replicas)
+                await self._reconcile(read_snapshot(await self.gateway.snapshot()))

@@ -22,7 +22,12 @@ _DEFAULT_CAPACITY_RPS = 2.0  # without --plan or --capacity-rps
 
 @app.command()
 def autoscale(
-    gateway: str = typer.Option(..., "--gateway", help="The gateway's URL."),
+    gateways: list[str] = typer.Option(
+        ...,
+        "--gateway",
+        help="A gateway's URL; repeat for each gateway in front of the fleet (read summed,"
+        " drained on all).",
+    ),
     config_path: Path = typer.Option(..., "--config", help="Autoscale YAML (as sim --autoscale)."),
     actuator_name: str | None = typer.Option(
         None, "--actuator", help="local|command|kubernetes (default: the config's)."
@@ -81,6 +86,7 @@ def autoscale(
         AdminClient,
         AutoscaleLoop,
         CommandActuator,
+        GatewaySet,
         KubernetesActuator,
         LocalActuator,
         LoopMetrics,
@@ -100,9 +106,12 @@ def autoscale(
         fail(f"--config {config_path}: {exc.strerror}")
     except UnicodeDecodeError:
         fail(f"--config {config_path}: not UTF-8 text")
-    url = urlsplit(gateway)
-    if url.scheme not in ("http", "https") or not url.netloc:
-        fail(f"--gateway {gateway}: not an http(s):// URL")
+    for gateway in gateways:
+        url = urlsplit(gateway)
+        if url.scheme not in ("http", "https") or not url.netloc:
+            fail(f"--gateway {gateway}: not an http(s):// URL")
+    if len({g.rstrip("/") for g in gateways}) < len(gateways):
+        fail("--gateway: a gateway named twice (its arrivals would count twice)")
     config = parse_autoscale_yaml(text, str(config_path))
     name = actuator_name or config.actuator
     token = os.environ.get(admin_token_env)
@@ -139,7 +148,7 @@ def autoscale(
         with Listening("127.0.0.1", metrics_port):
             start_http_server(metrics_port, "127.0.0.1", registry=metrics.registry)
 
-    async def pool_model(admin: AdminClient) -> str:
+    async def pool_model(admin: GatewaySet) -> str:
         if model is not None:
             return model
         pools = [pool.model for pool in read_snapshot(await admin.snapshot()).pools]
@@ -147,7 +156,7 @@ def autoscale(
             fail(f"--model: the gateway serves {len(pools)} pools; name one")
         return pools[0]
 
-    async def make_actuator(admin: AdminClient) -> Actuator:
+    async def make_actuator(admin: GatewaySet) -> Actuator:
         if name == "local":
             return LocalActuator(admin, await pool_model(admin), log_dir, engine_arg)
         if name == "command":
@@ -163,7 +172,7 @@ def autoscale(
         assert token is not None
         timeout = aiohttp.ClientTimeout(total=10)
         async with aiohttp.ClientSession(timeout=timeout) as session:
-            admin = AdminClient(session, gateway, token)
+            admin = GatewaySet([AdminClient(session, g, token) for g in gateways])
             actuator = await make_actuator(admin)
             runner = AutoscaleLoop(
                 Autoscaler(config, offers),

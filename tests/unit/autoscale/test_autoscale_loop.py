@@ -22,9 +22,11 @@ from isocost.autoscale import (
     AdminClient,
     AutoscaleLoop,
     CommandActuator,
+    GatewayCounters,
     GatewayError,
     KubernetesActuator,
     ReplicaRow,
+    read_counters,
 )
 from isocost.control import AutoscaleConfig, Autoscaler, PoolConfig, PoolOffer
 
@@ -68,6 +70,7 @@ class FakeGateway:
         self.statuses: list[dict[str, Any]] = []  # POST /admin/autoscaler
         self.refuse_status = False
         self.live: set[str] = set()  # autoscaler instances that still post their status
+        self.url = "http://gateway.test"
 
     async def snapshot(self) -> dict[str, Any]:
         for row in self.rows.values():
@@ -79,8 +82,8 @@ class FakeGateway:
             "autoscaler": {"live_instances": sorted(self.live)},
         }
 
-    async def metrics(self) -> str:
-        return (
+    async def counters(self) -> GatewayCounters:
+        return read_counters(
             "# TYPE isocost_requests_total counter\n"
             f'isocost_requests_total{{status="200",pool="m",replica="r0"}} {self.answered}\n'
             "# TYPE isocost_slo_requests_total counter\n"

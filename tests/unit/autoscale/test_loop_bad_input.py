@@ -27,9 +27,11 @@ from isocost.autoscale import (
     AdminClient,
     AutoscaleLoop,
     CommandActuator,
+    GatewayCounters,
     GatewayError,
     LocalActuator,
     ReplicaRow,
+    read_counters,
 )
 from isocost.control import (
     Autoscaler,
@@ -56,6 +58,7 @@ class Gateway:
         self.unreadable = 0  # snapshot reads that fail
         self.refuse: dict[str, int] = {}  # action -> calls refused (nothing done)
         self.lose: dict[str, int] = {}  # action -> calls done whose answer is lost
+        self.url = "http://gateway.test"
 
     async def snapshot(self) -> Any:
         if self.unreadable:
@@ -70,10 +73,10 @@ class Gateway:
         junk, self.junk = self.junk, None
         return snapshot if junk is None else junk(snapshot)
 
-    async def metrics(self) -> str:
+    async def counters(self) -> GatewayCounters:
         if self.metrics_text is not None:
-            return self.metrics_text
-        return (
+            return read_counters(self.metrics_text)
+        return read_counters(
             "# TYPE isocost_requests_total counter\n"
             f'isocost_requests_total{{status="200",pool="m",replica="r0"}} {self.answered}\n'
         )

@@ -1,0 +1,333 @@
+"""Several gateways in front of one fleet, read and acted on as one (``GatewaySet``): the
+merge of their snapshots, counters summed across restarts and late first readings,
+actions on every gateway (one that does not list the replica has nothing to do; an
+addition one refuses is taken back from the others), and the loop on such a set:
+arrivals through any gateway count, a scale-in drains on each and waits for each one's
+requests, and a gateway down leaves the others to decide on but holds every stop."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+import msgspec
+import pytest
+from aiohttp.test_utils import TestServer
+from test_autoscale_loop import CONFIG, GPU, Clock
+from test_loop_bad_input import Actuator, Gateway, failures, make_loop, scale_in, until
+
+from isocost.autoscale import (
+    AdminClient,
+    FleetSnapshot,
+    GatewayCounters,
+    GatewayError,
+    GatewaySet,
+    ReplicaRow,
+    merge_snapshots,
+    read_snapshot,
+)
+from isocost.core.catalog import Catalog
+from isocost.gateway.app import build_app
+from isocost.gateway.server import load_gateway
+from isocost.runtime.config import parse_config
+
+ADMIN_TOKEN = "admin-set-5d1"
+
+
+class Member(Gateway):
+    """One of several gateways: ``down`` refuses every call as an unreachable one does;
+    a replica it does not list is a 404, as the admin API answers."""
+
+    def __init__(self, url: str, names: list[str]) -> None:
+        super().__init__(names)
+        self.url = url
+        self.down = False
+        self.posted: list[dict[str, Any]] = []
+
+    def _admin(self, action: str, name: str, change: Callable[[], object]) -> None:
+        if self.down:
+            raise GatewayError(f"{action}: Connection refused")
+        if name not in self.rows:
+            self.calls.append((action, name))
+            raise GatewayError(f"{action}: HTTP 404 no replica named {name!r}", 404)
+        super()._admin(action, name, change)
+
+    async def snapshot(self) -> Any:
+        if self.down:
+            raise GatewayError("GET /admin/snapshot: Connection refused")
+        return await super().snapshot()
+
+    async def counters(self) -> GatewayCounters:
+        if self.down:
+            raise GatewayError("GET /metrics: Connection refused")
+        return await super().counters()
+
+    async def add(self, model: str, replica: dict[str, Any]) -> None:
+        name = replica["name"]
+        row = {"name": name, "gpu": GPU, "state": "healthy", "in_flight": 0}
+        if self.down:
+            raise GatewayError("add: Connection refused")
+        Gateway._admin(self, "add", name, lambda: self.rows.setdefault(name, row))
+
+    async def post_status(self, status: Any) -> None:
+        if self.down:
+            raise GatewayError("POST /admin/autoscaler: Connection refused")
+        self.posted.append(dict(status))
+
+
+def row(name: str, state: str = "healthy", in_flight: int = 0, **fields: Any) -> ReplicaRow:
+    return ReplicaRow(name, state, in_flight, gpu=GPU, **fields)
+
+
+def snapshot(*rows: ReplicaRow, queue: int = 0, live: list[str] | None = None) -> FleetSnapshot:
+    raw: dict[str, Any] = {
+        "pools": [{"model": "m", "queue_depth": queue}],
+        "replicas": [msgspec.to_builtins(r) for r in rows],
+    }
+    if live is not None:
+        raw["autoscaler"] = {"live_instances": live}
+    return msgspec.convert(raw, FleetSnapshot)
+
+
+# -- the merge ---------------------------------------------------------------------------
+
+
+def test_a_replica_several_gateways_list_is_one_row_with_their_requests_summed() -> None:
+    a = snapshot(row("r0", in_flight=2, engine_waiting=3), row("r1"), queue=4, live=["x"])
+    b = snapshot(row("r0", in_flight=5, engine_waiting=1), row("r2"), queue=1, live=["y"])
+    merged = merge_snapshots([a, b], {})
+    assert [r.name for r in merged.replicas] == ["r0", "r1", "r2"]
+    r0 = merged.replicas[0]
+    assert (r0.in_flight, r0.engine_waiting) == (7, 3)  # each counts its own; one engine
+    assert [(p.model, p.queue_depth) for p in merged.pools] == [("m", 5)]
+    assert merged.autoscaler is not None and merged.autoscaler.live_instances == ["x", "y"]
+
+
+@pytest.mark.parametrize(
+    ("states", "merged"),
+    [
+        (["drained", "healthy"], "healthy"),  # routed to by one: it serves
+        (["drained", "ejected"], "ejected"),
+        (["ejected", "healthy"], "healthy"),
+        (["drained", "removing"], "removing"),
+        (["drained", "drained"], "drained"),
+    ],
+)
+def test_a_replica_serves_if_any_gateway_routes_to_it(states: list[str], merged: str) -> None:
+    readings = [snapshot(row("r0", state)) for state in states]
+    assert merge_snapshots(readings, {}).replicas[0].state == merged
+
+
+@pytest.mark.parametrize(
+    ("marks", "merged"),
+    [
+        (["autoscale:a", "autoscale:a"], "autoscale:a"),
+        (["autoscale:a", "autoscale:b"], None),  # drained again in another name somewhere
+        (["autoscale:a", msgspec.UNSET], "autoscale:a"),  # a gateway too old to say
+        ([msgspec.UNSET, msgspec.UNSET], msgspec.UNSET),
+    ],
+)
+def test_a_drain_mark_is_the_one_the_gateways_agree_on(marks: list[Any], merged: Any) -> None:
+    readings = [snapshot(row("r0", "drained", drained_by=mark)) for mark in marks]
+    assert merge_snapshots(readings, {}).replicas[0].drained_by == merged
+
+
+# -- counters ----------------------------------------------------------------------------
+
+
+def test_counters_sum_each_gateways_growth_across_its_restart_and_a_late_first_reading() -> None:
+    async def scenario() -> None:
+        a, b = Member("http://a", ["r0"]), Member("http://b", ["r0"])
+        a.answered, b.answered = 100, 40
+        b.down = True
+        gateways = GatewaySet([a, b])
+        first = await gateways.counters()
+        assert first.answered["r0"] == (100, 100)  # a's history: the baseline
+        a.answered, b.answered, b.down = 110, 900, False
+        second = await gateways.counters()
+        assert second.since(first).answered["r0"] == (10, 10)  # b's history is no arrival
+        a.answered, b.answered = 3, 905  # a restarted: its 3 are new
+        third = await gateways.counters()
+        assert third.since(second).answered["r0"] == (8, 8)
+        a.down = True
+        b.answered = 915
+        fourth = await gateways.counters()
+        assert fourth.since(third).answered["r0"] == (10, 10)
+        a.down, a.answered = False, 9  # its growth while unread counts now
+        assert (await gateways.counters()).since(fourth).answered["r0"] == (6, 6)
+        b.down = True
+        with pytest.raises(GatewayError, match=r"http://a: .*http://b: "):
+            a.down = True
+            await gateways.counters()
+
+    asyncio.run(scenario())
+
+
+# -- actions -----------------------------------------------------------------------------
+
+
+def test_a_drain_goes_to_every_gateway_that_lists_the_replica() -> None:
+    async def scenario() -> None:
+        a, b = Member("http://a", ["r0", "r1"]), Member("http://b", ["r0"])
+        gateways = GatewaySet([a, b])
+        await gateways.drain("r1", "autoscale:x")  # b does not list it: nothing to do there
+        assert a.rows["r1"]["state"] == "drained" and ("drain", "r1") in b.calls
+        with pytest.raises(GatewayError) as none_lists:
+            await gateways.drain("r9", "autoscale:x")
+        assert none_lists.value.status == 404
+        b.down = True
+        with pytest.raises(GatewayError, match=r"^http://b: drain: Connection refused$"):
+            await gateways.drain("r0", "autoscale:x")
+        assert a.rows["r0"]["state"] == "drained"  # done where it could be: retried on all
+
+    asyncio.run(scenario())
+
+
+def test_an_addition_one_gateway_refuses_is_taken_back_from_the_others() -> None:
+    async def scenario() -> None:
+        a, b = Member("http://a", []), Member("http://b", [])
+        b.refuse["add"] = 1
+        gateways = GatewaySet([a, b])
+        with pytest.raises(GatewayError, match="http://b"):
+            await gateways.add("m", {"url": "http://e", "name": "e"})
+        assert a.rows == {} and ("remove", "e") in a.calls  # no gateway routes to it
+        await gateways.add("m", {"url": "http://e", "name": "e"})
+        assert "e" in a.rows and "e" in b.rows
+
+    asyncio.run(scenario())
+
+
+def test_status_posted_to_every_gateway_and_a_down_one_reported() -> None:
+    async def scenario() -> None:
+        a, b = Member("http://a", []), Member("http://b", [])
+        b.down = True
+        with pytest.raises(GatewayError, match=r"^http://b: POST /admin/autoscaler"):
+            await GatewaySet([a, b]).post_status({"instance": "x"})
+        assert a.posted == [{"instance": "x"}]  # each dashboard that can be reached shows it
+
+    asyncio.run(scenario())
+
+
+@asynccontextmanager
+async def _real_gateways(*listings: list[tuple[str, str]]) -> AsyncIterator[GatewaySet]:
+    """A GatewaySet of AdminClients on real gateway apps (in process, each listing the
+    replicas of one listing, by URL on closed ports: nothing is routed here)."""
+    servers = []
+    for listing in listings:
+        replicas = "".join(
+            f"      - {{url: '{url}', name: {name}, gpu: {GPU}, cost_model: llama-3.1-8b}}\n"
+            for name, url in listing
+        )
+        text = f"""
+pools:
+  - model: m
+    replicas:
+{replicas}
+auth:
+  admin_token: {ADMIN_TOKEN}
+"""
+        gateway = load_gateway(parse_config(text, "test"), Catalog.builtin(), None)
+        servers.append(TestServer(build_app(gateway)))
+    async with aiohttp.ClientSession() as session:
+        for server in servers:
+            await server.start_server()
+        try:
+            urls = [str(server.make_url("")).rstrip("/") for server in servers]
+            yield GatewaySet([AdminClient(session, url, ADMIN_TOKEN) for url in urls])
+        finally:
+            for server in servers:
+                await server.close()
+
+
+def test_real_gateways_drain_where_listed_and_answer_404_where_not() -> None:
+    async def scenario() -> None:
+        only_a = ("r1", "http://127.0.0.1:9")
+        both = ("r0", "http://127.0.0.1:11")
+        async with _real_gateways([both, only_a], [both]) as gateways:
+            await gateways.drain("r1", "autoscale:x")
+            merged = read_snapshot(await gateways.snapshot())
+            states = {r.name: (r.state, r.drained_by) for r in merged.replicas}
+            assert states["r1"] == ("drained", "autoscale:x")
+            assert states["r0"][0] in ("healthy", "ejected")  # not drained: no engine here
+            with pytest.raises(GatewayError) as none_lists:
+                await gateways.undrain("r9")
+            assert none_lists.value.status == 404
+            await gateways.remove("r1")
+
+    asyncio.run(scenario())
+
+
+# -- the loop on several gateways -----------------------------------------------------------
+
+
+class EveryGatewayActuator(Actuator):
+    """Stops that assert no gateway has a request in flight on the victim."""
+
+    def __init__(self, members: list[Member]) -> None:
+        super().__init__(members[0])
+        self.members = members
+
+    async def stop(self, name: str, gpu: str, desired: int) -> None:
+        busy = {m.url: m.rows[name]["in_flight"] for m in self.members if name in m.rows}
+        assert not any(busy.values()), f"stopped with requests in flight: {busy}"
+        await super().stop(name, gpu, desired)
+
+
+def test_arrivals_through_any_gateway_start_replicas() -> None:
+    async def scenario() -> None:
+        clock = Clock()
+        a, b = Member("http://a", ["r0"]), Member("http://b", ["r0"])
+        actuator = EveryGatewayActuator([a, b])
+        loop = make_loop(GatewaySet([a, b]), clock, actuator)  # type: ignore[arg-type]
+        for answered in (0, 10):  # the first reading, then 10 requests through b only
+            b.answered = answered
+            clock.now += CONFIG.interval_s
+            await loop.tick()
+        await loop.settle()
+        assert actuator.started == [3, 3]  # read through a alone, none would start
+
+    asyncio.run(scenario())
+
+
+def test_a_scale_in_drains_on_every_gateway_and_waits_for_each_ones_requests() -> None:
+    async def scenario() -> None:
+        clock = Clock()
+        a, b = Member("http://a", ["r0", "r1"]), Member("http://b", ["r0", "r1"])
+        loop = make_loop(GatewaySet([a, b]), clock, EveryGatewayActuator([a, b]))  # type: ignore[arg-type]
+        victim = await scale_in(loop, clock)
+        b.rows[victim]["in_flight"] = 5  # b's requests only: a alone would say idle
+        await loop.settle()
+        assert [c for c, n in a.calls if n == victim] == ["drain", "stop", "remove"]
+        assert [c for c, n in b.calls if n == victim] == ["drain", "remove"]
+        assert victim not in a.rows | b.rows
+
+    asyncio.run(scenario())
+
+
+def test_a_gateway_down_leaves_the_others_to_decide_and_holds_the_stop_until_read() -> None:
+    async def scenario() -> None:
+        clock = Clock()
+        a, b = Member("http://a", ["r0", "r1"]), Member("http://b", ["r0", "r1"])
+        loop = make_loop(GatewaySet([a, b]), clock, EveryGatewayActuator([a, b]))  # type: ignore[arg-type]
+        victim = await scale_in(loop, clock)
+        a.rows[victim]["in_flight"] = 10**6  # a's requests, past the drain deadline
+        await until(lambda: ("drain", victim) in a.calls and ("drain", victim) in b.calls)
+        a.down = True
+        clock.now += CONFIG.interval_s
+        tick = await loop.tick()  # decided on b's reading alone
+        assert tick.count("draining") == 1 and failures(loop, "observe") == 1
+        for _ in range(3):
+            await asyncio.sleep(0)
+        clock.now += 2 * CONFIG.drain_deadline_s  # past the deadline, a still unread
+        for _ in range(50):
+            await asyncio.sleep(0)
+        assert ("stop", victim) not in a.calls and failures(loop, "drain_poll") > 0
+        a.rows[victim]["in_flight"] = 0
+        a.down = False
+        await loop.settle()
+        assert ("stop", victim) in a.calls and victim not in a.rows | b.rows
+
+    asyncio.run(scenario())
