@@ -8,18 +8,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from gateway_harness import wait_for
 from isocost_procs import Proc
 from test_autoscale_cli import Load, replicas, start_autoscale, start_gateways, terminate
 
 
+@pytest.mark.parametrize("resolve", [False, True], ids=["listed", "resolved"])
 def test_load_through_either_gateway_scales_and_a_scale_in_leaves_both(
-    tmp_path: Path, procs: list[Proc]
+    tmp_path: Path, procs: list[Proc], resolve: bool
 ) -> None:
+    """``resolved``: with ``--resolve-gateways`` the members are found again each interval
+    (an IP address is itself), and a gateway found again keeps its counters."""
     a, b = start_gateways(tmp_path, procs, 2)
     load = Load(b.url)
     load.run(senders=4)
-    real, out = start_autoscale(tmp_path, a, "--gateway", b.url)
+    flags = ["--gateway", b.url, *(["--resolve-gateways"] if resolve else [])]
+    real, out = start_autoscale(tmp_path, a, *flags)
     try:
         both = lambda n: len(replicas(a)) == n and len(replicas(b)) == n  # noqa: E731
         wait_for(lambda: both(2), 30, "a second replica on both", state=out.read_text)

@@ -24,7 +24,7 @@ from isocost.autoscale._admin import (
     read_counters,
     read_snapshot,
 )
-from isocost.autoscale._gateways import GatewaySet, merge_snapshots
+from isocost.autoscale._gateways import GatewayAddresses, GatewaySet, merge_snapshots
 from isocost.autoscale._loop import AutoscaleLoop, LoopMetrics, Tick
 from isocost.autoscale._plan import offers_from_plan
 
@@ -36,6 +36,7 @@ __all__ = [
     "CommandActuator",
     "FleetGateway",
     "FleetSnapshot",
+    "GatewayAddresses",
     "GatewayCounters",
     "GatewayError",
     "GatewaySet",

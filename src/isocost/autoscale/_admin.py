@@ -6,6 +6,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Protocol
+from urllib.parse import urlsplit
 
 import aiohttp
 import msgspec
@@ -184,17 +185,28 @@ class FleetGateway(Protocol):
 
 
 class AdminClient:
-    """The admin API calls the autoscaler needs, each a ``GatewayError`` when refused."""
+    """The admin API calls the autoscaler needs, each a ``GatewayError`` when refused.
+    ``host``: the ``host[:port]`` to present where ``url`` names an address (one gateway
+    Pod behind a Service's name), as the Host header and the name TLS verifies."""
 
-    def __init__(self, session: aiohttp.ClientSession, url: str, token: str) -> None:
+    def __init__(
+        self, session: aiohttp.ClientSession, url: str, token: str, host: str | None = None
+    ) -> None:
         self.session = session
         self.url = url.rstrip("/")
         self._headers = {"Authorization": f"Bearer {token}"}
+        self._tls_name = None if host is None else urlsplit(f"//{host}").hostname
+        if host is not None:
+            self._headers["Host"] = host
 
     async def _call(self, method: str, path: str, body: object = None) -> Any:
         try:
             async with self.session.request(
-                method, self.url + path, json=body, headers=self._headers
+                method,
+                self.url + path,
+                json=body,
+                headers=self._headers,
+                server_hostname=self._tls_name,
             ) as response:
                 if response.status >= 300:
                     text = (await response.text())[:200]

@@ -25,15 +25,25 @@ stop cuts. ``GatewaySet`` reads them all and acts on them all:
   that no gateway routes to a replica whose start failed.
 * **status**: posted to every gateway, so that each one's dashboard shows it and the
   autoscaler stays live as long as any one of them hears it.
+
+The members may change between calls (``set_members``): ``GatewayAddresses`` resolves
+each gateway's host name to every address it has, again each round, so that a
+Kubernetes headless Service names every gateway Pod as they come and go (a plain
+Service's one address would hand each call to any Pod: counters from one, drains on
+another). A gateway that leaves takes its counters with it; one that joins is a late
+first reading.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
+import socket
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -49,7 +59,7 @@ from isocost.autoscale._admin import (
     read_snapshot,
 )
 
-__all__ = ["GatewaySet", "merge_snapshots"]
+__all__ = ["GatewayAddresses", "GatewaySet", "merge_snapshots"]
 
 log = logging.getLogger("isocost.autoscale")
 
@@ -114,11 +124,18 @@ class GatewaySet:
     """Several gateways as one ``FleetGateway`` (module docstring)."""
 
     def __init__(self, members: Sequence[FleetGateway]) -> None:
+        self.members: tuple[FleetGateway, ...] = ()
+        self._counted: dict[str, GatewayCounters] = {}  # by URL: each one's last reading
+        self._total: GatewayCounters | None = None  # what ``counters`` last answered
+        self.set_members(members)
+
+    def set_members(self, members: Sequence[FleetGateway]) -> None:
+        """The gateways from now on; those gone take their counters' state with them."""
         if not members:
             raise ValueError("a gateway set needs a gateway")
         self.members = tuple(members)
-        self._counted: dict[int, GatewayCounters] = {}  # each member's at its last reading
-        self._total: GatewayCounters | None = None  # what ``counters`` last answered
+        urls = {member.url for member in members}
+        self._counted = {url: c for url, c in self._counted.items() if url in urls}
 
     @property
     def url(self) -> str:
@@ -172,15 +189,15 @@ class GatewaySet:
                 },
             )
         growth = GatewayCounters({}, (0, 0))
-        for index, reading in enumerate(results):
+        for member, reading in zip(self.members, results, strict=True):
             if isinstance(reading, GatewayError):
                 continue
-            before = self._counted.get(index)
+            before = self._counted.get(member.url)
             if before is not None:
                 growth = growth.plus(reading.since(before))
             elif self._total is None:  # the first reading: every gateway's is the baseline
                 growth = growth.plus(reading)
-            self._counted[index] = reading
+            self._counted[member.url] = reading
         self._total = growth if self._total is None else self._total.plus(growth)
         return self._total
 
@@ -215,3 +232,67 @@ class GatewaySet:
     async def post_status(self, status: Mapping[str, Any]) -> None:
         if errors := self._errors(await self._each(lambda m: m.post_status(status))):
             raise _failure(errors)
+
+
+class GatewayAddresses:
+    """Each gateway URL's host name resolved to every address it has (module docstring):
+    one member per address, made by ``make(url, host)`` (``host``: the name to present,
+    as the Host header and to TLS). A name that cannot be resolved keeps the addresses it
+    last had (never had any: it is one member as given, its calls failing, reported);
+    an IP address is itself."""
+
+    def __init__(
+        self, urls: Sequence[str], make: Callable[[str, str | None], FleetGateway]
+    ) -> None:
+        self.urls = list(urls)
+        self.make = make
+        self._members: dict[str, FleetGateway] = {}  # by URL: kept while it resolves
+        self._addresses_of: dict[str, list[str]] = {}  # each URL's at the last lookup
+
+    async def resolve(self) -> list[FleetGateway]:
+        wanted: dict[str, str | None] = {}
+        for url in self.urls:
+            for address in await self._addresses(url):
+                wanted.setdefault(address, urlsplit(url).netloc if address != url else None)
+        self._members = {
+            url: self._members.get(url) or self.make(url, host) for url, host in wanted.items()
+        }
+        return list(self._members.values())
+
+    async def follow(self, gateways: GatewaySet, every_s: float) -> None:
+        """Resolve again every ``every_s`` and make the result ``gateways``' members, until
+        cancelled."""
+        while True:
+            await asyncio.sleep(every_s)
+            gateways.set_members(await self.resolve())
+
+    async def _addresses(self, url: str) -> list[str]:
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        with contextlib.suppress(ValueError):
+            ipaddress.ip_address(host)
+            return [url]
+        try:
+            ips = await self.lookup(host, port)
+        except OSError as exc:
+            log.warning(
+                "gateway name not resolved: its last addresses kept",
+                extra={
+                    "event": "autoscale_failure",
+                    "action": "resolve",
+                    "gateway": url,
+                    "error": str(exc),
+                },
+            )
+            return self._addresses_of.get(url, [url])
+        path = parts.path.rstrip("/")
+        self._addresses_of[url] = [
+            f"{parts.scheme}://{f'[{ip}]' if ':' in ip else ip}:{port}{path}" for ip in ips
+        ] or [url]
+        return self._addresses_of[url]
+
+    async def lookup(self, host: str, port: int) -> list[str]:
+        """The addresses of ``host`` (DNS, /etc/hosts); an OSError when it has none."""
+        found = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        return sorted({str(info[4][0]) for info in found})

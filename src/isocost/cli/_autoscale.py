@@ -28,6 +28,12 @@ def autoscale(
         help="A gateway's URL; repeat for each gateway in front of the fleet (read summed,"
         " drained on all).",
     ),
+    resolve_gateways: bool = typer.Option(
+        False,
+        "--resolve-gateways",
+        help="Read every address each --gateway name resolves to, resolved again each"
+        " interval (a Kubernetes headless Service: every gateway Pod).",
+    ),
     config_path: Path = typer.Option(..., "--config", help="Autoscale YAML (as sim --autoscale)."),
     actuator_name: str | None = typer.Option(
         None, "--actuator", help="local|command|kubernetes (default: the config's)."
@@ -76,6 +82,7 @@ def autoscale(
     log_level: LogLevelOption = "info",
 ) -> None:
     """Scale replicas ahead of demand; drain on scale-in."""
+    import asyncio
     import time
 
     import aiohttp
@@ -86,6 +93,7 @@ def autoscale(
         AdminClient,
         AutoscaleLoop,
         CommandActuator,
+        GatewayAddresses,
         GatewaySet,
         KubernetesActuator,
         LocalActuator,
@@ -170,9 +178,20 @@ def autoscale(
     async def main() -> None:
         stop = stop_requested()
         assert token is not None
+        admin_token = token
         timeout = aiohttp.ClientTimeout(total=10)
         async with aiohttp.ClientSession(timeout=timeout) as session:
-            admin = GatewaySet([AdminClient(session, g, token) for g in gateways])
+
+            def client(url: str, host: str | None) -> AdminClient:
+                return AdminClient(session, url, admin_token, host)
+
+            following: asyncio.Task[None] | None = None
+            if resolve_gateways:
+                addresses = GatewayAddresses(gateways, client)
+                admin = GatewaySet(await addresses.resolve())
+                following = asyncio.create_task(addresses.follow(admin, config.interval_s))
+            else:
+                admin = GatewaySet([client(g, None) for g in gateways])
             actuator = await make_actuator(admin)
             runner = AutoscaleLoop(
                 Autoscaler(config, offers),
@@ -210,6 +229,8 @@ def autoscale(
             try:
                 await runner.run(stop, show)
             finally:
+                if following is not None:
+                    following.cancel()
                 await actuator.close()
 
     run_serving(main())

@@ -1,4 +1,5 @@
-"""Several gateways in front of one fleet, read and acted on as one (``GatewaySet``): the
+"""Several gateways in front of one fleet, read and acted on as one (``GatewaySet``),
+found by name (``GatewayAddresses``: one gateway per address, as they come and go): the
 merge of their snapshots, counters summed across restarts and late first readings,
 actions on every gateway (one that does not list the replica has nothing to do; an
 addition one refuses is taken back from the others), and the loop on such a set:
@@ -15,6 +16,7 @@ from typing import Any
 import aiohttp
 import msgspec
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestServer
 from test_autoscale_loop import CONFIG, GPU, Clock
 from test_loop_bad_input import Actuator, Gateway, failures, make_loop, scale_in, until
@@ -22,6 +24,7 @@ from test_loop_bad_input import Actuator, Gateway, failures, make_loop, scale_in
 from isocost.autoscale import (
     AdminClient,
     FleetSnapshot,
+    GatewayAddresses,
     GatewayCounters,
     GatewayError,
     GatewaySet,
@@ -211,17 +214,14 @@ def test_status_posted_to_every_gateway_and_a_down_one_reported() -> None:
     asyncio.run(scenario())
 
 
-@asynccontextmanager
-async def _real_gateways(*listings: list[tuple[str, str]]) -> AsyncIterator[GatewaySet]:
-    """A GatewaySet of AdminClients on real gateway apps (in process, each listing the
-    replicas of one listing, by URL on closed ports: nothing is routed here)."""
-    servers = []
-    for listing in listings:
-        replicas = "".join(
-            f"      - {{url: '{url}', name: {name}, gpu: {GPU}, cost_model: llama-3.1-8b}}\n"
-            for name, url in listing
-        )
-        text = f"""
+def _gateway_app(listing: list[tuple[str, str]]) -> web.Application:
+    """A real gateway's app listing these (name, URL) replicas (closed ports: nothing is
+    routed here)."""
+    replicas = "".join(
+        f"      - {{url: '{url}', name: {name}, gpu: {GPU}, cost_model: llama-3.1-8b}}\n"
+        for name, url in listing
+    )
+    text = f"""
 pools:
   - model: m
     replicas:
@@ -229,8 +229,13 @@ pools:
 auth:
   admin_token: {ADMIN_TOKEN}
 """
-        gateway = load_gateway(parse_config(text, "test"), Catalog.builtin(), None)
-        servers.append(TestServer(build_app(gateway)))
+    return build_app(load_gateway(parse_config(text, "test"), Catalog.builtin(), None))
+
+
+@asynccontextmanager
+async def _real_gateways(*listings: list[tuple[str, str]]) -> AsyncIterator[GatewaySet]:
+    """A GatewaySet of AdminClients on real gateway apps (in process), one per listing."""
+    servers = [TestServer(_gateway_app(listing)) for listing in listings]
     async with aiohttp.ClientSession() as session:
         for server in servers:
             await server.start_server()
@@ -256,6 +261,83 @@ def test_real_gateways_drain_where_listed_and_answer_404_where_not() -> None:
                 await gateways.undrain("r9")
             assert none_lists.value.status == 404
             await gateways.remove("r1")
+
+    asyncio.run(scenario())
+
+
+class Addresses(GatewayAddresses):
+    """Host names resolved from ``table`` (a name missing from it does not resolve)."""
+
+    def __init__(self, urls: list[str], make: Any) -> None:
+        super().__init__(urls, make)
+        self.table: dict[str, list[str]] = {}
+
+    async def lookup(self, host: str, port: int) -> list[str]:
+        if host not in self.table:
+            raise OSError(f"{host}: Name or service not known")
+        return self.table[host]
+
+
+def test_a_name_with_several_addresses_is_a_gateway_per_address_as_they_come_and_go() -> None:
+    """A headless Service names each gateway Pod: every address is read (each one's
+    replicas merged), with the name as the Host header; a Pod gone is no longer read,
+    and a failed lookup keeps the last addresses."""
+
+    async def scenario() -> None:
+        seen_hosts: list[str] = []
+
+        @web.middleware
+        async def host_seen(request: web.Request, handler: Any) -> web.StreamResponse:
+            seen_hosts.append(request.host)
+            return await handler(request)
+
+        apps = [
+            _gateway_app([("r0", "http://127.0.0.1:9")]),
+            _gateway_app([("r1", "http://127.0.0.1:11")]),
+        ]
+        for app in apps:
+            app.middlewares.append(host_seen)
+        first = TestServer(apps[0], host="127.0.0.1")
+        await first.start_server()
+        second = TestServer(apps[1], host="127.0.0.2", port=first.port)
+        await second.start_server()
+        try:
+            async with aiohttp.ClientSession() as session:
+                url = f"http://gateways.inference:{first.port}"
+                addresses = Addresses(
+                    [url], lambda u, host: AdminClient(session, u, ADMIN_TOKEN, host)
+                )
+                addresses.table["gateways.inference"] = ["127.0.0.1", "127.0.0.2"]
+                gateways = GatewaySet(await addresses.resolve())
+                assert [m.url for m in gateways.members] == [
+                    f"http://127.0.0.1:{first.port}",
+                    f"http://127.0.0.2:{first.port}",
+                ]
+                names = [r.name for r in read_snapshot(await gateways.snapshot()).replicas]
+                assert names == ["r0", "r1"]
+                assert set(seen_hosts) == {f"gateways.inference:{first.port}"}
+                addresses.table["gateways.inference"] = ["127.0.0.2"]  # the first Pod gone
+                gateways.set_members(await addresses.resolve())
+                names = [r.name for r in read_snapshot(await gateways.snapshot()).replicas]
+                assert names == ["r1"]
+                del addresses.table["gateways.inference"]  # DNS down: the last addresses
+                assert [m.url for m in await addresses.resolve()] == [
+                    f"http://127.0.0.2:{first.port}"
+                ]
+        finally:
+            await first.close()
+            await second.close()
+
+    asyncio.run(scenario())
+
+
+def test_real_lookups_an_ip_is_itself_and_a_name_never_resolved_is_read_as_given() -> None:
+    async def scenario() -> None:
+        urls = ["http://localhost:8080", "http://10.1.2.3:8080", "http://nope.invalid:8080"]
+        addresses = GatewayAddresses(urls, lambda url, host: Member(url, []))
+        resolved = [member.url for member in await addresses.resolve()]
+        assert "http://127.0.0.1:8080" in resolved
+        assert resolved[-2:] == ["http://10.1.2.3:8080", "http://nope.invalid:8080"]
 
     asyncio.run(scenario())
 
