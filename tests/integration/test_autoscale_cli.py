@@ -166,8 +166,21 @@ def test_a_load_step_starts_an_engine_and_the_drop_drains_one_with_no_failure(
         (AUTOSCALE, ["--actuator", "command"], "--actuator command needs --scale-command"),
         (AUTOSCALE, ["--gateway", "http://127.0.0.1:9/"], "a gateway named twice"),
         (AUTOSCALE, ["--gateway", "127.0.0.1:8080"], "127.0.0.1:8080: not an http(s):// URL"),
+        (
+            AUTOSCALE,
+            ["--actuator", "local", "--metrics-port", "9109", "--metrics-host", "203.0.113.9"],
+            "cannot listen on 203.0.113.9:9109",
+        ),
     ],
-    ids=["min>max", "no-budget", "simulator", "no-command", "gateway-twice", "gateway-no-url"],
+    ids=[
+        "min>max",
+        "no-budget",
+        "simulator",
+        "no-command",
+        "gateway-twice",
+        "gateway-no-url",
+        "metrics-host-not-ours",
+    ],
 )
 def test_bad_config_or_flags_are_one_line_and_exit_2(
     tmp_path: Path, config: str, flags: list[str], message: str

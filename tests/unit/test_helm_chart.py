@@ -377,3 +377,136 @@ def test_upstream_tls_from_a_secret() -> None:
     assert "certKey and keyKey" in _failure(
         "upstreamTls.existingSecret=vllm-tls", "upstreamTls.certKey=tls.crt"
     )
+
+
+# -- the autoscaler (autoscaler.enabled) ----------------------------------------------------
+
+AUTOSCALER = (
+    "autoscaler.enabled=true",
+    "autoscaler.deployment=vllm-llama-3-1-8b",
+    "adminToken.existingSecret=isocost-admin",
+)
+# What KubernetesActuator calls (read/patch_namespaced_deployment_scale,
+# list/patch_namespaced_pod): (API group, resource, verb).
+ACTUATOR_CALLS = {
+    ("apps", "deployments/scale", "get"),
+    ("apps", "deployments/scale", "patch"),
+    ("", "pods", "list"),
+    ("", "pods", "patch"),
+}
+
+
+def _render_all(*sets: str) -> list[dict[str, Any]]:
+    done = _helm("template", *sets)
+    assert done.returncode == 0, done.stderr
+    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+
+
+def _named(docs: list[dict[str, Any]], kind: str, suffix: str) -> dict[str, Any]:
+    (doc,) = [d for d in docs if d["kind"] == kind and d["metadata"]["name"].endswith(suffix)]
+    return doc
+
+
+def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return selector.items() <= labels.items()
+
+
+def test_chart_with_the_autoscaler_lints_clean() -> None:
+    done = _helm("lint", *AUTOSCALER)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_autoscaler_reads_every_gateway_pod_and_scales_the_model_servers() -> None:
+    docs = _render_all(*AUTOSCALER, "autoscaler.capacityRps=3.5")
+    gateway = _named(docs, "Deployment", "-isocost")
+    autoscaler = _named(docs, "Deployment", "-autoscaler")
+    pod = autoscaler["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    params = _cli_params(container)
+    assert params["actuator_name"] == "kubernetes" and params["resolve_gateways"]
+    assert params["deployment"] == "vllm-llama-3-1-8b" and params["capacity_rps"] == 3.5
+    assert params["namespace"] == NAMESPACE  # the model servers': discovery's
+    assert params["metrics_host"] == "0.0.0.0"
+    # --gateway names a headless Service over the gateway Pods, on their port.
+    (url,) = params["gateways"]
+    pods = _named(docs, "Service", "-pods")
+    assert pods["spec"]["clusterIP"] == "None"
+    name = pods["metadata"]["name"]
+    (port,) = pods["spec"]["ports"]
+    assert url == f"http://{name}.{NAMESPACE}.svc:{port['port']}"
+    (gateway_container,) = gateway["spec"]["template"]["spec"]["containers"]
+    assert port["targetPort"] in {p["name"] for p in gateway_container["ports"]}
+    gateway_labels = gateway["spec"]["template"]["metadata"]["labels"]
+    assert _selects(pods["spec"]["selector"], gateway_labels)
+    # The gateways' own Service does not select the autoscaler's Pod.
+    service = _named(docs, "Service", "-isocost")
+    assert not _selects(service["spec"]["selector"], pod["metadata"]["labels"])
+    assert _selects(autoscaler["spec"]["selector"]["matchLabels"], pod["metadata"]["labels"])
+    assert autoscaler["spec"]["strategy"]["type"] == "Recreate"  # never two at once
+    # Its config is a valid autoscale YAML, mounted where --config points.
+    from isocost.sim import parse_autoscale_yaml
+
+    config_map = _named(docs, "ConfigMap", "-autoscaler")
+    path = Path(params["config_path"])
+    (volume,) = pod["spec"]["volumes"]
+    assert volume["configMap"]["name"] == config_map["metadata"]["name"]
+    (mount,) = container["volumeMounts"]
+    assert path.parent == Path(mount["mountPath"])
+    config = parse_autoscale_yaml(config_map["data"][path.name], "chart")
+    assert [pool.gpu for pool in config.pools] == ["a100-80g"]
+    (env,) = container["env"]
+    assert env["name"] == params["admin_token_env"]
+    assert env["valueFrom"]["secretKeyRef"]["name"] == "isocost-admin"
+    metrics = {p["name"]: p["containerPort"] for p in container["ports"]}["metrics"]
+    assert metrics == params["metrics_port"]
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(metrics)
+
+
+@pytest.mark.parametrize("namespace", ["", "models"])
+def test_the_autoscalers_role_grants_what_its_actuator_calls(namespace: str) -> None:
+    docs = _render_all(*AUTOSCALER, f"autoscaler.namespace={namespace}")
+    role = _named(docs, "Role", "-autoscaler")
+    binding = _named(docs, "RoleBinding", "-autoscaler")
+    account = _named(docs, "ServiceAccount", "-autoscaler")
+    pod = _named(docs, "Deployment", "-autoscaler")["spec"]["template"]
+    assert role["metadata"]["namespace"] == (namespace or NAMESPACE)
+    (container,) = pod["spec"]["containers"]
+    assert _cli_params(container)["namespace"] == role["metadata"]["namespace"]
+    granted = {
+        (group, resource, verb)
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+    assert granted == ACTUATOR_CALLS  # all it calls, nothing more
+    assert binding["metadata"]["namespace"] == role["metadata"]["namespace"]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert pod["spec"]["serviceAccountName"] == account["metadata"]["name"]
+    assert {
+        "kind": "ServiceAccount",
+        "name": account["metadata"]["name"],
+        "namespace": NAMESPACE,
+    } in binding["subjects"]
+    bare = _render_all(*AUTOSCALER, "rbac.create=false", "autoscaler.serviceAccountName=scaler")
+    kinds = {d["kind"] for d in bare if d["metadata"]["name"].endswith("-autoscaler")}
+    assert not kinds & RBAC_KINDS
+    bare_pod = _named(bare, "Deployment", "-autoscaler")["spec"]["template"]
+    assert bare_pod["spec"]["serviceAccountName"] == "scaler"
+
+
+def test_no_autoscaler_unless_enabled() -> None:
+    assert not any(doc["metadata"]["name"].endswith("-autoscaler") for doc in _render_all())
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["adminToken.existingSecret="], "needs adminToken.existingSecret"),
+        (["autoscaler.deployment="], "needs autoscaler.deployment"),
+        (["mode=picker", "adminToken.existingSecret="], "(mode=gateway)"),
+    ],
+    ids=["no-token", "no-deployment", "picker"],
+)
+def test_the_autoscaler_refuses_what_it_cannot_run_with(sets: list[str], message: str) -> None:
+    assert message in _failure(*AUTOSCALER, *sets)

@@ -79,6 +79,11 @@ def autoscale(
         callback=checked(Bounds(1, 65535)),
         help="Serve the autoscaler's Prometheus metrics here.",
     ),
+    metrics_host: str = typer.Option(
+        "127.0.0.1",
+        "--metrics-host",
+        help="The address --metrics-port listens on (0.0.0.0: all, as in a Pod).",
+    ),
     log_level: LogLevelOption = "info",
 ) -> None:
     """Scale replicas ahead of demand; drain on scale-in."""
@@ -153,8 +158,8 @@ def autoscale(
     configure_logging(log_level)
     metrics = LoopMetrics()
     if metrics_port is not None:
-        with Listening("127.0.0.1", metrics_port):
-            start_http_server(metrics_port, "127.0.0.1", registry=metrics.registry)
+        with Listening(metrics_host, metrics_port):
+            start_http_server(metrics_port, metrics_host, registry=metrics.registry)
 
     async def pool_model(admin: GatewaySet) -> str:
         if model is not None:

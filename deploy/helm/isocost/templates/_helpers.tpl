@@ -40,6 +40,22 @@ app.kubernetes.io/component: {{ include "isocost.mode" . }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 
+{{/*
+The autoscaler's Pods: labels of their own, so that the gateways' Services select none.
+*/}}
+{{- define "isocost.autoscalerSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "isocost.name" . }}-autoscaler
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "isocost.autoscalerLabels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{ include "isocost.autoscalerSelectorLabels" . }}
+app.kubernetes.io/version: {{ .Values.image.tag | default .Chart.AppVersion | quote }}
+app.kubernetes.io/component: autoscaler
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
 {{- define "isocost.serviceAccountName" -}}
 {{- if .Values.rbac.create -}}
 {{- include "isocost.fullname" . -}}
