@@ -136,6 +136,31 @@ def test_workers_share_the_port_and_act_as_one_gateway(fleet: Fleet) -> None:
     assert status == 200 and listed == {"changes": [drain], "complete": True}, listed
 
 
+def test_the_snapshot_through_the_port_counts_every_workers_requests(fleet: Fleet) -> None:
+    """What an autoscaler waits on before it stops a drained replica, and sizes the fleet
+    by: the requests in flight and queued through every worker, whichever one answers
+    (each worker alone sees its own connections' only)."""
+    streams = []
+    try:
+        for i in range(6):  # each on a new connection: spread over the workers
+            data, headers = _json(
+                {"model": MODEL, "prompt": f"long {i}", "max_tokens": 1500, "stream": True}
+            )
+            request = urllib.request.Request(
+                fleet.gateway.url + "/v1/completions", data=data, headers=headers
+            )
+            streams.append(urllib.request.urlopen(request, timeout=60))
+            assert streams[-1].readline().startswith(b"data: ")  # its first token: in flight
+        for worker, snapshot in fleet.snapshots_of_every_worker().items():
+            in_flight = sum(row["in_flight"] for row in snapshot["replicas"])
+            assert in_flight == 6, (worker, [r["in_flight"] for r in snapshot["replicas"]])
+            assert sum(pool["in_flight"] for pool in snapshot["pools"]) == 6, worker
+            assert snapshot["workers"] == {"answered": [0, 1], "missing": []}, worker
+    finally:
+        for stream in streams:
+            stream.close()
+
+
 def _by_worker(url: str, name: str, **labels: str) -> dict[str, float]:
     """The samples ``name`` with ``labels`` of the port's /metrics, per ``worker`` label."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as response:

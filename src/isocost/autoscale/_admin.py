@@ -66,15 +66,29 @@ class PoolRow(msgspec.Struct, frozen=True):
     model: str = ""
 
 
+class WorkersRow(msgspec.Struct, frozen=True):
+    """``serve --workers``: the workers whose requests the snapshot could not count."""
+
+    missing: list[int] = msgspec.field(default_factory=list)
+
+
 class FleetSnapshot(msgspec.Struct, frozen=True):
     """``/admin/snapshot`` as checked data: a loop deciding on junk would scale on junk."""
 
     pools: list[PoolRow]
     replicas: list[ReplicaRow]
     autoscaler: AutoscalerRow | None = None
+    workers: WorkersRow | None = None
     # of several gateways read as one (``GatewaySet``), those that did not answer: URL ->
     # why; a gateway's own snapshot has none
     unread: dict[str, str] = msgspec.field(default_factory=dict)
+
+    def gaps(self) -> dict[str, str]:
+        """What the snapshot does not count (where -> why): gateways of a set that did not
+        answer, workers of a ``serve --workers`` gateway that did not. Decisions may go on
+        without them; a replica's idle needs them."""
+        missing = self.workers.missing if self.workers is not None else []
+        return self.unread | {f"worker {w}": "its requests not counted" for w in missing}
 
 
 def read_snapshot(raw: object) -> FleetSnapshot:

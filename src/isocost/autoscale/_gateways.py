@@ -12,8 +12,9 @@ stop cuts. ``GatewaySet`` reads them all and acts on them all:
   instances united. A replica serves if any gateway routes to it (``ejected`` only where
   none has it healthy), else it is leaving (``removing`` on any) or ``drained``; its drain
   mark is the one the gateways that drained it agree on (None where they differ: drained
-  again in another name somewhere). Those that did not answer are named in ``unread``:
-  one gateway down leaves the others to decide on, but a drain's end needs them all.
+  again in another name somewhere). Those that did not answer are named in ``unread``
+  (with the workers of a ``serve --workers`` gateway that did not): one gateway down
+  leaves the others to decide on, but a drain's end needs them all.
 * **counters**: summed over the gateways, each one's growth since its own last reading
   (a gateway restarted counts from zero again; one first read after the start brings its
   history in as a baseline, not as arrivals), so the sum only grows. One that cannot be
@@ -166,9 +167,11 @@ class GatewaySet:
             try:
                 if isinstance(raw, GatewayError):
                     raise raw
-                readings.append(read_snapshot(raw))
+                readings.append(reading := read_snapshot(raw))
             except GatewayError as exc:
                 unread[member.url] = str(exc)
+                continue
+            unread |= {f"{member.url} {part}": why for part, why in reading.gaps().items()}
         if not readings:
             raise GatewayError("; ".join(f"{url}: {why}" for url, why in unread.items()))
         merged: dict[str, Any] = msgspec.to_builtins(merge_snapshots(readings, unread))

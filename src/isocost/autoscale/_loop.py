@@ -31,14 +31,15 @@ drains its victim through the gateway (no new work), waits until nothing is in f
 there or ``drain_deadline_s`` has passed, stops it through the actuator, then removes it
 from the gateway: no request is killed by the autoscaler unless the deadline ends its
 drain. With several gateways the drain is on each, and idle means idle on each: one that
-cannot be read holds the stop. Every action is retried with exponential backoff; each
-failure is a log line and ``isocost_autoscale_failures_total``. A stop that fails for
-good undrains the replica, so none is left half-drained; what still fails after the
-retries (an undrain, a removal, a drain whose answer was lost) is tried again once a
-round until the gateway shows it done. A gateway that cannot be read during a drain is
-waited out, past the deadline too: its end, and the stop, need a reading that shows the
-drain still this loop's. A start whose replica never shows up is given up after a few
-cold starts (it would otherwise count as capacity for good).
+cannot be read (or a ``serve --workers`` worker that did not answer) holds the stop.
+Every action is retried with exponential backoff; each failure is a log line and
+``isocost_autoscale_failures_total``. A stop that fails for good undrains the replica,
+so none is left half-drained; what still fails after the retries (an undrain, a removal,
+a drain whose answer was lost) is tried again once a round until the gateway shows it
+done. A gateway that cannot be read during a drain is waited out, past the deadline too:
+its end, and the stop, need a reading that shows the drain still this loop's. A start
+whose replica never shows up is given up after a few cold starts (it would otherwise
+count as capacity for good).
 
 What an earlier autoscaler left of the replicas it started or drained is taken over: a
 drain it left is finished, a start it cut short is stopped. Each drain names its
@@ -240,8 +241,8 @@ class AutoscaleLoop:
         now = self.clock()
         snapshot = read_snapshot(await self.gateway.snapshot())
         counters = await self.gateway.counters()
-        for url, error in snapshot.unread.items():
-            self._failed("observe", "gateway unreadable", gateway=url, error=error)
+        for where, why in snapshot.gaps().items():
+            self._failed("observe", "gateway unreadable", gateway=where, error=why)
         self._rows = snapshot.replicas
         await self._reconcile(snapshot)
         if not self.dry_run:
@@ -365,7 +366,7 @@ class AutoscaleLoop:
         the gateway no longer lists (or shows done) needs nothing more, unless one of
         several gateways could not be read: it may still list it."""
         state = {row.name: row.state for row in snapshot.replicas}
-        if not snapshot.unread:
+        if not snapshot.gaps():
             self._gone &= state.keys()
             self._undrain_owed = {n for n in self._undrain_owed if state.get(n) == "drained"}
         for name in sorted(self._gone):
@@ -615,8 +616,8 @@ class AutoscaleLoop:
                 return "shutdown"
             try:
                 snapshot = read_snapshot(await self.gateway.snapshot())
-                if snapshot.unread:  # of several gateways: idle needs each one's reading
-                    raise GatewayError("; ".join(f"{u}: {e}" for u, e in snapshot.unread.items()))
+                if gaps := snapshot.gaps():  # idle needs every gateway's (worker's) reading
+                    raise GatewayError("; ".join(f"{where}: {why}" for where, why in gaps.items()))
                 row = next((r for r in snapshot.replicas if r.name == name), None)
                 if row is not None and row.state in SERVING_STATES:
                     return "undrained"

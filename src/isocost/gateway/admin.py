@@ -11,7 +11,8 @@ Routes (token as ``Authorization: Bearer <token>`` or ``X-Admin-Token``):
   a kill can tell its predecessor's drains from an operator's
 * ``POST /admin/replicas/{name}/undrain``
 * ``POST /admin/policy``                         ``{"policy", "model"?}`` switch the policy
-* ``GET  /admin/snapshot``                       everything a dashboard polls, one JSON
+* ``GET  /admin/snapshot``                       everything a dashboard polls, one JSON (with
+  ``serve --workers``: requests in flight and queued summed over every worker)
 * ``GET  /admin/changes``                        ``serve --workers``: this worker's admin
   changes, in order (what a restarted sibling repeats)
 * ``GET  /admin/recording``                      whether traffic is recorded, where, counts
@@ -383,7 +384,11 @@ def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
         return json_response(gateway.autoscaler[1])
 
     async def get_snapshot(request: web.Request) -> web.StreamResponse:
-        return json_response(snapshot(gateway))
+        view = snapshot(gateway)
+        if gateway.workers is not None and SIBLING_HEADER not in request.headers:
+            headers = {k: v for k, v in request.headers.items() if k.lower() in _RELAYED}
+            view = await gateway.workers.gather_snapshot(view, headers)
+        return json_response(view)
 
     async def recording(request: web.Request) -> web.StreamResponse:
         return json_response(gateway.recording.status())

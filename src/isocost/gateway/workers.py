@@ -23,7 +23,10 @@ Each worker also listens on a private 127.0.0.1 port, written to
   is logged and named in the answer's ``x-isocost-workers-failed`` header;
 * ``/metrics`` on the shared port holds every worker's series, each with a ``worker``
   label (a worker that does not answer in time is missing, and logged);
-* ``/admin/snapshot`` is the answering worker's view (its ``worker`` field says which);
+* ``/admin/snapshot`` counts every worker's requests in flight and queued (an
+  autoscaler waits on them before it stops a drained replica), the rest being the
+  answering worker's view (its ``worker`` field says which; ``workers`` names those
+  that answered and those that did not);
 * each worker keeps the admin changes it made, in order (``GET /admin/changes``); a worker
   restarted after a crash makes a sibling's list on itself before it takes a connection,
   so a replica drained, added or removed and a policy switched through the API stay so on
@@ -67,6 +70,7 @@ __all__ = [
     "WorkerGroup",
     "merge_metrics",
     "run_workers",
+    "sum_workers",
     "watch_supervisor",
     "worker_args",
 ]
@@ -243,28 +247,76 @@ class WorkerGroup:
                    "path": change.path, "error": reason},
         )  # fmt: skip
 
-    async def gather_metrics(self, own: bytes) -> bytes:
-        """Every worker's ``/metrics``, each series labelled with its worker."""
-        texts = {self.worker_id: own.decode()}
+    async def _gather(
+        self, path: str, headers: Mapping[str, str]
+    ) -> tuple[dict[int, bytes], dict[int, str]]:
+        """``GET path`` on every sibling, each answering for itself: the bodies by worker
+        id, and why each one that did not answer did not."""
+        bodies: dict[int, bytes] = {}
+        missing: dict[int, str] = {}
 
         async def one(session: aiohttp.ClientSession, worker_id: int, url: str) -> None:
             try:
-                headers = {SIBLING_HEADER: str(self.worker_id)}
-                async with session.get(url + "/metrics", headers=headers) as reply:
+                sent = {**headers, SIBLING_HEADER: str(self.worker_id)}
+                async with session.get(url + path, headers=sent) as reply:
                     if reply.status == 200:
-                        texts[worker_id] = await reply.text()
+                        bodies[worker_id] = await reply.read()
                         return
-                    reason = f"HTTP {reply.status}"
+                    missing[worker_id] = f"HTTP {reply.status}"
             except (aiohttp.ClientError, TimeoutError) as exc:
-                reason = type(exc).__name__
-            log.warning(
-                "a worker's metrics are missing",
-                extra={"event": "worker_metrics_missing", "worker": worker_id, "error": reason},
-            )
+                missing[worker_id] = type(exc).__name__
 
         async with _session() as session:
             await asyncio.gather(*(one(session, w, u) for w, u in self.siblings().items()))
-        return merge_metrics(texts)
+        for worker_id, reason in missing.items():
+            log.warning(
+                f"a worker's {path} is missing",
+                extra={"event": "worker_missing", "path": path, "worker": worker_id,
+                       "error": reason},
+            )  # fmt: skip
+        return bodies, missing
+
+    async def gather_metrics(self, own: bytes) -> bytes:
+        """Every worker's ``/metrics``, each series labelled with its worker."""
+        bodies, _ = await self._gather("/metrics", {})
+        texts = {worker_id: body.decode() for worker_id, body in bodies.items()}
+        return merge_metrics({self.worker_id: own.decode(), **texts})
+
+    async def gather_snapshot(
+        self, own: dict[str, Any], headers: Mapping[str, str]
+    ) -> dict[str, Any]:
+        """``own`` (this worker's ``/admin/snapshot``) with every worker's requests in
+        flight and queued summed in (``sum_workers``)."""
+        bodies, missing = await self._gather("/admin/snapshot", headers)
+        views = {self.worker_id: own}
+        for worker_id, body in bodies.items():
+            view = parse_json(body) if body else None
+            if isinstance(view, dict):
+                views[worker_id] = view
+            else:
+                missing[worker_id] = "not a snapshot"
+        return sum_workers(views, sorted(missing))
+
+
+def sum_workers(views: Mapping[int, dict[str, Any]], missing: Sequence[int]) -> dict[str, Any]:
+    """The gateway as a whole, from its workers' snapshots: each replica's and pool's
+    requests in flight, queued and held summed over the workers (each counts the
+    connections it took), the rest the first view's (the answering worker's); ``workers``
+    names those that answered and those that did not (their requests are not in it)."""
+    first, *others = views.values()
+    merged = {**first, "replicas": [dict(row) for row in first["replicas"]]}
+    merged["pools"] = [dict(pool) for pool in first["pools"]]
+    for view in others:
+        in_flight = {row["name"]: row["in_flight"] for row in view.get("replicas", ())}
+        for row in merged["replicas"]:
+            row["in_flight"] += in_flight.get(row["name"], 0)
+        pools = {pool["model"]: pool for pool in view.get("pools", ())}
+        for pool in merged["pools"]:
+            theirs = pools.get(pool["model"], {})
+            for key in ("in_flight", "queue_depth", "queue_held"):
+                pool[key] += theirs.get(key, 0)
+    merged["workers"] = {"answered": sorted(views), "missing": sorted(missing)}
+    return merged
 
 
 def _session() -> aiohttp.ClientSession:

@@ -49,6 +49,7 @@ class Member(Gateway):
         self.url = url
         self.down = False
         self.posted: list[dict[str, Any]] = []
+        self.workers_missing: list[int] = []  # serve --workers: workers that did not answer
 
     def _admin(self, action: str, name: str, change: Callable[[], object]) -> None:
         if self.down:
@@ -61,7 +62,8 @@ class Member(Gateway):
     async def snapshot(self) -> Any:
         if self.down:
             raise GatewayError("GET /admin/snapshot: Connection refused")
-        return await super().snapshot()
+        answer = await super().snapshot()
+        return {**answer, "workers": {"answered": [0], "missing": self.workers_missing}}
 
     async def counters(self) -> GatewayCounters:
         if self.down:
@@ -411,5 +413,28 @@ def test_a_gateway_down_leaves_the_others_to_decide_and_holds_the_stop_until_rea
         a.down = False
         await loop.settle()
         assert ("stop", victim) in a.calls and victim not in a.rows | b.rows
+
+    asyncio.run(scenario())
+
+
+def test_a_workers_gateway_whose_worker_did_not_answer_holds_the_stop_until_it_does() -> None:
+    """``serve --workers``: a snapshot without one worker's requests cannot say idle."""
+
+    async def scenario() -> None:
+        clock = Clock()
+        a = Member("http://a", ["r0", "r1"])
+        loop = make_loop(GatewaySet([a]), clock, EveryGatewayActuator([a]))  # type: ignore[arg-type]
+        victim = await scale_in(loop, clock)
+        a.workers_missing = [1]
+        for _ in range(50):
+            await asyncio.sleep(0)
+        assert ("drain", victim) in a.calls and ("stop", victim) not in a.calls
+        assert failures(loop, "drain_poll") > 0
+        clock.now += CONFIG.interval_s
+        await loop.tick()
+        assert failures(loop, "observe") == 1  # reported; the round went on
+        a.workers_missing = []
+        await loop.settle()
+        assert ("stop", victim) in a.calls
 
     asyncio.run(scenario())
