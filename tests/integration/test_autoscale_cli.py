@@ -166,6 +166,7 @@ def test_a_load_step_starts_an_engine_and_the_drop_drains_one_with_no_failure(
         (AUTOSCALE, ["--actuator", "command"], "--actuator command needs --scale-command"),
         (AUTOSCALE, ["--gateway", "http://127.0.0.1:9/"], "a gateway named twice"),
         (AUTOSCALE, ["--gateway", "127.0.0.1:8080"], "127.0.0.1:8080: not an http(s):// URL"),
+        (AUTOSCALE, ["--gateway", "http://gw:99999"], "gw:99999: its port is not a port"),
         (
             AUTOSCALE,
             ["--actuator", "local", "--metrics-port", "9109", "--metrics-host", "203.0.113.9"],
@@ -179,6 +180,7 @@ def test_a_load_step_starts_an_engine_and_the_drop_drains_one_with_no_failure(
         "no-command",
         "gateway-twice",
         "gateway-no-url",
+        "gateway-port",
         "metrics-host-not-ours",
     ],
 )

@@ -278,7 +278,7 @@ class GatewayAddresses:
             return [url]
         try:
             ips = await self.lookup(host, port)
-        except OSError as exc:
+        except (OSError, UnicodeError) as exc:  # UnicodeError: a label IDNA refuses
             log.warning(
                 "gateway name not resolved: its last addresses kept",
                 extra={

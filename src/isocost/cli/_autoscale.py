@@ -121,8 +121,12 @@ def autoscale(
         fail(f"--config {config_path}: not UTF-8 text")
     for gateway in gateways:
         url = urlsplit(gateway)
-        if url.scheme not in ("http", "https") or not url.netloc:
+        if url.scheme not in ("http", "https") or not url.hostname:
             fail(f"--gateway {gateway}: not an http(s):// URL")
+        try:
+            url.port  # noqa: B018 (checked: it raises for a port that is no port)
+        except ValueError:
+            fail(f"--gateway {gateway}: its port is not a port number (0-65535)")
     if len({g.rstrip("/") for g in gateways}) < len(gateways):
         fail("--gateway: a gateway named twice (its arrivals would count twice)")
     config = parse_autoscale_yaml(text, str(config_path))
