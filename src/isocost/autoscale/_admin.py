@@ -53,6 +53,8 @@ class ReplicaRow(msgspec.Struct, frozen=True):
     engine_waiting: _Count | None = None
     # who drained it, as its drain named itself (UNSET: a gateway too old to say)
     drained_by: str | msgspec.UnsetType | None = msgspec.UNSET
+    # merged from several gateways (``GatewaySet``): serving on some, drained on others
+    partly_drained: bool = False
 
 
 class AutoscalerRow(msgspec.Struct, frozen=True):

@@ -10,7 +10,8 @@ stop cuts. ``GatewaySet`` reads them all and acts on them all:
   summed (each gateway counts its own), its engine's queue is the largest seen (each
   scrapes the same engine), the pools' queues are summed and the live autoscaler
   instances united. A replica serves if any gateway routes to it (``ejected`` only where
-  none has it healthy), else it is leaving (``removing`` on any) or ``drained``; its drain
+  none has it healthy; ``partly_drained`` where another has it drained), else it is
+  leaving (``removing`` on any) or ``drained``; its drain
   mark is the one the gateways that drained it agree on (None where they differ: drained
   again in another name somewhere). Those that did not answer are named in ``unread``
   (with the workers of a ``serve --workers`` gateway that did not): one gateway down
@@ -89,6 +90,7 @@ def _merge_replica(rows: Sequence[ReplicaRow]) -> ReplicaRow:
         url=next((row.url for row in rows if row.url), ""),
         engine_waiting=max(waiting, default=None),
         drained_by=marks.pop() if len(marks) == 1 else None if marks else rows[0].drained_by,
+        partly_drained=0 < len(serving) < len(states),
     )
 
 
@@ -225,7 +227,9 @@ class GatewaySet:
         results = await self._each(lambda member: member.add(model, replica))
         if not (errors := self._errors(results)):
             return
-        took = [m for m, r in zip(self.members, results, strict=True) if r is None]
+        took = [
+            m for m, r in zip(self.members, results, strict=True) if not isinstance(r, GatewayError)
+        ]
         if isinstance(name := replica.get("name"), str):
             for member in took:  # the start fails: listed, it would be routed to dead
                 with contextlib.suppress(GatewayError):

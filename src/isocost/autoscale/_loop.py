@@ -51,7 +51,8 @@ the ``local`` actuator's engines outlive a SIGKILL, the ``kubernetes`` actuator'
 Pods too). A drain named by a live instance is never taken (a rolling update runs two
 autoscalers for a while), nor one that names none (an operator's). A drain that someone
 else undrains while it waits (an operator taking the replica back) is given up there:
-the replica serves, so it is neither stopped nor drained again by that drain. So is one
+the replica serves, so it is neither stopped nor drained again by that drain (taken back
+through one of several gateways, it is undrained on the others next round). So is one
 drained again in another name while it waits (an operator's drain, or a successor that
 took this autoscaler for gone because its status posts failed): the other stops it.
 
@@ -362,13 +363,17 @@ class AutoscaleLoop:
 
     async def _reconcile(self, snapshot: FleetSnapshot) -> None:
         """Finish what a drain left after its retries, one try each per round: a stopped
-        replica the gateway still lists is removed, one left drained is undrained; a name
+        replica the gateway still lists is removed, one left drained (on any of several
+        gateways) is undrained; a name
         the gateway no longer lists (or shows done) needs nothing more, unless one of
         several gateways could not be read: it may still list it."""
         state = {row.name: row.state for row in snapshot.replicas}
+        partly = {row.name for row in snapshot.replicas if row.partly_drained}
         if not snapshot.gaps():
             self._gone &= state.keys()
-            self._undrain_owed = {n for n in self._undrain_owed if state.get(n) == "drained"}
+            self._undrain_owed = {
+                n for n in self._undrain_owed if state.get(n) == "drained" or n in partly
+            }
         for name in sorted(self._gone):
             if state.get(name) != "removing":
                 with contextlib.suppress(*_FAILURES):
@@ -620,6 +625,8 @@ class AutoscaleLoop:
                     raise GatewayError("; ".join(f"{where}: {why}" for where, why in gaps.items()))
                 row = next((r for r in snapshot.replicas if r.name == name), None)
                 if row is not None and row.state in SERVING_STATES:
+                    if row.partly_drained:  # serving through one gateway: through all
+                        self._undrain_owed.add(name)
                     return "undrained"
                 if row is not None and row.drained_by not in (self._mark, msgspec.UNSET):
                     return "taken"

@@ -440,3 +440,30 @@ def test_a_workers_gateway_whose_worker_did_not_answer_holds_the_stop_until_it_d
         assert ("stop", victim) in a.calls
 
     asyncio.run(scenario())
+
+
+def test_a_drain_taken_back_through_one_gateway_is_undrained_on_all() -> None:
+    """An operator undrains the victim through one gateway (or a gateway Pod that joins
+    lists it serving): the drain is given up, and the replica serves through every
+    gateway again, not drained for good on the others while counted as ready."""
+
+    async def scenario() -> None:
+        clock = Clock()
+        a, b = Member("http://a", ["r0", "r1"]), Member("http://b", ["r0", "r1"])
+        loop = make_loop(GatewaySet([a, b]), clock, EveryGatewayActuator([a, b]))  # type: ignore[arg-type]
+        victim = await scale_in(loop, clock)
+        a.rows[victim]["in_flight"] = 10**6
+        await until(lambda: ("drain", victim) in a.calls and ("drain", victim) in b.calls)
+        b.rows[victim].update(state="healthy", drained_by=None)  # taken back through b
+        await until(lambda: victim not in loop._draining)
+        clock.now += CONFIG.interval_s
+        await loop.tick()
+        await loop.settle()
+        assert ("stop", victim) not in a.calls
+        assert a.rows[victim]["state"] == "healthy" and ("undrain", victim) in a.calls
+        drains = loop.metrics.registry.get_sample_value(
+            "isocost_autoscale_drains_total", {"outcome": "undrained"}
+        )
+        assert drains == 1
+
+    asyncio.run(scenario())
