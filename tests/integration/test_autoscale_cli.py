@@ -220,6 +220,7 @@ def refused(tmp_path: Path, config: str, flags: list[str], message: str) -> None
         capture_output=True,
         text=True,
         timeout=60,
+        cwd=tmp_path,  # --actuator local's default --log-dir is made there, not in the repo
         env={**os.environ, "ISOCOST_ADMIN_TOKEN": ADMIN_TOKEN},
     )
     assert done.returncode == 2
