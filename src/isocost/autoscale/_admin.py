@@ -171,6 +171,7 @@ class GatewayCounters:
         return GatewayCounters(answered, (met - met_before, judged - judged_before))
 
     def plus(self, other: GatewayCounters) -> GatewayCounters:
+        """Both together: several gateways' counters (or growths) as one."""
         answered = dict(self.answered)
         for name, (total, ok) in other.answered.items():
             total_here, ok_here = answered.get(name, (0, 0))

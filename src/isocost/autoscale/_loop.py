@@ -364,9 +364,9 @@ class AutoscaleLoop:
     async def _reconcile(self, snapshot: FleetSnapshot) -> None:
         """Finish what a drain left after its retries, one try each per round: a stopped
         replica the gateway still lists is removed, one left drained (on any of several
-        gateways) is undrained; a name
-        the gateway no longer lists (or shows done) needs nothing more, unless one of
-        several gateways could not be read: it may still list it."""
+        gateways) is undrained; a name the gateway no longer lists (or shows done) needs
+        nothing more, unless one of several gateways could not be read: it may still
+        list it."""
         state = {row.name: row.state for row in snapshot.replicas}
         partly = {row.name for row in snapshot.replicas if row.partly_drained}
         if not snapshot.gaps():
