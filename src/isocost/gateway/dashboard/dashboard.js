@@ -115,11 +115,21 @@
       const shared = bus
         ? ` · state bus ${bus.up ? "up" : "DOWN (scrapes only)"}, ${bus.peers} peer${bus.peers === 1 ? "" : "s"}`
         : "";
-      setStatus("live", `live · updated ${updated} · gateway up ${fmt(snapshot.uptime_s)} s${shared}`);
+      setStatus("live", `live · updated ${updated} · gateway up ${fmt(snapshot.uptime_s)} s${shared}${workersNote(snapshot)}`);
     } catch (error) {
       setStatus("down", `gateway unreachable (${error.message}); retrying`);
     }
     timer = setTimeout(poll, POLL_MS);
+  }
+
+  // serve --workers: the snapshot counts the requests of the workers that answered it.
+  function workersNote(snapshot) {
+    const workers = snapshot.workers;
+    if (!workers) return "";
+    const missing = workers.missing.length
+      ? `, not counted: worker ${workers.missing.join(", ")} (no answer)`
+      : "";
+    return ` · ${workers.answered.length} workers, answered by ${snapshot.worker}${missing}`;
   }
 
   // -- rendering ----------------------------------------------------------------------
