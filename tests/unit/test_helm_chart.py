@@ -431,6 +431,7 @@ def test_the_autoscaler_reads_every_gateway_pod_and_scales_the_model_servers() -
     (url,) = params["gateways"]
     pods = _named(docs, "Service", "-pods")
     assert pods["spec"]["clusterIP"] == "None"
+    assert pods["spec"]["publishNotReadyAddresses"]  # a gateway shutting down still counts
     name = pods["metadata"]["name"]
     (port,) = pods["spec"]["ports"]
     assert url == f"http://{name}.{NAMESPACE}.svc:{port['port']}"
