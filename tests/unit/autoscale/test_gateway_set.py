@@ -123,7 +123,10 @@ def test_a_replica_several_gateways_list_is_one_row_with_their_requests_summed()
 )
 def test_a_replica_serves_if_any_gateway_routes_to_it(states: list[str], merged: str) -> None:
     readings = [snapshot(row("r0", state)) for state in states]
-    assert merge_snapshots(readings, {}).replicas[0].state == merged
+    (replica,) = merge_snapshots(readings, {}).replicas
+    assert replica.state == merged
+    serving = {"healthy", "ejected"}
+    assert replica.partly_drained == (merged in serving and not set(states) <= serving)
 
 
 @pytest.mark.parametrize(
