@@ -702,7 +702,12 @@ def test_clients_that_leave_mid_generation_free_vllm(
             and str(line.get("request_id", "")).startswith("leave-")
         ]
 
-    wait_for(lambda: len(ended()) == 100, VLLM_IDLE_BOUND_S, "the gateway to log all 100")
+    wait_for(
+        lambda: len(ended()) == 100,
+        VLLM_IDLE_BOUND_S,
+        "the gateway to log all 100",
+        state=lambda: f"{len(ended())} logged, {seen} streaming when they left",
+    )
     generated_at_let_go = sum(_vllm_gauge(url, _GENERATED) for url in urls)
     lines = ended()
     # A stream can end whole before its client leaves (the first ones, while the rest
