@@ -60,7 +60,7 @@ import numpy as np
 from isocost.scheduling.contract import InFlight, RequestView, Role, ShadowListener
 from isocost.scheduling.decision import Decision, Explanation, Outcome, RejectReason
 from isocost.scheduling.interface import Context, Filter, Picker, Scorer
-from isocost.scheduling.predict import IndexArray
+from isocost.scheduling.predict import MAX_TPOT_VICTIMS, IndexArray
 from isocost.scheduling.routes import RouteClass, RouteTable
 from isocost.scheduling.slots import BoolArray
 from isocost.scheduling.state import ReplicaSet
@@ -70,7 +70,6 @@ __all__ = ["MAX_TPOT_VICTIMS", "SLO_CHECKS", "AdmissionSettings", "Policy", "slo
 
 # SLO admission's bound on the running streams a request may push past the TPOT target:
 # one, the request it serves (admitting it then does not lower the expected count met).
-MAX_TPOT_VICTIMS = 1.0
 SLO_CHECKS = ("ttft", "tpot", "victims")  # SLO admission's checks, rows of ``slo_ratios``
 
 

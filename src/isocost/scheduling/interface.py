@@ -168,17 +168,23 @@ class Context:
             )
         return self._prediction
 
+    @property
+    def mean_output_tokens(self) -> float:
+        """The mean reply of the request's model and route class, whatever its own
+        ``max_tokens``: what the streams running beside it are expected to produce."""
+        request = self.request
+        return float(self.replicas.estimator.expected_tokens(request.model, self.route_class, None))
+
     def tpot_victims(self, tpot_target_s: float) -> FloatArray:
         """Per candidate, the running streams its prefill is expected to push past
         ``tpot_target_s`` (``scheduling.predict``); their mean output is the model's."""
-        prediction, request = self.prediction, self.request
-        mean_output = self.replicas.estimator.expected_tokens(request.model, self.route_class, None)
+        prediction = self.prediction
         return tpot_victims(
             self.load.running,
             prediction.prefill_s,
             prediction.others_itl_s,
             tpot_target_s,
-            float(mean_output),
+            self.mean_output_tokens,
         )
 
     @property

@@ -63,10 +63,12 @@ from isocost.scheduling.timing import (
 
 __all__ = [
     "DUTY_TAU_S",
+    "MAX_TPOT_VICTIMS",
     "Load",
     "Prediction",
     "RawTimes",
     "SlotKey",
+    "max_stall_s",
     "predict",
     "predict_one",
     "tpot_victims",
@@ -78,6 +80,7 @@ IndexArray = npt.NDArray[np.int64]
 SlotKey = IndexArray | slice
 _MAX_DUTY = 0.9  # a replica prefilling more than this is priced as if at this share
 DUTY_TAU_S = 10.0  # memory of the prefill duty: about one reply's decode
+MAX_TPOT_VICTIMS = 1.0  # streams a prefill may push past their TPOT target (SLO admission)
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,6 +261,19 @@ def tpot_victims(
     tokens = np.where(headroom > 0.0, stall_s / np.maximum(headroom, 1e-12), np.inf)
     share = -np.expm1(-tokens / max(mean_output_tokens, 1.0))
     return np.asarray(np.where(running > 0, running * share, 0.0), dtype=np.float64)
+
+
+def max_stall_s(
+    running: FloatArray, headroom_s: FloatArray, mean_output_tokens: float
+) -> FloatArray:
+    """The longest stall expected to push at most ``MAX_TPOT_VICTIMS`` of ``running``
+    streams, each ``headroom_s`` under its TPOT target, past it: ``tpot_victims`` solved
+    for the stall (no bound where no more streams than that run)."""
+    share = MAX_TPOT_VICTIMS / np.maximum(running, MAX_TPOT_VICTIMS)
+    with np.errstate(divide="ignore", invalid="ignore"):  # share 1: -log1p(-1) = inf
+        tokens = -max(mean_output_tokens, 1.0) * np.log1p(-share)
+        stall = np.where(headroom_s > 0.0, tokens * headroom_s, 0.0)
+    return np.asarray(stall, dtype=np.float64)
 
 
 def _if(condition: bool, then: float, otherwise: float) -> float:

@@ -12,7 +12,7 @@ from isocost.scheduling.contract import ReplicaSpec, RequestView
 from isocost.scheduling.decision import Outcome, RejectReason
 from isocost.scheduling.dispatch import RequestQueue
 from isocost.scheduling.policies import build_policy, parse_scheduling_yaml
-from isocost.scheduling.predict import tpot_victims
+from isocost.scheduling.predict import MAX_TPOT_VICTIMS, max_stall_s, tpot_victims
 from isocost.scheduling.state import ReplicaSet
 
 
@@ -347,6 +347,20 @@ def test_tpot_victims_count_the_streams_a_stall_pushes_past_the_target() -> None
     assert victims[2] == pytest.approx(4.0 * -math.expm1(-6.25 / 300.0))
     assert victims[2] < victims[3] < 4.0  # a longer stall ruins longer replies too
     assert victims[4] == 4.0
+
+
+def test_max_stall_is_the_stall_that_admission_allows_and_no_longer() -> None:
+    running = np.array([0.0, 1.0, 2.0, 4.0, 40.0, 4.0])
+    headroom = np.array([0.08, 0.08, 0.08, 0.08, 0.08, 0.0])  # the last at the target
+    stall = max_stall_s(running, headroom, 300.0)
+    assert np.isinf(stall[:2]).all()  # one stream or none: never more than one victim
+    assert stall[5] == 0.0
+    bounded = stall[2:5]
+    itl = 0.1 - headroom[2:5]
+    victims = tpot_victims(running[2:5], bounded, itl, 0.1, 300.0)
+    assert victims == pytest.approx([MAX_TPOT_VICTIMS] * 3)
+    assert bounded[0] > bounded[1] > bounded[2]  # more streams, less room for a prefill
+    assert (tpot_victims(running[2:5], bounded * 1.01, itl, 0.1, 300.0) > MAX_TPOT_VICTIMS).all()
 
 
 def test_predicted_times_are_plain_floats_for_json(make_replicas: Factory) -> None:

@@ -305,3 +305,72 @@ def test_a_replica_in_a_removed_ones_slot_starts_with_no_exclusive_demand(
     fresh = replicas.add(ReplicaSpec("r2", MODEL, cost_model("a100-80g")))
     assert fresh.slot == 0  # r0's slot, which held its exclusive demand
     assert policy.schedule(short, replicas, 0.0).replica_id == "r2"
+
+
+def _streams(replicas: ReplicaSet, counts: dict[str, int]) -> None:
+    """``counts[replica]`` short replies running on each replica, 20 tokens in."""
+    for replica, count in counts.items():
+        for i in range(count):
+            _running(replicas, replica, f"{replica}-stream{i}", 300, 20)
+
+
+def _long_prompt_arrivals(policy: Policy, replicas: ReplicaSet, now: float = 0.0) -> None:
+    """A minute's long prompts, 8,000 to 37,500 tokens, priced (none dispatched)."""
+    for i in range(60):
+        long_prompt = RequestView(f"long{i}", MODEL, 8_000 + 500 * i, tpot_target_s=0.1)
+        policy.schedule(long_prompt, replicas, now)
+
+
+def test_short_replies_gather_where_streams_run_when_long_prompts_need_the_room(
+    make_replicas: Factory,
+) -> None:
+    short = RequestView("short", MODEL, 300, tpot_target_s=0.1)
+    for weight, expected in ((3.0, "r0"), (0.0, "r1")):
+        replicas = make_replicas(["a100-80g", "a100-80g"], factor_alpha=0.0)
+        _streams(replicas, {"r0": 40, "r1": 8})
+        policy = _equal_cost_with(f"headroom_weight: {weight}")
+        assert policy.schedule(short, replicas, 0.0).replica_id == "r1"  # fewer streams
+        # one more stream on r1 lowers the longest prefill it may take (~3.0 s -> 2.6 s)
+        # far more than on r0 (0.54 s -> 0.52 s): prompts of ~20k tokens would be shut out
+        _long_prompt_arrivals(policy, replicas)
+        assert policy.schedule(short, replicas, 0.0).replica_id == expected
+    # five minutes on, that demand has faded
+    later = RequestView("later", MODEL, 300, tpot_target_s=0.1)
+    replicas = make_replicas(["a100-80g", "a100-80g"], factor_alpha=0.0)
+    _streams(replicas, {"r0": 40, "r1": 8})
+    policy = build_policy("equal_cost")
+    _long_prompt_arrivals(policy, replicas)
+    assert policy.schedule(later, replicas, 300.0).replica_id == "r1"
+
+
+def test_the_headroom_price_asks_room_only_of_much_shorter_prompts_with_a_tpot_target(
+    make_replicas: Factory,
+) -> None:
+    def cost_scores(parameters: str, request: RequestView) -> list[float]:
+        replicas = make_replicas(["a100-80g", "a100-80g"], factor_alpha=0.0)
+        _streams(replicas, {"r0": 40, "r1": 8})
+        policy = _equal_cost_with(parameters)
+        _long_prompt_arrivals(policy, replicas)
+        decision = policy.schedule(request, replicas, 0.0)
+        assert decision.explanation is not None
+        return [float(x) for x in decision.explanation.scores["cost"]]
+
+    # 9,000 tokens: the prompts it would shut out are under four times its own
+    mid = RequestView("mid", MODEL, 9_000, tpot_target_s=0.1)
+    unpriced = cost_scores("headroom_weight: 0", mid)
+    assert cost_scores("headroom_ratio: 4", mid) == unpriced
+    assert cost_scores("headroom_ratio: 1", mid) != unpriced
+    # no TPOT target: no stream of its own to keep under one, nothing asked of it
+    untimed = RequestView("untimed", MODEL, 300)
+    assert cost_scores("headroom_weight: 3", untimed) == cost_scores("headroom_weight: 0", untimed)
+
+
+def test_long_prompt_demand_counts_a_request_once(make_replicas: Factory) -> None:
+    replicas = make_replicas(["a100-80g", "a100-80g"], factor_alpha=0.0)
+    _streams(replicas, {"r0": 40, "r1": 8})
+    policy = build_policy("equal_cost")
+    long_prompt = RequestView("long", MODEL, 20_000, tpot_target_s=0.1)
+    for _ in range(60):  # held and priced again at every wake: one request all the same
+        policy.schedule(long_prompt, replicas, 0.0)
+    short = RequestView("short", MODEL, 300, tpot_target_s=0.1)
+    assert policy.schedule(short, replicas, 0.0).replica_id == "r1"

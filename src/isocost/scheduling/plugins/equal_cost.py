@@ -28,7 +28,11 @@ from r's shadow state (``scheduling.predict`` has the timing formulas)::
                 requests that only r and some others could serve in time (below);
                 q's stay on r is time those lose: a prefill, then one more stream
                 that a long prefill there would stall
-    cost_r    = (own_r + lambda * delay_r + preempt_r + price_r + scarce_r) / weight_r
+    headroom_r = eta * H_r * decode_r
+                H_r: the long prompts q's stream on r would shut out of r while it
+                runs, as their completion seconds per second (below)
+    cost_r    = (own_r + lambda * delay_r + preempt_r + price_r + scarce_r
+                 + headroom_r) / weight_r
 
 ``f_ttft_r``, ``f_itl_r`` are r's learned correction factors (EWMA of observed /
 predicted TTFT and inter-token time), so a slow node or an unexpectedly fast GPU is priced
@@ -61,7 +65,7 @@ Scarcity: a replica's time is worth more when some requests can be served in tim
 there. A request with a deadline whose isolated prefill (an empty replica, nothing
 cached, its correction factor) fits its TTFT budget on some eligible replicas and not on
 others is *exclusive* demand for those: its prefill seconds, shared among them, feed an
-EWMA per replica over ``SCARCITY_TAU_S`` (each request counted once, at its first
+EWMA per replica over ``DEMAND_TAU_S`` (each request counted once, at its first
 pricing), read as seconds per second, ``S_r``. Placing q on r costs ``sigma * S_r`` times
 q's stay there (its prefill and decode): time the requests only r can serve lose. So
 short prompts go to the L20s of an A100 + L20 fleet, where they still meet their SLOs,
@@ -72,6 +76,29 @@ fleet nothing is exclusive and nothing changes. Measured on 6,000 Mooncake reque
 A100 + L20 -0.2 to +0.8, Mooncake on H100 + A100 + L20 (held out) -0.3 to +0.6; 16 x A100
 -0.4 to +0.1. sigma was set to 3 on the first two (1 gave half the gain on A100 + L20 and
 none with two slowed; 10 less than 3).
+
+Headroom: a stream takes more than the time it adds. SLO admission lets a prefill onto a
+replica only while it is expected to push at most one of the streams there past their
+TPOT target (``scheduling.predict``): with ``b`` streams ``TPOT - itl`` under their
+target, the longest prefill it lets on is ``S(b) = -mean_m * (TPOT - itl) * ln(1 - 1/b)``
+(no bound for one stream). One more stream lowers that bound from ``S(b)`` to
+``S(b + 1)``, a little where many streams run and much where few do, and the prompts
+whose prefill falls between the two cannot go to r while q's stream runs there: they
+wait for another replica or are refused. ``H_r`` is their arrival rate (the prompt
+lengths of the requests with a TPOT target this scorer prices, each once, counted in
+quarter-octave buckets over ``DEMAND_TAU_S``) times what each would have taken there (its
+prefill and a mean reply at the inter-token time q's stream leaves), so ``headroom_r``,
+that times q's stay, is in seconds like every other term. Only prompts at
+least ``headroom_ratio`` times as long as q's are counted: a request nearly as long as
+the prompts it would shut out needs the same headroom itself, and pricing those too
+packed arXiv's mid-length prompts together (SLO attainment 89.4 / 90.3 / 85.2% at 42 /
+43.3 / 44.8 req/s on 16 x A100 with ratio 1; 94.1 / 90.2 / 88.7% with 4; 93.6 / 91.0 /
+89.5% without the price). So short replies gather
+on replicas that already run many streams, and the others keep room for long prompts:
+on the scenario mix (65% chat turns, 30% retrieval answers, 5% long documents, no shared
+prefix), capacity at SLO 38.1 -> 42.6 req/s on 8 x A100 and 51.5 -> 57.7 on A100 + L20;
+README "On equal terms" has every regime. eta = 3 and ratio 4 were chosen on the mix on 8
+x A100 (one rate, eta 0.3 to 100) and on arXiv lengths on 16 x A100 (three rates).
 
 Exploration: a replica sent nothing for ``FRESHNESS_TAU_S`` (``Calibration.stale``) has
 its cost divided by ``1 + explore_slack``, so that one request goes there when it costs at
@@ -88,11 +115,14 @@ Parameters (range, default): ``lambda_delay`` (0..10, 1.0); ``gpu_price_weight``
 affinity); ``affinity_slack`` (0..10, 0.25); ``overload_queue_fraction`` (0..1, 0.5);
 ``overload_kv_usage`` (0..1, 0.95); ``explore_slack`` (0..10, 0.5; 0 disables exploration);
 ``max_error_slack`` (0..10, 1.0; 0 disables the preferences within the error);
-``scarcity_weight`` sigma (0..10, 3.0; 0 disables the scarcity price).
+``scarcity_weight`` sigma (0..10, 3.0; 0 disables the scarcity price);
+``headroom_weight`` eta (0..10, 3.0; 0 disables the headroom price); ``headroom_ratio``
+(1..100, 4.0).
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -102,13 +132,17 @@ import numpy as np
 
 from isocost.scheduling.interface import Context
 from isocost.scheduling.plugins._base import PluginKind, rendezvous, session_hash
-from isocost.scheduling.predict import IndexArray
+from isocost.scheduling.predict import IndexArray, max_stall_s
 from isocost.scheduling.slots import BoolArray, SlotArrays, SlotStore
 from isocost.scheduling.timing import FloatArray, prefill_s
 
 TYPE = "equal-cost-scorer"
-SCARCITY_TAU_S = 60.0  # memory of exclusive demand: a minute of arrivals
+DEMAND_TAU_S = 60.0  # memory of exclusive and long-prompt demand: a minute of arrivals
 _SEEN_REQUESTS = 4096  # request ids remembered so that a request is counted once
+# Prompt lengths the long-prompt demand is counted in: buckets a quarter octave wide,
+# centred on 64 to 256k tokens; bucket i spans _EDGES[2i] .. _EDGES[2i + 2].
+_EDGES = 2.0 ** np.arange(5.875, 18.126, 0.125)
+_PROMPT_TOKENS = _EDGES[1::2]
 
 
 class Params(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -122,6 +156,8 @@ class Params(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     explore_slack: float = 0.5
     max_error_slack: float = 1.0
     scarcity_weight: float = 3.0
+    headroom_weight: float = 3.0
+    headroom_ratio: float = 4.0
 
 
 def _check(p: Params) -> None:
@@ -136,6 +172,8 @@ def _check(p: Params) -> None:
         ("explore_slack", 0.0 <= p.explore_slack <= 10.0, "0..10"),
         ("max_error_slack", 0.0 <= p.max_error_slack <= 10.0, "0..10"),
         ("scarcity_weight", 0.0 <= p.scarcity_weight <= 10.0, "0..10"),
+        ("headroom_weight", 0.0 <= p.headroom_weight <= 10.0, "0..10"),
+        ("headroom_ratio", 1.0 <= p.headroom_ratio <= 100.0, "1..100"),
     )
     for name, ok, valid in checks:
         if not ok:
@@ -150,6 +188,7 @@ class EqualCostScorer:
         self.params = params or Params()
         _check(self.params)
         self._exclusive = _ExclusiveDemand()
+        self._prompts = _PromptDemand()
 
     def cost_s(self, ctx: Context) -> FloatArray:
         """``cost_r`` of the module docstring for every candidate, in seconds."""
@@ -183,6 +222,12 @@ class EqualCostScorer:
             scarce = self._exclusive.observe(ctx)
             if scarce is not None:  # q's stay on r: its prefill, then a stream there
                 cost = cost + p.scarcity_weight * scarce * (prefill + pred.decode_s)
+        target = ctx.request.tpot_target_s
+        if p.headroom_weight > 0.0 and target is not None:
+            self._prompts.observe(ctx)
+            shut = self._prompts.shut_out(ctx, target, p.headroom_ratio)
+            if shut is not None:  # while q's stream stays on r, those prompts cannot go
+                cost = cost + p.headroom_weight * shut * pred.decode_s
         return np.asarray(cost / slots.weight[key], dtype=np.float64)
 
     def score(self, ctx: Context) -> FloatArray:
@@ -249,7 +294,7 @@ def _mean(values: FloatArray) -> float:
 class _ExclusiveDemand(SlotArrays):
     """Exclusive demand per slot (module docstring, "Scarcity"): prefill seconds of
     requests only some eligible replicas could serve in time, decayed over
-    ``SCARCITY_TAU_S``."""
+    ``DEMAND_TAU_S``."""
 
     FRESH: ClassVar[Mapping[str, float]] = {"seconds": 0.0, "at_s": 0.0}
     seconds: FloatArray  # per slot, decayed to ...
@@ -257,7 +302,7 @@ class _ExclusiveDemand(SlotArrays):
 
     def __init__(self) -> None:
         super().__init__()
-        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._once = _FirstSight()
         self._store: SlotStore[Any] | None = None  # whose slots these are
 
     def _follow(self, store: SlotStore[Any]) -> None:
@@ -274,16 +319,13 @@ class _ExclusiveDemand(SlotArrays):
         candidate now, in seconds per second (None: none anywhere)."""
         self._follow(ctx.replicas.slots)
         request = ctx.request
-        if request.deadline_s is not None and request.request_id not in self._seen:
-            self._seen[request.request_id] = None
-            if len(self._seen) > _SEEN_REQUESTS:
-                self._seen.popitem(last=False)
+        if request.deadline_s is not None and self._once.first(request.request_id):
             self._count(ctx, request.deadline_s - request.arrival_s)
         if not self.seconds.any():
             return None
         at = ctx.idx
-        seconds = self.seconds[at] * np.exp((self.at_s[at] - ctx.now) / SCARCITY_TAU_S)
-        return np.asarray(seconds / SCARCITY_TAU_S, dtype=np.float64)
+        seconds = self.seconds[at] * np.exp((self.at_s[at] - ctx.now) / DEMAND_TAU_S)
+        return np.asarray(seconds / DEMAND_TAU_S, dtype=np.float64)
 
     def _count(self, ctx: Context, budget_s: float) -> None:
         eligible: IndexArray = ctx.eligible
@@ -296,6 +338,73 @@ class _ExclusiveDemand(SlotArrays):
         if not fits.any() or fits.all():
             return
         able = eligible[fits]
-        decay = np.exp((self.at_s[able] - ctx.now) / SCARCITY_TAU_S)
+        decay = np.exp((self.at_s[able] - ctx.now) / DEMAND_TAU_S)
         self.seconds[able] = self.seconds[able] * decay + float(alone[fits].mean()) / able.size
         self.at_s[able] = ctx.now
+
+
+class _FirstSight:
+    """The request ids seen lately, so that a request priced again (held, retried) is
+    counted once."""
+
+    def __init__(self) -> None:
+        self._seen: OrderedDict[str, None] = OrderedDict()
+
+    def first(self, request_id: str) -> bool:
+        """Whether ``request_id`` is new (it is remembered from now on)."""
+        if request_id in self._seen:
+            return False
+        self._seen[request_id] = None
+        if len(self._seen) > _SEEN_REQUESTS:
+            self._seen.popitem(last=False)
+        return True
+
+
+class _PromptDemand:
+    """Arrivals per prompt length (module docstring, "Headroom"): a count per bucket of
+    ``_PROMPT_TOKENS``, decayed over ``DEMAND_TAU_S``."""
+
+    def __init__(self) -> None:
+        self.counts = np.zeros(_PROMPT_TOKENS.size)
+        self.at_s = 0.0  # when ``counts`` were decayed to
+        self._once = _FirstSight()
+
+    def observe(self, ctx: Context) -> None:
+        """Count ``ctx``'s request once."""
+        request = ctx.request
+        if self._once.first(request.request_id):
+            self.counts *= math.exp((self.at_s - ctx.now) / DEMAND_TAU_S)
+            self.at_s = ctx.now
+            bucket = int(np.searchsorted(_PROMPT_TOKENS, request.prompt_tokens))
+            self.counts[min(bucket, _PROMPT_TOKENS.size - 1)] += 1.0
+
+    def shut_out(self, ctx: Context, target_s: float, ratio: float) -> FloatArray | None:
+        """Per candidate, the prompts at least ``ratio`` times as long as the request's
+        that its stream there would shut out, as their completion seconds per second
+        (None: no such prompts arrive)."""
+        counted = np.flatnonzero(
+            (self.counts > 0.0) & (ratio * ctx.request.prompt_tokens <= _PROMPT_TOKENS)
+        )
+        if not counted.size:
+            return None
+        decay = math.exp((self.at_s - ctx.now) / DEMAND_TAU_S)
+        rates = self.counts[counted] * (decay / DEMAND_TAU_S)
+        key, pred, slots = ctx.key, ctx.prediction, ctx.replicas.slots
+        mean_output = ctx.mean_output_tokens
+        running = ctx.load.running
+        before = max_stall_s(running, target_s - pred.others_itl_s, mean_output)
+        after = max_stall_s(running + 1.0, target_s - pred.tpot_s, mean_output)
+        first = 2 * int(counted[0])  # each edge's prefill once, from the first bucket's low
+        tokens = _EDGES[first : 2 * int(counted[-1]) + 3, None]
+        alone = prefill_s(slots.coef, tokens, 0.0, key) + slots.coef.per_request_s[key]
+        alone = alone * ctx.replicas.calibration.ttft_factor[key]
+        at = 2 * counted - first
+        low, centre, high = alone[at], alone[at + 1], alone[at + 2]
+        # the share of each bucket whose prefill fits the stall bound before q, not after
+        overlap = np.maximum(np.minimum(high, before) - np.maximum(low, after), 0.0)
+        width = high - low
+        share = np.where(
+            width > 0.0, overlap / np.maximum(width, 1e-12), (centre > after) & (centre <= before)
+        )
+        completion = centre + mean_output * pred.tpot_s
+        return np.asarray((rates[:, None] * share * completion).sum(axis=0), dtype=np.float64)
