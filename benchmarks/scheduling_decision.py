@@ -24,6 +24,11 @@ where fewer than 90% were admitted says so and exits 1. ``--json FILE`` writes
 
     .venv/bin/python benchmarks/scheduling_decision.py --replicas 1000 --old 20000
     .venv/bin/python benchmarks/scheduling_decision.py --replicas 3 --young 200 --old 2000
+    .venv/bin/python benchmarks/scheduling_decision.py --replicas 3 --young 200 --old 2000 \
+        --tpot-ms 100
+
+``--tpot-ms`` gives every request a TPOT target, as SLO-bound clients send one: SLO
+admission's TPOT checks and equal_cost's headroom price are computed only for those.
 
 With ``--prefix [REQUESTS]`` (default 2,000) it times instead the cluster simulator's
 per-request prefix work, per prompt block, on REQUESTS of each of three workloads (the
@@ -108,7 +113,7 @@ def _fleet(size: int) -> ReplicaSet:
     return replicas
 
 
-def _requests(count: int, seed: int) -> list[RequestView]:
+def _requests(count: int, seed: int, tpot_target_s: float | None = None) -> list[RequestView]:
     rng = Random(seed)
     out = []
     for i in range(count):
@@ -125,6 +130,7 @@ def _requests(count: int, seed: int) -> list[RequestView]:
                 block_hashes=tuple(blocks),
                 max_tokens=rng.choice([64, 256, 1024]),
                 session_key=f"s{rng.randrange(100)}",
+                tpot_target_s=tpot_target_s,
             )
         )
     return out
@@ -300,6 +306,12 @@ def main() -> None:
     parser.add_argument("--in-flight", type=int, help="requests in flight (default: 2 per replica)")
     parser.add_argument("--policies", default=",".join(BUILTIN_POLICIES))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--tpot-ms",
+        type=float,
+        help="every request carries this TPOT target (SLO admission's TPOT checks and "
+        "equal_cost's headroom price are priced only for such requests)",
+    )
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument(
         "--prefix",
@@ -315,8 +327,11 @@ def main() -> None:
         return
     if not 0 < args.young <= args.old or args.probes < 100 or args.replicas < 1:
         parser.error("need 0 < --young <= --old, --probes >= 100 and --replicas >= 1")
+    if args.tpot_ms is not None and not (math.isfinite(args.tpot_ms) and args.tpot_ms > 0):
+        parser.error("--tpot-ms must be a positive number of milliseconds")
     in_flight = 2 * args.replicas if args.in_flight is None else args.in_flight
-    stream = _requests(args.old + args.probes, args.seed)
+    tpot_s = None if args.tpot_ms is None else args.tpot_ms / 1000
+    stream = _requests(args.old + args.probes, args.seed, tpot_s)
     history, probes = stream[: args.old], stream[args.old :]
     figures: dict[str, dict[str, Any]] = {}
     for name in track(args.policies.split(","), description="policies"):
