@@ -68,8 +68,6 @@ from isocost.scheduling.timing import FloatArray
 
 __all__ = ["MAX_TPOT_VICTIMS", "SLO_CHECKS", "AdmissionSettings", "Policy", "slo_ratios"]
 
-# SLO admission's bound on the running streams a request may push past the TPOT target:
-# one, the request it serves (admitting it then does not lower the expected count met).
 SLO_CHECKS = ("ttft", "tpot", "victims")  # SLO admission's checks, rows of ``slo_ratios``
 
 

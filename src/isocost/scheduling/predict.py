@@ -80,7 +80,9 @@ IndexArray = npt.NDArray[np.int64]
 SlotKey = IndexArray | slice
 _MAX_DUTY = 0.9  # a replica prefilling more than this is priced as if at this share
 DUTY_TAU_S = 10.0  # memory of the prefill duty: about one reply's decode
-MAX_TPOT_VICTIMS = 1.0  # streams a prefill may push past their TPOT target (SLO admission)
+# SLO admission's bound on the running streams a request may push past the TPOT target:
+# one, the request it serves (admitting it then does not lower the expected count met).
+MAX_TPOT_VICTIMS = 1.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -79,8 +79,8 @@ none with two slowed; 10 less than 3).
 
 Headroom: a stream takes more than the time it adds. SLO admission lets a prefill onto a
 replica only while it is expected to push at most one of the streams there past their
-TPOT target (``scheduling.predict``): with ``b`` streams ``TPOT - itl`` under their
-target, the longest prefill it lets on is ``S(b) = -mean_m * (TPOT - itl) * ln(1 - 1/b)``
+TPOT target (``scheduling.predict``, ``max_stall_s``): with ``b`` streams, each ``h``
+under its target, the longest prefill it lets on is ``S(b) = -mean_m * h * ln(1 - 1/b)``
 (no bound for one stream). One more stream lowers that bound from ``S(b)`` to
 ``S(b + 1)``, a little where many streams run and much where few do, and the prompts
 whose prefill falls between the two cannot go to r while q's stream runs there: they
@@ -88,17 +88,17 @@ wait for another replica or are refused. ``H_r`` is their arrival rate (the prom
 lengths of the requests with a TPOT target this scorer prices, each once, counted in
 quarter-octave buckets over ``DEMAND_TAU_S``) times what each would have taken there (its
 prefill and a mean reply at the inter-token time q's stream leaves), so ``headroom_r``,
-that times q's stay, is in seconds like every other term. Only prompts at
-least ``headroom_ratio`` times as long as q's are counted: a request nearly as long as
-the prompts it would shut out needs the same headroom itself, and pricing those too
-packed arXiv's mid-length prompts together (SLO attainment 89.4 / 90.3 / 85.2% at 42 /
-43.3 / 44.8 req/s on 16 x A100 with ratio 1; 94.1 / 90.2 / 88.7% with 4; 93.6 / 91.0 /
-89.5% without the price). So short replies gather
-on replicas that already run many streams, and the others keep room for long prompts:
-on the scenario mix (65% chat turns, 30% retrieval answers, 5% long documents, no shared
-prefix), capacity at SLO 38.1 -> 42.6 req/s on 8 x A100 and 51.5 -> 57.7 on A100 + L20;
-README "On equal terms" has every regime. eta = 3 and ratio 4 were chosen on the mix on 8
-x A100 (one rate, eta 0.3 to 100) and on arXiv lengths on 16 x A100 (three rates).
+that times q's stay, is in seconds like every other term. Only prompts at least
+``headroom_ratio`` times as long as q's are counted: a request nearly as long as the
+prompts it would shut out needs the same headroom itself, and pricing those too packed
+arXiv's mid-length prompts together (SLO attainment 89.4 / 90.3 / 85.2% at 42 / 43.3 /
+44.8 req/s on 16 x A100 with ratio 1; 94.1 / 90.2 / 88.7% with 4; 93.6 / 91.0 / 89.5%
+without the price). So short replies gather on replicas that already run many streams,
+and the others keep room for long prompts: on the scenario mix (65% chat turns, 30%
+retrieval answers, 5% long documents, no shared prefix), capacity at SLO 38.1 -> 42.6
+req/s on 8 x A100 and 51.5 -> 57.7 on A100 + L20; README "On equal terms" has every
+regime. eta = 3 and ratio 4 were chosen on the mix on 8 x A100 (one rate, eta 0.3 to 10)
+and on arXiv lengths on 16 x A100 (three rates).
 
 Exploration: a replica sent nothing for ``FRESHNESS_TAU_S`` (``Calibration.stale``) has
 its cost divided by ``1 + explore_slack``, so that one request goes there when it costs at
