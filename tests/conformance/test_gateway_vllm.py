@@ -919,7 +919,11 @@ def _killed_under_load(
             return list(await asyncio.gather(*(one(client, i) for i in range(24))))
 
     outcomes = asyncio.run(load())
-    assert relay.dead.is_set(), "the victim never streamed"
+    # which replica answered each request (streamed or not), and how it ended, if not
+    assert relay.dead.is_set(), (
+        "the victim never passed its kill count of SSE events on one stream",
+        [(o.served_by == relay.url, o.streamed, o.error) for o in outcomes],
+    )
     # Headers from the victim mean the answer had started before the kill: its streams
     # resume on the survivor; everything else (queued, or in flight without a first token)
     # completes there. A whole answer may finish on the victim before the kill.
