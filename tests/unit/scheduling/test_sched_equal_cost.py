@@ -355,7 +355,8 @@ def test_the_headroom_price_asks_room_only_of_much_shorter_prompts_with_a_tpot_t
         assert decision.explanation is not None
         return [float(x) for x in decision.explanation.scores["cost"]]
 
-    # 9,000 tokens: the prompts it would shut out are under four times its own
+    # 9,000 tokens: the prompts its stream would shut out of r1 (~20k tokens, as above)
+    # are under four times its own
     mid = RequestView("mid", MODEL, 9_000, tpot_target_s=0.1)
     unpriced = cost_scores("headroom_weight: 0", mid)
     assert cost_scores("headroom_ratio: 4", mid) == unpriced
@@ -366,11 +367,12 @@ def test_the_headroom_price_asks_room_only_of_much_shorter_prompts_with_a_tpot_t
 
 
 def test_long_prompt_demand_counts_a_request_once(make_replicas: Factory) -> None:
-    replicas = make_replicas(["a100-80g", "a100-80g"], factor_alpha=0.0)
-    _streams(replicas, {"r0": 40, "r1": 8})
-    policy = build_policy("equal_cost")
-    long_prompt = RequestView("long", MODEL, 20_000, tpot_target_s=0.1)
-    for _ in range(60):  # held and priced again at every wake: one request all the same
-        policy.schedule(long_prompt, replicas, 0.0)
     short = RequestView("short", MODEL, 300, tpot_target_s=0.1)
-    assert policy.schedule(short, replicas, 0.0).replica_id == "r1"
+    for distinct, expected in ((True, "r0"), (False, "r1")):
+        replicas = make_replicas(["a100-80g", "a100-80g"], factor_alpha=0.0)
+        _streams(replicas, {"r0": 40, "r1": 8})
+        policy = build_policy("equal_cost")
+        for i in range(60):  # held and priced again at every wake: one request all the same
+            name = f"long{i}" if distinct else "long"
+            policy.schedule(RequestView(name, MODEL, 18_000, tpot_target_s=0.1), replicas, 0.0)
+        assert policy.schedule(short, replicas, 0.0).replica_id == expected
