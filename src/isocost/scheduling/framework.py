@@ -66,7 +66,7 @@ from isocost.scheduling.slots import BoolArray
 from isocost.scheduling.state import ReplicaSet
 from isocost.scheduling.timing import FloatArray
 
-__all__ = ["MAX_TPOT_VICTIMS", "SLO_CHECKS", "AdmissionSettings", "Policy", "slo_ratios"]
+__all__ = ["SLO_CHECKS", "AdmissionSettings", "Policy", "slo_ratios"]
 
 SLO_CHECKS = ("ttft", "tpot", "victims")  # SLO admission's checks, rows of ``slo_ratios``
 
