@@ -24,14 +24,17 @@ the factor predicts, teaches the ITL factor.
 
 Pooled by hardware class. A factor is its class's (replicas of the same model, GPU, tensor
 parallelism and weight precision) times the replica's own deviation from it, shrunk by
-the replica's evidence::
+the replica's evidence; until a replica has its own evidence of one quantity, it borrows
+its deviation in the other (TTFT for ITL, ITL for TTFT)::
 
-    log factor_r = log class_c + w_r * deviation_r      w_r = n_r / (n_r + PRIOR_SAMPLES)
+    log factor_r = log class_c + w_r * deviation_r + (1 - w_r) * w'_r * deviation'_r
+    w_r = n_r / (n_r + PRIOR_SAMPLES)                 ' : the other quantity's
 
 Every observation teaches the class (an EWMA over its members' observations) and the
-replica's deviation (an EWMA of its observations over the class's figure); ``n_r`` counts
-the replica's observations and fades with time constant ``FRESHNESS_TAU_S`` since its
-latest one. Why: with one factor per replica learned alone, the first replicas seen to be
+replica's deviation (the mean of its observations over the class's figure: a plain mean
+for its first ``1 / factor_alpha`` observations, an EWMA after); ``n_r`` counts the
+replica's observations and fades with time constant ``FRESHNESS_TAU_S`` since its latest
+one. Why: with one factor per replica learned alone, the first replicas seen to be
 faster than the analytic model look cheapest, take all traffic, and the rest never learn
 (four identical replicas taking 0.35x the model's time, 240 requests at 2 req/s behind
 equal-cost: 134, 106, 0 and 0, two factors left at 1.0). Pooled, identical
@@ -41,6 +44,15 @@ learned (an engine the catalog does not describe, CPU vLLM say, is off for every
 alike); and a replica that stopped getting traffic (after a bad spell) drifts back to its
 class's figure, and equal-cost tries it again (``stale``), which costs about one request
 per such replica per ``FRESHNESS_TAU_S`` at most.
+
+Why a mean, and why borrow: a replica unlike its class (a degraded node, 4x slow) must be
+learned from its first few observations, and its slowness shows in its first tokens long
+before its streams end. Learned as an EWMA from the start, its deviation was shrunk twice
+(by ``w_r`` and by the EWMA's slow start): on 14 A100 + 2 slowed 4x (the Mooncake trace,
+9.5 req/s) the slowed replicas' ITL factors stayed near 1 for the run's first 90 s while
+they took up to 19 streams each, and 105 of the 1,008 requests sent there missed their
+TPOT target (llm-d's routing with the same admission: 52 of 782). Learned so, 22 of
+1,052 (``isocost sim``; README "On equal terms" has every regime).
 
 Prediction error: each observation's error against the prediction made with the factor
 before it, ``|predicted - observed| / observed``, feeds a per-replica EWMA over about
@@ -102,32 +114,42 @@ class _Learned(SlotArrays):
         super().__init__()
         self.class_log: list[float] = []  # per hardware class: log of its factor
         self.pool_log = 0.0  # every observation's: where a new class starts
+        self.partner: _Learned | None = None  # the other quantity of the same replicas
+        self.version = 0  # bumped by every change the factors depend on
         self._factor = np.ones(0)
-        self._stale = True
+        self._computed = (-1, -1)  # the versions (own, partner's) ``_factor`` is of
         self._clock = 0.0
 
     def grow(self, size: int) -> None:
         super().grow(size)
-        self._stale = True
+        self.version += 1
 
     def reset(self, slot: int) -> None:
         super().reset(slot)
-        self._stale = True
+        self.version += 1
 
     def new_class(self) -> None:
         self.class_log.append(self.pool_log)
 
+    def own(self) -> tuple[FloatArray, FloatArray]:
+        """Per slot, the weight of the replica's own evidence and its log deviation so
+        weighted."""
+        fade = np.exp(np.minimum(self.seen_s - self._clock, 0.0) / FRESHNESS_TAU_S)
+        evidence = self.samples * fade
+        weight = evidence / (evidence + PRIOR_SAMPLES)
+        return np.asarray(weight, dtype=np.float64), np.asarray(weight * self.deviation)
+
     def factor(self, class_id: npt.NDArray[np.int64]) -> FloatArray:
         """The effective factor of every slot (recomputed after an observation)."""
-        if self._stale:
-            fade = np.exp(np.minimum(self.seen_s - self._clock, 0.0) / FRESHNESS_TAU_S)
-            evidence = self.samples * fade
-            own = evidence / (evidence + PRIOR_SAMPLES)
+        partner = self.partner
+        versions = (self.version, -1 if partner is None else partner.version)
+        if versions != self._computed:
+            weight, deviation = self.own()
+            if partner is not None:
+                deviation = deviation + (1.0 - weight) * partner.own()[1]
             classes = np.asarray(self.class_log or [0.0], dtype=np.float64)
-            self._factor = np.asarray(
-                np.exp(classes[class_id] + own * self.deviation), dtype=np.float64
-            )
-            self._stale = False
+            self._factor = np.asarray(np.exp(classes[class_id] + deviation), dtype=np.float64)
+            self._computed = versions
         return self._factor
 
     def observe(
@@ -154,26 +176,36 @@ class _Learned(SlotArrays):
         x = math.log(min(max(observed_s / predicted_s, _FACTOR_MIN), _FACTOR_MAX))
         estimate = math.log(factor)
         x = min(max(x, estimate - _LOG_SURPRISE), estimate + _LOG_SURPRISE)
-        step = alpha * min(max(weight, 0.0), 1.0)
+        weight = min(max(weight, 0.0), 1.0)
+        step = alpha * weight
         if step <= 0.0:
             return
         self.class_log[class_id] += step * (x - self.class_log[class_id])
-        self.deviation[slot] += step * (x - self.class_log[class_id] - self.deviation[slot])
-        self.samples[slot] = self._evidence(slot, now) + min(max(weight, 0.0), 1.0)
+        evidence = self._evidence(slot, now)
+        own_step = max(step, weight / (evidence + weight))
+        self.deviation[slot] += own_step * (x - self.class_log[class_id] - self.deviation[slot])
+        self.samples[slot] = evidence + weight
         self.seen_s[slot] = now
         self.pool_log += step * (x - self.pool_log)
         self._clock = max(self._clock, now)
-        self._stale = True
+        self.version += 1
 
     def _evidence(self, slot: int, now: float) -> float:
         age = max(now - float(self.seen_s[slot]), 0.0)
         return float(self.samples[slot]) * math.exp(-age / FRESHNESS_TAU_S)
 
+    def _own_at(self, slot: int) -> tuple[float, float]:
+        """``own()`` of one slot."""
+        evidence = self._evidence(slot, self._clock)
+        weight = evidence / (evidence + PRIOR_SAMPLES)
+        return weight, weight * float(self.deviation[slot])
+
     def _effective(self, slot: int, class_id: int) -> float:
         """``factor(...)[slot]`` alone, without recomputing every slot's."""
-        evidence = self._evidence(slot, self._clock)
-        own = evidence / (evidence + PRIOR_SAMPLES)
-        return math.exp(self.class_log[class_id] + own * self.deviation[slot])
+        weight, deviation = self._own_at(slot)
+        if self.partner is not None:
+            deviation += (1.0 - weight) * self.partner._own_at(slot)[1]
+        return math.exp(self.class_log[class_id] + deviation)
 
 
 class Calibration(SlotArrays):
@@ -199,13 +231,24 @@ class Calibration(SlotArrays):
             raise ValueError("factor_alpha must be in [0, 1]")
         self.ttft = _Learned()
         self.itl = _Learned()
+        self.itl.partner = self.ttft
         super().__init__()
         self.factor_alpha = factor_alpha
-        # False while the prefill terms are fitted instead (``scheduling.prefillfit``): the
-        # TTFT factor stays at 1 and only its prediction error is measured.
         self.learn_ttft_factor = True
         self._classes: dict[str, int] = {}
         self._class_id = np.zeros(0, dtype=np.int64)  # per slot, its hardware class (``join``)
+
+    @property
+    def learn_ttft_factor(self) -> bool:
+        """False while the prefill terms are fitted instead (``scheduling.prefillfit``):
+        the TTFT factor stays at 1 (it borrows nothing either) and only its prediction
+        error is measured."""
+        return self.ttft.partner is not None
+
+    @learn_ttft_factor.setter
+    def learn_ttft_factor(self, on: bool) -> None:
+        self.ttft.partner = self.itl if on else None
+        self.ttft.version += 1
 
     def grow(self, size: int) -> None:
         super().grow(size)

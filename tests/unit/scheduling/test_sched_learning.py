@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from conftest import MODEL, Factory, cost_model
 
 from isocost.scheduling.calibration import FRESHNESS_TAU_S
@@ -132,15 +133,49 @@ def test_one_outlier_barely_moves_a_factor_a_steady_slowdown_is_learned(
     replicas = make_replicas(["a100-80g", "a100-80g"])  # factor_alpha 0.1
     now = _answer_after(replicas, "stall", 0.0, 20.0)  # a stall the model did not foresee
     # Geometric, and one observation counts as at most 2x off: their class moves by
-    # 2 ** 0.1 = 1.07 and r0 a little more (unclipped, 20 ** 0.1 = 1.35; an arithmetic EWMA
-    # would jump to 2.9 and make an identical replica look three times slower than its
-    # twin); the twin moves with the class.
+    # 2 ** 0.1 = 1.07 (an arithmetic EWMA would jump to 2.9 and make an identical replica
+    # look three times slower than its twin) and the twin with it; r0's own deviation is
+    # that 2x over its class, shrunk to a third by the prior (one observation of three).
     factors = replicas.calibration.ttft_factor
     assert np.isclose(factors[1], 2.0**0.1)
-    assert factors[1] < factors[0] < 1.15
-    for i in range(60):  # consistently 4x slow
-        now = _answer_after(replicas, f"slow{i}", now, 4.0)
+    assert np.isclose(factors[0], 2.0 ** (0.1 + 0.9 / 3))
+    for i in range(6):  # consistently 4x slow: nearly learned from six answers (the mean
+        now = _answer_after(replicas, f"slow{i}", now, 4.0)  # of its own, not an EWMA's start)
+    assert replicas.calibration.ttft_factor[0] > 3.5
+    for i in range(54):
+        now = _answer_after(replicas, f"steady{i}", now, 4.0)
     assert 3.8 < replicas.calibration.ttft_factor[0] < 4.2  # within 5%
+
+
+def test_a_replica_slow_to_answer_is_priced_slow_between_tokens_until_its_streams_show(
+    make_replicas: Factory,
+) -> None:
+    """A degraded node is slow at everything, and its first tokens show it long before
+    its streams end: until they do, its ITL factor borrows its TTFT deviation."""
+    replicas = make_replicas(["a100-80g", "a100-80g"])
+    now = 0.0
+    for i in range(8):  # r0 answers 4x slower than r1
+        now = _answer_after(replicas, f"slow{i}", now, 4.0)
+        _dispatch(replicas, f"fast{i}", "r1", now)
+        now += replicas.get("r1").in_flight[f"fast{i}"].predicted_ttft_s
+        replicas.on_first_token(f"fast{i}", now)
+        replicas.on_complete(f"fast{i}", now, ok=False)
+    calibration = replicas.calibration
+    slower = calibration.ttft_factor[0] / calibration.ttft_factor[1]
+    assert slower > 2.5
+    # No stream has shown a token gap yet: r0 is as much slower between tokens.
+    assert calibration.itl_factor[0] / calibration.itl_factor[1] == pytest.approx(slower)
+    for i in range(20):  # its streams then show it is as fast as its class between tokens
+        name = f"stream{i}"
+        _dispatch(replicas, name, "r0", now, prompt=200)
+        now += calibration.ttft_factor[0] * replicas.get("r0").in_flight[name].predicted_ttft_s
+        replicas.on_first_token(name, now)
+        step = replicas.get("r0").in_flight[name].predicted_step_s
+        for _ in range(16):
+            now += step
+            replicas.on_tokens(name, 1, now)
+        replicas.on_complete(name, now, output_tokens=17)
+    assert calibration.itl_factor[0] == pytest.approx(1.0, abs=0.1)
 
 
 def test_a_replica_added_to_a_warm_pool_starts_from_its_class(make_replicas: Factory) -> None:
