@@ -14,8 +14,13 @@ rejections on 16 x A100 at 8.46 req/s (the Mooncake trace's 90% point before) fe
 observation, then as before). A TTFT observation weighs by the prefill's share of its
 prediction (time queued says more about the queue model than about the replica); a
 stream's inter-token time, over windows of ``ITL_WINDOW_TOKENS`` tokens, is compared with
-its decode steps plus the prefills of the requests that started streaming meanwhile (each
-prefill stalls every running stream).
+its decode steps plus the prefills of the requests that started meanwhile (each prefill
+stalls every running stream), each prefill priced alone: priced as one prompt of their
+summed tokens, whose attention grows with the square of the sum, the stalls were
+overstated the more prompts started during a stream, and on one replica running the very
+cost model (arXiv lengths) the ITL factor fell to 0.90, 0.60 and 0.26 at 1, 2 and 3 req/s
+(prediction error 14%, 44%, 78%); priced alone it stays at 1.03, 1.00 and 0.79 (2%, 5%,
+10%).
 Waiting is evidence too: ``ttft_factor_at`` raises a replica's TTFT factor to (elapsed /
 predicted) of its oldest request still awaiting a first token, so a replica that slowed
 down is priced before it answers. A request not streamed shows no first token: it is
@@ -52,7 +57,8 @@ before its streams end. Learned as an EWMA from the start, its deviation was shr
 9.5 req/s) the slowed replicas' ITL factors stayed near 1 for the run's first 90 s while
 they took up to 19 streams each, and 105 of the 1,008 requests sent there missed their
 TPOT target (llm-d's routing with the same admission: 52 of 782). Learned so, 22 of
-1,052 (``isocost sim``; README "On equal terms" has every regime).
+1,052; with each stalling prefill priced alone too (above), 12 of 1,051 (``isocost sim``;
+README "On equal terms" has every regime).
 
 Prediction error: each observation's error against the prediction made with the factor
 before it, ``|predicted - observed| / observed``, feeds a per-replica EWMA over about
@@ -215,13 +221,13 @@ class Calibration(SlotArrays):
     """
 
     FRESH: ClassVar[Mapping[str, float]] = {
-        "prefill_done_tokens": 0.0,
+        "prefill_done_s": 0.0,
         "awaiting_since_s": math.inf,
         "awaiting_ttft_s": 1.0,
         "dispatched_s": -math.inf,
     }
 
-    prefill_done_tokens: FloatArray  # cumulative uncached prompt tokens whose first token came
+    prefill_done_s: FloatArray  # cumulative predicted prefill seconds of the requests started
     awaiting_since_s: FloatArray  # dispatch of the oldest request awaiting its first token
     awaiting_ttft_s: FloatArray  # its uncorrected predicted TTFT
     dispatched_s: FloatArray  # its latest dispatch
@@ -317,12 +323,15 @@ class Calibration(SlotArrays):
         self.awaiting_since_s[slot] = math.inf if head is None else head.dispatch_s
         self.awaiting_ttft_s[slot] = 1.0 if head is None else max(head.predicted_ttft_s, 1e-9)
 
-    def prefill_done(self, record: InFlight) -> None:
+    def prefill_done(self, record: InFlight, coefficients: StepCoefficients) -> None:
         """``record`` started: count its prefill as done (the stall its neighbours'
-        streams saw), and mark where its own stream's stalls start."""
+        streams saw), and mark where its own stream's stalls start. Counted in seconds,
+        prompt by prompt: ten prompts prefilled are not one prompt ten times as long
+        (attention grows with each prompt's length, not with their sum)."""
         slot = record.slot
-        self.prefill_done_tokens[slot] += record.prompt_tokens - record.cached_tokens
-        record.prefill_mark = self.prefill_done_tokens[slot]
+        new_tokens = record.prompt_tokens - record.cached_tokens
+        self.prefill_done_s[slot] += coefficients.prefill_s(new_tokens, record.cached_tokens)
+        record.prefill_mark = self.prefill_done_s[slot]
 
     def observe_first_token(self, record: InFlight, now: float) -> None:
         """The first token of ``record`` came at ``now``: learn the TTFT factor."""
@@ -344,25 +353,21 @@ class Calibration(SlotArrays):
         record: InFlight,
         num_tokens: int,
         now: float,
-        coefficients: StepCoefficients,
         step_now: StepNow,
     ) -> None:
         """``num_tokens`` more tokens of the streaming ``record`` came at ``now``, before
         it advances: once its stream has shown ``ITL_WINDOW_TOKENS`` since the last
-        lesson, learn the ITL factor from them as one observation (``coefficients``: its
-        replica's timing). Why not every chunk: a server that sends tokens in bursts (an
-        API server starved of CPU, a proxy that buffers) makes one gap ~0 and the next
-        long, and learnt gap by gap those are a factor clipped at its floor, then its
-        ceiling; two identical CPU vLLM replicas learnt 0.09 and 0.59 so, and equal-cost
-        sent 52 of 64 requests to the first. A window's seconds are what its tokens took,
-        however they were bunched."""
+        lesson, learn the ITL factor from them as one observation. Why not every chunk:
+        a server that sends tokens in bursts (an API server starved of CPU, a proxy that
+        buffers) makes one gap ~0 and the next long, and learnt gap by gap those are a
+        factor clipped at its floor, then its ceiling; two identical CPU vLLM replicas
+        learnt 0.09 and 0.59 so, and equal-cost sent 52 of 64 requests to the first. A
+        window's seconds are what its tokens took, however they were bunched."""
         if record.last_token_s is None:
             return
         step = step_now(record.slot, now)
         record.itl_window_s += max(now - record.last_token_s, 0.0)
-        record.itl_window_predicted_s += num_tokens * step + self._prefill_stall_s(
-            record, coefficients
-        )
+        record.itl_window_predicted_s += num_tokens * step + self._prefill_stall_s(record)
         record.itl_window_tokens += num_tokens
         if record.itl_window_tokens >= ITL_WINDOW_TOKENS:
             self._learn_window(record, now)
@@ -383,7 +388,6 @@ class Calibration(SlotArrays):
         record: InFlight,
         generated: int,
         now: float,
-        coefficients: StepCoefficients,
         step_now: StepNow,
     ) -> None:
         """``record`` completed at ``now`` with ``generated`` (> 0) output tokens."""
@@ -402,7 +406,7 @@ class Calibration(SlotArrays):
         if generated > 1:
             # The mean inter-token time since the first token.
             step = (record.predicted_step_s + step_now(slot, now)) / 2.0
-            predicted = (generated - 1) * step + self._prefill_stall_s(record, coefficients)
+            predicted = (generated - 1) * step + self._prefill_stall_s(record)
             self._learn(self.itl, slot, now - first_token_s, predicted, now)
 
     def _learn(
@@ -418,12 +422,10 @@ class Calibration(SlotArrays):
             slot, int(self._class_id[slot]), observed_s, predicted_s, now, self.factor_alpha, weight
         )
 
-    def _prefill_stall_s(self, record: InFlight, coefficients: StepCoefficients) -> float:
+    def _prefill_stall_s(self, record: InFlight) -> float:
         """Time the record's stream stalled for other requests' prefills since its last
-        observed token (those whose first token arrived meanwhile); moves the mark."""
-        done = float(self.prefill_done_tokens[record.slot])
-        if done == record.prefill_mark:  # no prefill meanwhile: most chunks
-            return 0.0
-        stall = coefficients.prefill_s(done - record.prefill_mark, 0.0)
+        observed token (those that started meanwhile); moves the mark."""
+        done = float(self.prefill_done_s[record.slot])
+        stall = done - record.prefill_mark
         record.prefill_mark = done
         return stall

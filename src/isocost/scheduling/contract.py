@@ -178,7 +178,7 @@ class InFlight:
     last_token_s: float | None = None
     max_tokens: int | None = None
     predicted_wait_s: float = 0.0  # uncorrected: the part of predicted_ttft_s spent queued
-    prefill_mark: float = 0.0  # the replica's prefill_done_tokens at its last observed token
+    prefill_mark: float = 0.0  # the replica's prefill_done_s at its last observed token
     stream: bool = True  # its first token will be seen (``RequestView.stream``)
     # When it left the engine's waiting queue: its first token or, one not streamed, its
     # predicted prefill end (``predicted_start_s``) or a scrape that showed it running.

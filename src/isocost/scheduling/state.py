@@ -440,8 +440,7 @@ class ReplicaSet:
             num_tokens -= 1
             if num_tokens == 0:
                 return True
-        coefficients = self.slots.state_at(record.slot).coefficients
-        self.calibration.observe_tokens(record, num_tokens, now, coefficients, self._step_now)
+        self.calibration.observe_tokens(record, num_tokens, now, self._step_now)
         self.local.advance(record, num_tokens, now)
         return True
 
@@ -457,9 +456,7 @@ class ReplicaSet:
         del state.in_flight[request_id]
         generated = output_tokens if output_tokens is not None else record.generated_tokens
         if ok and generated > 0:
-            self.calibration.observe_completion(
-                record, generated, now, state.coefficients, self._step_now
-            )
+            self.calibration.observe_completion(record, generated, now, self._step_now)
             self.estimator.observe(record.model, record.route_class, generated)
             self.scrapes.observe_output(generated)
         if record.started_s is None:
@@ -582,7 +579,7 @@ class ReplicaSet:
         """``record`` left the engine's waiting queue at ``now``: it runs, and its prefill
         is done (the stall its neighbours' streams saw)."""
         self.local.started(record, now)
-        self.calibration.prefill_done(record)
+        self.calibration.prefill_done(record, self.slots.state_at(record.slot).coefficients)
 
     def _start_unseen(self, now: float) -> None:
         """Start the requests not streamed whose predicted prefill end is past at ``now``."""
