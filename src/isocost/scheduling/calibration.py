@@ -29,11 +29,11 @@ the factor predicts, teaches the ITL factor.
 
 Pooled by hardware class. A factor is its class's (replicas of the same model, GPU, tensor
 parallelism and weight precision) times the replica's own deviation from it, shrunk by
-the replica's evidence; until a replica has its own evidence of one quantity, it borrows
-its deviation in the other (TTFT for ITL, ITL for TTFT)::
+the replica's evidence; until a replica has ITL evidence of its own, its ITL factor
+borrows its TTFT deviation::
 
     log factor_r = log class_c + w_r * deviation_r + (1 - w_r) * w'_r * deviation'_r
-    w_r = n_r / (n_r + PRIOR_SAMPLES)                 ' : the other quantity's
+    w_r = n_r / (n_r + PRIOR_SAMPLES)        ' : TTFT's (for the ITL factor; 0 for TTFT)
 
 Every observation teaches the class (an EWMA over its members' observations) and the
 replica's deviation (the mean of its observations over the class's figure: a plain mean
@@ -52,12 +52,15 @@ per such replica per ``FRESHNESS_TAU_S`` at most.
 
 Why a mean, and why borrow: a replica unlike its class (a degraded node, 4x slow) must be
 learned from its first few observations, and its slowness shows in its first tokens long
-before its streams end. Learned as an EWMA from the start, its deviation was shrunk twice
+before its streams end. Not the other way round: a streamed request's first token comes
+before its stream's tokens, and one not streamed shows no first token, whose TTFT the
+ITL would then guess. Learned as an EWMA from the start, its deviation was shrunk twice
 (by ``w_r`` and by the EWMA's slow start): on 14 A100 + 2 slowed 4x (the Mooncake trace,
 9.5 req/s) the slowed replicas' ITL factors stayed near 1 for the run's first 90 s while
 they took up to 19 streams each, and 105 of the 1,008 requests sent there missed their
 TPOT target (llm-d's routing with the same admission: 52 of 782). Learned so, 22 of
-1,052; with each stalling prefill priced alone too (above), 12 of 1,051 (``isocost sim``;
+1,052 (borrowing both ways); with each stalling prefill priced alone too (above), 13 of
+1,062 (``isocost sim``;
 README "On equal terms" has every regime).
 
 Prediction error: each observation's error against the prediction made with the factor
@@ -120,7 +123,7 @@ class _Learned(SlotArrays):
         super().__init__()
         self.class_log: list[float] = []  # per hardware class: log of its factor
         self.pool_log = 0.0  # every observation's: where a new class starts
-        self.partner: _Learned | None = None  # the other quantity of the same replicas
+        self.partner: _Learned | None = None  # whose deviation it borrows (below)
         self.version = 0  # bumped by every change the factors depend on
         self._factor = np.ones(0)
         self._computed = (-1, -1)  # the versions (own, partner's) ``_factor`` is of
@@ -240,21 +243,11 @@ class Calibration(SlotArrays):
         self.itl.partner = self.ttft
         super().__init__()
         self.factor_alpha = factor_alpha
+        # False while the prefill terms are fitted instead (``scheduling.prefillfit``): the
+        # TTFT factor stays at 1 and only its prediction error is measured.
         self.learn_ttft_factor = True
         self._classes: dict[str, int] = {}
         self._class_id = np.zeros(0, dtype=np.int64)  # per slot, its hardware class (``join``)
-
-    @property
-    def learn_ttft_factor(self) -> bool:
-        """False while the prefill terms are fitted instead (``scheduling.prefillfit``):
-        the TTFT factor stays at 1 (it borrows nothing either) and only its prediction
-        error is measured."""
-        return self.ttft.partner is not None
-
-    @learn_ttft_factor.setter
-    def learn_ttft_factor(self, on: bool) -> None:
-        self.ttft.partner = self.itl if on else None
-        self.ttft.version += 1
 
     def grow(self, size: int) -> None:
         super().grow(size)
