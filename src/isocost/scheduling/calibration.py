@@ -58,10 +58,9 @@ ITL would then guess. Learned as an EWMA from the start, its deviation was shrun
 (by ``w_r`` and by the EWMA's slow start): on 14 A100 + 2 slowed 4x (the Mooncake trace,
 9.5 req/s) the slowed replicas' ITL factors stayed near 1 for the run's first 90 s while
 they took up to 19 streams each, and 105 of the 1,008 requests sent there missed their
-TPOT target (llm-d's routing with the same admission: 52 of 782). Learned so, 22 of
-1,052 (borrowing both ways); with each stalling prefill priced alone too (above), 13 of
-1,062 (``isocost sim``;
-README "On equal terms" has every regime).
+TPOT target (llm-d's routing with the same admission: 52 of 782). Learned so, with each
+stalling prefill priced alone too (above), 13 of 1,062 (``isocost sim``; README "On equal
+terms" has every regime).
 
 Prediction error: each observation's error against the prediction made with the factor
 before it, ``|predicted - observed| / observed``, feeds a per-replica EWMA over about
