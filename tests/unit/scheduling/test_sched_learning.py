@@ -139,8 +139,10 @@ def test_one_outlier_barely_moves_a_factor_a_steady_slowdown_is_learned(
     factors = replicas.calibration.ttft_factor
     assert np.isclose(factors[1], 2.0**0.1)
     assert np.isclose(factors[0], 2.0 ** (0.1 + 0.9 / 3))
-    for i in range(6):  # consistently 4x slow: nearly learned from six answers (the mean
-        now = _answer_after(replicas, f"slow{i}", now, 4.0)  # of its own, not an EWMA's start)
+    # Consistently 4x slow: nearly learned from six answers (the plain mean of its first
+    # observations, not an EWMA's slow start).
+    for i in range(6):
+        now = _answer_after(replicas, f"slow{i}", now, 4.0)
     assert replicas.calibration.ttft_factor[0] > 3.5
     for i in range(54):
         now = _answer_after(replicas, f"steady{i}", now, 4.0)
