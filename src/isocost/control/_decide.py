@@ -179,10 +179,7 @@ class Autoscaler:
         saturated = observation.queued > cfg.queue_per_replica * max(total_ready, 1)
         met = self._recent_verdict(observation)
         if met is not None:
-            for o in self.offers:
-                if ready[o.gpu]:
-                    done = observation.completions.get(o.gpu, 0)
-                    self.capacity.observe(o.gpu, done / observation.interval_s / ready[o.gpu], met)
+            self._learn_capacity(observation, ready, met)
         horizon = max(self.lead.lead_s(o.gpu) for o in self.offers) + cfg.interval_s
         forecast = self.forecast.peak(now, horizon)
         need = forecast * (1 + cfg.headroom)
@@ -223,6 +220,23 @@ class Autoscaler:
             horizon_s=horizon,
             reason=reason if decision.changes else "hold",
         )
+
+    def _learn_capacity(
+        self, observation: Observation, ready: Mapping[str, int], met: bool
+    ) -> None:
+        """Teach ``CapacityEstimate`` each pool's load in the interval: what its replicas
+        served, or, for a miss, what they were offered where that was more (the arrivals
+        shared in proportion to the pools' capacity). Requests that arrive faster than
+        the fleet serves queue, and miss later at whatever rate the fleet then serves:
+        judged at that rate, a ramp's backlog read as capacity lost, and the estimate,
+        which learns upward only from loads above it, stayed low for the rest of the day."""
+        interval, supply = observation.interval_s, self._supply(ready)
+        for o in self.offers:
+            if ready[o.gpu]:
+                served = observation.completions.get(o.gpu, 0) / interval / ready[o.gpu]
+                share = self.capacity.rps(o.gpu) / supply
+                offered = observation.arrivals / interval * share
+                self.capacity.observe(o.gpu, served if met else max(served, offered), met)
 
     def _recent_verdict(self, observation: Observation) -> bool | None:
         """``attainment_verdict`` over the guard window."""

@@ -9,6 +9,8 @@
   it: replicas that missed the attainment target at a load below the estimate show it too
   high, replicas that met it at a load above show it too low; either moves it toward that
   load. A load that met the target below the estimate, or missed it above, says nothing.
+  The load of a miss is the larger of what was served and what was offered (the caller's
+  ``Autoscaler``): a backlog's misses settle after the ramp that caused them.
 """
 
 from __future__ import annotations

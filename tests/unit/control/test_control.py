@@ -311,6 +311,42 @@ def test_chance_misses_neither_scale_up_nor_lower_the_capacity() -> None:
         assert (scaler.capacity.rps("a") < 1.0) is guarded  # a miss at 0.4: too optimistic
 
 
+def _missed(
+    arrival_rps: float, served_rps: dict[str, float], fleet: list[ReplicaStatus]
+) -> Observation:
+    """An interval whose settled requests surely missed a 98% target."""
+    return Observation(
+        now=15.0,
+        interval_s=INTERVAL,
+        arrivals=round(arrival_rps * INTERVAL),
+        queued=0,
+        attainment=0.5,
+        settled=100,
+        completions={gpu: round(rps * INTERVAL) for gpu, rps in served_rps.items()},
+        replicas=fleet,
+    )
+
+
+def test_a_miss_is_judged_at_the_load_offered_when_the_fleet_was_behind() -> None:
+    config = _config(attainment_target=0.98)
+    behind = _scaler(config, capacity=1.0)  # 10 replicas served 0.6 each, 15 req/s arrived
+    behind.decide(_missed(15.0, {"a": 6.0}, _fleet("a", 10)))
+    assert behind.capacity.rps("a") == 1.0  # offered 1.5 each: the miss says nothing
+    slow = _scaler(config, capacity=1.0)  # as many arrived as were served: too optimistic
+    slow.decide(_missed(6.0, {"a": 6.0}, _fleet("a", 10)))
+    assert slow.capacity.rps("a") == pytest.approx(0.1 * 0.6 + 0.9 * 1.0)
+    # two pools, the second twice the first's capacity: offered in that proportion
+    config = _config(
+        attainment_target=0.98,
+        pools=[PoolConfig(gpu=g, min=1, max=40, cold_start_s=120.0) for g in ("a", "b")],
+    )
+    mixed = Autoscaler(config, [PoolOffer("a", 1, 2.0, 1.0), PoolOffer("b", 1, 4.0, 2.0)])
+    fleet = _fleet("a", 5) + _fleet("b", 5)  # supply 15 req/s; 12 arrived: 0.8 and 1.6 each
+    mixed.decide(_missed(12.0, {"a": 2.0, "b": 5.0}, fleet))
+    assert mixed.capacity.rps("a") == pytest.approx(0.1 * 0.8 + 0.9 * 1.0)
+    assert mixed.capacity.rps("b") == pytest.approx(0.1 * 1.6 + 0.9 * 2.0)
+
+
 # -- scale-in, cool-downs -------------------------------------------------------------
 
 
