@@ -81,6 +81,11 @@ class VllmReplica:
             "VLLM_CPU_OMP_THREADS_BIND": str(self.core),
         }
         command = [
+            # below the gateway and the clients, which in production have CPUs of their
+            # own: each worker spins on its core, and at equal priority the gateway got a
+            # third of a core (vllm bench serve through it: median TTFT 366 ms, against 88
+            # ms at nice 10; clients that left were let go after 5-12 s under load)
+            "nice", "-n", "10",
             str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(TINY_MODEL), "--served-model-name", SERVED_NAME,
             "--host", "127.0.0.1", "--port", str(self.port),
