@@ -86,8 +86,10 @@ class StreamLedger:
         return _encode(body)
 
     def start_segment(self, from_replica: str, to_replica: str) -> None:
-        """The continuation goes to ``to_replica``: its events follow what was sent."""
-        self.offset = self.tokens
+        """The continuation goes to ``to_replica``: its events follow what was sent. Before
+        any text it is the request itself (``continuation_body``), whose whole answer is
+        the client's: the tokens before it, which showed nothing, are not counted."""
+        self.offset = self.tokens if self.text else 0
         self.segment_tokens = 0
         self.resumes.append({"from": from_replica, "to": to_replica, "after_tokens": self.offset})
 

@@ -84,3 +84,24 @@ def test_a_stream_broken_at_its_cap_gets_its_tail_written() -> None:
     finish, usage = json.loads(tail[0][6:]), json.loads(tail[1][6:])
     assert finish["choices"][0]["finish_reason"] == "length" and finish["id"] == "cmpl-a"
     assert usage["usage"]["completion_tokens"] == 1 and tail[2] == "data: [DONE]"
+
+
+def test_a_stream_resumed_before_any_text_starts_over_with_its_tokens_uncounted() -> None:
+    """A first token can carry no text (a piece of a character, a special token): the
+    continuation is then the request itself, whose answer is all the client's, so the
+    broken replica's tokens count for nothing (counted, the usage ran past max_tokens:
+    601 of 600 once on real vLLM)."""
+    body = {"model": "m", "prompt": "p", "stream": True, "stream_options": {"include_usage": True}}
+    ledger = StreamLedger(body, chat=False, cap=3)
+    relayed(ledger, chunk("", 1))
+    continued = json.loads(ledger.continuation_body())
+    assert continued["prompt"] == "p" and "max_tokens" not in continued
+    ledger.start_segment("a", "b")
+    for done, text in enumerate([" and", " to", " in"], start=1):
+        out = relayed(
+            ledger, chunk(text, done, cid="cmpl-b", finish="length" if done == 3 else None)
+        )
+    assert out is not None
+    assert out["isocost"] == {"resumed": [{"from": "a", "to": "b", "after_tokens": 0}]}
+    final = relayed(ledger, event(id="cmpl-b", choices=[], usage={"completion_tokens": 3}))
+    assert final is not None and final["usage"]["completion_tokens"] == 3
