@@ -652,7 +652,8 @@ def test_clients_that_leave_mid_generation_free_vllm(
     their baseline (0). Not the 1 s that ``tests/reliability/test_cancellation.py`` holds
     the gateway to in front of ``isocost engine`` (27 ms there): here the two CPU replicas
     saturate the two shared cores, and the gateway sees a streaming client gone at the next
-    token it relays (0.15-1.13 s in the runs seen)."""
+    token it relays (0.03-1.6 s in the runs seen with the replicas at nice 10; 5-12 s in 3
+    of 13 at the gateway's own priority with four busy loops beside them)."""
     urls = live.fleet.urls
     assert all(_vllm_busy(url) == 0 for url in urls)
     body = {
