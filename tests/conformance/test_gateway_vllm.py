@@ -652,8 +652,9 @@ def test_clients_that_leave_mid_generation_free_vllm(
     their baseline (0). Not the 1 s that ``tests/reliability/test_cancellation.py`` holds
     the gateway to in front of ``isocost engine`` (27 ms there): here the two CPU replicas
     saturate the two shared cores, and the gateway sees a streaming client gone at the next
-    token it relays (0.03-1.6 s in the runs seen with the replicas at nice 10; 5-12 s in 3
-    of 13 at the gateway's own priority with four busy loops beside them)."""
+    token it relays (0.03-1.6 s in the runs seen with the replicas at nice 10; with four
+    busy loops beside them, 5-12 s in 3 runs of 13 at the gateway's own priority and 10.6 s
+    in 1 of 2 at nice 10)."""
     urls = live.fleet.urls
     assert all(_vllm_busy(url) == 0 for url in urls)
     body = {
