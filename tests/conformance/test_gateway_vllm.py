@@ -712,7 +712,7 @@ def test_clients_that_leave_mid_generation_free_vllm(
             state=lambda: f"{len(ended())} logged, {seen} streaming when they left",
         )
     except AssertionError as late:  # how late, for the report (CI's runs are seen only so)
-        wait_for(lambda: len(ended()) == 100, 60, "the gateway to log all 100 at all")
+        wait_for(lambda: len(ended()) == 100, 60, f"all 100 to be logged at all ({late})")
         raise AssertionError(
             f"{late}; all 100 logged {time.monotonic() - left_at:.1f} s after they left"
         ) from None
